@@ -1,0 +1,72 @@
+"""Shared plumbing for jaxkv kernels: backend detection and per-op implementation registry.
+
+Every op in this package is one public function with two registered implementations:
+
+* ``"pallas"``: the Pallas kernel (Triton backend on GPU; ``interpret=True`` elsewhere),
+* ``"xla"``:    the pure-jnp reference in the same module (also the fallback).
+
+``resolve(op, implementation)`` picks one: an explicit argument wins, then the
+``JAXKV_IMPL`` environment variable (``pallas`` / ``xla``), then the default: Pallas on GPU,
+the XLA reference on other backends (interpret mode is for tests, not for speed).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+
+Implementation = Literal["pallas", "xla"]
+_REGISTRY: dict[str, dict[str, Callable]] = {}
+
+
+def backend() -> str:
+    """The default JAX backend platform: 'gpu', 'cpu' or 'tpu'."""
+    return jax.default_backend()
+
+
+def on_gpu() -> bool:
+    return backend() == "gpu"
+
+
+def interpret_mode() -> bool:
+    """Pallas kernels run in interpret mode off the GPU (the Triton lowering needs CUDA)."""
+    return not on_gpu()
+
+
+def register(op: str, implementation: str):
+    """Decorator: register ``fn`` as implementation ``implementation`` of ``op``."""
+
+    def deco(fn: Callable) -> Callable:
+        _REGISTRY.setdefault(op, {})[implementation] = fn
+        return fn
+
+    return deco
+
+
+def implementations(op: str) -> tuple[str, ...]:
+    return tuple(_REGISTRY.get(op, {}))
+
+
+def resolve(op: str, implementation: str | None = None) -> Callable:
+    """Return the registered implementation of ``op`` (see module docstring for the rule)."""
+    impls = _REGISTRY.get(op)
+    if not impls:
+        raise KeyError(f"no implementations registered for op {op!r}")
+    name = implementation or os.environ.get("JAXKV_IMPL") or ("pallas" if on_gpu() else "xla")
+    if name not in impls:
+        raise ValueError(f"op {op!r} has no implementation {name!r}; choose one of {sorted(impls)}")
+    return impls[name]
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def largest_pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two that divides ``n`` and is <= ``cap`` (Triton blocks need powers of 2)."""
+    p = 1
+    while n % (p * 2) == 0 and p * 2 <= cap:
+        p *= 2
+    return p

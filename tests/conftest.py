@@ -1,0 +1,12 @@
+"""Test configuration: GPU tests (marker ``gpu``) are skipped unless JAX sees a GPU."""
+import jax
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs a GPU (run on the H200 through the device tool)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
