@@ -1,0 +1,131 @@
+"""Static-shape LRU ``ensure``: make a step's requested pages resident in the device pool.
+
+Pure jnp with fixed shapes (no boolean-mask indexing, no ``jnp.unique``): one sort of the
+requests (to find duplicates), one sort of the slots (to rank victims), a few cumulative
+sums and scatters. Batched over layers with ``vmap``, so all layers cost one launch of each.
+
+Semantics, per layer and step (the plain-Python model in tests/lru_model.py is the spec):
+
+1. Requests are logical page ids, ``-1`` = padding; duplicates count once.
+2. A requested page that is resident is a **hit**; otherwise a **miss**.
+3. Protected slots are never victims: slots holding a page requested this step, and slots
+   holding a page listed in ``protect`` (pinned sink/recent pages).
+4. Misses, in ascending page id, take the unprotected slots in victim order: empty slots
+   first (lowest slot first), then least recently used (ties: lowest slot first).
+5. Misses beyond the unprotected slots are **dropped**: their slot is ``-1`` and the
+   ``dropped`` counter says how many (a strict caller raises on it).
+6. Every resident requested page gets ``last_used = step``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.spec import INVALID
+
+_BIG = jnp.iinfo(jnp.int32).max
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EnsureResult:
+    """Output of :func:`ensure` for ``L`` layers and ``R`` requests per layer.
+
+    page_table [L, P], slot_owner [L, S], last_used [L, S]: the new LRU state (int32).
+    slots [L, R]: slot of each request (-1 for padding and dropped requests).
+    fetch_src [L, R], fetch_dst [L, R]: logical page -> slot copies the step needs
+      (-1 = nothing to move); at most one entry per distinct missed page.
+    hits, misses, evictions, dropped: int32 counts over all layers (distinct pages).
+    """
+
+    page_table: jax.Array
+    slot_owner: jax.Array
+    last_used: jax.Array
+    slots: jax.Array
+    fetch_src: jax.Array
+    fetch_dst: jax.Array
+    hits: jax.Array
+    misses: jax.Array
+    evictions: jax.Array
+    dropped: jax.Array
+
+
+def _ensure_layer(page_table, slot_owner, last_used, requests, protect, step):
+    """One layer. page_table [P], slot_owner/last_used [S], requests [R], protect [Q]."""
+    P = page_table.shape[0]
+    S = slot_owner.shape[0]
+    R = requests.shape[0]
+    idx = jnp.arange(R, dtype=jnp.int32)
+
+    valid = (requests >= 0) & (requests < P)
+    req = jnp.where(valid, requests, P).astype(jnp.int32)  # padding sorts last
+    sorted_req, order = jax.lax.sort_key_val(req, idx)
+    s_valid = sorted_req < P
+    prev = jnp.concatenate([jnp.full((1,), -2, jnp.int32), sorted_req[:-1]])
+    first = s_valid & (sorted_req != prev)
+
+    safe_req = jnp.minimum(sorted_req, P - 1)
+    cur = jnp.where(s_valid, page_table[safe_req], INVALID)
+    hit = first & (cur >= 0)
+    miss = first & (cur < 0)
+
+    # Protected slots: hits of this step and resident protected pages.
+    prot = jnp.zeros((S,), jnp.bool_).at[jnp.where(hit, cur, S)].set(True, mode="drop")
+    pvalid = (protect >= 0) & (protect < P)
+    pslot = jnp.where(pvalid, page_table[jnp.clip(protect, 0, P - 1)], INVALID)
+    prot = prot.at[jnp.where(pslot >= 0, pslot, S)].set(True, mode="drop")
+
+    # Victim order: unprotected empty slots, then least recently used; ties by slot index.
+    key = jnp.where(prot, _BIG, jnp.where(slot_owner < 0, -1, last_used))
+    _, victims = jax.lax.sort_key_val(key, jnp.arange(S, dtype=jnp.int32))
+    n_free = jnp.sum(~prot).astype(jnp.int32)
+
+    rank = jnp.cumsum(miss.astype(jnp.int32)) - 1
+    assigned = miss & (rank < n_free)
+    new_slot = victims[jnp.clip(rank, 0, S - 1)]
+    lead_slot = jnp.where(hit, cur, jnp.where(assigned, new_slot, INVALID))
+
+    # Duplicates take the slot of the first occurrence (the run's leader in sorted order).
+    leader = jax.lax.cummax(jnp.where(first, idx, 0))
+    s_slot = jnp.where(s_valid, lead_slot[leader], INVALID)
+    slots = jnp.zeros((R,), jnp.int32).at[order].set(s_slot)
+
+    # State update: evict old owners, install new pages, touch everything used.
+    dst = jnp.where(assigned, new_slot, S)
+    old_owner = jnp.where(assigned, slot_owner[jnp.clip(dst, 0, S - 1)], INVALID)
+    evicted = old_owner >= 0
+    page_table = page_table.at[jnp.where(evicted, old_owner, P)].set(INVALID, mode="drop")
+    page_table = page_table.at[jnp.where(assigned, sorted_req, P)].set(new_slot, mode="drop")
+    slot_owner = slot_owner.at[dst].set(sorted_req, mode="drop")
+    last_used = last_used.at[jnp.where(s_slot >= 0, s_slot, S)].set(step, mode="drop")
+
+    fetch_src = jnp.where(assigned, sorted_req, INVALID)
+    fetch_dst = jnp.where(assigned, new_slot, INVALID)
+    counts = jnp.stack([
+        jnp.sum(hit), jnp.sum(miss), jnp.sum(evicted), jnp.sum(miss & ~assigned)
+    ]).astype(jnp.int32)
+    return page_table, slot_owner, last_used, slots, fetch_src, fetch_dst, counts
+
+
+def ensure(page_table, slot_owner, last_used, requests, protect, step) -> EnsureResult:
+    """Make the requested pages of every layer resident (fixed shapes, all layers at once).
+
+    Args:
+      page_table: [L, P] int32, logical page -> slot (-1 = not resident).
+      slot_owner: [L, S] int32, slot -> logical page (-1 = empty).
+      last_used: [L, S] int32, step at which each slot was last used.
+      requests: [L, R] int32 logical pages wanted this step (-1 = padding; duplicates ok).
+      protect: [L, Q] int32 logical pages that must not be evicted (-1 = padding).
+      step: int32 scalar, the current step (a strictly increasing clock).
+    Returns:
+      :class:`EnsureResult`.
+    """
+    step = jnp.asarray(step, jnp.int32)
+    out = jax.vmap(_ensure_layer, in_axes=(0, 0, 0, 0, 0, None))(
+        page_table, slot_owner, last_used, requests.astype(jnp.int32),
+        protect.astype(jnp.int32), step)
+    pt, so, lu, slots, src, dst, counts = out
+    c = jnp.sum(counts, axis=0)
+    return EnsureResult(pt, so, lu, slots, src, dst, c[0], c[1], c[2], c[3])
