@@ -1,0 +1,267 @@
+"""Sparse paged decode attention: each request's query heads attend to a selected set of pages
+of the device page pool (GQA), with split-K partial results merged by log-sum-exp.
+
+Layouts follow docs/DESIGN.md: the pool is ``[N_rows, R]`` with ``R = 2 * H * ps * D`` and is
+viewed as ``[N_rows, 2 (K, V), H, ps, D]``; ``block_rows`` hold global pool rows.
+
+Semantics shared by the kernel ("pallas") and the reference ("xla"):
+
+* entry ``i`` of ``(b, h)`` is valid iff ``block_rows[b, h, i] >= 0`` and
+  ``page_index[b, h, i] >= 0``; its tokens are positions ``page_index * ps + t`` (``t < ps``) and
+  only those ``< seq_lens[b]`` take part (the partly filled last page);
+* invalid entries and masked tokens are never read into the result (NaN there is harmless);
+* duplicates: every listed entry is attended as listed, so a page listed twice counts twice
+  (selectors never emit duplicates except ``-1``; callers should not rely on this);
+* a (request, head) with no valid token returns ``out = 0`` and ``lse = -inf``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels._common import interpret_mode, next_pow2, register, resolve
+
+OP = "sparse_paged_attention"
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+# Default split heuristic: aim for about this many programs (a few per SM on an H200's 132 SMs).
+TARGET_PROGRAMS = 512
+MIN_CHUNKS_PER_SPLIT = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionTuning:
+    """Static knobs of the Triton kernel (``None`` = default).
+
+    pages_per_iter: pages loaded per inner-loop step (power of two; raised so that the tile holds
+      at least 16 tokens, the minimum ``tl.dot`` size). num_warps / num_stages: Triton options.
+    """
+
+    pages_per_iter: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+def _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads):
+    B, Hq, D = q.shape
+    H = num_kv_heads
+    if Hq % H:
+        raise ValueError(f"query heads {Hq} not a multiple of kv heads {H}")
+    if pool.ndim != 2 or pool.shape[1] != 2 * H * page_size * D:
+        raise ValueError(f"pool shape {pool.shape} != [N, 2*H*ps*D = {2 * H * page_size * D}]")
+    if block_rows.shape != page_index.shape or block_rows.shape[:2] != (B, H):
+        raise ValueError(f"block_rows {block_rows.shape} / page_index {page_index.shape} != [B, H, K]")
+    if seq_lens.shape != (B,):
+        raise ValueError(f"seq_lens shape {seq_lens.shape} != ({B},)")
+    for name, v in (("page_size", page_size), ("head_dim", D)):
+        if v & (v - 1):
+            raise ValueError(f"{name}={v} must be a power of two")
+    if D < 16:
+        raise ValueError(f"head_dim={D} must be >= 16 (tl.dot minimum)")
+
+
+def default_num_splits(batch: int, num_kv_heads: int, num_entries: int, pages_per_iter: int = 1) -> int:
+    """Splits per (b, h): about TARGET_PROGRAMS programs, each with >= MIN_CHUNKS_PER_SPLIT chunks."""
+    chunks = -(-num_entries // pages_per_iter)
+    want = -(-TARGET_PROGRAMS // (batch * num_kv_heads))
+    return max(1, min(want, chunks // MIN_CHUNKS_PER_SPLIT))
+
+
+def _merge_lse(out, lse, axis):
+    """Exact merge of normalised partial results along ``axis`` (f32 in, f32 out)."""
+    m = jnp.max(lse, axis=axis, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m)  # 0 for empty parts (lse = -inf)
+    denom = jnp.sum(w, axis=axis)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    o = jnp.sum(w[..., None] * out, axis=axis) / safe[..., None]
+    lse_out = jnp.where(denom > 0, jnp.squeeze(m, axis) + jnp.log(safe), -jnp.inf)
+    return o, lse_out
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Exact merge of two attention results over disjoint key sets.
+
+    out_*: ``[..., D]`` (any float dtype), lse_*: ``[...]`` f32 (natural log; ``-inf`` = empty).
+    Returns ``(out [..., D] in out_a.dtype, lse [...] f32)``; both empty -> ``(0, -inf)``.
+    """
+    out = jnp.stack([out_a.astype(jnp.float32), out_b.astype(jnp.float32)], axis=0)
+    lse = jnp.stack([lse_a.astype(jnp.float32), lse_b.astype(jnp.float32)], axis=0)
+    o, l = _merge_lse(out, lse, axis=0)
+    return o.astype(out_a.dtype), l
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (pure jnp): gather + masked softmax in f32.
+# --------------------------------------------------------------------------------------------
+@register(OP, "xla")
+@functools.partial(jax.jit, static_argnames=("page_size", "num_kv_heads", "sm_scale", "num_splits", "tuning"))
+def sparse_paged_attention_xla(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads,
+                               sm_scale=None, num_splits=None, tuning=None):
+    """Reference. Shapes as in :func:`sparse_paged_attention`; ``num_splits``/``tuning`` ignored."""
+    del num_splits, tuning
+    _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads)
+    B, Hq, D = q.shape
+    H, ps = num_kv_heads, page_size
+    G, K = Hq // H, block_rows.shape[-1]
+    scale = (1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
+    pool5 = pool.reshape(pool.shape[0], 2, H, ps, D)
+    valid = (block_rows >= 0) & (page_index >= 0)  # [B, H, K]
+    rows = jnp.where(valid, block_rows, 0)
+    heads = jnp.arange(H, dtype=jnp.int32)[None, :, None]
+    kv = pool5[rows, :, heads]  # [B, H, K, 2, ps, D]
+    pos = page_index[..., None] * ps + jnp.arange(ps, dtype=jnp.int32)  # [B, H, K, ps]
+    ok = valid[..., None] & (pos < seq_lens[:, None, None, None])
+    kv = jnp.where(ok[:, :, :, None, :, None], kv.astype(jnp.float32), 0.0)
+    k = kv[:, :, :, 0].reshape(B, H, K * ps, D)
+    v = kv[:, :, :, 1].reshape(B, H, K * ps, D)
+    qf = q.astype(jnp.float32).reshape(B, H, G, D)
+    s = jnp.einsum("bhgd,bhtd->bhgt", qf, k, precision=lax.Precision.HIGHEST) * scale
+    s = jnp.where(ok.reshape(B, H, 1, K * ps), s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1)
+    o = jnp.einsum("bhgt,bhtd->bhgd", p, v, precision=lax.Precision.HIGHEST)
+    o = o / jnp.where(l > 0, l, 1.0)[..., None]
+    lse = jnp.where(l > 0, m[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return o.reshape(B, Hq, D).astype(q.dtype), lse.reshape(B, Hq)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernel: one program per (b, kv head, split), looping over its pages.
+# --------------------------------------------------------------------------------------------
+def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, o_ref, lse_ref, *,
+            ps, ppi, n_iter, G, scale2, precision):
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    G_pad, D = q_ref.shape
+    T = ppi * ps
+    q = q_ref[...]  # [G_pad, D]
+    seq_len = len_ref[b]
+    tok = lax.broadcasted_iota(jnp.int32, (T,), 0)
+    tok_page, tok_off = lax.div(tok, ps), lax.rem(tok, ps)
+    off2 = jnp.broadcast_to(tok_off[:, None], (T, D))
+    dim2 = lax.broadcasted_iota(jnp.int32, (T, D), 1)
+
+    def body(i, carry):
+        m, l, acc = carry
+        sel = i * ppi + tok_page  # [T] entry index of each token
+        rows = rows_ref[sel]
+        pidx = pidx_ref[sel]
+        ok = (rows >= 0) & (pidx >= 0) & (pidx * ps + tok_off < seq_len)  # [T]
+        rows = jnp.where(ok, rows, 0)
+        # Every index is a full [T, D] int array (interpret mode cannot mix gathers and slices).
+        rows2 = jnp.broadcast_to(rows[:, None], (T, D))
+        mask = jnp.broadcast_to(ok[:, None], (T, D))
+        k = pltriton.load(pool_ref.at[rows2, 0, h, off2, dim2], mask=mask, other=0)  # [T, D]
+        v = pltriton.load(pool_ref.at[rows2, 1, h, off2, dim2], mask=mask, other=0)
+        s = pltriton.dot(q, k, trans_b=True, precision=precision) * scale2  # [G_pad, T] f32, log2 units
+        s = jnp.where(ok[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_use)
+        p = jnp.exp2(s - m_use[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
+        return m_new, l, acc
+
+    init = (jnp.full((G_pad,), -jnp.inf, jnp.float32), jnp.zeros((G_pad,), jnp.float32),
+            jnp.zeros((G_pad, D), jnp.float32))
+    m, l, acc = lax.fori_loop(0, n_iter, body, init)
+    nonempty = l > 0
+    l_safe = jnp.where(nonempty, l, 1.0)
+    out = acc / l_safe[:, None]
+    lse = jnp.where(nonempty, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+    rowmask = lax.broadcasted_iota(jnp.int32, (G_pad,), 0) < G
+    pltriton.store(o_ref, out, mask=jnp.broadcast_to(rowmask[:, None], (G_pad, D)))
+    pltriton.store(lse_ref, lse, mask=rowmask)
+
+
+@register(OP, "pallas")
+@functools.partial(jax.jit, static_argnames=("page_size", "num_kv_heads", "sm_scale", "num_splits", "tuning"))
+def sparse_paged_attention_pallas(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads,
+                                  sm_scale=None, num_splits=None, tuning=None):
+    """Pallas (Triton) kernel. Shapes as in :func:`sparse_paged_attention`."""
+    return _pallas_impl(q, pool, block_rows, page_index, seq_lens, page_size=page_size,
+                        num_kv_heads=num_kv_heads, sm_scale=sm_scale, num_splits=num_splits,
+                        tuning=tuning, interpret=interpret_mode())
+
+
+def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads, sm_scale,
+                 num_splits, tuning, interpret):
+    _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads)
+    tuning = tuning or AttentionTuning()
+    B, Hq, D = q.shape
+    H, ps = num_kv_heads, page_size
+    G, K = Hq // H, block_rows.shape[-1]
+    G_pad = max(16, next_pow2(G))
+    ppi = max(tuning.pages_per_iter or 1, -(-16 // ps))
+    ppi = next_pow2(ppi)
+    S = num_splits or default_num_splits(B, H, K, ppi)
+    S = max(1, min(S, -(-K // ppi)))
+    k_per = -(-K // (S * ppi)) * ppi  # entries per split, a multiple of ppi
+    pad = S * k_per - K
+    rows = jnp.pad(block_rows.astype(jnp.int32), ((0, 0), (0, 0), (0, pad)), constant_values=-1)
+    pidx = jnp.pad(page_index.astype(jnp.int32), ((0, 0), (0, 0), (0, pad)), constant_values=-1)
+    rows = rows.reshape(B, H, S, k_per)
+    pidx = pidx.reshape(B, H, S, k_per)
+    q4 = q.reshape(B, H, G, D)
+    if G_pad != G:
+        q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, G_pad - G), (0, 0)))
+    pool5 = pool.reshape(pool.shape[0], 2, H, ps, D)
+    scale = (1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    kernel = functools.partial(_kernel, ps=ps, ppi=ppi, n_iter=k_per // ppi, G=G,
+                               scale2=scale * _LOG2E, precision=precision)
+    o_part, lse_part = pl.pallas_call(
+        kernel,
+        grid=(B, H, S),
+        in_specs=[
+            pl.BlockSpec((B,), lambda b, h, s: (0,)),
+            pl.BlockSpec((None, None, G_pad, D), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, None, k_per), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, k_per), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec(pool5.shape, lambda b, h, s: (0, 0, 0, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, G_pad, D), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, G_pad), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, H, S, G_pad, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, H, S, G_pad), jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
+        interpret=interpret,
+        name="sparse_paged_attention",
+    )(seq_lens.astype(jnp.int32), q4, rows, pidx, pool5)
+    o_part, lse_part = o_part[:, :, :, :G], lse_part[:, :, :, :G]
+    if S == 1:
+        out, lse = o_part[:, :, 0], lse_part[:, :, 0]
+    else:
+        out, lse = _merge_lse(o_part, lse_part, axis=2)
+    return out.reshape(B, Hq, D).astype(q.dtype), lse.reshape(B, Hq)
+
+
+def sparse_paged_attention(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads,
+                           sm_scale=None, num_splits=None, tuning=None, implementation=None):
+    """Decode attention of ``q`` over selected pool pages (see the module docstring for semantics).
+
+    q: ``[B, Hq, D]`` bf16/f32 (query head j uses KV head ``j // (Hq // H)``); pool: ``[N_rows, R]``
+    same dtype, ``R = 2 * H * ps * D``; block_rows, page_index: ``[B, H, K]`` int32 (global pool row
+    and within-sequence page number of each entry, -1 = none); seq_lens: ``[B]`` int32.
+    Static: page_size, num_kv_heads (H), sm_scale (default ``D**-0.5``), num_splits (partial results
+    per (b, h), default :func:`default_num_splits`), tuning (:class:`AttentionTuning`).
+    Returns ``(out [B, Hq, D] q.dtype, lse [B, Hq] f32)``; empty selection -> ``(0, -inf)``.
+    """
+    fn = resolve(OP, implementation)
+    return fn(q, pool, block_rows, page_index, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads,
+              sm_scale=sm_scale, num_splits=num_splits, tuning=tuning)

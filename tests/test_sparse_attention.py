@@ -1,0 +1,252 @@
+"""Tests of pallas_kernels.sparse_attention: Pallas kernel (interpret mode on CPU, Triton on GPU)
+vs the pure-jnp reference, the reference vs a float64 numpy softmax, merge_attention, and a
+CPU-only check that the kernel lowers to Triton IR for an H200 (power-of-two blocks etc.)."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import sparse_attention as sa
+from pallas_kernels.sparse_attention import AttentionTuning, merge_attention, sparse_paged_attention
+
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+LSE_TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=1e-4, atol=1e-4)}
+
+
+def fresh_seed() -> int:
+    return int(np.random.SeedSequence().entropy % 2**32)
+
+
+def make_case(seed, *, B, H, G, D, ps, K, dtype, max_pages=6, extra_rows=5, empty_request=False):
+    """Random pool + selections: page rows are a random permutation, heads pick random page subsets
+    in random slot order, -1 padding, invalid half-entries, fully masked pages, NaN-poisoned unused
+    rows and token slots past each sequence's end."""
+    rng = np.random.default_rng(seed)
+    seq_lens = rng.integers(1, max_pages * ps + 1, size=B)
+    n_pages = -(-seq_lens // ps)
+    n_rows = int(n_pages.sum()) + extra_rows
+    perm = rng.permutation(n_rows)
+    row_of, r = {}, 0
+    for b in range(B):
+        for j in range(n_pages[b]):
+            row_of[b, j] = int(perm[r]); r += 1
+    R = 2 * H * ps * D
+    pool = np.full((n_rows, 2, H, ps, D), np.nan, np.float32)
+    for (b, j), row in row_of.items():
+        n_tok = min(ps, int(seq_lens[b]) - j * ps)
+        pool[row, :, :, :n_tok] = rng.standard_normal((2, H, n_tok, D))
+    rows = np.full((B, H, K), -1, np.int32)
+    pidx = np.full((B, H, K), -1, np.int32)
+    for b in range(B):
+        if empty_request and b == 0:
+            continue
+        for h in range(H):
+            n = int(rng.integers(1, min(K, n_pages[b]) + 1))
+            pages = rng.choice(n_pages[b], size=n, replace=False)
+            slots = rng.choice(K, size=n, replace=False)
+            rows[b, h, slots] = [row_of[b, int(p)] for p in pages]
+            pidx[b, h, slots] = pages
+            free = np.setdiff1d(np.arange(K), slots)
+            if len(free) and rng.random() < 0.5:  # half-invalid entry: row set, page -1
+                rows[b, h, free[0]] = int(rng.integers(n_rows))
+            if len(free) > 1 and rng.random() < 0.5:  # page set, row -1
+                pidx[b, h, free[1]] = 0
+            if len(free) > 2 and rng.random() < 0.5:  # valid row, page past the end: all masked
+                rows[b, h, free[2]] = int(rng.integers(n_rows))
+                pidx[b, h, free[2]] = int(n_pages[b]) + 1
+    q = rng.standard_normal((B, H * G, D)).astype(np.float32)
+    return dict(
+        q=jnp.asarray(q, dtype), pool=jnp.asarray(pool.reshape(n_rows, R), dtype),
+        block_rows=jnp.asarray(rows), page_index=jnp.asarray(pidx),
+        seq_lens=jnp.asarray(seq_lens, jnp.int32)), dict(page_size=ps, num_kv_heads=H)
+
+
+def dense_f64(case, page_size, num_kv_heads, sm_scale=None):
+    """Dense softmax in float64 numpy over the gathered tokens of each (b, query head)."""
+    q = np.asarray(case["q"].astype(jnp.float32), np.float64)
+    B, Hq, D = q.shape
+    H, ps = num_kv_heads, page_size
+    G = Hq // H
+    pool = np.asarray(case["pool"].astype(jnp.float32), np.float64).reshape(-1, 2, H, ps, D)
+    rows, pidx = np.asarray(case["block_rows"]), np.asarray(case["page_index"])
+    lens = np.asarray(case["seq_lens"])
+    scale = sm_scale or 1 / math.sqrt(D)
+    out = np.zeros((B, Hq, D)); lse = np.full((B, Hq), -np.inf)
+    for b in range(B):
+        for h in range(H):
+            ks, vs = [], []
+            for r, p in zip(rows[b, h], pidx[b, h]):
+                if r < 0 or p < 0:
+                    continue
+                n = int(np.clip(lens[b] - p * ps, 0, ps))
+                ks.append(pool[r, 0, h, :n]); vs.append(pool[r, 1, h, :n])
+            if not ks or sum(len(k) for k in ks) == 0:
+                continue
+            k, v = np.concatenate(ks), np.concatenate(vs)
+            for g in range(G):
+                s = k @ q[b, h * G + g] * scale
+                m = s.max(); w = np.exp(s - m)
+                out[b, h * G + g] = w @ v / w.sum(); lse[b, h * G + g] = m + np.log(w.sum())
+    return out, lse
+
+
+def check(a, b, dtype, seed, what, tol=TOL):
+    np.testing.assert_allclose(np.asarray(jnp.asarray(a, jnp.float32)), np.asarray(jnp.asarray(b, jnp.float32)),
+                               err_msg=f"{what} (seed {seed})", **tol[dtype])
+
+
+CASES = [  # (B, H, G, D, ps, K, dtype, num_splits)
+    (2, 3, 3, 64, 16, 5, jnp.float32, None),   # SmolLM2: 9 query / 3 KV heads, G=3
+    (2, 3, 3, 64, 16, 5, jnp.bfloat16, 2),
+    (3, 2, 1, 32, 64, 4, jnp.float32, 1),      # G=1, 64-token pages
+    (2, 2, 4, 32, 64, 3, jnp.bfloat16, None),  # G=4
+    (2, 1, 8, 32, 16, 7, jnp.float32, 3),      # G=8, K not a multiple of the splits
+    (2, 2, 8, 32, 8, 6, jnp.bfloat16, 2),      # 8-token pages (two pages per tile)
+    (2, 2, 4, 32, 1, 20, jnp.float32, 2),      # 1-token pages (16 pages per tile)
+]
+
+
+@pytest.mark.parametrize("B,H,G,D,ps,K,dtype,num_splits", CASES)
+def test_kernel_matches_reference(B, H, G, D, ps, K, dtype, num_splits):
+    seed = fresh_seed()
+    case, static = make_case(seed, B=B, H=H, G=G, D=D, ps=ps, K=K, dtype=dtype, max_pages=max(2, 24 // ps))
+    ref_o, ref_l = sparse_paged_attention(**case, **static, implementation="xla")
+    out, lse = sparse_paged_attention(**case, **static, num_splits=num_splits, implementation="pallas")
+    assert out.shape == case["q"].shape and out.dtype == dtype and lse.shape == (B, H * G) and lse.dtype == jnp.float32
+    assert np.isfinite(np.asarray(out, np.float32)).all(), f"non-finite output (seed {seed})"
+    check(out, ref_o, dtype, seed, "out")
+    check(lse, ref_l, dtype, seed, "lse", LSE_TOL)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("ps,G", [(16, 3), (64, 1), (8, 4)])
+def test_reference_matches_float64(dtype, ps, G):
+    seed = fresh_seed()
+    case, static = make_case(seed, B=3, H=2, G=G, D=32, ps=ps, K=5, dtype=dtype, max_pages=4)
+    o, l = sparse_paged_attention(**case, **static, sm_scale=0.3, implementation="xla")
+    o64, l64 = dense_f64(case, **static, sm_scale=0.3)
+    check(o, o64, dtype, seed, "out")
+    check(l, l64, jnp.float32, seed, "lse")
+
+
+def test_empty_selection_and_scale():
+    seed = fresh_seed()
+    case, static = make_case(seed, B=2, H=2, G=2, D=32, ps=16, K=4, dtype=jnp.float32, empty_request=True)
+    # request 1, head 1: only fully masked pages (past the end) -> empty too
+    rows = case["block_rows"].at[1, 1].set(jnp.asarray([0, 1, -1, -1]))
+    case["block_rows"] = rows
+    case["page_index"] = case["page_index"].at[1, 1].set(jnp.asarray([50, 51, 0, 0]))
+    for impl in ("xla", "pallas"):
+        out, lse = sparse_paged_attention(**case, **static, sm_scale=0.125, num_splits=2, implementation=impl)
+        assert (np.asarray(out[0]) == 0).all() and np.isneginf(np.asarray(lse[0])).all(), impl
+        assert (np.asarray(out[1, 2:]) == 0).all() and np.isneginf(np.asarray(lse[1, 2:])).all(), impl
+        assert np.isfinite(np.asarray(lse[1, :2])).all(), impl
+    o64, l64 = dense_f64(case, **static, sm_scale=0.125)
+    check(out, o64, jnp.float32, seed, "out")
+    check(lse, l64, jnp.float32, seed, "lse")
+
+
+def test_duplicates_count_as_listed():
+    """Documented semantics: a duplicated entry is attended twice, by both implementations."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    pool = np.full((3, 2, 1, 16, 32), np.nan, np.float32)
+    pool[0] = rng.standard_normal((2, 1, 16, 32))
+    pool[1, :, :, :4] = rng.standard_normal((2, 1, 4, 32))  # page 1 holds tokens 16..19
+    case = dict(q=jnp.asarray(rng.standard_normal((1, 4, 32)), jnp.float32), pool=jnp.asarray(pool.reshape(3, -1)),
+                block_rows=jnp.asarray([[[0, 1, -1, 0]]], jnp.int32),
+                page_index=jnp.asarray([[[0, 1, -1, 0]]], jnp.int32), seq_lens=jnp.asarray([20], jnp.int32))
+    static = dict(page_size=16, num_kv_heads=1)
+    ref = sparse_paged_attention(**case, **static, implementation="xla")
+    out = sparse_paged_attention(**case, **static, num_splits=2, implementation="pallas")
+    o64, l64 = dense_f64(case, **static)
+    for got in (ref, out):
+        check(got[0], o64, jnp.float32, seed, "out")
+        check(got[1], l64, jnp.float32, seed, "lse")
+
+
+def test_merge_attention():
+    seed = fresh_seed()
+    case, static = make_case(seed, B=2, H=2, G=3, D=32, ps=16, K=6, dtype=jnp.float32, max_pages=5)
+    rows, pidx = case["block_rows"], case["page_index"]
+    half = jnp.arange(6) < 3
+    part = lambda keep: sparse_paged_attention(
+        **{**case, "block_rows": jnp.where(keep, rows, -1), "page_index": jnp.where(keep, pidx, -1)},
+        **static, implementation="xla")
+    (oa, la), (ob, lb) = part(half), part(~half)
+    out, lse = merge_attention(oa, la, ob, lb)
+    ref_o, ref_l = sparse_paged_attention(**case, **static, implementation="xla")
+    check(out, ref_o, jnp.float32, seed, "merged out")
+    check(lse, ref_l, jnp.float32, seed, "merged lse")
+    # one side empty -> the other side; both empty -> (0, -inf)
+    ninf = jnp.full_like(la, -jnp.inf)
+    o1, l1 = merge_attention(jnp.full_like(oa, 0.0), ninf, ob, lb)
+    check(o1, ob, jnp.float32, seed, "empty a")
+    check(l1, lb, jnp.float32, seed, "empty a lse")
+    o2, l2 = merge_attention(jnp.zeros_like(oa), ninf, jnp.zeros_like(ob), ninf)
+    assert (np.asarray(o2) == 0).all() and np.isneginf(np.asarray(l2)).all()
+    o3, _ = merge_attention(oa.astype(jnp.bfloat16), la, ob.astype(jnp.bfloat16), lb)
+    assert o3.dtype == jnp.bfloat16
+
+
+def test_default_num_splits():
+    assert sa.default_num_splits(1, 8, 32) == 16
+    assert sa.default_num_splits(8, 8, 32) == 8
+    assert sa.default_num_splits(32, 8, 64) == 2
+    assert sa.default_num_splits(64, 8, 64) == 1
+    assert sa.default_num_splits(1, 1, 1) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Triton lowering without a GPU: lower for an abstract H200 and check the custom call appears.
+# --------------------------------------------------------------------------------------------
+def _lower_for_h200(B, H, G, D, ps, K, N, dtype, **kw):
+    from jax._src import mesh as mesh_lib
+
+    kw = dict(dict(sm_scale=None, num_splits=None, tuning=None), **kw)
+    f = lambda q, pool, r, p, l: sa._pallas_impl(q, pool, r, p, l, page_size=ps, num_kv_heads=H, interpret=False, **kw)
+    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+    S = jax.ShapeDtypeStruct
+    args = (S((B, H * G, D), dtype), S((N, 2 * H * ps * D), dtype), S((B, H, K), jnp.int32),
+            S((B, H, K), jnp.int32), S((B,), jnp.int32))
+    with jax.sharding.use_abstract_mesh(mesh):
+        exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    return exp.mlir_module()
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the GPU tests compile the real thing")
+@pytest.mark.parametrize("B,H,G,D,ps,K,N,dtype,kw", [
+    (1, 8, 4, 128, 64, 32, 20000, jnp.bfloat16, {}),  # benchmark shape, 5 GiB pool (64-bit offsets)
+    (32, 8, 4, 128, 64, 64, 512, jnp.bfloat16, dict(tuning=AttentionTuning(pages_per_iter=2, num_warps=8, num_stages=2))),
+    (2, 3, 3, 64, 16, 5, 40, jnp.float32, dict(num_splits=2)),
+    (2, 2, 8, 32, 1, 40, 100, jnp.bfloat16, {}),
+    (2, 2, 32, 64, 8, 6, 30, jnp.float32, {}),
+])
+def test_lowers_to_triton(B, H, G, D, ps, K, N, dtype, kw):
+    txt = _lower_for_h200(B, H, G, D, ps, K, N, dtype, **kw)
+    assert "__gpu$xla.gpu.triton" in txt
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: the compiled Triton kernel at realistic shapes (the CPU tests above also run there).
+# --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("B,H,G,D,ps,K,num_splits,tuning", [
+    (8, 8, 4, 128, 64, 32, None, None),
+    (3, 3, 3, 64, 16, 40, None, None),
+    (4, 8, 4, 128, 64, 16, 1, AttentionTuning(pages_per_iter=2, num_warps=8)),
+    (2, 4, 8, 128, 8, 24, 3, AttentionTuning(pages_per_iter=4, num_stages=2)),
+])
+def test_gpu_kernel_matches_reference(dtype, B, H, G, D, ps, K, num_splits, tuning):
+    seed = fresh_seed()
+    case, static = make_case(seed, B=B, H=H, G=G, D=D, ps=ps, K=K, dtype=dtype, max_pages=K + 8)
+    ref_o, ref_l = sparse_paged_attention(**case, **static, implementation="xla")
+    out, lse = sparse_paged_attention(**case, **static, num_splits=num_splits, tuning=tuning, implementation="pallas")
+    check(out, ref_o, dtype, seed, "out")
+    check(lse, ref_l, dtype, seed, "lse", LSE_TOL)
