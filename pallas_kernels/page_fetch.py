@@ -1,0 +1,274 @@
+"""Host -> device page fetch: copy listed rows of the host tier into device pool rows.
+
+``fetch_pages(host_kv, pool, src_rows, dst_rows)`` moves row ``src_rows[m]`` of ``host_kv``
+into row ``dst_rows[m]`` of ``pool`` for every entry, in one kernel launch.
+
+The Pallas kernel (Triton backend) reads ``host_kv`` zero-copy: the pinned_host array is a
+plain operand with a full-shape BlockSpec, so the compiled HLO hands the host buffer to the
+kernel and each program loads its rows over PCIe. The pool is updated in place
+(``input_output_aliases``); callers donate it (inside ``jit``: ``donate_argnums``; an eager
+call donates it automatically, so use the returned array).
+
+Work decomposition (all static, see :class:`FetchTuning`): a row of ``R`` elements is cut
+into chunks of ``B`` elements (a power of two dividing ``R``: Triton blocks must be powers
+of two, ``R`` need not be). Program ``(i, j)`` owns entries ``[i*E, (i+1)*E)`` and chunk
+columns ``[j*K, (j+1)*K)``; for each of its ``K`` columns it issues the ``E`` loads first
+and then the ``E`` stores, so ``E*B`` elements are in flight per program. ``E=1, B=R, K=1``
+is the naive one-page-per-program kernel. Entries with a ``-1`` (or out-of-range) source or
+destination are masked: no memory traffic.
+
+Contract: valid destination rows must be distinct (otherwise which source wins is
+unspecified); source rows may repeat.
+
+The ``"xla"`` reference is pure jnp: a ``fori_loop`` of ``dynamic_slice`` +
+``jax.device_put(..., Space.Device)`` per entry when the source is in host memory (the
+only XLA form that reads a pinned_host array without copying all of it; slow on GPU, a
+correctness fallback), a vectorized gather/scatter when it is a device array.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import _common
+
+OP = "fetch_pages"
+
+# Defaults of the tunables. The benchmark (benchmarks/bench_fetch.py) sweeps variants on
+# the H200 and prints the best per target point: update these constants from its output.
+DEFAULT_CHUNK_BYTES = 16 * 1024      # bytes per entry per load
+DEFAULT_PROGRAM_BYTES = 16 * 1024    # aim for this many bytes in flight per program ...
+DEFAULT_MIN_PROGRAMS = 264           # ... but keep at least this many programs (2 x 132 SMs)
+DEFAULT_MAX_ENTRIES = 8
+_MAX_PROGRAM_BYTES = 64 * 1024       # register budget: E * B * itemsize per program
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchTuning:
+    """Static work decomposition of the copy kernel (resolved for one row length).
+
+    pages_per_program: E, entries per program (power of two).
+    chunk_elems: B, elements per entry per load (power of two dividing the row length).
+    chunks_per_program: K, chunk columns a program walks sequentially (divides R // B).
+    num_warps: Triton warps per program.
+    num_stages: Triton pipelining stages (None: the backend's default).
+    """
+
+    pages_per_program: int
+    chunk_elems: int
+    chunks_per_program: int
+    num_warps: int
+    num_stages: int | None = None
+
+
+def resolve_tuning(num_entries: int, row_elems: int, itemsize: int, *,
+                   pages_per_program: int | None = None,
+                   chunk_elems: int | None = None,
+                   chunks_per_program: int | None = None,
+                   num_warps: int | None = None,
+                   num_stages: int | None = None) -> FetchTuning:
+    """Fill unset tunables with defaults and snap set ones to legal values.
+
+    ``chunk_elems`` is rounded down to a power of two dividing ``row_elems`` (``0`` = the
+    largest such, i.e. the whole row when it is a power of two); ``chunks_per_program`` to
+    a divisor of the chunk count (``0`` = all chunks of the row, one program per row);
+    ``pages_per_program`` to a power of two. ``naive_tuning`` gives the baseline layout.
+    """
+    R, M = int(row_elems), max(int(num_entries), 1)
+    if chunk_elems is None:
+        chunk_elems = max(1, DEFAULT_CHUNK_BYTES // itemsize)
+    B = _common.largest_pow2_divisor(R, chunk_elems if chunk_elems > 0 else R)
+    n_chunks = R // B
+    if chunks_per_program is None:
+        chunks_per_program = 1
+    K = n_chunks if chunks_per_program <= 0 else max(
+        k for k in range(1, min(int(chunks_per_program), n_chunks) + 1) if n_chunks % k == 0)
+    if pages_per_program is None:
+        load_bytes = B * itemsize
+        e = max(1, DEFAULT_PROGRAM_BYTES // load_bytes)
+        e = min(e, DEFAULT_MAX_ENTRIES, max(1, (M * (n_chunks // K)) // DEFAULT_MIN_PROGRAMS))
+        e = min(e, max(1, _MAX_PROGRAM_BYTES // load_bytes))
+        pages_per_program = e
+    E = 1 << (max(1, int(pages_per_program)).bit_length() - 1)
+    E = min(E, _common.next_pow2(M))
+    if num_warps is None:
+        num_warps = 8 if E * B * itemsize >= 16 * 1024 else 4
+    return FetchTuning(E, B, K, int(num_warps), num_stages)
+
+
+def naive_tuning(row_elems: int) -> dict:
+    """Tunables of the naive baseline: one row per program, as few loads as possible."""
+    del row_elems
+    return dict(pages_per_program=1, chunk_elems=0, chunks_per_program=0, num_warps=4)
+
+
+def _copy_rows_pallas(src, dst, src_rows, dst_rows, tuning: FetchTuning):
+    """dst[dst_rows[m]] = src[src_rows[m]] in one Pallas launch; dst aliased to the output.
+
+    src [Ns, R], dst [Nd, R] same dtype; src_rows, dst_rows [M] int32.
+    """
+    Ns, R = src.shape
+    Nd = dst.shape[0]
+    M = src_rows.shape[0]
+    E, B, K = tuning.pages_per_program, tuning.chunk_elems, tuning.chunks_per_program
+    n_eb = max(1, -(-M // E))
+    n_cb = R // (B * K)
+    pad = n_eb * E - M
+    src_rows = jnp.asarray(src_rows, jnp.int32)
+    dst_rows = jnp.asarray(dst_rows, jnp.int32)
+    if pad:
+        src_rows = jnp.pad(src_rows, (0, pad), constant_values=-1)
+        dst_rows = jnp.pad(dst_rows, (0, pad), constant_values=-1)
+    Mp = n_eb * E
+
+    def kernel(src_rows_ref, dst_rows_ref, src_ref, dst_in_ref, dst_ref):
+        del dst_in_ref  # aliased with dst_ref
+        i = pl.program_id(0)
+        j = pl.program_id(1)
+        entries = []
+        for e in range(E):
+            s = src_rows_ref[i * E + e]
+            d = dst_rows_ref[i * E + e]
+            ok = (s >= 0) & (s < Ns) & (d >= 0) & (d < Nd)
+            entries.append((jnp.where(ok, s, 0), jnp.where(ok, d, 0), jnp.full((B,), ok)))
+
+        def column(k):
+            col = (j * K + k) * B
+            vals = [plgpu.load(src_ref.at[s, pl.ds(col, B)], mask=m) for s, _, m in entries]
+            for (_, d, m), v in zip(entries, vals):
+                plgpu.store(dst_ref.at[d, pl.ds(col, B)], v, mask=m)
+
+        if K == 1:
+            column(0)
+        else:
+            def body(k, carry):
+                column(k)
+                return carry
+            jax.lax.fori_loop(0, K, body, 0)
+
+    full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(dst.shape, dst.dtype),
+        grid=(n_eb, n_cb),
+        in_specs=[full((Mp,)), full((Mp,)), full(src.shape), full(dst.shape)],
+        out_specs=full(dst.shape),
+        input_output_aliases={3: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps,
+                                             num_stages=tuning.num_stages),
+        interpret=_common.interpret_mode(),
+        name="copy_rows",
+    )(src_rows, dst_rows, src, dst)
+
+
+def copy_rows_pallas(src, dst, src_rows, dst_rows, **tuning):
+    """Pallas row copy for any pair of arrays (shared by fetch_pages and write_pages).
+
+    src [Ns, R], dst [Nd, R] (same dtype; either may be pinned_host); src_rows,
+    dst_rows [M] int32 (-1 = skip). Returns dst with the rows written (aliased).
+    """
+    _check(src, dst, src_rows, dst_rows)
+    t = resolve_tuning(src_rows.shape[0], src.shape[1], jnp.dtype(src.dtype).itemsize, **tuning)
+    return _copy_rows_pallas(src, dst, src_rows, dst_rows, t)
+
+
+def _is_host(x) -> bool:
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def copy_rows_reference(src, dst, src_rows, dst_rows):
+    """Pure-jnp row copy: dst[dst_rows[m]] = src[src_rows[m]] for valid entries.
+
+    Works when src and/or dst live in host memory (per-entry loop with device_put);
+    vectorized gather/scatter when both are device arrays.
+    """
+    _check(src, dst, src_rows, dst_rows)
+    Ns, Nd = src.shape[0], dst.shape[0]
+    src_rows = jnp.asarray(src_rows, jnp.int32)
+    dst_rows = jnp.asarray(dst_rows, jnp.int32)
+    ok = (src_rows >= 0) & (src_rows < Ns) & (dst_rows >= 0) & (dst_rows < Nd)
+    s = jnp.where(ok, src_rows, 0)
+    src_host, dst_host = _is_host(src), _is_host(dst)
+    if not (src_host or dst_host):
+        return dst.at[jnp.where(ok, dst_rows, Nd)].set(src[s], mode="drop")
+
+    def body(m, dst):
+        d = jnp.where(ok[m], dst_rows[m], 0)
+        row = jax.lax.dynamic_slice_in_dim(src, s[m], 1, 0)
+        old = jax.lax.dynamic_slice_in_dim(dst, d, 1, 0)
+        if src_host:
+            row = jax.device_put(row, jax.memory.Space.Device)
+        if dst_host:
+            old = jax.device_put(old, jax.memory.Space.Device)
+        new = jnp.where(ok[m], row, old)
+        if dst_host:
+            new = jax.device_put(new, jax.memory.Space.Host)
+        return jax.lax.dynamic_update_slice_in_dim(dst, new, d, 0)
+
+    return jax.lax.fori_loop(0, src_rows.shape[0], body, dst)
+
+
+def _check(src, dst, src_rows, dst_rows):
+    if src.ndim != 2 or dst.ndim != 2 or src.shape[1] != dst.shape[1]:
+        raise ValueError(f"rows must match: src {src.shape}, dst {dst.shape}")
+    if src.dtype != dst.dtype:
+        raise ValueError(f"dtype mismatch: src {src.dtype}, dst {dst.dtype}")
+    if src_rows.shape != dst_rows.shape or src_rows.ndim != 1:
+        raise ValueError(f"src_rows {src_rows.shape} and dst_rows {dst_rows.shape} must be [M]")
+
+
+@_common.register(OP, "pallas")
+def fetch_pages_pallas(host_kv, pool, src_rows, dst_rows, **tuning):
+    """Pallas implementation of :func:`fetch_pages`."""
+    return copy_rows_pallas(host_kv, pool, src_rows, dst_rows, **tuning)
+
+
+@_common.register(OP, "xla")
+def fetch_pages_reference(host_kv, pool, src_rows, dst_rows, **tuning):
+    """Pure-jnp reference of :func:`fetch_pages` (tunables are accepted and ignored)."""
+    del tuning
+    return copy_rows_reference(host_kv, pool, src_rows, dst_rows)
+
+
+def is_traced(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+@functools.lru_cache(maxsize=64)
+def _eager_jit(fn, donate: int, out_sharding, tuning_items):
+    return jax.jit(functools.partial(fn, **dict(tuning_items)), donate_argnums=(donate,),
+                   out_shardings=out_sharding)
+
+
+def call_in_place(fn, args, donate: int, **tuning):
+    """Run ``fn(*args, **tuning)``; outside a trace, jit it donating ``args[donate]`` and
+    keeping the output's sharding/memory kind (pinned_host outputs need out_shardings)."""
+    target = args[donate]
+    if any(is_traced(a) for a in args) or not isinstance(target, jax.Array):
+        return fn(*args, **tuning)
+    f = _eager_jit(fn, donate, target.sharding, tuple(sorted(tuning.items())))
+    return f(*args)
+
+
+def fetch_pages(host_kv, pool, src_rows, dst_rows, *, implementation=None, **tuning):
+    """Copy host rows into device pool rows: ``pool[dst_rows[m]] = host_kv[src_rows[m]]``.
+
+    Args:
+      host_kv: [N_host, R] (pinned_host in practice; any memory kind works), any dtype.
+      pool: [N_pool, R] device array, same dtype; donated, updated in place.
+      src_rows: [M] int32 global host rows; ``-1`` (or out of range) = move nothing.
+      dst_rows: [M] int32 global pool rows; ``-1`` = move nothing. Valid ones distinct.
+      implementation: "pallas" | "xla" | None (see ``_common.resolve``).
+      **tuning: keyword-only tunables of the Pallas kernel (see :func:`resolve_tuning`):
+        ``pages_per_program``, ``chunk_elems``, ``chunks_per_program``, ``num_warps``,
+        ``num_stages``. Ignored by the reference.
+    Returns:
+      pool [N_pool, R] with the listed rows replaced.
+    """
+    fn = _common.resolve(OP, implementation)
+    return call_in_place(fn, (host_kv, pool, src_rows, dst_rows), 1, **tuning)

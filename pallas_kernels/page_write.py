@@ -1,0 +1,190 @@
+"""Writes into a page array (the pinned_host tier or the device pool), in place.
+
+* ``write_tokens(dst, rows, offsets, kv, page_size=)``: one token's K and V per entry into
+  row ``rows[m]`` at token offset ``offsets[m]`` (row layout ``[2, H, page_size, D]``).
+* ``write_pages(dst, rows, pages)``: whole rows (prefill).
+
+Both alias ``dst`` to the output (``input_output_aliases``); callers donate it. ``-1`` (or
+out-of-range) rows / offsets write nothing. Entries must not write the same element twice:
+for ``write_tokens`` the valid ``(row, offset)`` pairs must be distinct, for
+``write_pages`` the valid rows must be distinct (otherwise which entry wins is unspecified).
+
+Write-through to the host tier (``dst`` in pinned_host memory), see docs/DESIGN.md and
+/work/shared/NOTES.md:
+
+* At a ``jit`` boundary: donate ``dst`` and give the output ``out_shardings`` with
+  ``memory_kind="pinned_host"`` (without it XLA refuses to alias a host input to a device
+  output). Eager calls of these functions do both automatically.
+* Inside a traced function whose result must stay a host array, in particular a
+  ``lax.fori_loop`` / ``while_loop`` / ``scan`` carry that holds the host tier: wrap the
+  result in :func:`keep_on_host`. A ``pallas_call`` output is typed as device memory even
+  when it aliases a host input; ``keep_on_host`` re-annotates it (no copy is emitted) so the
+  carry keeps its memory kind. The device pool needs nothing.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import _common
+from pallas_kernels import page_fetch
+
+OP_TOKENS = "write_tokens"
+OP_PAGES = "write_pages"
+
+
+def keep_on_host(x):
+    """Re-annotate ``x`` as host memory: ``jax.device_put(x, jax.memory.Space.Host)``.
+
+    Use on the result of :func:`write_tokens` / :func:`write_pages` applied to the
+    pinned_host tier inside a traced loop body (the carry must keep its memory kind).
+    Eagerly, or on an array already typed as host memory, it is a no-op.
+    """
+    if not page_fetch.is_traced(x):
+        return x
+    if jax.typeof(x).memory_space == jax.memory.Space.Host:
+        return x
+    return jax.device_put(x, jax.memory.Space.Host)
+
+
+def _check_tokens(dst, rows, offsets, kv, page_size):
+    if dst.ndim != 2 or kv.ndim != 4 or kv.shape[1] != 2:
+        raise ValueError(f"dst must be [N, R] and kv [M, 2, H, D]; got {dst.shape}, {kv.shape}")
+    M, _, H, D = kv.shape
+    if dst.shape[1] != 2 * H * page_size * D:
+        raise ValueError(f"row length {dst.shape[1]} != 2 * H {H} * page_size {page_size} * D {D}")
+    if rows.shape != (M,) or offsets.shape != (M,):
+        raise ValueError(f"rows {rows.shape} and offsets {offsets.shape} must be [{M}]")
+
+
+def _write_tokens_pallas(dst, rows, offsets, kv, *, page_size: int, num_warps: int = 4):
+    """Pallas: grid (M,); program m stores the 2*H head vectors of entry m (D elements each)."""
+    _check_tokens(dst, rows, offsets, kv, page_size)
+    N, R = dst.shape
+    M, _, H, D = kv.shape
+    ps = int(page_size)
+    if D & (D - 1):
+        raise ValueError(f"head_dim {D} must be a power of two (Triton blocks)")
+    kv2 = kv.astype(dst.dtype).reshape(M, 2 * H * D)
+    rows = jnp.asarray(rows, jnp.int32)
+    offsets = jnp.asarray(offsets, jnp.int32)
+
+    def kernel(rows_ref, offs_ref, kv_ref, dst_in_ref, dst_ref):
+        del dst_in_ref  # aliased with dst_ref
+        m = pl.program_id(0)
+        r = rows_ref[m]
+        o = offs_ref[m]
+        ok = (r >= 0) & (r < N) & (o >= 0) & (o < ps)
+        r = jnp.where(ok, r, 0)
+        o = jnp.where(ok, o, 0)
+        mask = jnp.full((D,), ok)
+        vals = [kv_ref[m, pl.ds(seg * D, D)] for seg in range(2 * H)]
+        for seg, v in enumerate(vals):  # segment seg = (k_or_v, head): [ps, D] block
+            plgpu.store(dst_ref.at[r, pl.ds((seg * ps + o) * D, D)], v, mask=mask)
+
+    full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(dst.shape, dst.dtype),
+        grid=(M,),
+        in_specs=[full((M,)), full((M,)), full(kv2.shape), full(dst.shape)],
+        out_specs=full(dst.shape),
+        input_output_aliases={3: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps),
+        interpret=_common.interpret_mode(),
+        name="write_tokens",
+    )(rows, offsets, kv2, dst)
+
+
+@_common.register(OP_TOKENS, "pallas")
+def write_tokens_pallas(dst, rows, offsets, kv, *, page_size, **tuning):
+    """Pallas implementation of :func:`write_tokens`."""
+    return _write_tokens_pallas(dst, rows, offsets, kv, page_size=page_size, **tuning)
+
+
+@_common.register(OP_TOKENS, "xla")
+def write_tokens_reference(dst, rows, offsets, kv, *, page_size, **tuning):
+    """Pure-jnp reference of :func:`write_tokens`: a loop over entries that reads the row,
+    sets the token and writes the row back (device_put across memory kinds when ``dst`` is
+    a host array; sequential, so repeated rows with distinct offsets compose)."""
+    del tuning
+    _check_tokens(dst, rows, offsets, kv, page_size)
+    N, R = dst.shape
+    M, _, H, D = kv.shape
+    ps = int(page_size)
+    kv = kv.astype(dst.dtype)
+    rows = jnp.asarray(rows, jnp.int32)
+    offsets = jnp.asarray(offsets, jnp.int32)
+    ok = (rows >= 0) & (rows < N) & (offsets >= 0) & (offsets < ps)
+    on_host = jax.typeof(dst).memory_space == jax.memory.Space.Host
+
+    def body(m, dst):
+        r = jnp.where(ok[m], rows[m], 0)
+        o = jnp.where(ok[m], offsets[m], 0)
+        old = jax.lax.dynamic_slice_in_dim(dst, r, 1, 0)
+        if on_host:
+            old = jax.device_put(old, jax.memory.Space.Device)
+        page = old.reshape(2, H, ps, D)
+        page = jax.lax.dynamic_update_slice(page, kv[m][:, :, None, :], (0, 0, o, 0))
+        new = jnp.where(ok[m], page.reshape(1, R), old)
+        if on_host:
+            new = jax.device_put(new, jax.memory.Space.Host)
+        return jax.lax.dynamic_update_slice_in_dim(dst, new, r, 0)
+
+    return jax.lax.fori_loop(0, M, body, dst)
+
+
+def write_tokens(dst, rows, offsets, kv, *, page_size, implementation=None, **tuning):
+    """Write one token's K/V per entry into a page array, in place.
+
+    Args:
+      dst: [N, R] page array, ``R = 2 * H * page_size * D`` (row layout [2, H, ps, D]);
+        pinned_host tier or device pool; donated.
+      rows: [M] int32 global rows of ``dst``; ``-1`` (or out of range) = write nothing.
+      offsets: [M] int32 token offsets within the page, in ``[0, page_size)``.
+      kv: [M, 2, H, D] K (index 0) and V (index 1) of the token; cast to ``dst.dtype``.
+      page_size: static int, tokens per page.
+      implementation: "pallas" | "xla" | None.
+      **tuning: ``num_warps`` of the Pallas kernel.
+    Returns:
+      dst [N, R] with the tokens written. Inside a traced loop over a host carry, wrap it
+      in :func:`keep_on_host`.
+    """
+    fn = _common.resolve(OP_TOKENS, implementation)
+    return page_fetch.call_in_place(fn, (dst, rows, offsets, kv), 0, page_size=int(page_size),
+                                    **tuning)
+
+
+@_common.register(OP_PAGES, "pallas")
+def write_pages_pallas(dst, rows, pages, **tuning):
+    """Pallas implementation of :func:`write_pages` (the fetch kernel, source = ``pages``)."""
+    src_rows = jnp.arange(pages.shape[0], dtype=jnp.int32)
+    return page_fetch.copy_rows_pallas(pages.astype(dst.dtype), dst, src_rows,
+                                       jnp.asarray(rows, jnp.int32), **tuning)
+
+
+@_common.register(OP_PAGES, "xla")
+def write_pages_reference(dst, rows, pages, **tuning):
+    """Pure-jnp reference of :func:`write_pages`."""
+    del tuning
+    src_rows = jnp.arange(pages.shape[0], dtype=jnp.int32)
+    return page_fetch.copy_rows_reference(pages.astype(dst.dtype), dst, src_rows,
+                                          jnp.asarray(rows, jnp.int32))
+
+
+def write_pages(dst, rows, pages, *, implementation=None, **tuning):
+    """Write whole rows (prefill): ``dst[rows[m]] = pages[m]``, in place.
+
+    Args:
+      dst: [N, R] page array (pinned_host tier or device pool); donated.
+      rows: [M] int32 global rows; ``-1`` = write nothing; valid ones distinct.
+      pages: [M, R] rows to write (device array); cast to ``dst.dtype``.
+      implementation: "pallas" | "xla" | None.
+      **tuning: tunables of the copy kernel (see ``page_fetch.resolve_tuning``).
+    Returns:
+      dst [N, R]. Inside a traced loop over a host carry, wrap it in :func:`keep_on_host`.
+    """
+    fn = _common.resolve(OP_PAGES, implementation)
+    return page_fetch.call_in_place(fn, (dst, rows, pages), 0, **tuning)
