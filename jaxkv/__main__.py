@@ -1,0 +1,5 @@
+import sys
+
+from jaxkv.cli import main
+
+sys.exit(main())

@@ -1,0 +1,102 @@
+"""Command line: ``jaxkv "prompt"`` / ``python -m jaxkv --file prompt.txt``.
+
+Loads SmolLM2-135M-Instruct from its GGUF package (or ``--gguf PATH``), generates with the
+host tier by default, and prints the text, tokens/s and the cache counters.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_PROMPT = "The capital of France is Paris. The capital of Germany is"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jaxkv", description="Generate text with a host-tier sparse KV cache (JAX/Pallas).")
+    p.add_argument("prompt", nargs="?", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    p.add_argument("--file", type=Path, help="read the prompt from a file")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--gguf", type=Path, help="llama-architecture GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--mode", choices=["host", "resident"], default="host")
+    p.add_argument("--selector", choices=["quest", "indexer", "dense"], default="quest")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--budget", type=int, default=None,
+                   help="selected tokens per step, layer and KV head (rounded to pages)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--pool-pages", type=int, default=None, help="device pool slots per layer (host mode)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--strict", action="store_true", help="fail if any selected page was dropped")
+    p.add_argument("--json", action="store_true", help="print the stats as JSON")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import jaxkv
+    from models import gguf_loader
+    from models.tokenizer import Tokenizer
+
+    if args.file is not None:
+        if not args.file.is_file():
+            print(f"error: prompt file {args.file} does not exist", file=sys.stderr)
+            return 2
+        text = args.file.read_text()
+    else:
+        text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    if not text.strip():
+        print("error: the prompt is empty", file=sys.stderr)
+        return 2
+    path = args.gguf or gguf_loader.default_model_path()
+    try:
+        cfg, params = gguf_loader.load_gguf(path, dtype=args.dtype)
+        tok = Tokenizer.from_gguf(path)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.chat:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}],
+                                                 add_generation_prompt=True), add_bos=False)
+    else:
+        ids = tok.encode(text)
+    budget = args.budget if args.budget is not None else 4 * args.page_size * 4
+    cache = jaxkv.CacheConfig(
+        mode=args.mode, selector=args.selector, page_size=args.page_size,
+        selected_pages=max(2, -(-budget // args.page_size)), pool_pages=args.pool_pages,
+        strict=args.strict)
+    sampling = jaxkv.Sampling.make(args.temperature, args.top_k, args.top_p)
+    try:
+        res = jaxkv.generate(cfg, params, [ids], max_new_tokens=args.max_new_tokens,
+                             sampling=sampling, cache=cache, stop_tokens=tok.stop_ids,
+                             seed=args.seed)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    out = tok.decode(res.tokens[0], skip_special_tokens=True)
+    print(text + out if not args.chat else out)
+    s = res.stats
+    if args.json:
+        print(json.dumps(s, indent=1, default=float))
+    else:
+        print(f"\n--- {cfg.name}, {s['mode']} mode, {s['selector']} selector, "
+              f"{s['selected_pages']} pages x {s['page_size']} tokens selected per KV head")
+        print(f"prompt {s['prompt_tokens']} tokens, prefill {s['prefill_time_s']:.2f} s; "
+              f"{s['generated_tokens']} new tokens, decode {s['decode_tokens_per_s']:.1f} tokens/s "
+              f"(compile {s['compile_time_s']:.1f} s, {s['num_compilations']} compilations)")
+        print(f"cache: hit rate {s['hit_rate']:.3f} (hits {s['hits']}, misses {s['misses']}), "
+              f"evictions {s['evictions']}, dropped {s['dropped']}, "
+              f"host->device {s['bytes_host_to_device'] / 2**20:.2f} MiB, "
+              f"device->host {s['bytes_device_to_host'] / 2**20:.2f} MiB")
+        print(f"memory: device KV {s['device_kv_bytes'] / 2**20:.1f} MiB, "
+              f"host KV {s['host_kv_bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""The compiled parts of generation: the static plan, the decode state, prefill and decode.
+
+* :class:`Plan` (frozen, hashable) fixes every shape: batch, prompt bucket, context capacity,
+  cache layout. It is the static argument of every jitted function here.
+* :class:`DecodeState` (pytree, donated) carries the cache, the selector summaries, the
+  sequence lengths, the last tokens, the done flags and the PRNG key.
+* :func:`prefill_layer` runs one layer over the whole (bucketed) prompt and writes its K/V
+  page by page to the host tier (or the resident pool); python loops over layers so long
+  prompts show progress and only one layer's K/V is on device at a time.
+* :func:`decode_round` is one jitted ``lax.while_loop`` of up to ``round_steps`` decode steps:
+  selection, LRU ensure, fetch, sparse attention, write-through and sampling for all layers
+  of all requests, with no host sync inside.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import cache as kvcache
+from jaxkv import selection
+from jaxkv.config import CacheConfig, Sampling
+from jaxkv.sampling import sample
+from jaxkv.spec import INVALID, CacheSpec
+from models import llama
+from models.configs import ModelConfig
+from pallas_kernels import page_write
+from pallas_kernels.sparse_attention import sparse_paged_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static shapes of one generate() call (hashable: the jit cache key)."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    batch: int
+    prompt_len: int      # bucketed prompt length T (multiple of page_size)
+    max_context: int     # tokens per sequence (multiple of page_size)
+    num_stop: int        # length of the padded stop-token array
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.page_size
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.max_context // self.page_size
+
+    @property
+    def k(self) -> int:
+        """Selected pages per request, layer and KV head."""
+        if self.cache.selector == "dense":
+            return self.pages_per_seq
+        return min(self.cache.selected_pages, self.pages_per_seq)
+
+    @property
+    def num_pinned(self) -> int:
+        return self.cache.sink_pages + self.cache.recent_pages
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.cache.dtype or self.model.dtype
+
+    @property
+    def pool_pages(self) -> int:
+        """Device slots per layer (host mode)."""
+        P = self.batch * self.pages_per_seq
+        if self.cache.pool_pages is not None:
+            return self.cache.pool_pages
+        return min(P, self.batch * (self.model.num_kv_heads * self.k + self.num_pinned))
+
+    @property
+    def spec(self) -> CacheSpec:
+        m = self.model
+        return CacheSpec(
+            num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+            page_size=self.page_size, dtype=self.kv_dtype,
+            num_logical_pages=self.batch * self.pages_per_seq,
+            num_slots=self.pool_pages if self.cache.mode == "host" else self.batch * self.pages_per_seq,
+            max_requests=self.batch * m.num_kv_heads * self.k,
+            num_sink_pages=self.cache.sink_pages, num_recent_pages=self.cache.recent_pages,
+            max_batch=self.batch)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything the decode loop carries (donated between rounds).
+
+    kv: HostTierCache (host mode) or ResidentCache. summaries: selector summaries.
+    lengths [B]: tokens in the cache = position of ``last_token``. last_token [B]: the next
+    token to feed. done [B] bool. n_generated [B]: tokens produced so far. key: PRNG key.
+    """
+
+    kv: object
+    summaries: tuple
+    lengths: jax.Array
+    last_token: jax.Array
+    done: jax.Array
+    n_generated: jax.Array
+    key: jax.Array
+
+
+# --------------------------------------------------------------------------------------
+# state construction
+# --------------------------------------------------------------------------------------
+def init_kv(plan: Plan, *, poison: bool = False):
+    if plan.cache.mode == "host":
+        return kvcache.init_cache(plan.spec, poison=poison)
+    return kvcache.init_resident(plan.spec, poison=poison)
+
+
+def init_summaries(plan: Plan):
+    m = plan.model
+    return selection.init_summaries(
+        plan.cache.selector, m.num_layers, plan.batch, plan.pages_per_seq, m.num_kv_heads,
+        m.head_dim, jnp.dtype(plan.kv_dtype), m.indexer_dim)
+
+
+def state_shardings(state: DecodeState):
+    """Output shardings that keep every leaf where it is (the host tier stays pinned)."""
+    return jax.tree.map(lambda a: a.sharding, state)
+
+
+# --------------------------------------------------------------------------------------
+# prefill
+# --------------------------------------------------------------------------------------
+def _pack_pages(k, v, page_size):
+    """k, v [B, T, H, D] -> rows [B, T/ps, R] in the row layout [2, H, ps, D]."""
+    B, T, H, D = k.shape
+    kv = jnp.stack([k, v], axis=2)                             # [B, T, 2, H, D]
+    kv = kv.reshape(B, T // page_size, page_size, 2, H, D)
+    kv = kv.transpose(0, 1, 3, 4, 2, 5)                        # [B, n, 2, H, ps, D]
+    return kv.reshape(B, T // page_size, 2 * H * page_size * D)
+
+
+def _prefill_attention(q, k, v, lengths, chunk):
+    """Causal attention over a right-padded prompt, in query chunks of ``chunk`` tokens.
+
+    q [B, T, Hq, D], k/v [B, T, H, D], lengths [B] -> [B, T, Hq, D]. Memory is
+    O(B * Hq * chunk * T) per chunk instead of O(T^2).
+    """
+    B, T, Hq, D = q.shape
+    C = min(chunk, T)
+    n = T // C
+    kidx = jnp.arange(T, dtype=jnp.int32)
+
+    def one(c):
+        qc = jax.lax.dynamic_slice_in_dim(q, c * C, C, axis=1)
+        qidx = c * C + jnp.arange(C, dtype=jnp.int32)
+        mask = (kidx[None, None, :] <= qidx[None, :, None]) & (kidx[None, None, :] < lengths[:, None, None])
+        return llama.gqa_attention(qc, k, v, mask)
+
+    out = jax.lax.map(one, jnp.arange(n, dtype=jnp.int32))    # [n, B, C, Hq, D]
+    return out.transpose(1, 0, 2, 3, 4).reshape(B, T, Hq, D)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("kv", "summaries"))
+def prefill_layer(plan: Plan, params, layer, x, lengths, kv, summaries):
+    """One layer over the bucketed prompt; writes its K/V pages and selector summaries.
+
+    x [B, T, d]; lengths [B] prompt lengths; layer int32 scalar. Returns (x, kv, summaries).
+    """
+    cfg, ps = plan.model, plan.page_size
+    B, T, _ = x.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    lp = jax.tree.map(lambda a: a[layer], params["layers"])
+    h, q, k, v = llama.attention_inputs(lp, cfg, x, positions)
+    attn = _prefill_attention(q, k, v, lengths, plan.cache.prefill_chunk)
+    x = llama.layer_output(lp, cfg, x, attn)
+
+    dt = jnp.dtype(plan.kv_dtype)
+    pages = _pack_pages(k.astype(dt), v.astype(dt), ps)             # [B, n, R]
+    n = T // ps
+    j = jnp.arange(n, dtype=jnp.int32)
+    used = j[None, :] * ps < lengths[:, None]
+    logical = jnp.arange(B, dtype=jnp.int32)[:, None] * plan.pages_per_seq + j[None, :]
+    rows = jnp.where(used, layer * plan.spec.num_logical_pages + logical, INVALID).reshape(-1)
+    impl = plan.cache.implementation
+    if plan.cache.mode == "host":
+        host_kv = page_write.write_pages(kv.host_kv, rows, pages.reshape(B * n, -1),
+                                         implementation=impl)
+        kv = dataclasses.replace(kv, host_kv=page_write.keep_on_host(host_kv))
+    else:
+        kv = dataclasses.replace(kv, pool=page_write.write_pages(
+            kv.pool, rows, pages.reshape(B * n, -1), implementation=impl))
+    summaries = selection.summarize_prefill(plan.cache.selector, summaries, layer, lp, cfg, h, k,
+                                            positions, lengths, ps)
+    return x, kv, summaries
+
+
+@functools.partial(jax.jit, static_argnames=("plan",))
+def embed_prompt(plan: Plan, params, tokens):
+    return llama.embed(params, plan.model, tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",))
+def first_token(plan: Plan, params, x, lengths, sampling: Sampling, key):
+    """Sample the first new token from the prompt's last position. x [B, T, d] -> [B]."""
+    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)   # [B, 1, d]
+    logits = llama.final_logits(params, plan.model, last)[:, 0]
+    return sample(logits, sampling, key)
+
+
+# --------------------------------------------------------------------------------------
+# decode
+# --------------------------------------------------------------------------------------
+def _protected_pages(plan: Plan, pos, active):
+    """Pinned pages (sinks and the most recent pages) as logical ids [B * pinned], -1 pad."""
+    B, Np = plan.batch, plan.pages_per_seq
+    cur = pos // plan.page_size
+    sinks = jnp.broadcast_to(jnp.arange(plan.cache.sink_pages, dtype=jnp.int32), (B, plan.cache.sink_pages))
+    recent = cur[:, None] - jnp.arange(plan.cache.recent_pages, dtype=jnp.int32)[None, :]
+    pages = jnp.concatenate([sinks, recent], axis=1)
+    ok = (pages >= 0) & (pages <= cur[:, None]) & active[:, None]
+    logical = jnp.arange(B, dtype=jnp.int32)[:, None] * Np + pages
+    return jnp.where(ok, logical, INVALID).reshape(-1)
+
+
+def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_ids, max_new):
+    """One token for every active request. Returns (state, tokens [B] (-1 if inactive))."""
+    cfg, spec, ps = plan.model, plan.spec, plan.page_size
+    B, Np, H = plan.batch, plan.pages_per_seq, cfg.num_kv_heads
+    P = spec.num_logical_pages
+    impl = plan.cache.implementation
+    active = ~st.done
+    pos = st.lengths
+    b_idx = jnp.arange(B, dtype=jnp.int32)
+    logical = jnp.where(active, b_idx * Np + pos // ps, INVALID)
+    offset = pos % ps
+    positions = jnp.where(active, pos, INVALID)
+    protect = _protected_pages(plan, pos, active)[None, :]
+
+    def attend(layer, lp, h, q, k, v, carry):
+        kv, summ = carry
+        q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
+        tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)       # [B, 2, H, D]
+        if plan.cache.mode == "host":
+            kv = kvcache.write_through(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
+        else:
+            kv = kvcache.write_resident(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
+        summ, pages = selection.update_and_select(
+            plan.cache.selector, summ, layer, lp, cfg, h, q1, k1, positions, num_pages=Np,
+            k=plan.k, page_size=ps, num_sink_pages=plan.cache.sink_pages, implementation=impl)
+        pages = jnp.where(active[:, None, None], pages, INVALID)
+        sel = jnp.where(pages >= 0, b_idx[:, None, None] * Np + pages, INVALID)
+        if plan.cache.mode == "host":
+            kv, rows = kvcache.ensure_resident(spec, kv, sel.reshape(1, -1), protect,
+                                               layers=layer[None], implementation=impl)
+            rows = rows.reshape(sel.shape)
+        else:
+            rows = jnp.where(sel >= 0, layer * P + sel, INVALID)
+        out, _ = sparse_paged_attention(q1, kv.pool, rows, pages, jnp.where(active, pos + 1, 1),
+                                        page_size=ps, num_kv_heads=H, implementation=impl)
+        return out[:, None].astype(q.dtype), (kv, summ)
+
+    logits, (kv, summ) = llama.forward(params, cfg, st.last_token[:, None],
+                                       jnp.maximum(pos, 0)[:, None], attend, (st.kv, st.summaries))
+    key, sub = jax.random.split(st.key)
+    tok = sample(logits[:, 0], sampling, sub)
+    tok = jnp.where(active, tok, INVALID)
+    lengths = jnp.where(active, pos + 1, pos)
+    n_gen = st.n_generated + active.astype(jnp.int32)
+    stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=1)
+    done = st.done | (active & (stop | (n_gen >= max_new) | (lengths >= plan.max_context)))
+    if plan.cache.mode == "host":
+        kv = kvcache.tick(kv)
+    st = DecodeState(kv=kv, summaries=summ, lengths=lengths,
+                     last_token=jnp.where(active, tok, st.last_token), done=done,
+                     n_generated=n_gen, key=key)
+    return st, tok
+
+
+def _decode_round(plan: Plan, params, state: DecodeState, sampling: Sampling, stop_ids, max_new):
+    N, B = plan.cache.round_steps, plan.batch
+    buf = jnp.full((B, N), INVALID, jnp.int32)
+
+    def cond(c):
+        i, st, _ = c
+        return (i < N) & ~jnp.all(st.done)
+
+    def body(c):
+        i, st, buf = c
+        st, tok = decode_step(plan, params, st, sampling, stop_ids, max_new)
+        return i + 1, st, buf.at[:, i].set(tok)
+
+    steps, state, buf = jax.lax.while_loop(cond, body, (jnp.int32(0), state, buf))
+    return state, buf, steps
+
+
+@functools.lru_cache(maxsize=64)
+def _round_fn(plan: Plan, shardings_key):
+    shardings = _SHARDINGS[shardings_key]
+    return jax.jit(functools.partial(_decode_round, plan), donate_argnames=("state",),
+                   out_shardings=(shardings, None, None))
+
+
+_SHARDINGS: dict = {}
+
+
+def decode_round(plan: Plan, params, state: DecodeState, sampling: Sampling, stop_ids, max_new):
+    """Up to ``plan.cache.round_steps`` decode steps in one compiled program.
+
+    Returns (state, tokens [B, round_steps] int32 (-1 = no token), steps int32).
+    ``state`` is donated.
+    """
+    sh = state_shardings(state)
+    key = (jax.tree.structure(sh), tuple(jax.tree.leaves(sh)))
+    _SHARDINGS.setdefault(key, sh)
+    return _round_fn(plan, key)(params, state, sampling, stop_ids, max_new)
+
+
+def lower_decode_round(plan: Plan, params, state: DecodeState, sampling: Sampling, stop_ids, max_new):
+    """The lowered (not yet compiled) decode round, for HLO inspection in tests."""
+    sh = state_shardings(state)
+    key = (jax.tree.structure(sh), tuple(jax.tree.leaves(sh)))
+    _SHARDINGS.setdefault(key, sh)
+    return _round_fn(plan, key).lower(params, state, sampling, stop_ids, max_new)

@@ -1,0 +1,33 @@
+"""Token sampling with traced parameters: greedy, temperature, top-k, top-p."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.config import Sampling
+
+
+def _sample_filtered(logits, s: Sampling, key):
+    """Temperature + top-k + top-p sampling. logits [B, V] f32 -> [B] int32."""
+    V = logits.shape[-1]
+    scaled = logits / jnp.maximum(s.temperature, 1e-6)
+    order = jnp.argsort(-scaled, axis=-1)                       # descending
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(V, dtype=jnp.int32)
+    keep = (s.top_k <= 0) | (rank < s.top_k)
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs                 # mass strictly before rank
+    keep &= (before < s.top_p) | (rank == 0)
+    choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def sample(logits, s: Sampling, key):
+    """Next tokens. logits [B, V] float32, key a PRNG key -> [B] int32.
+
+    temperature == 0 is greedy (argmax); the branch is a ``lax.cond`` on a traced value,
+    so switching modes never recompiles.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.lax.cond(s.temperature > 0, lambda: _sample_filtered(logits, s, key),
+                        lambda: greedy)

@@ -1,0 +1,68 @@
+"""Selector dispatch for the decode loop: page summaries (build, update) and page selection.
+
+Summaries live on device, one entry per (layer, request, page), passed whole with a traced
+layer index: quest keeps ``(kmax, kmin)`` [L, B, Np, H, D]; the indexer keeps the per-page
+sum of index keys [L, B, Np, dI] (f32); dense keeps nothing.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from models import llama
+from pallas_kernels import dense_select, indexer, quest
+
+
+def init_summaries(selector: str, num_layers: int, batch: int, num_pages: int,
+                   num_kv_heads: int, head_dim: int, dtype, index_dim: int = 0):
+    """Empty summaries for ``selector`` (a tuple of arrays; () for dense)."""
+    shape = (num_layers, batch, num_pages)
+    if selector == "quest":
+        return (jnp.full(shape + (num_kv_heads, head_dim), -jnp.inf, dtype),
+                jnp.full(shape + (num_kv_heads, head_dim), jnp.inf, dtype))
+    if selector == "indexer":
+        return (jnp.zeros(shape + (index_dim,), jnp.float32),)
+    return ()
+
+
+def summarize_prefill(selector: str, summaries, layer, lp, cfg, h, k, positions, lengths, page_size):
+    """Fill layer ``layer``'s summaries from a prompt: k [B, T, H, D], h [B, T, d], lengths [B]."""
+    if selector == "quest":
+        kmax, kmin = quest.quest_summarize(k, page_size, lengths)
+        n = kmax.shape[1]
+        return (summaries[0].at[layer, :, :n].set(kmax.astype(summaries[0].dtype)),
+                summaries[1].at[layer, :, :n].set(kmin.astype(summaries[1].dtype)))
+    if selector == "indexer":
+        _, _, k_idx = llama.indexer_inputs(lp, cfg, h, positions)
+        keys = indexer.indexer_summarize(k_idx, page_size, lengths)
+        n = keys.shape[1]
+        return (summaries[0].at[layer, :, :n].set(keys.astype(jnp.float32)),)
+    return summaries
+
+
+def update_and_select(selector: str, summaries, layer, lp, cfg, h, q, k_new, positions, *,
+                      num_pages, k, page_size, num_sink_pages, implementation=None):
+    """Decode step for one layer: fold the new token into the summaries, then select pages.
+
+    h [B, 1, d] normed hidden state, q [B, Hq, D], k_new [B, H, D], positions [B] (position
+    of the new token, -1 = inactive request). Returns (summaries, pages [B, H, k'] int32),
+    within-sequence page indices, -1 padded (k' = num_pages for dense).
+    """
+    seq_lens = jnp.maximum(positions + 1, 1)
+    H = k_new.shape[1]
+    if selector == "quest":
+        kmax, kmin = quest.quest_update(summaries[0], summaries[1], layer, k_new, positions,
+                                        page_size=page_size)
+        pages = quest.quest_select(q, kmax, kmin, layer, seq_lens, k=k, page_size=page_size,
+                                   num_sink_pages=num_sink_pages, implementation=implementation)
+        return (kmax, kmin), pages
+    if selector == "indexer":
+        pos2 = jnp.maximum(positions, 0)[:, None]
+        q_idx, w, k_idx = llama.indexer_inputs(lp, cfg, h, pos2)
+        keys = indexer.indexer_update(summaries[0], layer, k_idx[:, 0], positions)
+        pages = indexer.indexer_select(q_idx[:, 0], w[:, 0], keys, layer, seq_lens, k=k,
+                                       page_size=page_size, num_sink_pages=num_sink_pages,
+                                       implementation=implementation)
+        return (keys,), jnp.broadcast_to(pages[:, None, :], (pages.shape[0], H, pages.shape[1]))
+    return summaries, dense_select.dense_select(seq_lens, num_pages=num_pages, num_kv_heads=H,
+                                                page_size=page_size)

@@ -1,0 +1,103 @@
+"""End-to-end tests of jaxkv.generate on the tiny model (CPU)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import CacheConfig, Sampling
+from models import configs, llama
+from dense_reference import reference_greedy
+
+CFG = configs.tiny()
+PARAMS = llama.init_params(CFG, seed=0)
+RNG = np.random.default_rng(1234)
+PROMPTS = [list(RNG.integers(3, CFG.vocab_size, n)) for n in (37, 21, 50)]
+NEW = 12
+
+
+def _gen(cache, prompts=PROMPTS, **kw):
+    kw.setdefault("max_new_tokens", NEW)
+    kw.setdefault("stop_tokens", [])
+    return jaxkv.generate(CFG, PARAMS, prompts, cache=cache, **kw)
+
+
+@pytest.fixture(scope="module")
+def resident_quest():
+    return _gen(CacheConfig(mode="resident", selector="quest", page_size=4, selected_pages=4))
+
+
+def test_host_equals_resident_with_large_pool(resident_quest):
+    host = _gen(CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=4))
+    assert host.tokens == resident_quest.tokens
+    s = host.stats
+    assert s["dropped"] == 0 and s["misses"] > 0 and s["hits"] > 0
+    assert s["bytes_host_to_device"] == s["pages_fetched"] * (2 * CFG.num_kv_heads * 4 * CFG.head_dim * 4)
+    assert all(len(t) == NEW for t in host.tokens)
+
+
+def test_host_equals_resident_with_churning_small_pool(resident_quest):
+    # a step needs at most H*k + pinned = 2*4 + 2 pages per request; the context has up to 16.
+    cache = CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=4,
+                        pool_pages=3 * (2 * 4 + 2), strict=True)
+    host = _gen(cache)
+    assert host.tokens == resident_quest.tokens
+    assert host.stats["evictions"] > 0 and host.stats["dropped"] == 0
+
+
+def test_dense_selector_equals_independent_reference():
+    res = _gen(CacheConfig(mode="host", selector="dense", page_size=8), max_new_tokens=8)
+    for p, toks in zip(PROMPTS, res.tokens):
+        assert toks == reference_greedy(PARAMS, CFG, p, 8)
+
+
+def test_too_small_pool_counts_drops_and_strict_raises():
+    # Per-head selection: the 2 heads share the sink and the current page and pick 3 pages
+    # each, so a step may need 8 distinct pages; the pool has 7 (= k + pinned, the minimum).
+    cache = CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=5, pool_pages=7)
+    res = _gen(cache, prompts=PROMPTS[2:], max_new_tokens=8)
+    assert res.stats["dropped"] > 0
+    with pytest.raises(RuntimeError, match="strict mode"):
+        _gen(dataclasses.replace(cache, strict=True), prompts=PROMPTS[2:], max_new_tokens=8)
+    with pytest.raises(ValueError, match="pool_pages"):
+        _gen(dataclasses.replace(cache, pool_pages=6), prompts=PROMPTS[2:], max_new_tokens=8)
+
+
+def test_no_recompilation_for_new_prompts_temperature_and_length():
+    cache = CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=4)
+    first = _gen(cache, sampling=Sampling.make(temperature=0.7, top_k=20, top_p=0.9), seed=1)
+    assert first.stats["num_compilations"] > 0
+    prompts2 = [list(RNG.integers(3, CFG.vocab_size, n)) for n in (40, 33, 45)]  # same bucket
+    again = _gen(cache, prompts=prompts2, max_new_tokens=NEW - 3,
+                 sampling=Sampling.make(temperature=1.3, top_k=5, top_p=0.5), seed=2)
+    assert again.stats["num_compilations"] == 0, again.stats
+    greedy = _gen(cache, prompts=prompts2, max_new_tokens=NEW + 2)
+    assert greedy.stats["num_compilations"] == 0, greedy.stats
+
+
+def test_stop_tokens_end_requests_early():
+    res = _gen(CacheConfig(mode="resident", selector="dense", page_size=8), max_new_tokens=10)
+    stop = res.tokens[0][3]
+    res2 = _gen(CacheConfig(mode="resident", selector="dense", page_size=8), max_new_tokens=10,
+                stop_tokens=[stop])
+    assert res2.tokens[0][-1] == stop and len(res2.tokens[0]) <= 4
+
+
+def test_streaming_yields_rounds_and_matches():
+    cache = CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=4, round_steps=4)
+    stream = _gen(cache, stream=True)
+    chunks = list(stream)
+    assert len(chunks) >= 3
+    joined = [sum((c[i] for c in chunks), []) for i in range(len(PROMPTS))]
+    assert joined == stream.result.tokens
+
+
+def test_sampling_is_seeded_and_valid():
+    cache = CacheConfig(mode="resident", selector="dense", page_size=8)
+    s = Sampling.make(temperature=1.0, top_k=10)
+    a = _gen(cache, sampling=s, seed=5)
+    b = _gen(cache, sampling=s, seed=5)
+    assert a.tokens == b.tokens
+    assert all(0 <= t < CFG.vocab_size for row in a.tokens for t in row)
