@@ -1,0 +1,217 @@
+"""Page-selector cost per layer vs context length (Quest, DSA-style indexer), on one device.
+
+Each timing is one jitted ``lax.fori_loop`` whose body selects for layer ``i % L`` of a
+``[L, ...]`` metadata array (so nothing is hoisted out of the loop); the figure is wall time
+per iteration (median of several runs). Reported separately: scoring only (the Pallas
+kernel, a few block shapes), top-k only (on precomputed scores, both top-k methods), the whole
+selector (Pallas scoring and the XLA reference), and an almost empty loop (overhead).
+The metadata read time at HBM speed comes from a large device copy in the same run.
+
+    PYTHONPATH=. python3 benchmarks/bench_select.py --out DIR [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels import dense_select as ds
+from pallas_kernels import indexer, quest
+
+FULL = dict(sizes=(1024, 4096, 16384), L=4, B=1, H=8, G=4, D=128, HI=64, DI=128, ps=64, k=32,
+            sinks=1, iters=200, reps=5, copy_mib=1024, sweep_at=16384,
+            quest_blocks=((4, 4), (8, 4), (16, 4), (16, 8), (32, 8)),
+            indexer_blocks=((32, 4), (64, 4), (128, 4), (128, 8)))
+QUICK = dict(sizes=(16,), L=2, B=1, H=2, G=2, D=16, HI=16, DI=16, ps=4, k=8, sinks=1,
+             iters=2, reps=1, copy_mib=1, sweep_at=16, quest_blocks=((4, 4),),
+             indexer_blocks=((16, 4),))
+
+
+SELECT_VARIANTS = (("pallas", "auto"), ("pallas", "sort"), ("pallas", "chunked"), ("xla", "auto"))
+
+
+def _commit() -> str:
+    if os.environ.get("JAXKV_COMMIT"):
+        return os.environ["JAXKV_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _time_loop(body, init, iters, reps, args=()):
+    """Median seconds per iteration of ``fori_loop(0, iters, body(i, carry, *args), init)``.
+
+    The arrays in ``args`` are jit arguments (not baked-in constants); compiled once."""
+    f = jax.jit(lambda c, a: lax.fori_loop(0, iters, lambda i, c: body(i, c, *a), c))
+    jax.block_until_ready(f(init, args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(init, args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) / iters
+
+
+def _hbm_copy_gbps(mib, iters, reps):
+    """Device copy bandwidth (bytes read + written per second) of a ``mib`` MiB array."""
+    n = mib * 2**20 // 2
+    t = _time_loop(lambda i, x: x + jnp.bfloat16(1), jnp.zeros((n,), jnp.bfloat16),
+                   max(2, iters // 20), reps)
+    return 2 * n * 2 / t / 1e9
+
+
+def run(out_dir, quick=False):
+    """Run the benchmark; write ``bench_select.json`` to ``out_dir``; return the record."""
+    c = QUICK if quick else FULL
+    L, B, H, G, D, ps, k, sinks = (c[x] for x in ("L", "B", "H", "G", "D", "ps", "k", "sinks"))
+    HI, DI, iters, reps = c["HI"], c["DI"], c["iters"], c["reps"]
+    key = jax.random.PRNGKey(0)
+    rows = []
+
+    def rec(method, np_, name, sec, meta_bytes=None, **extra):
+        r = dict(method=method, n_pages=np_, context_tokens=np_ * ps, name=name,
+                 us_per_layer=sec * 1e6, **extra)
+        if meta_bytes is not None:
+            r["metadata_bytes"] = meta_bytes
+        rows.append(r)
+        print(f"  {method:8s} {np_:6d} {name:28s} {sec * 1e6:9.2f} us", flush=True)
+
+    gbps = _hbm_copy_gbps(c["copy_mib"], iters, reps)
+    print(f"HBM copy {gbps:.0f} GB/s (read + write)", flush=True)
+    overhead = _time_loop(lambda i, a: a + (i % L), jnp.zeros((B, H, k), jnp.int32), iters,
+                          reps)
+    rec("loop", 0, "empty_loop", overhead)
+
+    for np_ in c["sizes"]:
+        seq_lens = jnp.full((B,), np_ * ps - ps // 2, jnp.int32)
+        sel_kw = dict(k=k, page_size=ps, num_sink_pages=sinks)
+        top_kw = dict(num_pages=np_, **sel_kw)
+        # ---------------------------------------------------------------- Quest
+        k1, k2, k3, key = jax.random.split(key, 4)
+        q = jax.random.normal(k1, (B, H * G, D), jnp.bfloat16)
+        kmax = jax.random.normal(k2, (L, B, np_, H, D), jnp.bfloat16)
+        kmin = kmax - jnp.abs(jax.random.normal(k3, kmax.shape, jnp.bfloat16))
+        meta = 2 * kmax.size * kmax.dtype.itemsize // L
+        read_us = meta / (gbps * 1e9) * 1e6
+        rec("quest", np_, "metadata_read_at_hbm_bw", read_us * 1e-6, meta)
+        qargs = (q, kmax, kmin, seq_lens)
+        blocks = ((None, 4),) + (c["quest_blocks"] if np_ == c["sweep_at"] else ())
+        for bp, nw in blocks:
+            fn = functools.partial(quest.quest_scores_pallas, page_size=ps, block_pages=bp,
+                                   num_warps=nw)
+
+            def body(i, acc, q, kmax, kmin, seq_lens, fn=fn):
+                return acc + fn(q, kmax, kmin, i % L, seq_lens)[:, :, :k]
+            t = _time_loop(body, jnp.zeros((B, H, k), jnp.float32), iters, reps, qargs)
+            name = "scores_pallas_default" if bp is None else f"scores_pallas_bp{bp}_w{nw}"
+            rec("quest", np_, name, t, meta, block_pages=bp, num_warps=nw)
+        scores = jnp.stack([quest.quest_scores_pallas(q, kmax, kmin, l, seq_lens, page_size=ps)
+                            for l in range(L)])
+        for method in ds.TOPK_METHODS[1:]:
+            def body(i, acc, scores, seq_lens, method=method):
+                s = lax.dynamic_index_in_dim(scores, i % L, 0, keepdims=False)
+                return acc + ds.select_top_pages(s, seq_lens, method=method, **top_kw)
+            rec("quest", np_, f"topk_{method}",
+                _time_loop(body, jnp.zeros((B, H, k), jnp.int32), iters, reps,
+                           (scores, seq_lens)))
+        for impl, method in SELECT_VARIANTS:
+            def body(i, acc, q, kmax, kmin, seq_lens, impl=impl, method=method):
+                return acc + quest.quest_select(q, kmax, kmin, i % L, seq_lens,
+                                                implementation=impl, topk_method=method,
+                                                **sel_kw)
+            rec("quest", np_, f"select_{impl}_{method}",
+                _time_loop(body, jnp.zeros((B, H, k), jnp.int32), iters, reps, qargs), meta)
+        del kmax, kmin, scores
+        # ---------------------------------------------------------------- indexer
+        k1, k2, k3, key = jax.random.split(key, 4)
+        qi = jax.random.normal(k1, (B, HI, DI), jnp.bfloat16)
+        w = jax.random.normal(k2, (B, HI), jnp.float32) * HI ** -0.5
+        pk = jax.random.normal(k3, (L, B, np_, DI), jnp.float32)
+        meta = pk.size * 4 // L
+        rec("indexer", np_, "metadata_read_at_hbm_bw", meta / (gbps * 1e9), meta)
+        iargs = (qi, w, pk, seq_lens)
+        blocks = ((None, 4),) + (c["indexer_blocks"] if np_ == c["sweep_at"] else ())
+        for bp, nw in blocks:
+            kw = {} if bp is None else dict(block_pages=bp)
+            fn = functools.partial(indexer.indexer_scores_pallas, page_size=ps, num_warps=nw,
+                                   **kw)
+
+            def body(i, acc, qi, w, pk, seq_lens, fn=fn):
+                return acc + fn(qi, w, pk, i % L, seq_lens)[:, :k]
+            name = "scores_pallas_default" if bp is None else f"scores_pallas_bp{bp}_w{nw}"
+            rec("indexer", np_, name,
+                _time_loop(body, jnp.zeros((B, k), jnp.float32), iters, reps, iargs), meta,
+                block_pages=bp, num_warps=nw)
+        scores = jnp.stack([indexer.indexer_scores_pallas(qi, w, pk, l, seq_lens, page_size=ps)
+                            for l in range(L)])
+        for method in ds.TOPK_METHODS[1:]:
+            def body(i, acc, scores, seq_lens, method=method):
+                s = lax.dynamic_index_in_dim(scores, i % L, 0, keepdims=False)
+                return acc + ds.select_top_pages(s, seq_lens, method=method, **top_kw)
+            rec("indexer", np_, f"topk_{method}",
+                _time_loop(body, jnp.zeros((B, k), jnp.int32), iters, reps, (scores, seq_lens)))
+        for impl, method in SELECT_VARIANTS:
+            def body(i, acc, qi, w, pk, seq_lens, impl=impl, method=method):
+                return acc + indexer.indexer_select(qi, w, pk, i % L, seq_lens,
+                                                    implementation=impl, topk_method=method,
+                                                    **sel_kw)
+            rec("indexer", np_, f"select_{impl}_{method}",
+                _time_loop(body, jnp.zeros((B, k), jnp.int32), iters, reps, iargs), meta)
+        del pk, scores
+
+    dev = jax.devices()[0]
+    out = dict(benchmark="bench_select", device=f"{dev.platform}:{dev.device_kind}",
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=_commit(),
+               jax_version=jax.__version__, quick=quick, hbm_copy_gbps=gbps,
+               config={x: v for x, v in c.items()}, results=rows,
+               note="us_per_layer = wall time per fori_loop iteration (one layer's selection), "
+                    "including loop overhead (see empty_loop)")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench_select.json"), "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    _table(out)
+    return out
+
+
+def _table(out):
+    print(f"\nbench_select on {out['device']} (jax {out['jax_version']}), "
+          f"HBM copy {out['hbm_copy_gbps']:.0f} GB/s; us per layer")
+    rows = out["results"]
+    sizes = sorted({r["n_pages"] for r in rows if r["n_pages"]})
+    names = []
+    for r in rows:
+        if r["n_pages"] and (r["method"], r["name"]) not in names:
+            names.append((r["method"], r["name"]))
+    print(f"{'method':8s} {'what':28s}" + "".join(f"{s:>10d}p" for s in sizes))
+    for m, n in names:
+        cells = []
+        for s in sizes:
+            v = [r["us_per_layer"] for r in rows
+                 if (r["method"], r["name"], r["n_pages"]) == (m, n, s)]
+            cells.append(f"{v[0]:11.1f}" if v else f"{'-':>11s}")
+        print(f"{m:8s} {n:28s}" + "".join(cells))
+    ov = [r["us_per_layer"] for r in rows if r["name"] == "empty_loop"]
+    print(f"(empty loop iteration: {ov[0]:.1f} us)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="output directory for bench_select.json")
+    ap.add_argument("--quick", action="store_true", help="tiny smoke test (also runs on CPU)")
+    a = ap.parse_args()
+    run(a.out, quick=a.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Page selection plumbing shared by all selectors, and the dense (select-everything) baseline.
+
+Selector output convention (every selector in this package):
+
+* int32 within-sequence page indices, shape ``[B, H, k]`` (``[B, k]`` for the indexer, whose
+  selection is shared by all KV heads);
+* each row sorted **ascending**, the ``-1`` padding (``INVALID``) last;
+* no duplicates, never a page ``>= ceil(seq_len / page_size)``;
+* the ``num_sink_pages`` first pages and the current (last) page ``(seq_len - 1) // page_size``
+  are always included (so ``k >= num_sink_pages + 1`` is required); a sequence with ``<= k``
+  pages gets all of them; ``seq_len == 0`` (an inactive request) gives an all ``-1`` row.
+
+``seq_lens[b]`` counts the tokens of request ``b`` including the current one (whose key is
+already in the page summaries); it must be ``<= num_pages * page_size`` (larger values are
+clamped to ``num_pages`` pages).
+
+``dense_select`` needs no kernel: it reads no memory, it is an iota and a compare that XLA
+fuses into its consumer. ``select_top_pages`` (masking, top-k, ascending sort) is the shared
+second half of the scored selectors (Quest, indexer), whose Pallas kernels do the scoring.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import _common
+
+INVALID = -1
+# XLA's fast GPU top-k kernel (custom call "__gpu$TopK") handles k <= 16 on [rows, n] inputs
+# with n >= 1024; a larger k falls back to sorting every row. "rounds" stays on the fast
+# kernel by taking 16 at a time and masking what was taken; "chunked" shrinks the sorts.
+_FAST_TOPK_MAX_K = 16
+TOPK_METHODS = ("auto", "sort", "rounds", "chunked")
+
+
+def num_valid_pages(seq_lens: jax.Array, page_size: int, num_pages: int) -> jax.Array:
+    """Pages holding at least one token: ``min(ceil(seq_lens / page_size), num_pages)``.
+
+    seq_lens: [B] int (negative counts as 0). Returns [B] int32.
+    """
+    seq_lens = jnp.maximum(jnp.asarray(seq_lens).astype(jnp.int32), 0)
+    return jnp.minimum((seq_lens + page_size - 1) // page_size, num_pages)
+
+
+@functools.partial(jax.jit, static_argnames=("num_pages", "num_kv_heads", "page_size"))
+def dense_select(seq_lens: jax.Array, *, num_pages: int, num_kv_heads: int,
+                 page_size: int) -> jax.Array:
+    """Every valid page (the dense baseline).
+
+    seq_lens: [B] int32 tokens per request. Returns [B, num_kv_heads, num_pages] int32:
+    entry ``p`` is ``p`` if ``p < ceil(seq_lens[b] / page_size)`` else ``-1`` (so rows are
+    ascending with the -1s last, the same for every head).
+    """
+    n_valid = num_valid_pages(seq_lens, page_size, num_pages)
+    pages = lax.broadcasted_iota(jnp.int32, (n_valid.shape[0], num_kv_heads, num_pages), 2)
+    return jnp.where(pages < n_valid[:, None, None], pages, INVALID)
+
+
+def _topk_chunked(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Exact two-stage top-k of ``x`` [R, N]: top-k chunks by chunk max, then top-k of their
+    entries. Every entry above the k-th largest chunk max T lies in a chosen chunk, and the
+    chosen chunks hold >= k entries >= T, so the top-k values are exact (ties broken
+    arbitrarily). Both stages are small (N / c and k * c entries, c ~ sqrt(N / k))."""
+    r, n = x.shape
+    c = _common.next_pow2(max(1, math.isqrt(max(1, n // k))))
+    nc = -(-n // c)
+    if c == 1 or nc <= k:
+        return lax.top_k(x, k)
+    xc = jnp.pad(x, ((0, 0), (0, nc * c - n)), constant_values=-jnp.inf).reshape(r, nc, c)
+    _, cid = lax.top_k(xc.max(axis=-1), k)  # [R, k] distinct chunks
+    cand = jnp.take_along_axis(xc, cid[:, :, None], axis=1).reshape(r, k * c)
+    v, j = lax.top_k(cand, k)
+    return v, jnp.take_along_axis(cid, j // c, axis=1) * c + j % c
+
+
+def _topk_indices(x: jax.Array, k: int, method: str) -> tuple[jax.Array, jax.Array]:
+    """Top-k along the last axis of ``x`` [R, N] f32 (N >= k): (values, indices) [R, k].
+
+    "sort": one ``lax.top_k``. "rounds": ``lax.top_k`` 16 at a time, masking taken entries to
+    -inf between rounds (exact; an entry taken twice can only be -inf and becomes -1 later).
+    "chunked": ``_topk_chunked``. "auto": rounds for k <= 64, else chunked.
+    """
+    if method == "auto":
+        method = "rounds" if k <= 4 * _FAST_TOPK_MAX_K else "chunked"
+    if method not in TOPK_METHODS:
+        raise ValueError(f"unknown top-k method {method!r}; choose one of {TOPK_METHODS}")
+    if method == "sort" or k <= _FAST_TOPK_MAX_K:
+        return lax.top_k(x, k)
+    if method == "chunked":
+        return _topk_chunked(x, k)
+    vals, idxs = [], []
+    cols = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    left = k
+    while left > 0:  # static: ceil(k / 16) rounds
+        kk = min(_FAST_TOPK_MAX_K, left)
+        v, i = lax.top_k(x, kk)
+        vals.append(v)
+        idxs.append(i)
+        left -= kk
+        if left > 0:
+            taken = jnp.any(cols[:, :, None] == i[:, None, :], axis=-1)
+            x = jnp.where(taken, -jnp.inf, x)
+    return jnp.concatenate(vals, axis=-1), jnp.concatenate(idxs, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("num_pages", "k", "page_size", "num_sink_pages",
+                                             "method"))
+def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, k: int,
+                     page_size: int, num_sink_pages: int, method: str = "auto") -> jax.Array:
+    """Top-``k`` pages per row of ``scores`` under the selector convention (module docstring).
+
+    scores: [B, N] or [B, H, N] float, column ``p`` = page ``p``; columns ``>= num_pages``
+    (padding) and pages ``>= ceil(seq_lens / page_size)`` are ignored whatever they hold
+    (NaN included). seq_lens: [B] int32. Returns int32 [B, k] or [B, H, k].
+    """
+    if k < num_sink_pages + 1:
+        raise ValueError(f"k={k} must be >= num_sink_pages + 1 = {num_sink_pages + 1}")
+    lead = scores.shape[:-1]
+    n = scores.shape[-1]
+    bshape = (lead[0],) + (1,) * (len(lead) - 1) + (1,)
+    seq_lens = jnp.asarray(seq_lens).astype(jnp.int32)
+    n_valid = num_valid_pages(seq_lens, page_size, num_pages).reshape(bshape)
+    pages = lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
+    valid = pages < n_valid
+    forced = valid & ((pages < num_sink_pages) | (pages == n_valid - 1))
+    x = jnp.where(forced, jnp.inf, jnp.where(valid, scores.astype(jnp.float32), -jnp.inf))
+    if n < k:  # top_k needs k <= N: pad with never-selected columns
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, k - n)], constant_values=-jnp.inf)
+    rows = x.reshape(-1, x.shape[-1])
+    vals, idx = _topk_indices(rows, k, method)
+    big = jnp.int32(2**31 - 1)
+    key = jnp.where(vals == -jnp.inf, big, idx.astype(jnp.int32))
+    key = jnp.sort(key, axis=-1)
+    return jnp.where(key == big, INVALID, key).reshape(lead + (k,))

@@ -1,0 +1,497 @@
+"""Page selectors (Quest, indexer, dense): kernels vs references and selection invariants.
+
+CPU: Pallas kernels run in interpret mode; ``test_*_lowers_for_gpu`` lower the Triton kernels
+for an abstract H200 (catches non-power-of-two blocks and unsupported ops without a GPU).
+``@pytest.mark.gpu`` tests run the real kernels on the GPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import dense_select as ds
+from pallas_kernels import indexer, quest
+
+TOPK_METHODS = ("sort", "rounds", "chunked")
+
+
+def _rng():
+    seed = int(np.random.SeedSequence().entropy % 2**32)  # fresh seed, printed on failure
+    print("seed", seed)
+    return np.random.default_rng(seed)
+
+
+def _n_valid(seq_lens, ps, np_):
+    return np.minimum((np.maximum(np.asarray(seq_lens), 0) + ps - 1) // ps, np_)
+
+
+def check_selection(sel, seq_lens, *, k, page_size, num_sink_pages, num_pages, scores=None,
+                    tol=0.0):
+    """Assert the selector convention on ``sel`` [B, (H,) k]; if ``scores`` [B, (H,) >= Np]
+    (reference, -inf invalid) is given, also that the unforced picks are a top set."""
+    sel = np.asarray(sel)
+    assert sel.dtype == np.int32 and sel.shape[-1] == k
+    nv = _n_valid(seq_lens, page_size, num_pages)
+    rows = sel.reshape(sel.shape[0], -1, k)
+    sc = None
+    if scores is not None:
+        sc = np.asarray(scores, np.float64).reshape(sel.shape[0], -1, scores.shape[-1])
+    for b in range(rows.shape[0]):
+        n = int(nv[b])
+        for h in range(rows.shape[1]):
+            r = rows[b, h]
+            got = r[r >= 0]
+            assert np.all(r[len(got):] == -1), f"-1 padding not last: {r}"
+            assert np.all(np.diff(got) > 0), f"not ascending / duplicates: {r}"
+            assert len(got) == min(k, n), f"row {b},{h}: {len(got)} pages for n_valid={n}: {r}"
+            assert np.all(got < n), f"page beyond the sequence: {r} (n_valid={n})"
+            forced = set(range(min(num_sink_pages, n))) | ({n - 1} if n else set())
+            assert forced <= set(got.tolist()), f"missing forced {forced}: {r}"
+            if sc is not None and n > k:
+                s = sc[b, h, :n]
+                picked = np.zeros(n, bool)
+                picked[got] = True
+                free = picked.copy()
+                free[list(forced)] = False
+                if free.any():
+                    worst = s[free].min()
+                    best_left = s[~picked].max()
+                    assert worst >= best_left - tol, (b, h, worst, best_left)
+
+
+def _poison(meta, seq_lens, layer, ps, page_axis=2):
+    """NaN in every layer but ``layer`` and in pages past each sequence (never to be read)."""
+    m = np.array(meta, dtype=np.float32)
+    keep = np.zeros(m.shape[:3], bool)
+    nv = _n_valid(seq_lens, ps, m.shape[page_axis])
+    for b, n in enumerate(nv):
+        keep[layer, b, :n] = True
+    m[~keep] = np.nan
+    return m
+
+
+# ----------------------------------------------------------------------------- Quest
+
+
+def _quest_inputs(rng, *, L, B, Np, H, G, D, ps, dtype, seq_lens, layer):
+    kmax = rng.normal(size=(L, B, Np, H, D)).astype(np.float32)
+    kmin = kmax - np.abs(rng.normal(size=kmax.shape)).astype(np.float32)
+    q = rng.normal(size=(B, H * G, D)).astype(np.float32)
+    kmax = _poison(kmax, seq_lens, layer, ps)
+    kmin = _poison(kmin, seq_lens, layer, ps)
+    return (jnp.asarray(q, dtype), jnp.asarray(kmax, dtype), jnp.asarray(kmin, dtype))
+
+
+def _quest_scale(q, kmax, kmin, layer):
+    """Sum of |terms| per score, for an absolute tolerance."""
+    b, hq, d = q.shape
+    h = kmax.shape[3]
+    qg = np.abs(np.asarray(q, np.float32)).reshape(b, h, hq // h, d).sum(2)
+    m = np.maximum(np.abs(np.asarray(kmax[layer], np.float32)),
+                   np.abs(np.asarray(kmin[layer], np.float32)))
+    return np.einsum("bhd,bphd->bhp", qg, np.nan_to_num(m))
+
+
+QUEST_CASES = [  # G, H, D, dtype, Np, block_pages
+    (1, 2, 16, jnp.float32, 21, 8),
+    (3, 3, 32, jnp.bfloat16, 37, 4),
+    (4, 4, 16, jnp.bfloat16, 16, None),
+]
+
+
+@pytest.mark.parametrize("G,H,D,dtype,Np,bp", QUEST_CASES)
+def test_quest_scores_match_reference(G, H, D, dtype, Np, bp):
+    rng = _rng()
+    ps, L, layer = 4, 2, 1
+    seq_lens = np.array([1, rng.integers(2, Np * ps), Np * ps], np.int32)
+    q, kmax, kmin = _quest_inputs(rng, L=L, B=3, Np=Np, H=H, G=G, D=D, ps=ps, dtype=dtype,
+                                  seq_lens=seq_lens, layer=layer)
+    ref = np.asarray(quest.quest_scores_reference(q, kmax, kmin, jnp.int32(layer),
+                                                  jnp.asarray(seq_lens), page_size=ps))
+    got = np.asarray(quest.quest_scores_pallas(q, kmax, kmin, jnp.int32(layer),
+                                               jnp.asarray(seq_lens), page_size=ps,
+                                               block_pages=bp))
+    assert got.shape[:2] == (3, H) and got.shape[2] >= Np
+    assert np.all(got[..., Np:] == -np.inf)
+    got = got[..., :Np]
+    assert np.array_equal(np.isneginf(ref), np.isneginf(got))
+    fin = np.isfinite(ref)
+    assert fin.any() and np.all(np.isfinite(got[fin]))
+    scale = _quest_scale(q, kmax, kmin, layer)
+    np.testing.assert_array_less(np.abs(got[fin] - ref[fin]), (2e-5 * scale + 1e-6)[fin])
+
+
+@pytest.mark.parametrize("impl,method", [("pallas", "auto"), ("xla", "sort"), ("xla", "rounds"),
+                                         ("xla", "chunked")])
+def test_quest_select_invariants(impl, method):
+    rng = _rng()
+    L, Np, H, G, D, ps, k, sinks, layer = 2, 24, 2, 3, 16, 4, 6, 2, 0
+    # inactive, one token, k pages exactly, fewer than k pages, full, random
+    seq_lens = np.array([0, 1, k * ps, (k - 1) * ps - 3, Np * ps, rng.integers(1, Np * ps)],
+                        np.int32)
+    q, kmax, kmin = _quest_inputs(rng, L=L, B=len(seq_lens), Np=Np, H=H, G=G, D=D, ps=ps,
+                                  dtype=jnp.bfloat16, seq_lens=seq_lens, layer=layer)
+    sel = quest.quest_select(q, kmax, kmin, layer, jnp.asarray(seq_lens), k=k, page_size=ps,
+                             num_sink_pages=sinks, implementation=impl, topk_method=method)
+    assert sel.shape == (len(seq_lens), H, k)
+    ref = quest.quest_scores_reference(q, kmax, kmin, jnp.int32(layer), jnp.asarray(seq_lens),
+                                       page_size=ps)
+    tol = 1e-4 * float(np.nanmax(_quest_scale(q, kmax, kmin, layer)))
+    check_selection(sel, seq_lens, k=k, page_size=ps, num_sink_pages=sinks, num_pages=Np,
+                    scores=ref, tol=tol)
+    assert np.all(np.asarray(sel)[0] == -1)
+
+
+def test_quest_select_k_larger_than_num_pages():
+    rng = _rng()
+    Np, ps = 5, 4
+    seq_lens = np.array([Np * ps, 7], np.int32)
+    q, kmax, kmin = _quest_inputs(rng, L=1, B=2, Np=Np, H=1, G=4, D=16, ps=ps,
+                                  dtype=jnp.float32, seq_lens=seq_lens, layer=0)
+    for impl in ("pallas", "xla"):
+        sel = quest.quest_select(q, kmax, kmin, 0, jnp.asarray(seq_lens), k=8, page_size=ps,
+                                 num_sink_pages=1, implementation=impl)
+        np.testing.assert_array_equal(np.asarray(sel)[:, 0],
+                                      [[0, 1, 2, 3, 4, -1, -1, -1], [0, 1, -1, -1, -1, -1, -1, -1]])
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_quest_score_bounds_page_max(G):
+    """U[h, p] >= max over the page's tokens t of sum_g q_g . k_t (Quest's upper bound)."""
+    rng = _rng()
+    B, H, D, ps, Np = 2, 2, 16, 8, 6
+    T = Np * ps
+    valid_len = np.array([T, rng.integers(1, T)], np.int32)
+    keys = rng.normal(size=(B, T, H, D)).astype(np.float32)
+    q = rng.normal(size=(B, H * G, D)).astype(np.float32)
+    kmax, kmin = quest.quest_summarize(jnp.asarray(keys), ps, jnp.asarray(valid_len))
+    s = np.asarray(quest.quest_scores_pallas(jnp.asarray(q), kmax[None], kmin[None],
+                                             jnp.int32(0), jnp.asarray(valid_len),
+                                             page_size=ps))[..., :Np]
+    qk = np.einsum("bhgd,bthd->bht", q.reshape(B, H, G, D), keys)  # group-summed q.k
+    nv = _n_valid(valid_len, ps, Np)
+    for b in range(B):
+        for p in range(nv[b]):
+            t = np.arange(p * ps, min((p + 1) * ps, valid_len[b]))
+            true_max = qk[b][:, t].max(axis=-1)
+            assert np.all(s[b, :, p] >= true_max - 1e-4 * (1 + np.abs(true_max)))
+        assert np.all(s[b, :, nv[b]:] == -np.inf)
+
+
+def test_quest_update_matches_summarize():
+    rng = _rng()
+    L, B, H, D, ps, Np, layer = 2, 3, 2, 16, 4, 6, 1
+    T = Np * ps
+    valid_len = np.array([T, 9, 0], np.int32)
+    keys = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.bfloat16)
+    junk = jnp.full((L, B, Np, H, D), jnp.nan, jnp.bfloat16)
+
+    @jax.jit
+    def build(kmax, kmin):
+        def body(t, c):
+            pos = jnp.where(t < jnp.asarray(valid_len), t, -1)
+            return quest.quest_update(*c, jnp.int32(layer), keys[:, t], pos, page_size=ps)
+        return jax.lax.fori_loop(0, T, body, (kmax, kmin))
+
+    kmax, kmin = build(junk, junk)
+    smax, smin = quest.quest_summarize(keys, ps, jnp.asarray(valid_len))
+    nv = _n_valid(valid_len, ps, Np)
+    for b in range(B):
+        np.testing.assert_array_equal(np.asarray(kmax[layer, b, :nv[b]], np.float32),
+                                      np.asarray(smax[b, :nv[b]], np.float32))
+        np.testing.assert_array_equal(np.asarray(kmin[layer, b, :nv[b]], np.float32),
+                                      np.asarray(smin[b, :nv[b]], np.float32))
+        assert np.all(np.isnan(np.asarray(kmax[layer, b, nv[b]:], np.float32)))
+    assert np.all(np.isnan(np.asarray(kmax[0], np.float32)))  # other layer untouched
+    sm = np.asarray(smax, np.float32)
+    assert np.all(np.isneginf(sm[1, nv[1]:])) and np.all(np.isneginf(sm[2]))
+
+
+def test_quest_update_reset_and_drop():
+    """Offset 0 resets stale summaries; positions < 0 and pages >= Np write nothing."""
+    L, B, Np, H, D, ps = 1, 3, 2, 1, 16, 4
+    kmax = jnp.full((L, B, Np, H, D), 5.0)
+    kmin = jnp.full((L, B, Np, H, D), -5.0)
+    k_new = jnp.ones((B, H, D))
+    kmax, kmin = quest.quest_update(kmax, kmin, 0, k_new, jnp.array([4, -1, Np * ps]),
+                                    page_size=ps)
+    np.testing.assert_array_equal(np.asarray(kmax[0, 0, 1, 0]), 1.0)
+    np.testing.assert_array_equal(np.asarray(kmin[0, 0, 1, 0]), 1.0)
+    np.testing.assert_array_equal(np.asarray(kmax[0, 0, 0]), 5.0)
+    np.testing.assert_array_equal(np.asarray(kmax[0, 1:]), 5.0)
+    np.testing.assert_array_equal(np.asarray(kmin[0, 1:]), -5.0)
+
+
+# ----------------------------------------------------------------------------- indexer
+
+
+def _indexer_inputs(rng, *, L, B, Np, HI, dI, ps, seq_lens, layer, qdtype=jnp.float32):
+    pk = _poison(rng.normal(size=(L, B, Np, dI)).astype(np.float32) * ps, seq_lens, layer, ps)
+    q = rng.normal(size=(B, HI, dI)).astype(np.float32)
+    w = rng.normal(size=(B, HI)).astype(np.float32) * HI ** -0.5
+    return jnp.asarray(q, qdtype), jnp.asarray(w), jnp.asarray(pk)
+
+
+def _indexer_scale(q, w, pk, layer, ps):
+    qa = np.abs(np.asarray(q, np.float32))
+    ka = np.nan_to_num(np.abs(np.asarray(pk[layer]))) / ps
+    return np.einsum("bj,bjd,bpd->bp", np.abs(np.asarray(w)), qa, ka) / np.sqrt(q.shape[-1])
+
+
+@pytest.mark.parametrize("HI,dI,Np,bp", [(6, 16, 37, 16), (16, 32, 20, 64)])
+def test_indexer_scores_match_reference(HI, dI, Np, bp):
+    rng = _rng()
+    ps, L, layer = 4, 2, 0
+    seq_lens = np.array([1, rng.integers(2, Np * ps), Np * ps], np.int32)
+    q, w, pk = _indexer_inputs(rng, L=L, B=3, Np=Np, HI=HI, dI=dI, ps=ps, seq_lens=seq_lens,
+                               layer=layer, qdtype=jnp.bfloat16)
+    args = (q, w, pk, jnp.int32(layer), jnp.asarray(seq_lens))
+    ref = np.asarray(indexer.indexer_scores_reference(*args, page_size=ps))
+    got = np.asarray(indexer.indexer_scores_pallas(*args, page_size=ps, block_pages=bp))
+    assert got.shape[0] == 3 and got.shape[1] >= Np and np.all(got[:, Np:] == -np.inf)
+    got = got[:, :Np]
+    assert np.array_equal(np.isneginf(ref), np.isneginf(got))
+    fin = np.isfinite(ref)
+    scale = _indexer_scale(q, w, pk, layer, ps)
+    np.testing.assert_array_less(np.abs(got[fin] - ref[fin]), (1e-5 * scale + 1e-6)[fin])
+
+
+def test_indexer_scores_pooled_mean_by_hand():
+    """Partial last page: the pooled key divides by the tokens actually in the page."""
+    ps, dI = 4, 16
+    pk = np.zeros((1, 1, 2, dI), np.float32)
+    pk[0, 0, 0, 0] = 8.0   # full page: mean 2
+    pk[0, 0, 1, 0] = 3.0   # 1 token (seq_len 5): mean 3
+    q = np.zeros((1, 1, dI), np.float32)
+    q[0, 0, 0] = 1.0
+    w = np.ones((1, 1), np.float32)
+    for impl in (indexer.indexer_scores_reference, indexer.indexer_scores_pallas):
+        s = np.asarray(impl(jnp.asarray(q), jnp.asarray(w), jnp.asarray(pk), jnp.int32(0),
+                            jnp.array([5]), page_size=ps))[0, :2]
+        np.testing.assert_allclose(s, np.array([2.0, 3.0]) / 4.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_indexer_select_invariants(impl):
+    rng = _rng()
+    L, Np, HI, dI, ps, k, sinks, layer = 2, 40, 8, 16, 4, 7, 1, 1
+    seq_lens = np.array([0, 1, k * ps - 1, Np * ps, rng.integers(1, Np * ps)], np.int32)
+    q, w, pk = _indexer_inputs(rng, L=L, B=len(seq_lens), Np=Np, HI=HI, dI=dI, ps=ps,
+                               seq_lens=seq_lens, layer=layer)
+    sel = indexer.indexer_select(q, w, pk, jnp.int32(layer), jnp.asarray(seq_lens), k=k,
+                                 page_size=ps, num_sink_pages=sinks, implementation=impl)
+    assert sel.shape == (len(seq_lens), k)
+    ref = indexer.indexer_scores_reference(q, w, pk, jnp.int32(layer), jnp.asarray(seq_lens),
+                                           page_size=ps)
+    tol = 1e-4 * float(np.max(_indexer_scale(q, w, pk, layer, ps)))
+    check_selection(sel, seq_lens, k=k, page_size=ps, num_sink_pages=sinks, num_pages=Np,
+                    scores=ref, tol=tol)
+
+
+def test_indexer_update_matches_summarize():
+    rng = _rng()
+    L, B, dI, ps, Np, layer = 2, 3, 16, 4, 5, 0
+    T = Np * ps
+    valid_len = np.array([T, 6, 0], np.int32)
+    keys = jnp.asarray(rng.normal(size=(B, T, dI)), jnp.float32)
+
+    @jax.jit
+    def build(pk):
+        def body(t, pk):
+            pos = jnp.where(t < jnp.asarray(valid_len), t, -1)
+            return indexer.indexer_update(pk, layer, keys[:, t], pos, page_size=ps)
+        return jax.lax.fori_loop(0, T, body, pk)
+
+    pk = build(jnp.full((L, B, Np, dI), jnp.nan))
+    summ = np.asarray(indexer.indexer_summarize(keys, ps, jnp.asarray(valid_len)))
+    nv = _n_valid(valid_len, ps, Np)
+    for b in range(B):
+        np.testing.assert_allclose(np.asarray(pk[layer, b, :nv[b]]), summ[b, :nv[b]],
+                                   rtol=1e-5, atol=1e-5)
+        assert np.all(np.isnan(np.asarray(pk[layer, b, nv[b]:])))
+        assert np.all(summ[b, nv[b]:] == 0)
+    assert np.all(np.isnan(np.asarray(pk[1])))
+
+
+def test_indexer_rejects_bad_index_dim():
+    z = jnp.zeros
+    with pytest.raises(ValueError):
+        indexer.indexer_scores_pallas(z((1, 4, 24)), z((1, 4)), z((1, 1, 8, 24)), 0,
+                                      jnp.array([3]), page_size=4)
+
+
+# ----------------------------------------------------------------------------- dense / top-k
+
+
+def test_dense_select():
+    seq_lens = np.array([0, 1, 8, 9, 40], np.int32)
+    sel = ds.dense_select(jnp.asarray(seq_lens), num_pages=10, num_kv_heads=3, page_size=4)
+    assert sel.shape == (5, 3, 10)
+    check_selection(sel, seq_lens, k=10, page_size=4, num_sink_pages=1, num_pages=10)
+    np.testing.assert_array_equal(np.asarray(sel)[3, 2], [0, 1, 2, -1, -1, -1, -1, -1, -1, -1])
+
+
+def test_select_top_pages_rejects_small_k():
+    with pytest.raises(ValueError):
+        ds.select_top_pages(jnp.zeros((1, 8)), jnp.array([32]), num_pages=8, k=2, page_size=4,
+                            num_sink_pages=2)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_select_top_pages_property(data):
+    """Random shapes, lengths, ties (small-integer scores) and NaN garbage past each sequence."""
+    B = data.draw(st.integers(1, 3))
+    H = data.draw(st.sampled_from([None, 2]))
+    np_ = data.draw(st.sampled_from([1, 5, 16, 37, 200]))  # few shapes: each one compiles
+    pad = data.draw(st.sampled_from([0, 3]))
+    ps = data.draw(st.sampled_from([1, 4]))
+    sinks = data.draw(st.integers(0, 2))
+    k = data.draw(st.sampled_from([3, 8, 20, 40]))
+    method = data.draw(st.sampled_from(TOPK_METHODS))
+    seq_lens = np.array(data.draw(st.lists(st.integers(0, np_ * ps), min_size=B, max_size=B)),
+                        np.int32)
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    shape = (B, np_ + pad) if H is None else (B, H, np_ + pad)
+    scores = rng.integers(-3, 4, size=shape).astype(np.float32)
+    nv = _n_valid(seq_lens, ps, np_)
+    junk = np.arange(np_ + pad)[None] >= nv[:, None]
+    scores[junk if H is None else np.broadcast_to(junk[:, None], shape)] = np.nan
+    sel = ds.select_top_pages(jnp.asarray(scores), jnp.asarray(seq_lens), num_pages=np_, k=k,
+                              page_size=ps, num_sink_pages=sinks, method=method)
+    ref = np.where(np.isnan(scores), -np.inf, scores)
+    check_selection(sel, seq_lens, k=k, page_size=ps, num_sink_pages=sinks, num_pages=np_,
+                    scores=ref[..., :np_])
+
+
+def test_topk_methods_agree_on_distinct_scores():
+    rng = _rng()
+    B, H, N, k = 2, 3, 3000, 40
+    scores = jnp.asarray(rng.permutation(B * H * N).reshape(B, H, N).astype(np.float32))
+    seq_lens = jnp.array([N * 4, 1234 * 4 - 1])
+    kw = dict(num_pages=N, k=k, page_size=4, num_sink_pages=2)
+    a = ds.select_top_pages(scores, seq_lens, method="sort", **kw)
+    for method in ("rounds", "chunked", "auto"):
+        b = ds.select_top_pages(scores, seq_lens, method=method, **kw)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ----------------------------------------------------------------------------- GPU lowering
+
+
+@pytest.fixture
+def no_interpret(monkeypatch):
+    """Lower the real Triton kernels (not interpret mode) although JAX runs on the CPU."""
+    from pallas_kernels import _common
+    monkeypatch.setattr(_common, "interpret_mode", lambda: False)
+
+
+def _lower_for_h200(fn, *args):
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+    dev = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
+    with use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+S = jax.ShapeDtypeStruct
+
+
+@pytest.mark.parametrize("L,B,Np,H,G,D", [(4, 1, 16384, 8, 4, 128), (2, 3, 21, 3, 3, 16)])
+def test_quest_lowers_for_gpu(no_interpret, L, B, Np, H, G, D):
+    def loop(q, kmax, kmin, seq_lens):
+        def body(i, acc):
+            sel = quest.quest_select(q, kmax, kmin, i % L, seq_lens, k=8, page_size=64,
+                                     num_sink_pages=1, implementation="pallas")
+            return acc + sel.sum()
+        return jax.lax.fori_loop(0, 2 * L, body, jnp.int32(0))
+    meta = S((L, B, Np, H, D), jnp.bfloat16)
+    txt = _lower_for_h200(loop, S((B, H * G, D), jnp.bfloat16), meta, meta, S((B,), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.while" in txt
+
+
+@pytest.mark.parametrize("L,B,Np,HI,dI", [(4, 1, 16384, 64, 128), (2, 3, 37, 6, 16)])
+def test_indexer_lowers_for_gpu(no_interpret, L, B, Np, HI, dI):
+    fn = functools.partial(indexer.indexer_select, k=8, page_size=64, num_sink_pages=1,
+                           implementation="pallas")
+    txt = _lower_for_h200(fn, S((B, HI, dI), jnp.bfloat16), S((B, HI), jnp.float32),
+                          S((L, B, Np, dI), jnp.float32), S((), jnp.int32), S((B,), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G,H", [(4, 8), (3, 3)])
+def test_gpu_quest_kernel(G, H):
+    rng = _rng()
+    L, B, Np, D, ps, k, layer = 3, 2, 2000, 128, 64, 32, 2
+    seq_lens = np.array([Np * ps, rng.integers(1, Np * ps)], np.int32)
+    q, kmax, kmin = _quest_inputs(rng, L=L, B=B, Np=Np, H=H, G=G, D=D, ps=ps,
+                                  dtype=jnp.bfloat16, seq_lens=seq_lens, layer=layer)
+    args = (q, kmax, kmin, jnp.int32(layer), jnp.asarray(seq_lens))
+    ref = np.asarray(quest.quest_scores_reference(*args, page_size=ps))
+    got = np.asarray(quest.quest_scores_pallas(*args, page_size=ps))[..., :Np]
+    assert np.array_equal(np.isneginf(ref), np.isneginf(got))
+    fin = np.isfinite(ref)
+    scale = _quest_scale(q, kmax, kmin, layer)
+    np.testing.assert_array_less(np.abs(got[fin] - ref[fin]), (1e-4 * scale + 1e-5)[fin])
+    for method in TOPK_METHODS:
+        sel = quest.quest_select(q, kmax, kmin, layer, jnp.asarray(seq_lens), k=k, page_size=ps,
+                                 num_sink_pages=2, implementation="pallas", topk_method=method)
+        check_selection(sel, seq_lens, k=k, page_size=ps, num_sink_pages=2, num_pages=Np,
+                        scores=ref, tol=1e-3 * float(np.nanmax(scale)))
+
+
+@pytest.mark.gpu
+def test_gpu_indexer_kernel():
+    rng = _rng()
+    L, B, Np, HI, dI, ps, k, layer = 2, 2, 3000, 64, 128, 64, 32, 1
+    seq_lens = np.array([Np * ps, rng.integers(1, Np * ps)], np.int32)
+    q, w, pk = _indexer_inputs(rng, L=L, B=B, Np=Np, HI=HI, dI=dI, ps=ps, seq_lens=seq_lens,
+                               layer=layer, qdtype=jnp.bfloat16)
+    args = (q, w, pk, jnp.int32(layer), jnp.asarray(seq_lens))
+    ref = np.asarray(indexer.indexer_scores_reference(*args, page_size=ps))
+    got = np.asarray(indexer.indexer_scores_pallas(*args, page_size=ps))[:, :Np]
+    assert np.array_equal(np.isneginf(ref), np.isneginf(got))
+    fin = np.isfinite(ref)
+    scale = _indexer_scale(q, w, pk, layer, ps)
+    np.testing.assert_array_less(np.abs(got[fin] - ref[fin]), (1e-4 * scale + 1e-5)[fin])
+    sel = indexer.indexer_select(*args, k=k, page_size=ps, num_sink_pages=1,
+                                 implementation="pallas")
+    check_selection(sel, seq_lens, k=k, page_size=ps, num_sink_pages=1, num_pages=Np,
+                    scores=ref, tol=1e-3 * float(np.max(scale)))
+
+
+@pytest.mark.gpu
+def test_gpu_quest_in_loop_traced_layer():
+    """Inside a jitted fori_loop the layer index is traced; every layer's selection matches."""
+    rng = _rng()
+    L, B, Np, H, G, D, ps, k = 4, 1, 1024, 8, 4, 128, 64, 16
+    seq_lens = np.array([Np * ps - 5], np.int32)
+    q = jnp.asarray(rng.normal(size=(B, H * G, D)), jnp.bfloat16)
+    kmax = jnp.asarray(rng.normal(size=(L, B, Np, H, D)), jnp.bfloat16)
+    kmin = kmax - jnp.asarray(np.abs(rng.normal(size=kmax.shape)), jnp.bfloat16)
+
+    @jax.jit
+    def loop(q, kmax, kmin, seq_lens):
+        def body(i, out):
+            sel = quest.quest_select(q, kmax, kmin, i, seq_lens, k=k, page_size=ps,
+                                     num_sink_pages=1, implementation="pallas")
+            return out.at[i].set(sel)
+        return jax.lax.fori_loop(0, L, body, jnp.zeros((L, B, H, k), jnp.int32))
+
+    out = np.asarray(loop(q, kmax, kmin, jnp.asarray(seq_lens)))
+    for layer in range(L):
+        ref = quest.quest_scores_reference(q, kmax, kmin, jnp.int32(layer),
+                                           jnp.asarray(seq_lens), page_size=ps)
+        check_selection(out[layer], seq_lens, k=k, page_size=ps, num_sink_pages=1,
+                        num_pages=Np, scores=ref, tol=1e-2)
