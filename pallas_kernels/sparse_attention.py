@@ -13,6 +13,14 @@ Semantics shared by the kernel ("pallas") and the reference ("xla"):
 * duplicates: every listed entry is attended as listed, so a page listed twice counts twice
   (selectors never emit duplicates except ``-1``; callers should not rely on this);
 * a (request, head) with no valid token returns ``out = 0`` and ``lse = -inf``.
+
+Kernel (Triton backend): grid ``(B, H, num_splits)``; a program takes the ``G = Hq // H`` query
+heads of one KV head as a ``[G_pad, D]`` block (``G_pad = max(16, next_pow2(G))``, zero rows) and
+runs an online softmax (f32) over its share of the K entries, ``pages_per_iter`` pages per step
+loaded as ``[pages_per_iter * ps, D]`` K and V tiles straight from the pool rows (masked loads:
+invalid pages and tokens are not fetched). Small pages are grouped so a tile holds >= 16 tokens
+(the ``tl.dot`` minimum), so no multiply+sum fallback is needed. Each split writes a normalised
+partial ``[G, D]`` and its log-sum-exp; an XLA fusion merges the splits.
 """
 from __future__ import annotations
 
@@ -58,6 +66,8 @@ def _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads):
         raise ValueError(f"pool shape {pool.shape} != [N, 2*H*ps*D = {2 * H * page_size * D}]")
     if block_rows.shape != page_index.shape or block_rows.shape[:2] != (B, H):
         raise ValueError(f"block_rows {block_rows.shape} / page_index {page_index.shape} != [B, H, K]")
+    if pool.dtype != q.dtype:
+        raise ValueError(f"pool dtype {pool.dtype} != q dtype {q.dtype}")
     if seq_lens.shape != (B,):
         raise ValueError(f"seq_lens shape {seq_lens.shape} != ({B},)")
     for name, v in (("page_size", page_size), ("head_dim", D)):
@@ -72,6 +82,11 @@ def default_num_splits(batch: int, num_kv_heads: int, num_entries: int, pages_pe
     chunks = -(-num_entries // pages_per_iter)
     want = -(-TARGET_PROGRAMS // (batch * num_kv_heads))
     return max(1, min(want, chunks // MIN_CHUNKS_PER_SPLIT))
+
+
+def _empty(q):
+    """Result of an empty selection: ``(zeros like q, -inf [B, Hq] f32)``."""
+    return jnp.zeros_like(q), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
 
 
 def _merge_lse(out, lse, axis):
@@ -108,6 +123,8 @@ def sparse_paged_attention_xla(q, pool, block_rows, page_index, seq_lens, *, pag
     """Reference. Shapes as in :func:`sparse_paged_attention`; ``num_splits``/``tuning`` ignored."""
     del num_splits, tuning
     _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads)
+    if block_rows.shape[-1] == 0:
+        return _empty(q)
     B, Hq, D = q.shape
     H, ps = num_kv_heads, page_size
     G, K = Hq // H, block_rows.shape[-1]
@@ -139,12 +156,15 @@ def sparse_paged_attention_xla(q, pool, block_rows, page_index, seq_lens, *, pag
 # Triton kernel: one program per (b, kv head, split), looping over its pages.
 # --------------------------------------------------------------------------------------------
 def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, o_ref, lse_ref, *,
-            ps, ppi, n_iter, G, scale2, precision):
-    b = pl.program_id(0)
-    h = pl.program_id(1)
-    G_pad, D = q_ref.shape
+            ps, ppi, n_iter, k_per, G, G_pad, scale2, precision):
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    Hq, D = q_ref.shape[1:]
+    K = rows_ref.shape[2]
     T = ppi * ps
-    q = q_ref[...]  # [G_pad, D]
+    # The group's G query heads as a [G_pad, D] block (rows >= G are zero).
+    g = lax.broadcasted_iota(jnp.int32, (G_pad, D), 0)
+    q = pltriton.load(q_ref.at[b, jnp.minimum(h * G + g, Hq - 1), lax.broadcasted_iota(jnp.int32, (G_pad, D), 1)],
+                      mask=g < G, other=0)
     seq_len = len_ref[b]
     tok = lax.broadcasted_iota(jnp.int32, (T,), 0)
     tok_page, tok_off = lax.div(tok, ps), lax.rem(tok, ps)
@@ -153,10 +173,11 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, o_ref, lse_ref, *,
 
     def body(i, carry):
         m, l, acc = carry
-        sel = i * ppi + tok_page  # [T] entry index of each token
-        rows = rows_ref[sel]
-        pidx = pidx_ref[sel]
-        ok = (rows >= 0) & (pidx >= 0) & (pidx * ps + tok_off < seq_len)  # [T]
+        sel = split * k_per + i * ppi + tok_page  # [T] entry index of each token
+        sel_c = jnp.minimum(sel, K - 1)
+        rows = rows_ref[b, h, sel_c]
+        pidx = pidx_ref[b, h, sel_c]
+        ok = (sel < K) & (rows >= 0) & (pidx >= 0) & (pidx * ps + tok_off < seq_len)  # [T]
         rows = jnp.where(ok, rows, 0)
         # Every index is a full [T, D] int array (interpret mode cannot mix gathers and slices).
         rows2 = jnp.broadcast_to(rows[:, None], (T, D))
@@ -180,9 +201,8 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, o_ref, lse_ref, *,
     l_safe = jnp.where(nonempty, l, 1.0)
     out = acc / l_safe[:, None]
     lse = jnp.where(nonempty, (m + jnp.log2(l_safe)) * _LN2, -jnp.inf)
-    rowmask = lax.broadcasted_iota(jnp.int32, (G_pad,), 0) < G
-    pltriton.store(o_ref, out, mask=jnp.broadcast_to(rowmask[:, None], (G_pad, D)))
-    pltriton.store(lse_ref, lse, mask=rowmask)
+    pltriton.store(o_ref, out, mask=g < G)
+    pltriton.store(lse_ref, lse, mask=lax.broadcasted_iota(jnp.int32, (G_pad,), 0) < G)
 
 
 @register(OP, "pallas")
@@ -198,6 +218,8 @@ def sparse_paged_attention_pallas(q, pool, block_rows, page_index, seq_lens, *, 
 def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads, sm_scale,
                  num_splits, tuning, interpret):
     _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads)
+    if block_rows.shape[-1] == 0:
+        return _empty(q)
     tuning = tuning or AttentionTuning()
     B, Hq, D = q.shape
     H, ps = num_kv_heads, page_size
@@ -208,27 +230,20 @@ def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv
     S = num_splits or default_num_splits(B, H, K, ppi)
     S = max(1, min(S, -(-K // ppi)))
     k_per = -(-K // (S * ppi)) * ppi  # entries per split, a multiple of ppi
-    pad = S * k_per - K
-    rows = jnp.pad(block_rows.astype(jnp.int32), ((0, 0), (0, 0), (0, pad)), constant_values=-1)
-    pidx = jnp.pad(page_index.astype(jnp.int32), ((0, 0), (0, 0), (0, pad)), constant_values=-1)
-    rows = rows.reshape(B, H, S, k_per)
-    pidx = pidx.reshape(B, H, S, k_per)
-    q4 = q.reshape(B, H, G, D)
-    if G_pad != G:
-        q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, G_pad - G), (0, 0)))
+    S = -(-K // k_per)  # drop splits that would be empty
     pool5 = pool.reshape(pool.shape[0], 2, H, ps, D)
     scale = (1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, ps=ps, ppi=ppi, n_iter=k_per // ppi, G=G,
+    kernel = functools.partial(_kernel, ps=ps, ppi=ppi, n_iter=k_per // ppi, k_per=k_per, G=G, G_pad=G_pad,
                                scale2=scale * _LOG2E, precision=precision)
     o_part, lse_part = pl.pallas_call(
         kernel,
         grid=(B, H, S),
         in_specs=[
             pl.BlockSpec((B,), lambda b, h, s: (0,)),
-            pl.BlockSpec((None, None, G_pad, D), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, None, k_per), lambda b, h, s: (b, h, s, 0)),
-            pl.BlockSpec((None, None, None, k_per), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((B, Hq, D), lambda b, h, s: (0, 0, 0)),
+            pl.BlockSpec((B, H, K), lambda b, h, s: (0, 0, 0)),
+            pl.BlockSpec((B, H, K), lambda b, h, s: (0, 0, 0)),
             pl.BlockSpec(pool5.shape, lambda b, h, s: (0, 0, 0, 0, 0)),
         ],
         out_specs=[
@@ -242,7 +257,7 @@ def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name="sparse_paged_attention",
-    )(seq_lens.astype(jnp.int32), q4, rows, pidx, pool5)
+    )(seq_lens.astype(jnp.int32), q, block_rows.astype(jnp.int32), page_index.astype(jnp.int32), pool5)
     o_part, lse_part = o_part[:, :, :, :G], lse_part[:, :, :, :G]
     if S == 1:
         out, lse = o_part[:, :, 0], lse_part[:, :, 0]

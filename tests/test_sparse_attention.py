@@ -148,6 +148,16 @@ def test_empty_selection_and_scale():
     check(lse, l64, jnp.float32, seed, "lse")
 
 
+def test_zero_entries():
+    case, static = make_case(fresh_seed(), B=2, H=2, G=2, D=16, ps=16, K=3, dtype=jnp.bfloat16)
+    case["block_rows"] = case["block_rows"][:, :, :0]
+    case["page_index"] = case["page_index"][:, :, :0]
+    for impl in ("xla", "pallas"):
+        out, lse = sparse_paged_attention(**case, **static, implementation=impl)
+        assert out.shape == (2, 4, 16) and out.dtype == jnp.bfloat16 and (np.asarray(out, np.float32) == 0).all()
+        assert lse.shape == (2, 4) and np.isneginf(np.asarray(lse)).all()
+
+
 def test_duplicates_count_as_listed():
     """Documented semantics: a duplicated entry is attended twice, by both implementations."""
     seed = fresh_seed()
