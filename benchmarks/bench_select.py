@@ -29,14 +29,15 @@ from pallas_kernels import indexer, quest
 
 FULL = dict(sizes=(1024, 4096, 16384), L=4, B=1, H=8, G=4, D=128, HI=64, DI=128, ps=64, k=32,
             sinks=1, iters=200, reps=5, copy_mib=1024, sweep_at=16384,
-            quest_blocks=((4, 4), (8, 4), (16, 4), (16, 8), (32, 8)),
-            indexer_blocks=((32, 4), (64, 4), (128, 4), (128, 8)))
+            quest_blocks=((4, 4), (16, 4), (16, 8), (32, 8)),  # default: 8 pages, 4 warps
+            indexer_blocks=((32, 4), (128, 4), (128, 8)))  # default: 64 pages, 4 warps
 QUICK = dict(sizes=(16,), L=2, B=1, H=2, G=2, D=16, HI=16, DI=16, ps=4, k=8, sinks=1,
              iters=2, reps=1, copy_mib=1, sweep_at=16, quest_blocks=((4, 4),),
              indexer_blocks=((16, 4),))
 
 
-SELECT_VARIANTS = (("pallas", "auto"), ("pallas", "sort"), ("pallas", "chunked"), ("xla", "auto"))
+# whole-selector variants (implementation, top-k method); all of them at the sweep size only
+SELECT_VARIANTS = (("pallas", "auto"), ("xla", "auto"), ("pallas", "sort"), ("pallas", "chunked"))
 
 
 def _commit() -> str:
@@ -71,9 +72,13 @@ def _hbm_copy_gbps(mib, iters, reps):
     return 2 * n * 2 / t / 1e9
 
 
-def run(out_dir, quick=False):
-    """Run the benchmark; write ``bench_select.json`` to ``out_dir``; return the record."""
-    c = QUICK if quick else FULL
+def run(out_dir, quick=False, sizes=None):
+    """Run the benchmark; write ``bench_select.json`` to ``out_dir``; return the record.
+
+    sizes: page counts per sequence (default 1k, 4k, 16k pages of 64 tokens)."""
+    c = dict(QUICK if quick else FULL)
+    if sizes:
+        c["sizes"] = tuple(sizes)
     L, B, H, G, D, ps, k, sinks = (c[x] for x in ("L", "B", "H", "G", "D", "ps", "k", "sinks"))
     HI, DI, iters, reps = c["HI"], c["DI"], c["iters"], c["reps"]
     key = jax.random.PRNGKey(0)
@@ -96,6 +101,7 @@ def run(out_dir, quick=False):
     for np_ in c["sizes"]:
         seq_lens = jnp.full((B,), np_ * ps - ps // 2, jnp.int32)
         sel_kw = dict(k=k, page_size=ps, num_sink_pages=sinks)
+        variants = SELECT_VARIANTS if np_ == c["sweep_at"] else SELECT_VARIANTS[:2]
         top_kw = dict(num_pages=np_, **sel_kw)
         # ---------------------------------------------------------------- Quest
         k1, k2, k3, key = jax.random.split(key, 4)
@@ -125,7 +131,7 @@ def run(out_dir, quick=False):
             rec("quest", np_, f"topk_{method}",
                 _time_loop(body, jnp.zeros((B, H, k), jnp.int32), iters, reps,
                            (scores, seq_lens)))
-        for impl, method in SELECT_VARIANTS:
+        for impl, method in variants:
             def body(i, acc, q, kmax, kmin, seq_lens, impl=impl, method=method):
                 return acc + quest.quest_select(q, kmax, kmin, i % L, seq_lens,
                                                 implementation=impl, topk_method=method,
@@ -161,7 +167,7 @@ def run(out_dir, quick=False):
                 return acc + ds.select_top_pages(s, seq_lens, method=method, **top_kw)
             rec("indexer", np_, f"topk_{method}",
                 _time_loop(body, jnp.zeros((B, k), jnp.int32), iters, reps, (scores, seq_lens)))
-        for impl, method in SELECT_VARIANTS:
+        for impl, method in variants:
             def body(i, acc, qi, w, pk, seq_lens, impl=impl, method=method):
                 return acc + indexer.indexer_select(qi, w, pk, i % L, seq_lens,
                                                     implementation=impl, topk_method=method,
@@ -209,8 +215,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="output directory for bench_select.json")
     ap.add_argument("--quick", action="store_true", help="tiny smoke test (also runs on CPU)")
+    ap.add_argument("--sizes", default="", help="comma-separated page counts, e.g. 1024,16384")
     a = ap.parse_args()
-    run(a.out, quick=a.quick)
+    run(a.out, quick=a.quick, sizes=[int(x) for x in a.sizes.split(",") if x])
 
 
 if __name__ == "__main__":
