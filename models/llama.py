@@ -1,0 +1,345 @@
+"""Functional Llama-family decoder over a params pytree (plain nested dicts of jnp arrays).
+
+Layers are stacked along a leading `L` axis and `forward` runs `lax.scan` over them, calling
+the caller's `attend` for attention, so the KV cache (in `attend`'s carry) is not this
+module's business. Weights are stored input-major (`y = x @ W`, the transpose of a torch
+`nn.Linear` weight). Query head `i` reads KV head `i // group_size`. RoPE is the half-split
+(NeoX / HF `rotate_half`) convention. Shapes: `B` requests, `T` tokens, `d` d_model,
+`Hq`/`H` query/KV heads, `D` head_dim, `F` ffn_dim, `V` vocab, `H_I`/`dI` indexer heads/dim.
+
+Numerics: parameters and activations in `cfg.dtype`; matmuls accumulate in float32;
+norms, RoPE, softmax and logits are computed in float32.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.configs import ModelConfig
+
+Params = dict[str, Any]
+# attend(layer i32[], layer_params, h [B,T,d], q [B,T,Hq,D], k [B,T,H,D], v [B,T,H,D], carry)
+#   -> (attn [B,T,Hq,D], carry)
+AttendFn = Callable[..., tuple[jax.Array, Any]]
+
+INDEXER_LN_EPS = 1e-6  # eps of the indexer key LayerNorm
+_ROPE_SPLIT = 1024  # positions are split as a * 1024 + b for accurate RoPE angles
+
+
+def _dtype(cfg: ModelConfig):
+    return jnp.dtype(cfg.dtype)
+
+
+def _proj(x, w, b=None):
+    """x [..., i] @ w [i, o] (+ b [o]) -> [..., o] float32 (f32 accumulation)."""
+    y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y
+
+
+def rms_norm(x, w, eps: float):
+    """RMSNorm over the last axis: x [..., n] (any float dtype), w [n] -> [..., n] float32."""
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    return xf * jax.lax.rsqrt(var + eps) * w.astype(jnp.float32)
+
+
+def _layer_norm(x, w, b, eps: float):
+    """LayerNorm over the last axis: x [..., n], w [n], b [n] -> [..., n] float32."""
+    xf = x.astype(jnp.float32)
+    mu = jnp.mean(xf, axis=-1, keepdims=True)
+    xc = xf - mu
+    var = jnp.mean(xc * xc, axis=-1, keepdims=True)
+    return xc * jax.lax.rsqrt(var + eps) * w.astype(jnp.float32) + b.astype(jnp.float32)
+
+
+def rope_angles(positions, rot_dim: int, theta: float):
+    """Rotation angles `positions * theta**(-2j/rot_dim)`: positions [B, T] int -> [B, T, rot_dim//2] f32.
+
+    Computed as `a * (S * f mod 2pi) + b * f` with `positions = a * S + b` (S = 1024), the
+    constants in float64 on the host: the angle error is <= ~1e-4 rad up to 1e5 positions
+    and ~7e-4 at 1e6 (a plain float32 `pos * f` product: 7e-3 and 0.06 rad).
+    """
+    inv = 1.0 / (float(theta) ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim))
+    big = np.mod(inv * _ROPE_SPLIT, 2 * np.pi)
+    pos = positions.astype(jnp.int32)
+    a = (pos // _ROPE_SPLIT).astype(jnp.float32)[..., None]
+    b = (pos % _ROPE_SPLIT).astype(jnp.float32)[..., None]
+    return a * jnp.asarray(big, jnp.float32) + b * jnp.asarray(inv, jnp.float32)
+
+
+def apply_rope(x, positions, theta: float, rot_dim: int | None = None):
+    """Half-split (NeoX) RoPE on the first `rot_dim` (default all) features of each head.
+
+    x [B, T, N, Dx] (any float dtype), positions [B, T] int32 -> [B, T, N, Dx] float32.
+    With r = rot_dim // 2, features (j, j + r) rotate by angle pos * theta**(-2j / rot_dim):
+    `out[j] = x[j] cos - x[j+r] sin`, `out[j+r] = x[j+r] cos + x[j] sin` (HF `rotate_half`).
+    """
+    dx = x.shape[-1]
+    rot = dx if rot_dim is None else int(rot_dim)
+    if rot % 2 or not 0 < rot <= dx:
+        raise ValueError(f"apply_rope: rot_dim must be even and in (0, {dx}], got {rot}")
+    half = rot // 2
+    ang = rope_angles(positions, rot, theta)[:, :, None, :]  # [B, T, 1, half]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:rot]
+    out = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if rot < dx:
+        out.append(xf[..., rot:])
+    return jnp.concatenate(out, axis=-1)
+
+
+# --------------------------------------------------------------------------- parameters
+
+def _param_specs(cfg: ModelConfig):
+    """[(path, shape, init std or 'ones'/'zeros')] in a fixed order (defines the init keys)."""
+    L, d, V, F = cfg.num_layers, cfg.d_model, cfg.vocab_size, cfg.ffn_dim
+    qd, kvd = cfg.q_dim, cfg.kv_dim
+    res = 1.0 / math.sqrt(2 * L)  # residual-branch output scaling
+    specs = [(("embed",), (V, d), d ** -0.5)]
+    lay = [("attn_norm", (L, d), "ones"),
+           ("wq", (L, d, qd), d ** -0.5),
+           ("wk", (L, d, kvd), d ** -0.5),
+           ("wv", (L, d, kvd), d ** -0.5)]
+    if cfg.qkv_bias:
+        lay += [("bq", (L, qd), 0.1), ("bk", (L, kvd), 0.1), ("bv", (L, kvd), 0.1)]
+    lay += [("wo", (L, qd, d), qd ** -0.5 * res),
+            ("mlp_norm", (L, d), "ones"),
+            ("w_gate", (L, d, F), d ** -0.5),
+            ("w_up", (L, d, F), d ** -0.5),
+            ("w_down", (L, F, d), F ** -0.5 * res)]
+    if cfg.has_indexer:
+        hi, di = cfg.indexer_heads, cfg.indexer_dim
+        lay += [("idx_wq", (L, d, hi * di), d ** -0.5),
+                ("idx_wk", (L, d, di), d ** -0.5),
+                ("idx_knorm_w", (L, di), "ones"),
+                ("idx_knorm_b", (L, di), "zeros"),
+                ("idx_ww", (L, d, hi), d ** -0.5)]
+    specs += [(("layers", n), s, i) for n, s, i in lay]
+    specs.append((("final_norm",), (d,), "ones"))
+    if not cfg.tie_embeddings:
+        specs.append((("lm_head",), (d, V), d ** -0.5))
+    return specs
+
+
+def _set(tree: Params, path, val):
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = val
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_jax(cfg: ModelConfig, key):
+    """All parameters with jax.random in one program (big models; runs on the device)."""
+    dt = _dtype(cfg)
+    params: Params = {}
+    for i, (path, shape, init) in enumerate(_param_specs(cfg)):
+        if init in ("ones", "zeros"):
+            val = (jnp.ones if init == "ones" else jnp.zeros)(shape, dt)
+        else:
+            val = (jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+                   * init).astype(dt)
+        _set(params, path, val)
+    return params
+
+
+def _init_numpy(cfg: ModelConfig, seed: int) -> Params:
+    """All parameters with numpy on the host (small models: no XLA compile)."""
+    dt = _dtype(cfg)
+    params: Params = {}
+    for i, (path, shape, init) in enumerate(_param_specs(cfg)):
+        if init in ("ones", "zeros"):
+            val = (np.ones if init == "ones" else np.zeros)(shape, np.float32)
+        else:
+            rng = np.random.default_rng([seed % 2**64, i])
+            val = rng.standard_normal(shape, np.float32) * np.float32(init)
+        _set(params, path, jnp.asarray(val.astype(dt)))
+    return params
+
+
+_NUMPY_INIT_MAX = 1 << 28  # models up to this many parameters are initialised with numpy
+
+
+def init_params(cfg: ModelConfig, seed: int) -> Params:
+    """Seeded random parameters (scaled normal; norm weights 1), layers stacked on axis 0.
+
+    Returns {"embed": [V, d], "layers": {"attn_norm": [L, d], "wq": [L, d, Hq*D],
+    "wk"/"wv": [L, d, H*D], ("bq": [L, Hq*D], "bk"/"bv": [L, H*D] if qkv_bias),
+    "wo": [L, Hq*D, d], "mlp_norm": [L, d], "w_gate"/"w_up": [L, d, F], "w_down": [L, F, d],
+    (if indexer: "idx_wq": [L, d, H_I*dI], "idx_wk": [L, d, dI], "idx_knorm_w"/"idx_knorm_b":
+    [L, dI] (ones/zeros), "idx_ww": [L, d, H_I])}, "final_norm": [d], ("lm_head": [d, V] if
+    untied)}, all in cfg.dtype on the default device. Std: fan_in**-0.5 for projections
+    and the embedding, times (2L)**-0.5 for wo/w_down, 0.1 for biases. The values depend
+    only on (cfg, seed): models up to 2**28 parameters are drawn with numpy on the host (no
+    compile), bigger ones with jax.random in one jitted program on the device.
+    """
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, (bool, np.bool_)):
+        raise TypeError(f"init_params: seed must be an int, got {seed!r}")
+    if num_params(cfg) <= _NUMPY_INIT_MAX:
+        return _init_numpy(cfg, int(seed))
+    return _init_jax(cfg, jax.random.key(int(seed) % 2**32))
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """The `init_params` tree as jax.ShapeDtypeStruct leaves (nothing is allocated)."""
+    return jax.eval_shape(functools.partial(_init_jax, cfg), jax.random.key(0))
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """Total number of parameters (Python int)."""
+    return sum(math.prod(shape) for _, shape, _ in _param_specs(cfg))
+
+
+# --------------------------------------------------------------------------- blocks
+
+def embed(params: Params, cfg: ModelConfig, tokens) -> jax.Array:
+    """tokens [B, T] int32 -> x [B, T, d] cfg.dtype (ids outside [0, V) are clamped)."""
+    return jnp.take(params["embed"], tokens, axis=0, mode="clip").astype(_dtype(cfg))
+
+
+def attention_inputs(layer_params: Params, cfg: ModelConfig, x, positions):
+    """Pre-attention RMSNorm, q/k/v projections and RoPE for one layer.
+
+    layer_params: one layer's slice of params["layers"] (no L axis); x [B, T, d];
+    positions [B, T] int32 (may differ per request).
+    Returns (h [B, T, d], q [B, T, Hq, D], k [B, T, H, D], v [B, T, H, D]), all cfg.dtype;
+    h is the normed x, q and k have RoPE applied at `positions`.
+    """
+    dt = _dtype(cfg)
+    B, T, _ = x.shape
+    Hq, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    lp = layer_params
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_eps).astype(dt)
+    q = _proj(h, lp["wq"], lp.get("bq")).reshape(B, T, Hq, D)
+    k = _proj(h, lp["wk"], lp.get("bk")).reshape(B, T, H, D)
+    v = _proj(h, lp["wv"], lp.get("bv")).reshape(B, T, H, D)
+    q = apply_rope(q, positions, cfg.rope_theta)
+    k = apply_rope(k, positions, cfg.rope_theta)
+    return h, q.astype(dt), k.astype(dt), v.astype(dt)
+
+
+def indexer_inputs(layer_params: Params, cfg: ModelConfig, h, positions, *, rope_dims: int = 0):
+    """Lightning-indexer projections (DSA-style) of the normed hidden state `h` [B, T, d].
+
+    Returns (q_idx [B, T, H_I, dI] cfg.dtype, weights [B, T, H_I] f32 = (h @ idx_ww) * H_I**-0.5,
+    k_idx [B, T, dI] cfg.dtype = LayerNorm(h @ idx_wk) with idx_knorm_w/_b, eps 1e-6).
+    By default no RoPE is applied to the index vectors (`positions` is then unused); with
+    `rope_dims > 0`, half-split RoPE rotates the first `rope_dims` features of q_idx and
+    k_idx at `positions` [B, T] (DSA puts its RoPE dims first).
+    """
+    if not cfg.has_indexer:
+        raise ValueError(f"indexer_inputs: config {cfg.name!r} has no indexer "
+                         "(use configs.with_indexer)")
+    dt = _dtype(cfg)
+    B, T, _ = h.shape
+    HI, dI = cfg.indexer_heads, cfg.indexer_dim
+    lp = layer_params
+    q = _proj(h, lp["idx_wq"]).reshape(B, T, HI, dI)
+    w = _proj(h, lp["idx_ww"]) * (HI ** -0.5)
+    k = _layer_norm(_proj(h, lp["idx_wk"]), lp["idx_knorm_w"], lp["idx_knorm_b"], INDEXER_LN_EPS)
+    if rope_dims:
+        q = apply_rope(q, positions, cfg.rope_theta, rope_dims)
+        k = apply_rope(k[:, :, None, :], positions, cfg.rope_theta, rope_dims)[:, :, 0, :]
+    return q.astype(dt), w, k.astype(dt)
+
+
+def layer_output(layer_params: Params, cfg: ModelConfig, x, attn) -> jax.Array:
+    """Output projection + residual, then RMSNorm + SwiGLU MLP + residual.
+
+    x [B, T, d], attn [B, T, Hq, D] (any float dtype) -> x [B, T, d] cfg.dtype.
+    """
+    dt = _dtype(cfg)
+    B, T, _ = x.shape
+    lp = layer_params
+    a = attn.astype(dt).reshape(B, T, cfg.q_dim)
+    x = (x.astype(jnp.float32) + _proj(a, lp["wo"])).astype(dt)
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_eps).astype(dt)
+    g = _proj(h, lp["w_gate"])
+    u = _proj(h, lp["w_up"])
+    m = (jax.nn.silu(g) * u).astype(dt)
+    return (x.astype(jnp.float32) + _proj(m, lp["w_down"])).astype(dt)
+
+
+def final_logits(params: Params, cfg: ModelConfig, x) -> jax.Array:
+    """Final RMSNorm and LM head: x [B, T, d] -> logits [B, T, V] float32 (tied: embed.T)."""
+    h = rms_norm(x, params["final_norm"], cfg.rms_eps).astype(_dtype(cfg))
+    if cfg.tie_embeddings:
+        return jnp.einsum("btd,vd->btv", h, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,dv->btv", h, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def gqa_attention(q, k, v, mask, sm_scale: float | None = None) -> jax.Array:
+    """Masked softmax attention with grouped KV heads (pure jnp reference).
+
+    q [B, T, Hq, D], k [B, S, H, D], v [B, S, H, D], mask [B, T, S] bool (True = attend).
+    Query head i uses KV head i // (Hq // H). Returns [B, T, Hq, D] in q.dtype; a query with
+    no allowed key gets zeros. Keys masked for every query may hold NaN/garbage.
+    """
+    B, T, Hq, D = q.shape
+    H = k.shape[2]
+    G = Hq // H
+    scale = D ** -0.5 if sm_scale is None else sm_scale
+    qg = q.reshape(B, T, H, G, D)
+    s = jnp.einsum("bthgd,bshd->bhgts", qg, k, preferred_element_type=jnp.float32) * scale
+    m5 = mask[:, None, None, :, :]
+    s = jnp.where(m5, s, -jnp.inf)
+    mx = jnp.max(s, axis=-1, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    p = jnp.where(m5, jnp.exp(s - mx), 0.0)
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(den > 0, den, 1.0)
+    used = jnp.any(mask, axis=1)[:, :, None, None]  # [B, S, 1, 1]: key used by some query
+    v = jnp.where(used, v, jnp.zeros((), v.dtype))
+    o = jnp.einsum("bhgts,bshd->bthgd", p, v.astype(jnp.float32))
+    return o.reshape(B, T, Hq, D).astype(q.dtype)
+
+
+def dense_attend(layer, layer_params, h, q, k, v, carry):
+    """Causal full attention over the T tokens of this call (an `attend` for `forward`).
+
+    Token index t attends to indices <= t. `carry` is passed through unchanged: None (all T
+    tokens valid) or lengths [B] int32 (right padding: keys at indices >= lengths[b] are
+    masked; outputs at padded queries are finite but meaningless).
+    q [B, T, Hq, D], k/v [B, T, H, D] -> (attn [B, T, Hq, D] q.dtype, carry).
+    """
+    del layer, layer_params, h
+    T = q.shape[1]
+    idx = jnp.arange(T, dtype=jnp.int32)
+    mask = (idx[None, :] <= idx[:, None])[None]  # [1, T, S]
+    if carry is not None:
+        mask = mask & (idx[None, None, :] < jnp.asarray(carry, jnp.int32)[:, None, None])
+    mask = jnp.broadcast_to(mask, (q.shape[0], T, T))
+    return gqa_attention(q, k, v, mask), carry
+
+
+def forward(params: Params, cfg: ModelConfig, tokens, positions, attend: AttendFn, carry,
+            *, unroll: int = 1):
+    """Full model: embed, `lax.scan` over the stacked layers, final logits.
+
+    tokens [B, T] int32, positions [B, T] int32. Per layer (index `layer`, traced i32
+    scalar): `h, q, k, v = attention_inputs(...)`, then
+    `attn, carry = attend(layer, layer_params, h, q, k, v, carry)` (the caller's attention,
+    its cache in `carry`; carry structure must be preserved), then `layer_output`.
+    Returns (logits [B, T, V] float32, carry). `forward(p, cfg, tok, pos, dense_attend, None)`
+    is a plain causal model.
+    """
+    x = embed(params, cfg, tokens)
+
+    def body(c, xs):
+        x, ac = c
+        layer, lp = xs
+        h, q, k, v = attention_inputs(lp, cfg, x, positions)
+        attn, ac = attend(layer, lp, h, q, k, v, ac)
+        return (layer_output(lp, cfg, x, attn), ac), None
+
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, carry), _ = jax.lax.scan(body, (x, carry), (layers, params["layers"]), unroll=unroll)
+    return final_logits(params, cfg, x), carry
