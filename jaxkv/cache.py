@@ -88,8 +88,18 @@ def cache_shardings(device=None) -> HostTierCache:
 
 @functools.lru_cache(maxsize=None)
 def _filler(shape: tuple, dtype: str, fill: str, sharding) -> callable:
-    """A cached jitted allocator, so repeated cache construction never recompiles."""
-    return jax.jit(lambda: jnp.full(shape, float(fill), dtype), out_shardings=sharding)
+    """A cached jitted allocator, so repeated cache construction never recompiles.
+
+    A pinned_host result is also *typed* as host memory (device_put to Space.Host as the
+    last op), so it can be a loop carry next to the aliased writes that keep it there.
+    """
+    host = sharding.memory_kind == "pinned_host"
+
+    def alloc():
+        x = jnp.full(shape, float(fill), dtype)
+        return jax.device_put(x, jax.memory.Space.Host) if host else x
+
+    return jax.jit(alloc, out_shardings=sharding)
 
 
 def init_cache(spec: CacheSpec, *, device=None, poison: bool = False) -> HostTierCache:

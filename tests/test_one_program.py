@@ -1,0 +1,63 @@
+"""The decode round is ONE compiled program with the host tier inside it.
+
+CPU: the compiled module of a round has a while loop, takes the pinned_host array as a
+parameter and returns it, and contains no copy of it. GPU (marker ``gpu``): the same on the
+H200's compiled HLO, where a copy would be a real 'host array -> device' transfer.
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import CacheConfig, Sampling, engine
+from jaxkv.api import make_plan
+from models import configs, llama
+
+
+def _compiled_round(cfg, cache_cfg, prompt_lens, max_new=8):
+    params = llama.init_params(cfg, seed=0)
+    plan = make_plan(cfg, cache_cfg, prompt_lens, max_new, num_stop=4)
+    B = plan.batch
+    state = engine.DecodeState(
+        kv=engine.init_kv(plan), summaries=engine.init_summaries(plan),
+        lengths=jnp.asarray(prompt_lens, jnp.int32), last_token=jnp.ones((B,), jnp.int32),
+        done=jnp.zeros((B,), bool), n_generated=jnp.ones((B,), jnp.int32),
+        key=jax.random.key(0))
+    lowered = engine.lower_decode_round(plan, params, state, Sampling.make(),
+                                        jnp.full((4,), -1, jnp.int32), jnp.int32(max_new))
+    return plan, lowered.compile().as_text()
+
+
+def _host_copies(hlo: str, host_shape) -> list[str]:
+    dims = ",".join(str(d) for d in host_shape)
+    pat = re.compile(r"\[" + re.escape(dims) + r"\]")
+    return [l.strip()[:200] for l in hlo.splitlines()
+            if pat.search(l) and re.search(r"\b(copy|copy-start|copy-done)\(", l)]
+
+
+def _check(plan, hlo):
+    assert " while(" in hlo or "while (" in hlo or re.search(r"\bwhile\b", hlo)
+    assert not _host_copies(hlo, plan.spec.host_shape), _host_copies(hlo, plan.spec.host_shape)[:3]
+
+
+def test_decode_round_is_one_program_cpu():
+    cfg = configs.tiny()
+    plan, hlo = _compiled_round(cfg, CacheConfig(mode="host", selector="quest", page_size=4,
+                                                 selected_pages=4), [30, 17])
+    _check(plan, hlo)
+    # the host tier is an entry parameter of the one program (pinned host memory space S(5))
+    dims = ",".join(str(d) for d in plan.spec.host_shape)
+    assert re.search(r"\[" + dims + r"\][^\n]*S\(5\)", hlo) or "pinned_host" in hlo
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["pallas"])
+def test_decode_round_is_one_program_gpu(impl):
+    cfg = configs.tiny(dtype="bfloat16", head_dim=64, num_kv_heads=2, num_heads=8)
+    plan, hlo = _compiled_round(cfg, CacheConfig(mode="host", selector="quest", page_size=16,
+                                                 selected_pages=4, implementation=impl), [300, 170])
+    _check(plan, hlo)
+    dims = ",".join(str(d) for d in plan.spec.host_shape)
+    assert re.search(r"\[" + dims + r"\][^\n]*S\(5\)", hlo)
