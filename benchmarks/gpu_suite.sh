@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs the GPU checks and benchmarks on a CUDA machine (the H200 through the device tool):
+#   bash benchmarks/gpu_suite.sh OUTDIR [stage ...]
+# stages: env tests fetch attention select decode quality (default: env tests fetch attention)
+# Every stage writes its log and JSON under OUTDIR; a short summary is printed last.
+set -uo pipefail
+OUT=${1:?usage: gpu_suite.sh OUTDIR [stage ...]}; shift
+mkdir -p "$OUT"
+STAGES=${*:-env tests fetch attention}
+export PYTHONPATH=${PYTHONPATH:-.}:.
+export PYTHONUNBUFFERED=1
+export JAXKV_COMMIT=${JAXKV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+PY=${PY:-python3}
+summary=()
+run() {  # name timeout cmd...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-10s rc=%-3s %4ss' "$name" "$rc" "$(( $(date +%s) - t0 ))")")
+  tail -n 25 "$OUT/$name.log"
+}
+for s in $STAGES; do
+  echo "===== $s"
+  case $s in
+    env) run env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -c 'import jax; print(jax.__version__, jax.devices())'" ;;
+    tests) run tests 420 $PY -m pytest -q -m gpu -p no:cacheprovider tests/ -x --timeout=400 -o addopts="" ;;
+    fetch) run fetch 300 $PY benchmarks/bench_fetch.py --out "$OUT" ;;
+    attention) run attention 300 $PY benchmarks/bench_attention.py --out "$OUT" ;;
+    select) run select 200 $PY benchmarks/bench_select.py --out "$OUT" ;;
+    decode) run decode 560 $PY benchmarks/bench_decode.py --out "$OUT" ;;
+    quality) run quality 400 $PY benchmarks/bench_quality.py --out "$OUT" ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
+echo "===== summary ($JAXKV_COMMIT)"
+printf '%s\n' "${summary[@]}"
