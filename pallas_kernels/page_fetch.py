@@ -42,10 +42,13 @@ OP = "fetch_pages"
 # Defaults of the tunables. The benchmark (benchmarks/bench_fetch.py) sweeps variants on
 # the H200 and prints the best per target point: update these constants from its output.
 DEFAULT_CHUNK_BYTES = 16 * 1024      # bytes per entry per load
+DEFAULT_MIN_CHUNK_BYTES = 4 * 1024   # smallest default chunk (small launches split rows)
 DEFAULT_PROGRAM_BYTES = 16 * 1024    # aim for this many bytes in flight per program ...
 DEFAULT_MIN_PROGRAMS = 264           # ... but keep at least this many programs (2 x 132 SMs)
 DEFAULT_MAX_ENTRIES = 8
-_MAX_PROGRAM_BYTES = 64 * 1024       # register budget: E * B * itemsize per program
+_MAX_PROGRAM_BYTES = 64 * 1024       # default register budget: E * B * itemsize per program
+MAX_CHUNK_BYTES = 128 * 1024         # hard caps (registers): B * itemsize ...
+MAX_PROGRAM_BYTES = 128 * 1024       # ... and E * B * itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,14 +78,22 @@ def resolve_tuning(num_entries: int, row_elems: int, itemsize: int, *,
     """Fill unset tunables with defaults and snap set ones to legal values.
 
     ``chunk_elems`` is rounded down to a power of two dividing ``row_elems`` (``0`` = the
-    largest such, i.e. the whole row when it is a power of two); ``chunks_per_program`` to
-    a divisor of the chunk count (``0`` = all chunks of the row, one program per row);
-    ``pages_per_program`` to a power of two. ``naive_tuning`` gives the baseline layout.
+    largest such, i.e. the whole row when it is a power of two) and capped at
+    ``MAX_CHUNK_BYTES``; ``chunks_per_program`` to a divisor of the chunk count (``0`` = all
+    chunks of the row, one program per row); ``pages_per_program`` to a power of two with
+    ``E * B * itemsize <= MAX_PROGRAM_BYTES``. ``naive_tuning`` gives the baseline layout.
     """
     R, M = int(row_elems), max(int(num_entries), 1)
     if chunk_elems is None:
-        chunk_elems = max(1, DEFAULT_CHUNK_BYTES // itemsize)
-    B = _common.largest_pow2_divisor(R, chunk_elems if chunk_elems > 0 else R)
+        # Default: DEFAULT_CHUNK_BYTES, halved (down to DEFAULT_MIN_CHUNK_BYTES) while the
+        # launch would have fewer than DEFAULT_MIN_PROGRAMS programs (spread over the SMs).
+        B = _common.largest_pow2_divisor(R, max(1, DEFAULT_CHUNK_BYTES // itemsize))
+        while (M * (R // B) < DEFAULT_MIN_PROGRAMS and B % 2 == 0
+               and B * itemsize > DEFAULT_MIN_CHUNK_BYTES):
+            B //= 2
+    else:
+        B = _common.largest_pow2_divisor(R, chunk_elems if chunk_elems > 0 else R)
+    B = min(B, max(1, MAX_CHUNK_BYTES // itemsize))  # both powers of two
     n_chunks = R // B
     if chunks_per_program is None:
         chunks_per_program = 1
@@ -95,15 +106,15 @@ def resolve_tuning(num_entries: int, row_elems: int, itemsize: int, *,
         e = min(e, max(1, _MAX_PROGRAM_BYTES // load_bytes))
         pages_per_program = e
     E = 1 << (max(1, int(pages_per_program)).bit_length() - 1)
-    E = min(E, _common.next_pow2(M))
+    E = min(E, _common.next_pow2(M), max(1, MAX_PROGRAM_BYTES // (B * itemsize)))
     if num_warps is None:
         num_warps = 8 if E * B * itemsize >= 16 * 1024 else 4
     return FetchTuning(E, B, K, int(num_warps), num_stages)
 
 
-def naive_tuning(row_elems: int) -> dict:
-    """Tunables of the naive baseline: one row per program, as few loads as possible."""
-    del row_elems
+def naive_tuning() -> dict:
+    """Tunables of the naive baseline: one row per program, as few loads as possible
+    (loads of up to ``MAX_CHUNK_BYTES``), 4 warps."""
     return dict(pages_per_program=1, chunk_elems=0, chunks_per_program=0, num_warps=4)
 
 
@@ -240,18 +251,23 @@ def is_traced(x) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _eager_jit(fn, donate: int, out_sharding, tuning_items):
-    return jax.jit(functools.partial(fn, **dict(tuning_items)), donate_argnums=(donate,),
-                   out_shardings=out_sharding)
+def _eager_jit(fn, donate: int, out_sharding, host_typed: bool, tuning_items):
+    def run(*args):
+        out = fn(*args, **dict(tuning_items))
+        # A pallas_call output is typed as device memory; give it back the input's type.
+        return jax.device_put(out, jax.memory.Space.Host) if host_typed else out
+    return jax.jit(run, donate_argnums=(donate,), out_shardings=out_sharding)
 
 
 def call_in_place(fn, args, donate: int, **tuning):
     """Run ``fn(*args, **tuning)``; outside a trace, jit it donating ``args[donate]`` and
-    keeping the output's sharding/memory kind (pinned_host outputs need out_shardings)."""
+    keeping the output's sharding/memory kind (pinned_host outputs need out_shardings) and
+    its type's memory space (``jax.typeof(x).memory_space``)."""
     target = args[donate]
     if any(is_traced(a) for a in args) or not isinstance(target, jax.Array):
         return fn(*args, **tuning)
-    f = _eager_jit(fn, donate, target.sharding, tuple(sorted(tuning.items())))
+    f = _eager_jit(fn, donate, target.sharding, _is_host(target),
+                   tuple(sorted(tuning.items())))
     return f(*args)
 
 

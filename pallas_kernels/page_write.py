@@ -20,6 +20,12 @@ Write-through to the host tier (``dst`` in pinned_host memory), see docs/DESIGN.
   result in :func:`keep_on_host`. A ``pallas_call`` output is typed as device memory even
   when it aliases a host input; ``keep_on_host`` re-annotates it (no copy is emitted) so the
   carry keeps its memory kind. The device pool needs nothing.
+* The carry's initial value must then be typed as host memory too
+  (``jax.typeof(x).memory_space == Space.Host``). ``jax.device_put(x, host_sharding)``
+  gives that, and so does a jitted allocator whose last op is
+  ``jax.device_put(x, jax.memory.Space.Host)``; a jit with only
+  ``out_shardings=<pinned_host>`` returns a pinned_host array typed as *device* memory, and
+  a loop carrying it fails with "carry input and carry output must have equal types".
 """
 from __future__ import annotations
 

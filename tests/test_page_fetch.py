@@ -34,6 +34,12 @@ def rng():
     return np.random.default_rng(seed)
 
 
+def host_zeros(shape, dtype=jnp.bfloat16):
+    """Zeros in pinned_host memory, typed as host memory (usable as a loop carry)."""
+    return jax.jit(lambda: jax.device_put(jnp.zeros(shape, dtype), jax.memory.Space.Host),
+                   out_shardings=HOST)()
+
+
 def as_f32(x):
     return np.asarray(jnp.asarray(x).astype(jnp.float32))
 
@@ -148,8 +154,10 @@ def test_resolve_tuning():
     assert t.pages_per_program >= 2 and 2048 // t.pages_per_program >= 132
     t = page_fetch.resolve_tuning(256, 6144, 2, chunk_elems=0, chunks_per_program=0)
     assert (t.chunk_elems, t.chunks_per_program) == (2048, 3)
-    t = page_fetch.resolve_tuning(5, 32768, 2)
+    t = page_fetch.resolve_tuning(1024, 32768, 2)
     assert t.pages_per_program == 1 and t.chunk_elems * 2 == page_fetch.DEFAULT_CHUNK_BYTES
+    t = page_fetch.resolve_tuning(5, 32768, 2)  # few pages: rows split into small chunks
+    assert t.pages_per_program == 1 and t.chunk_elems * 2 == page_fetch.DEFAULT_MIN_CHUNK_BYTES
     for m, r, isz in [(1, 384, 4), (13, 6144, 2), (4096, 131072, 2), (7, 2048, 4)]:
         t = page_fetch.resolve_tuning(m, r, isz)
         for v in (t.pages_per_program, t.chunk_elems):
@@ -184,6 +192,26 @@ def test_fetch_lowers_to_triton(no_interpret, row, n_host):
             sds((n_host, row), jnp.bfloat16, sharding=HOST), sds((64, row), jnp.bfloat16),
             sds((37,), jnp.int32), sds((37,), jnp.int32))
         assert "__gpu$xla.gpu.triton" in txt
+
+
+def test_fetch_benchmark_variants_lower_to_triton(no_interpret):
+    """Shapes and tunings of the benchmark sweep (8x128 bf16, page sizes 1..128)."""
+    sds = jax.ShapeDtypeStruct
+    kib = lambda n: n * 1024 // 2
+    variants = [page_fetch.naive_tuning(), {},
+                dict(pages_per_program=1, chunk_elems=kib(2), chunks_per_program=1),
+                dict(pages_per_program=8, chunk_elems=kib(4), chunks_per_program=1, num_warps=8),
+                dict(pages_per_program=2, chunk_elems=kib(16), chunks_per_program=1, num_warps=8),
+                dict(pages_per_program=1, chunk_elems=kib(16), chunks_per_program=4, num_warps=8)]
+    for ps, m in [(1, 2048), (2, 256), (128, 64)]:
+        row = 2 * 8 * ps * 128
+        for tuning in variants:
+            txt = _lower_for_h200(
+                lambda h, p, s, d: page_fetch.fetch_pages(h, p, s, d, implementation="pallas",
+                                                          **tuning),
+                sds((2**31 // row, row), jnp.bfloat16, sharding=HOST),
+                sds((m, row), jnp.bfloat16), sds((m,), jnp.int32), sds((m,), jnp.int32))
+            assert "__gpu$xla.gpu.triton" in txt
 
 
 # ---------------------------------------------------------------- decode-like loop
@@ -255,7 +283,7 @@ def test_gpu_loop_hlo_has_no_host_array_copy(rng):
     L, P, S, H, D, ps, T, M = 4, 4096, 64, 8, 128, 16, 8, 32  # 1 GiB host tier
     R = 2 * H * ps * D
     f = _loop("pallas", L, P, S, H, D, ps, T)
-    host = jax.jit(lambda: jnp.zeros((L * P, R), jnp.bfloat16), out_shardings=HOST)()
+    host = host_zeros((L * P, R))
     pool = jnp.zeros((L * S, R), jnp.bfloat16)
     kv = jnp.asarray(rng.standard_normal((T, L, 2, H, D)), jnp.bfloat16)
     fsrc = jnp.asarray(rng.integers(0, L * P, (T, M)), jnp.int32).at[:, 0].set(
@@ -277,7 +305,7 @@ def test_gpu_fetch_large_host_array_64bit_offsets(rng):
     """Host array of 5 GiB: rows beyond 4 GiB need 64-bit offsets in the kernel."""
     R = 32768  # 8x128 bf16 page_size 16: 64 KiB rows
     N = 5 * 2**30 // (R * 2)
-    host = jax.jit(lambda: jnp.zeros((N, R), jnp.bfloat16), out_shardings=HOST)()
+    host = host_zeros((N, R))
     rows = np.array([0, N // 2, N - 3, N - 2, N - 1], np.int32)
     vals = jnp.asarray(rng.standard_normal((5, R)), jnp.bfloat16)
     host = page_write.write_pages(host, jnp.asarray(rows), vals, implementation="pallas")

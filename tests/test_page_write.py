@@ -31,6 +31,12 @@ def rng():
     return np.random.default_rng(seed)
 
 
+def host_zeros(shape, dtype=jnp.bfloat16):
+    """Zeros in pinned_host memory, typed as host memory (usable as a loop carry)."""
+    return jax.jit(lambda: jax.device_put(jnp.zeros(shape, dtype), jax.memory.Space.Host),
+                   out_shardings=HOST)()
+
+
 def as_f32(x):
     return np.asarray(jnp.asarray(x).astype(jnp.float32))
 
@@ -58,6 +64,8 @@ def run_tokens(n, row, rows, offs, kv, ps, dtype, impl, on_host):
     out = page_write.write_tokens(dst, jnp.asarray(rows), jnp.asarray(offs),
                                   jnp.asarray(kv, dtype), page_size=ps, implementation=impl)
     assert out.sharding.memory_kind == ("pinned_host" if on_host else "device")
+    space = jax.memory.Space.Host if on_host else jax.memory.Space.Device
+    assert jax.typeof(out).memory_space == space  # eager results keep the input's type
     return as_f32(out)
 
 
@@ -178,7 +186,7 @@ def test_gpu_write_large_host_array_64bit_offsets(rng):
     H, D, ps = 8, 128, 16
     R = 2 * H * ps * D
     N = 5 * 2**30 // (R * 2)
-    host = jax.jit(lambda: jnp.zeros((N, R), jnp.bfloat16), out_shardings=HOST)()
+    host = host_zeros((N, R))
     rows = np.array([N - 1, 3, -1, N - 1, N // 2], np.int32)
     offs = np.array([15, 0, 4, 2, 7], np.int32)
     kv = jnp.asarray(rng.standard_normal((5, 2, H, D)), jnp.bfloat16)
@@ -211,7 +219,7 @@ def test_gpu_write_through_jit_no_host_copy(rng):
         return jax.lax.fori_loop(0, T, body, host)
 
     f = jax.jit(run, donate_argnums=0, out_shardings=HOST)
-    host = jax.jit(lambda: jnp.zeros((L * P, R), jnp.bfloat16), out_shardings=HOST)()
+    host = host_zeros((L * P, R))
     kv = jnp.asarray(rng.standard_normal((T, L, 2, H, D)), jnp.bfloat16)
     txt = f.lower(host, kv).compile().as_text()
     big = [ln for ln in txt.splitlines() if f"[{L * P},{R}]" in ln and " copy" in ln]

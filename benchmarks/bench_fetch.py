@@ -1,0 +1,564 @@
+"""Host -> device page fetch bandwidth (fetch_pages), write-through cost, zero-miss step cost.
+
+Run on the H200:  PYTHONPATH=. python3 benchmarks/bench_fetch.py --out benchmarks/results
+Smoke test (CPU, interpret mode, seconds):  PYTHONPATH=. python3 benchmarks/bench_fetch.py --quick --out /tmp/bf
+
+Every fetch measurement is a jitted ``lax.fori_loop`` of ``steps`` steps, each one launch of
+``fetch_pages`` with fresh random distinct source rows (of a >= 2 GiB pinned_host array,
+so nothing is cached) and a random permutation of destination pool rows; the time is the
+median of several calls divided by ``steps``. Bandwidths are compared with bulk
+``device_put`` pinned_host -> device of a 1 GiB array measured in the same run (before and
+after; the mean is the reference). Sections, in order (a time budget skips the rest):
+
+1. targets: kernel variants swept at the target points (8 KV heads x 128, bf16):
+   256 x 64 KiB (>= 95% of bulk), 256 x 128 KiB (>= 95%), 2048 x 4 KiB (>= 90%),
+   256 x 8 KiB (>= 75%). Also per point: the loop floor (same launch, all entries -1),
+   the default variant reading a device array, and the jnp reference ("xla") once.
+2. write-through: write_tokens of one token for 32 layers (8x128 bf16) per step into the
+   pinned_host tier (and into a device pool, and the jnp reference), inside a jitted loop.
+3. ensure: a zero-miss step of jaxkv.lru.ensure + fetch_pages for 32 layers x 32 pages.
+4. grid: page sizes 16/32/64/128 x 8..4096 missed pages x head shapes 8x128 and 3x64
+   (bf16), default variant and the naive one-page-per-program baseline.
+
+Writes ``bench_fetch.json`` and ``bench_fetch.png`` to --out; prints a short table last.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from pallas_kernels import page_fetch, page_write
+
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
+DEV0 = jax.devices()[0]
+HOST = SingleDeviceSharding(DEV0, memory_kind="pinned_host")
+DEVICE = SingleDeviceSharding(DEV0, memory_kind="device")
+HEADS = {"8x128": (8, 128), "3x64": (3, 64)}
+
+
+def _variants(itemsize: int) -> dict[str, dict]:
+    """Sweep set at the target points: name -> fetch_pages tunables.
+
+    ``cNk``: N KiB per entry per load; ``eN``: N entries (pages) per program, loads issued
+    before stores; ``kN``: N chunk columns walked sequentially per program; ``wN``: warps.
+    """
+    c = lambda kib: kib * KiB // itemsize
+    v = {
+        "default": {},
+        "naive": page_fetch.naive_tuning(),
+        "naive_w8": dict(page_fetch.naive_tuning(), num_warps=8),
+    }
+    for e, kib, w in [(1, 2, 4), (1, 4, 4), (1, 8, 4), (1, 16, 8), (1, 32, 8), (2, 8, 4), (2, 16, 8),
+                      (4, 4, 4), (4, 4, 8), (4, 8, 8), (8, 4, 8)]:
+        v[f"e{e}_c{kib}k_w{w}"] = dict(pages_per_program=e, chunk_elems=c(kib),
+                                       chunks_per_program=1, num_warps=w)
+    v["e1_c16k_k4_w8"] = dict(pages_per_program=1, chunk_elems=c(16), chunks_per_program=4,
+                              num_warps=8)
+    return v
+
+
+# ------------------------------------------------------------------------------ helpers
+def _commit() -> str:
+    if os.environ.get("JAXKV_COMMIT"):
+        return os.environ["JAXKV_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__)),
+                              check=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _pattern(n, row, dtype, row0=0):
+    r = jax.lax.broadcasted_iota(jnp.int32, (n, row), 0) + row0
+    c = jax.lax.broadcasted_iota(jnp.int32, (n, row), 1)
+    return ((r * 7 + c) % 251).astype(dtype)
+
+
+def pattern_rows(rows, row):
+    """numpy values of the fill pattern for the given rows: [len(rows), row] float32."""
+    rows = np.asarray(rows, np.int64)[:, None]
+    return ((rows * 7 + np.arange(row)[None, :]) % 251).astype(np.float32)
+
+
+def make_array(n, row, dtype, sharding):
+    """[n, row] array with the fill pattern, built directly with the given sharding."""
+    space = jax.memory.Space.Host if sharding.memory_kind == "pinned_host" else None
+    # ending with device_put(..., Space.Host) types the result as host memory (loop carries)
+    fill = jax.jit(lambda: jax.device_put(_pattern(n, row, dtype), space) if space
+                   else _pattern(n, row, dtype), out_shardings=sharding)
+    x = fill()
+    x.block_until_ready()
+    return x
+
+
+def median_time(fn, reps):
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+class Budget:
+    def __init__(self, seconds):
+        self.t0, self.seconds = time.perf_counter(), seconds
+        self.skipped = []
+
+    def elapsed(self):
+        return time.perf_counter() - self.t0
+
+    def ok(self, what):
+        if self.elapsed() < self.seconds:
+            return True
+        self.skipped.append(what)
+        return False
+
+
+# ------------------------------------------------------------------------------ bulk
+def bench_bulk(nbytes, reps):
+    n = nbytes // (4 * KiB)
+    x = make_array(n, 2 * KiB, jnp.bfloat16, HOST)
+    t = median_time(lambda: jax.device_put(x, DEVICE), reps)
+    x.delete()
+    return dict(bytes=n * 4 * KiB, seconds=t, GBps=n * 4 * KiB / t / 1e9)
+
+
+# ------------------------------------------------------------------------------ fetch loop
+@functools.lru_cache(maxsize=None)
+def _fetch_loop(steps, impl, tuning_items):
+    tuning = dict(tuning_items)
+
+    def run(src_arr, pool, src_tab, dst_tab):
+        def body(t, pool):
+            return page_fetch.fetch_pages(src_arr, pool, src_tab[t], dst_tab[t],
+                                          implementation=impl, **tuning)
+        return jax.lax.fori_loop(0, steps, body, pool)
+
+    return jax.jit(run, donate_argnums=1)
+
+
+def fetch_point(src_arr, M, *, steps, reps, rng, tuning=None, impl="pallas", empty=False,
+                check=True):
+    """Time ``steps`` fetches of M random distinct rows; returns a result dict."""
+    n_src, row = src_arr.shape
+    itemsize = jnp.dtype(src_arr.dtype).itemsize
+    tuning = dict(tuning or {})
+    src_tab = np.stack([rng.choice(n_src, M, replace=False) for _ in range(steps)])
+    dst_tab = np.stack([rng.permutation(M) for _ in range(steps)])
+    if empty:
+        src_tab[:] = -1
+    src_tab = jnp.asarray(src_tab, jnp.int32)
+    dst_tab = jnp.asarray(dst_tab, jnp.int32)
+    pool = jnp.zeros((M, row), src_arr.dtype, device=DEVICE)
+    f = _fetch_loop(steps, impl, tuple(sorted(tuning.items())))
+    t0 = time.perf_counter()
+    pool = f(src_arr, pool, src_tab, dst_tab)
+    pool.block_until_ready()
+    first = time.perf_counter() - t0
+    box = [pool]
+
+    def call():
+        box[0] = f(src_arr, box[0], src_tab, dst_tab)
+        return box[0]
+
+    t = median_time(call, reps) / steps
+    ok = None
+    if check and not empty:
+        k = np.array([0, M // 2, M - 1])
+        d = np.asarray(dst_tab[-1])[k]
+        s = np.asarray(src_tab[-1])[k]
+        got = np.asarray(box[0][jnp.asarray(d)].astype(jnp.float32))
+        ok = bool(np.array_equal(got, pattern_rows(s, row)))
+    box[0].delete()
+    nbytes = M * row * itemsize
+    res = dict(M=M, page_bytes=row * itemsize, us_per_step=t * 1e6, steps=steps,
+               first_call_s=first, correct=ok)
+    if not empty:
+        res["GBps"] = nbytes / t / 1e9
+    if impl == "pallas":
+        res["tuning"] = page_fetch.resolve_tuning(M, row, itemsize, **tuning).__dict__
+    return res
+
+
+def steps_for(step_bytes, quick):
+    if quick:
+        return 2
+    return int(min(50, max(3, -(-256 * MiB // step_bytes))))
+
+
+# ------------------------------------------------------------------------------ sections
+TARGETS = [  # (name, page_size, M, target fraction of bulk), 8 KV heads x 128 bf16
+    ("256x64KiB", 16, 256, 0.95),
+    ("256x128KiB", 32, 256, 0.95),
+    ("2048x4KiB", 1, 2048, 0.90),
+    ("256x8KiB", 2, 256, 0.75),
+]
+
+
+def section_targets(cfg, bulk_gbps, budget, rng):
+    H, D = HEADS["8x128"]
+    out = []
+    variants = _variants(2)
+    if cfg.quick:
+        variants = {k: variants[k] for k in ("default", "naive", "e4_c4k_w8")}
+    for name, ps, M, frac in cfg.targets:
+        if not budget.ok(f"targets {name}"):
+            continue
+        row = 2 * H * ps * D
+        host = make_array(max(cfg.host_bytes // (row * 2), 2 * M), row, jnp.bfloat16, HOST)
+        steps = steps_for(M * row * 2, cfg.quick)
+        seen, rows = {}, []
+        for vname, tun in variants.items():
+            eff = page_fetch.resolve_tuning(M, row, 2, **tun)
+            if eff in seen:
+                seen[eff]["aliases"].append(vname)
+                continue
+            if not budget.ok(f"targets {name} {vname}"):
+                break
+            try:
+                r = fetch_point(host, M, steps=steps, reps=cfg.reps, rng=rng, tuning=tun)
+            except Exception as e:  # noqa: BLE001
+                r = dict(M=M, error=f"{type(e).__name__}: {str(e)[:300]}")
+            r.update(variant=vname, aliases=[])
+            if "GBps" in r:
+                r["frac_of_bulk"] = r["GBps"] / bulk_gbps
+            seen[eff] = r
+            rows.append(r)
+        point = dict(name=name, page_size=ps, M=M, page_bytes=row * 2, target=frac,
+                     variants=rows)
+        good = [r for r in rows if r.get("GBps") and r.get("correct") is not False]
+        if good:
+            best = max(good, key=lambda r: r["GBps"])
+            point["best"] = best["variant"]
+            point["best_GBps"] = best["GBps"]
+            point["best_frac"] = best["GBps"] / bulk_gbps
+        for extra, kw in (("floor_default", dict(empty=True)),
+                          ("floor_naive", dict(empty=True, tuning=variants["naive"]))):
+            if budget.ok(f"targets {name} {extra}"):
+                try:
+                    point[extra + "_us"] = fetch_point(
+                        host, M, steps=steps, reps=cfg.reps, rng=rng, **kw)["us_per_step"]
+                except Exception as e:  # noqa: BLE001
+                    point[extra + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if budget.ok(f"targets {name} device source"):
+            dev = make_array(min(host.shape[0], 4 * M), row, jnp.bfloat16, DEVICE)
+            try:
+                r = fetch_point(dev, M, steps=steps, reps=cfg.reps, rng=rng)
+                point["device_src_GBps"] = r["GBps"]
+            except Exception as e:  # noqa: BLE001
+                point["device_src_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            dev.delete()
+        if name == cfg.targets[0][0] and budget.ok(f"targets {name} xla"):
+            try:
+                r = fetch_point(host, min(M, 64), steps=2, reps=1, rng=rng, impl="xla")
+                point["xla_reference"] = r
+            except Exception as e:  # noqa: BLE001
+                point["xla_reference"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        host.delete()
+        out.append(point)
+    return out
+
+
+def recommend(targets, bulk_gbps):
+    """Variant maximizing the worst (GB/s / target GB/s) over the target points."""
+    score = {}
+    for p in targets:
+        for r in p["variants"]:
+            for name in [r["variant"]] + r.get("aliases", []):
+                g = r.get("GBps") if r.get("correct") is not False else None
+                score.setdefault(name, []).append((g or 0.0) / (p["target"] * bulk_gbps))
+    n = len(targets)
+    full = {k: min(v) for k, v in score.items() if len(v) == n}
+    if not full:
+        return None
+    best = max(full, key=full.get)
+    return dict(variant=best, worst_ratio_to_target=full[best],
+                default_worst_ratio=full.get("default"), naive_worst_ratio=full.get("naive"))
+
+
+def _write_loop(T, L, P, ps, impl, on_host):
+    def run(dst, kv):
+        def body(t, dst):
+            rows = jnp.arange(L, dtype=jnp.int32) * P + (t // ps) % P
+            dst = page_write.write_tokens(dst, rows, jnp.full((L,), t % ps, jnp.int32),
+                                          kv[t % kv.shape[0]], page_size=ps, implementation=impl)
+            return page_write.keep_on_host(dst) if on_host else dst
+        return jax.lax.fori_loop(0, T, body, dst)
+    return run
+
+
+def section_write_through(cfg, budget, rng):
+    L, (H, D), ps = cfg.layers, HEADS["8x128"], cfg.small_page_size
+    row = 2 * H * ps * D
+    P = max(1, cfg.host_bytes // (row * 2) // L)
+    T = 4 if cfg.quick else 64
+    kv = jnp.asarray(rng.standard_normal((8, L, 2, H, D)), jnp.bfloat16)
+    out = dict(layers=L, heads="8x128", page_size=ps, steps=T, host_rows=L * P)
+    for label, impl, on_host in (("host_pallas", "pallas", True), ("device_pallas", "pallas", False),
+                                 ("host_xla", "xla", True)):
+        if not budget.ok(f"write-through {label}"):
+            continue
+        n = L * P if on_host else L * min(P, 64)
+        steps = T if impl == "pallas" else min(T, 8)
+        try:
+            dst = make_array(n, row, jnp.bfloat16, HOST if on_host else DEVICE)
+            f = jax.jit(_write_loop(steps, L, n // L, ps, impl, on_host), donate_argnums=0,
+                        out_shardings=HOST if on_host else DEVICE)
+            box = [f(dst, kv)]
+            box[0].block_until_ready()
+
+            def call():
+                box[0] = f(box[0], kv)
+                return box[0]
+
+            t = median_time(call, cfg.reps) / steps
+            out[label + "_us_per_token"] = t * 1e6
+            out[label + "_GBps"] = L * 2 * H * D * 2 / t / 1e9
+            box[0].delete()
+        except Exception as e:  # noqa: BLE001
+            out[label + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return out
+
+
+def section_ensure(cfg, budget, rng):
+    try:
+        from jaxkv import lru
+    except Exception as e:  # noqa: BLE001
+        return dict(error=f"jaxkv.lru unavailable: {e}")
+    if not budget.ok("ensure"):
+        return dict(skipped=True)
+    L, K, S, Q = cfg.layers, cfg.ensure_pages, 2 * cfg.ensure_pages, 4
+    (H, D), ps = HEADS["8x128"], cfg.small_page_size
+    row = 2 * H * ps * D
+    P = max(S, cfg.host_bytes // (row * 2) // L)
+    T = 4 if cfg.quick else 64
+    host = make_array(L * P, row, jnp.bfloat16, HOST)
+    pool = jax.jit(lambda: jnp.zeros((L * S, row), jnp.bfloat16), out_shardings=DEVICE)()
+    pt = np.full((L, P), -1, np.int32)
+    pt[:, :S] = np.arange(S)
+    so = np.tile(np.arange(S, dtype=np.int32), (L, 1))
+    lu = np.zeros((L, S), np.int32)
+    reqs = np.stack([np.stack([rng.choice(S, K, replace=False) for _ in range(L)])
+                     for _ in range(8)]).astype(np.int32)
+    protect = jnp.full((L, Q), -1, jnp.int32)
+    lcol = jnp.arange(L, dtype=jnp.int32)[:, None]
+
+    def run(host, state, pool, reqs, with_fetch):
+        def body(t, carry):
+            (pt, so, lu, misses), pool = carry
+            res = lru.ensure(pt, so, lu, reqs[t % reqs.shape[0]], protect, t + 1)
+            if with_fetch:
+                src = jnp.where(res.fetch_src >= 0, lcol * P + res.fetch_src, -1).reshape(-1)
+                dst = jnp.where(res.fetch_dst >= 0, lcol * S + res.fetch_dst, -1).reshape(-1)
+                pool = page_fetch.fetch_pages(host, pool, src, dst, implementation="pallas")
+            return (res.page_table, res.slot_owner, res.last_used, misses + res.misses), pool
+        return jax.lax.fori_loop(0, T, body, (state, pool))
+
+    out = dict(layers=L, pages_per_layer=K, slots=S, steps=T, page_size=ps)
+    for label, wf in (("ensure_only", False), ("ensure_fetch", True)):
+        try:
+            f = jax.jit(functools.partial(run, with_fetch=wf), donate_argnums=2)
+            state = (jnp.asarray(pt), jnp.asarray(so), jnp.asarray(lu), jnp.int32(0))
+            box = [f(host, state, pool, jnp.asarray(reqs))]
+            jax.block_until_ready(box[0])
+
+            def call():
+                box[0] = f(host, state, box[0][1], jnp.asarray(reqs))
+                return box[0]
+
+            t = median_time(call, cfg.reps) / T
+            out[label + "_us_per_step"] = t * 1e6
+            out[label + "_misses"] = int(box[0][0][3])
+            pool = box[0][1]
+        except Exception as e:  # noqa: BLE001
+            out[label + "_error"] = f"{type(e).__name__}: {str(e)[:300]}\n{traceback.format_exc()[-600:]}"
+    host.delete()
+    return out
+
+
+def section_grid(cfg, bulk_gbps, budget, rng, variant):
+    out = []
+    tuning = _variants(2)[variant]
+    for head in cfg.heads:
+        if variant == "naive" and head not in cfg.naive_heads:
+            continue
+        H, D = HEADS[head]
+        for ps in (cfg.naive_page_sizes if variant == "naive" else cfg.page_sizes):
+            row = 2 * H * ps * D
+            if not budget.ok(f"grid {variant} {head} ps{ps}"):
+                continue
+            host = make_array(cfg.host_bytes // (row * 2), row, jnp.bfloat16, HOST)
+            for M in cfg.Ms:
+                step_bytes = M * row * 2
+                if M > host.shape[0] or step_bytes > cfg.max_step_bytes:
+                    continue
+                if not budget.ok(f"grid {variant} {head} ps{ps} M{M}"):
+                    break
+                try:
+                    r = fetch_point(host, M, steps=steps_for(step_bytes, cfg.quick),
+                                    reps=cfg.grid_reps, rng=rng, tuning=tuning)
+                    r["frac_of_bulk"] = r["GBps"] / bulk_gbps
+                except Exception as e:  # noqa: BLE001
+                    r = dict(M=M, page_bytes=row * 2, error=f"{type(e).__name__}: {str(e)[:300]}")
+                r.update(head=head, page_size=ps, variant=variant)
+                out.append(r)
+            host.delete()
+    return out
+
+
+# ------------------------------------------------------------------------------ main
+def config(args):
+    c = argparse.Namespace(quick=args.quick)
+    if args.quick:
+        c.host_bytes, c.bulk_bytes, c.reps, c.grid_reps = 1 * MiB, 4 * MiB, 2, 1
+        c.targets = [("16x8KiB", 2, 16, 0.75)]
+        c.heads, c.naive_heads, c.page_sizes, c.Ms = ["3x64"], ["3x64"], [16], [8, 32]
+        c.naive_page_sizes = [16]
+        c.layers, c.max_step_bytes, c.budget = 2, 64 * MiB, 120.0
+        c.small_page_size, c.ensure_pages = 1, 4
+    else:
+        c.host_bytes, c.bulk_bytes, c.reps, c.grid_reps = 2 * GiB + 64 * MiB, GiB, 5, 3
+        c.targets = TARGETS
+        c.heads, c.naive_heads = ["8x128", "3x64"], ["8x128"]
+        c.page_sizes, c.Ms = [16, 32, 64, 128], [8, 32, 128, 256, 512, 1024, 2048, 4096]
+        c.naive_page_sizes = [16, 64]
+        c.layers, c.max_step_bytes, c.budget = 32, 2 * GiB, args.budget_s
+        c.small_page_size, c.ensure_pages = 16, 32
+    return c
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test (CPU ok)")
+    ap.add_argument("--budget-s", type=float, default=210.0,
+                    help="skip remaining sections after this many seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    cfg = config(args)
+    rng = np.random.default_rng(args.seed)
+    budget = Budget(cfg.budget)
+    os.makedirs(args.out, exist_ok=True)
+    res = dict(benchmark="bench_fetch", device=DEV0.device_kind, platform=DEV0.platform,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               commit=_commit(), jax=jax.__version__, quick=cfg.quick, argv=sys.argv[1:])
+    print(f"bench_fetch on {DEV0.device_kind} ({DEV0.platform}), jax {jax.__version__}", flush=True)
+
+    bulk0 = bench_bulk(cfg.bulk_bytes, cfg.reps)
+    print(f"bulk device_put: {bulk0['GBps']:.1f} GB/s", flush=True)
+    targets = section_targets(cfg, bulk0["GBps"], budget, rng)
+    print(f"[{budget.elapsed():.0f}s] targets done", flush=True)
+    res["write_through"] = section_write_through(cfg, budget, rng)
+    res["ensure"] = section_ensure(cfg, budget, rng)
+    print(f"[{budget.elapsed():.0f}s] write-through / ensure done", flush=True)
+    grid = section_grid(cfg, bulk0["GBps"], budget, rng, "default")
+    print(f"[{budget.elapsed():.0f}s] grid (default) done", flush=True)
+    grid += section_grid(cfg, bulk0["GBps"], budget, rng, "naive")
+    bulk1 = bench_bulk(cfg.bulk_bytes, cfg.reps)
+    bulk = (bulk0["GBps"] + bulk1["GBps"]) / 2
+    # fractions relative to the mean of the two bulk measurements
+    for p in targets:
+        for r in p["variants"]:
+            if r.get("GBps"):
+                r["frac_of_bulk"] = r["GBps"] / bulk
+        if "best_GBps" in p:
+            p["best_frac"] = p["best_GBps"] / bulk
+    for r in grid:
+        if r.get("GBps"):
+            r["frac_of_bulk"] = r["GBps"] / bulk
+    res["bulk"] = dict(GBps=bulk, before=bulk0, after=bulk1)
+    res["targets"] = targets
+    res["recommended"] = recommend(targets, bulk) if targets else None
+    res["grid"] = grid
+    res["skipped"] = budget.skipped
+    res["elapsed_s"] = budget.elapsed()
+    path = os.path.join(args.out, "bench_fetch.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    try:
+        from benchmarks.plot_fetch import plot
+    except ImportError:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from plot_fetch import plot
+    png = plot(res, os.path.join(args.out, "bench_fetch.png"))
+    print_table(res, path, png)
+    return res
+
+
+def _cfg(r):
+    t = (r or {}).get("tuning")
+    if not t:
+        return "-"
+    return (f"e{t['pages_per_program']} c{t['chunk_elems'] * 2 // KiB}k "
+            f"k{t['chunks_per_program']} w{t['num_warps']}")
+
+
+def print_table(res, path, png):
+    bulk = res["bulk"]["GBps"]
+    print(f"\nbulk device_put host->device: {bulk:.1f} GB/s "
+          f"(before {res['bulk']['before']['GBps']:.1f}, after {res['bulk']['after']['GBps']:.1f})")
+    print(f"{'target':>11} {'goal':>5} {'best variant':>16} {'GB/s':>6} {'frac':>5} "
+          f"{'default':>7} {'naive':>6} {'floor us':>8} {'dev GB/s':>8} {'default cfg':>14} ok")
+    for p in res["targets"]:
+        by = {}
+        for r in p["variants"]:
+            for n in [r["variant"]] + r.get("aliases", []):
+                by[n] = r
+        fr = lambda n: f"{by[n]['frac_of_bulk']:.2f}" if n in by and by[n].get("GBps") else "-"
+        bf = p.get("best_frac", 0.0)
+        bad = [r["variant"] for r in p["variants"] if r.get("correct") is False or r.get("error")]
+        print(f"{p['name']:>11} {p['target']:>5.2f} {p.get('best', '-'):>16} "
+              f"{p.get('best_GBps', 0):>6.1f} {bf:>5.2f} {fr('default'):>7} {fr('naive'):>6} "
+              f"{p.get('floor_default_us', float('nan')):>8.1f} "
+              f"{p.get('device_src_GBps', float('nan')):>8.1f} {_cfg(by.get('default')):>14} "
+              f"{'PASS' if bf >= p['target'] else 'miss'}{' BAD:' + ','.join(bad) if bad else ''}")
+    if res.get("recommended"):
+        r = res["recommended"]
+        f2 = lambda x: "-" if x is None else f"{x:.2f}"
+        print(f"recommended rule (best worst-case GB/s / target GB/s over the targets): "
+              f"{r['variant']} {f2(r['worst_ratio_to_target'])}; adaptive default "
+              f"{f2(r['default_worst_ratio'])}; naive {f2(r['naive_worst_ratio'])}")
+    w = res.get("write_through", {})
+    print(f"write-through ({w.get('layers')} layers x 1 token, 8x128 bf16, us/token): " + ", ".join(
+        f"{k[:-13]} {v:.1f}" for k, v in w.items() if k.endswith("_us_per_token")) +
+        "".join(f"; {k}: {v[:80]}" for k, v in w.items() if k.endswith("_error")))
+    e = res.get("ensure", {})
+    print(f"zero-miss step ({e.get('layers')} layers x {e.get('pages_per_layer')} pages, us): " + ", ".join(
+        f"{k[:-12]} {v:.1f}" for k, v in e.items() if k.endswith("_us_per_step")) +
+        f"; misses {e.get('ensure_fetch_misses')}" +
+        "".join(f"; {k}: {str(v)[:80]}" for k, v in e.items() if k.endswith("error")))
+    grid = [r for r in res["grid"] if r.get("GBps")]
+    for head in sorted({r["head"] for r in grid}):
+        cells = []
+        for ps in sorted({r["page_size"] for r in grid if r["head"] == head}):
+            best = {v: max((r["GBps"] for r in grid if r["head"] == head and r["page_size"] == ps
+                            and r["variant"] == v), default=None) for v in ("default", "naive")}
+            cells.append(f"ps{ps} " + "/".join("-" if x is None else f"{x:.0f}"
+                                                for x in best.values()))
+        print(f"grid {head}, max GB/s default/naive over M: " + "; ".join(cells))
+    bad = [r for r in res["grid"] if r.get("error") or r.get("correct") is False]
+    if bad:
+        print(f"grid: {len(bad)} points failed, e.g. {bad[0]}")
+    if res["skipped"]:
+        print(f"skipped (time budget): {len(res['skipped'])}: {res['skipped'][:4]}")
+    print(f"elapsed {res['elapsed_s']:.0f}s; wrote {path} and {png}")
+
+
+if __name__ == "__main__":
+    main()
