@@ -2,7 +2,9 @@
 
 Independent of models/llama.py (shares only the params pytree layout and ModelConfig field
 names), used by tests to check jaxkv end to end. RMSNorm, half-split (NeoX) RoPE, causal
-GQA softmax attention, SwiGLU MLP, tied or separate LM head.
+GQA softmax attention, SwiGLU MLP, tied or separate LM head. Params are converted to float64
+on each call; pass float64 numpy params (``jax.tree.map(lambda a: np.asarray(a, np.float64),
+params)``) to convert once. A 135M model takes about a second per short prompt on 2 cores.
 """
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ with float32 matmul precision so that it also holds on a GPU (TF32 would not).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import unicodedata
 from pathlib import Path
@@ -297,7 +298,10 @@ def _prompts(z, meta):
 def test_fixture_small_and_matches_weights(ref):
     z, meta = ref
     assert FIXTURE.stat().st_size < 1.5e6
-    assert meta["gguf"] == default_model_path().name
+    path = default_model_path()
+    assert meta["gguf"] == path.name
+    with open(path, "rb") as f:
+        assert hashlib.file_digest(f, "sha256").hexdigest() == meta["gguf_sha256"]
     assert meta["hf_config"]["num_hidden_layers"] == 30
 
 
