@@ -49,6 +49,9 @@ DEVICE = SingleDeviceSharding(DEV0, memory_kind="device")
 HEADS = {"8x128": (8, 128), "3x64": (3, 64)}
 
 
+UNROLL = 4  # fetches (or ensure steps) per loop iteration; a GPU loop iteration costs ~10 us
+
+
 def _variants(itemsize: int) -> dict[str, dict]:
     """Sweep set at the target points: name -> fetch_pages tunables.
 
@@ -144,11 +147,15 @@ def bench_bulk(nbytes, reps):
 def _fetch_loop(steps, impl, tuning_items):
     tuning = dict(tuning_items)
 
+    unroll = UNROLL if steps % UNROLL == 0 else 1
+
     def run(src_arr, pool, src_tab, dst_tab):
         def body(t, pool):
-            return page_fetch.fetch_pages(src_arr, pool, src_tab[t], dst_tab[t],
-                                          implementation=impl, **tuning)
-        return jax.lax.fori_loop(0, steps, body, pool)
+            for u in range(unroll):  # back-to-back launches, the loop's cost spread over them
+                pool = page_fetch.fetch_pages(src_arr, pool, src_tab[t * unroll + u],
+                                              dst_tab[t * unroll + u], implementation=impl, **tuning)
+            return pool
+        return jax.lax.fori_loop(0, steps // unroll, body, pool)
 
     return jax.jit(run, donate_argnums=1)
 
@@ -198,8 +205,9 @@ def fetch_point(src_arr, M, *, steps, reps, rng, tuning=None, impl="pallas", emp
 
 def steps_for(step_bytes, quick):
     if quick:
-        return 2
-    return int(min(50, max(3, -(-256 * MiB // step_bytes))))
+        return UNROLL
+    n = int(min(48, max(4, -(-256 * MiB // step_bytes))))
+    return -(-n // UNROLL) * UNROLL
 
 
 # ------------------------------------------------------------------------------ sections
@@ -347,7 +355,7 @@ def section_ensure(cfg, budget, rng):
     (H, D), ps = HEADS["8x128"], cfg.small_page_size
     row = 2 * H * ps * D
     P = max(S, cfg.host_bytes // (row * 2) // L)
-    T = 4 if cfg.quick else 64
+    T = UNROLL if cfg.quick else 8 * UNROLL
     host = make_array(L * P, row, jnp.bfloat16, HOST)
     pool = jax.jit(lambda: jnp.zeros((L * S, row), jnp.bfloat16), out_shardings=DEVICE)()
     pt = np.full((L, P), -1, np.int32)
@@ -360,7 +368,7 @@ def section_ensure(cfg, budget, rng):
     lcol = jnp.arange(L, dtype=jnp.int32)[:, None]
 
     def run(host, state, pool, reqs, with_fetch):
-        def body(t, carry):
+        def one(t, carry):
             (pt, so, lu, misses), pool = carry
             res = lru.ensure(pt, so, lu, reqs[t % reqs.shape[0]], protect, t + 1)
             if with_fetch:
@@ -368,7 +376,12 @@ def section_ensure(cfg, budget, rng):
                 dst = jnp.where(res.fetch_dst >= 0, lcol * S + res.fetch_dst, -1).reshape(-1)
                 pool = page_fetch.fetch_pages(host, pool, src, dst, implementation="pallas")
             return (res.page_table, res.slot_owner, res.last_used, misses + res.misses), pool
-        return jax.lax.fori_loop(0, T, body, (state, pool))
+
+        def body(t, carry):  # UNROLL steps per iteration: the loop's cost spread over them
+            for u in range(UNROLL):
+                carry = one(t * UNROLL + u, carry)
+            return carry
+        return jax.lax.fori_loop(0, T // UNROLL, body, (state, pool))
 
     out = dict(layers=L, pages_per_layer=K, slots=S, steps=T, page_size=ps)
     for label, wf in (("ensure_only", False), ("ensure_fetch", True)):

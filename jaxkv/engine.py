@@ -57,6 +57,13 @@ class Plan:
         return min(self.cache.selected_pages, self.pages_per_seq)
 
     @property
+    def layer_unroll(self) -> int:
+        unroll = self.cache.unroll_layers
+        if unroll is None:
+            unroll = jax.default_backend() == "gpu"
+        return self.model.num_layers if unroll else 1
+
+    @property
     def num_pinned(self) -> int:
         return self.cache.sink_pages + self.cache.recent_pages
 
@@ -258,7 +265,8 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         return out[:, None].astype(q.dtype), (kv, summ)
 
     logits, (kv, summ) = llama.forward(params, cfg, st.last_token[:, None],
-                                       jnp.maximum(pos, 0)[:, None], attend, (st.kv, st.summaries))
+                                       jnp.maximum(pos, 0)[:, None], attend, (st.kv, st.summaries),
+                                       unroll=plan.layer_unroll)
     key, sub = jax.random.split(st.key)
     tok = sample(logits[:, 0], sampling, sub)
     tok = jnp.where(active, tok, INVALID)
@@ -307,15 +315,20 @@ def decode_round(plan: Plan, params, state: DecodeState, sampling: Sampling, sto
     Returns (state, tokens [B, round_steps] int32 (-1 = no token), steps int32).
     ``state`` is donated.
     """
+    state, key = _committed(state)
+    return _round_fn(plan, key)(params, state, sampling, stop_ids, max_new)
+
+
+def _committed(state: DecodeState):
+    """Commit every leaf to its current sharding (a no-op for committed arrays), so the first
+    round (fresh arrays from prefill) and later rounds (jit outputs) share one compilation."""
     sh = state_shardings(state)
     key = (jax.tree.structure(sh), tuple(jax.tree.leaves(sh)))
     _SHARDINGS.setdefault(key, sh)
-    return _round_fn(plan, key)(params, state, sampling, stop_ids, max_new)
+    return jax.device_put(state, sh), key
 
 
 def lower_decode_round(plan: Plan, params, state: DecodeState, sampling: Sampling, stop_ids, max_new):
     """The lowered (not yet compiled) decode round, for HLO inspection in tests."""
-    sh = state_shardings(state)
-    key = (jax.tree.structure(sh), tuple(jax.tree.leaves(sh)))
-    _SHARDINGS.setdefault(key, sh)
+    state, key = _committed(state)
     return _round_fn(plan, key).lower(params, state, sampling, stop_ids, max_new)
