@@ -411,7 +411,10 @@ def test_dense_reference_matches_transformers(smollm64, ref):
     z, meta = ref
     for i, ids in enumerate(_prompts(z, meta)):
         _check_logits("dense_reference", reference_logits(params, cfg, ids), z, i)
-        assert reference_greedy(params, cfg, ids, 16) == z[f"greedy_{i}"].tolist(), i
+    # Greedy on two prompts only (plain text, chat with a system message): each f64 decode
+    # step streams 1 GB of weights; models.llama's greedy is checked on all four.
+    for i in (0, 3):
+        assert reference_greedy(params, cfg, _prompts(z, meta)[i], 16) == z[f"greedy_{i}"].tolist(), i
 
 
 @pytest.mark.slow
