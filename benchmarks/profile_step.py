@@ -35,7 +35,7 @@ def build_state(plan, params, prompts, seed=0):
     first = engine.first_token(plan, params, x, lengths, Sampling.make(), key)
     return engine.DecodeState(kv=kv, summaries=summ, lengths=lengths, last_token=first,
                               done=jnp.zeros((B,), bool), n_generated=jnp.ones((B,), jnp.int32),
-                              key=key)
+                              key=key, lookahead=engine.init_lookahead(plan))
 
 
 def time_config(cfg, params, prompts, cache, steps, rounds):

@@ -2,20 +2,18 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import compile_stats, engine
+from jaxkv import cache as kvcache
+from jaxkv import compile_stats, engine, validation
 from jaxkv.config import CacheConfig, Sampling
 from models.configs import ModelConfig
-
-_HOST_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
-_DEFAULT_GPU_HOST_LIMIT_GB = 64
 
 
 @dataclasses.dataclass
@@ -32,33 +30,26 @@ def _next_pow2(n: int) -> int:
 
 
 def _validate_prompts(model: ModelConfig, prompts) -> list[list[int]]:
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+        prompts = list(prompts)  # a [B, T] array of equal-length prompts
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token-id lists "
                          "(encode text with the model's tokenizer first)")
     out = []
     for i, p in enumerate(prompts):
-        if isinstance(p, (str, bytes)):
-            raise TypeError(f"prompt {i} is text: pass token ids (tokenizer.encode(text))")
-        arr = np.asarray(p)
-        if arr.ndim != 1 or arr.size == 0:
-            raise ValueError(f"prompt {i} must be a non-empty 1-D list of token ids, got shape {arr.shape}")
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"prompt {i} must hold integer token ids, got dtype {arr.dtype}")
-        bad = (arr < 0) | (arr >= model.vocab_size)
-        if bad.any():
-            j = int(np.argmax(bad))
-            raise ValueError(f"prompt {i} has token id {int(arr[j])} at index {j}, outside the "
-                             f"vocabulary [0, {model.vocab_size})")
+        if not isinstance(p, (str, bytes)) and np.asarray(p).size == 0:
+            raise ValueError(f"prompt {i} is empty: every request needs at least one token "
+                             "(e.g. the BOS id)")
+        arr = validation.check_token_ids(p, model.vocab_size, f"prompt {i}")
         out.append([int(t) for t in arr])
     return out
 
 
-def _host_limit_bytes() -> int | None:
-    """The pinned-host cap on GPU (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, default 64 GiB)."""
-    if jax.default_backend() != "gpu":
-        return None
-    gb = float(os.environ.get(_HOST_LIMIT_ENV, _DEFAULT_GPU_HOST_LIMIT_GB))
-    return int(gb * 2**30)
+def _need_device_bytes(plan: engine.Plan) -> int:
+    """Device bytes generate() allocates for the KV cache (pool or resident) and summaries."""
+    spec = plan.spec
+    kv = spec.pool_bytes if plan.cache.mode == "host" else spec.host_bytes
+    return kv + validation.nbytes_of(jax.eval_shape(lambda: engine.init_summaries(plan)))
 
 
 def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int],
@@ -80,37 +71,36 @@ def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int]
             f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) = {need} exceeds the model's "
             f"max_position ({model.max_position}): shorten the prompt or lower max_new_tokens")
     prompt_len = min(max(_next_pow2(longest), ps), max_context)
-    # strict only changes the Python-side check after the call: keep it out of the jit key
-    plan = engine.Plan(model=model, cache=dataclasses.replace(cache, strict=False), batch=len(prompt_lens), prompt_len=prompt_len,
-                       max_context=max_context, num_stop=num_stop)
-    spec = plan.spec  # validates shapes (pinned pages vs pool, ...)
+    # strict only changes the Python-side check after the call: keep it out of the jit key.
+    # A pool larger than the host tier holds nothing more: clamp it to the logical pages.
+    batch = len(prompt_lens)
+    logical = batch * (max_context // ps)
+    pool = None if cache.pool_pages is None else min(cache.pool_pages, logical)
+    plan = engine.Plan(model=model, cache=dataclasses.replace(cache, strict=False, pool_pages=pool),
+                       batch=batch, prompt_len=prompt_len, max_context=max_context, num_stop=num_stop)
     if cache.mode == "host":
-        if cache.pool_pages is not None and cache.pool_pages < plan.k + plan.num_pinned:
+        if pool is not None and pool < plan.k + plan.num_pinned:
             raise ValueError(
-                f"pool_pages ({cache.pool_pages}) is smaller than one request's selection "
+                f"pool_pages ({pool}) is smaller than one request's selection "
                 f"(selected_pages {plan.k} + pinned {plan.num_pinned}): raise pool_pages")
-        limit = _host_limit_bytes()
-        if limit is not None and spec.host_bytes > limit:
+        if pool is not None and pool < batch * plan.num_pinned:
             raise ValueError(
-                f"the host tier needs {spec.host_bytes / 2**30:.1f} GiB of pinned host memory, over the "
-                f"cap of {limit / 2**30:.0f} GiB: set {_HOST_LIMIT_ENV} (in GB) before JAX starts, "
-                "or lower batch / max_context")
+                f"pool_pages ({pool}) cannot hold the pinned pages of {batch} requests "
+                f"({batch} x (sink {cache.sink_pages} + recent {cache.recent_pages})): raise "
+                "pool_pages, lower sink_pages / recent_pages or split the batch")
+    spec = plan.spec  # validates the remaining shapes
+    if cache.mode == "host":
+        validation.check_host_capacity(spec.host_bytes, fix="lower batch / max_context")
     _check_device_memory(plan)
     return plan
 
 
 def _check_device_memory(plan: engine.Plan):
-    dev = jax.devices()[0]
-    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-    if not stats or "bytes_limit" not in stats:
-        return
-    spec = plan.spec
-    need = spec.pool_bytes if plan.cache.mode == "host" else spec.host_bytes
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    if need > free:
-        what = "device pool" if plan.cache.mode == "host" else "resident KV cache"
-        raise ValueError(f"the {what} needs {need / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB of "
-                         "device memory is free: lower pool_pages / batch / max_context, or use mode='host'")
+    host = plan.cache.mode == "host"
+    validation.check_device_memory(
+        _need_device_bytes(plan), what="device pool" if host else "resident KV cache",
+        fix=("lower pool_pages / selected_pages / batch" if host
+             else "lower batch / max_context, or use mode='host'"))
 
 
 def _memory_stats(plan: engine.Plan, state: engine.DecodeState) -> dict:
@@ -175,12 +165,19 @@ def generate(model: ModelConfig, params, prompts, *, max_new_tokens: int = 32,
 def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_tokens, seed, progress):
     if not isinstance(model, ModelConfig):
         raise TypeError(f"model must be a models.configs.ModelConfig, got {type(model).__name__}")
-    cache = cache or CacheConfig()
-    sampling = sampling or Sampling.make()
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    cache = CacheConfig() if cache is None else cache
+    if not isinstance(cache, CacheConfig):
+        raise TypeError(f"cache must be a jaxkv.CacheConfig, got {type(cache).__name__}")
+    sampling = Sampling.make() if sampling is None else sampling
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling must be a jaxkv.Sampling (Sampling.make(...)), got "
+                        f"{type(sampling).__name__}")
+    validation.check_int("max_new_tokens", max_new_tokens, minimum=1)
+    validation.check_int("seed", seed, minimum=0)
+    validation.check_params(model, params)
     prompts = _validate_prompts(model, prompts)
-    stops = [model.eos_id] if stop_tokens is None else [int(t) for t in stop_tokens]
+    stops = ([model.eos_id] if stop_tokens is None else
+             [int(t) for t in validation.check_token_ids(list(stop_tokens), model.vocab_size, "stop_tokens")])
     num_stop = max(4, _next_pow2(len(stops)))
     stop_ids = jnp.asarray(stops + [-1] * (num_stop - len(stops)), jnp.int32)
     lens = [len(p) for p in prompts]
@@ -215,7 +212,8 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     done0 = np.array([(t in stop_np) or max_new_tokens <= 1 for t in first_np])
     state = engine.DecodeState(
         kv=kv, summaries=summaries, lengths=lengths, last_token=first,
-        done=jnp.asarray(done0), n_generated=jnp.ones((B,), jnp.int32), key=key)
+        done=jnp.asarray(done0), n_generated=jnp.ones((B,), jnp.int32), key=key,
+        lookahead=engine.init_lookahead(plan))
     out = [[int(t)] for t in first_np]
     yield [[int(t)] for t in first_np]
 
@@ -223,8 +221,10 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     max_new = jnp.int32(max_new_tokens)
     t1 = time.perf_counter()
     rounds = 0
+    totals = {f.name: 0 for f in dataclasses.fields(kvcache.CacheCounters)}
     while not bool(np.all(np.asarray(state.done))):
         state, buf, steps = engine.decode_round(plan, params, state, sampling, stop_ids, max_new)
+        state = _drain_counters(state, totals)
         buf = np.asarray(buf)[:, : int(steps)]
         rounds += 1
         new = [[int(t) for t in row if t >= 0] for row in buf]
@@ -234,8 +234,10 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     t_decode = time.perf_counter() - t1
     compiles = compile_stats.since(compiles0)
 
-    counters = state.kv.counters.as_dict(plan.spec)
+    counters = kvcache.CacheCounters(**totals).as_dict(plan.spec)
     n_new = sum(len(o) for o in out)
+    # a request that ended without a stop token before max_new_tokens hit the context capacity
+    truncated = sum(1 for o in out if len(o) < max_new_tokens and o[-1] not in stop_np)
     stats = {
         "mode": cache.mode, "selector": cache.selector, "batch": B,
         "prompt_tokens": sum(lens), "generated_tokens": n_new,
@@ -244,15 +246,30 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         "decode_tokens_per_s": (n_new - B) / t_decode if t_decode > 0 else float("nan"),
         "decode_rounds": rounds,
         **counters,
+        "truncated_requests": truncated,
         **_memory_stats(plan, state),
         "page_size": plan.page_size, "selected_pages": plan.k,
         "pool_pages": plan.pool_pages if cache.mode == "host" else plan.spec.num_logical_pages,
         "max_context": plan.max_context, "prompt_bucket": plan.prompt_len,
         "compile_time_s": compiles["time_s"], "num_compilations": compiles["count"],
     }
-    if cache.strict and counters["dropped"] > 0:
-        raise RuntimeError(
-            f"strict mode: {counters['dropped']} selected pages were dropped because the device pool "
-            f"({stats['pool_pages']} pages per layer) could not hold a step's working set: raise "
-            "CacheConfig.pool_pages or lower selected_pages / batch")
+    if cache.strict:
+        validation.check_strict(stats)
+    else:
+        for why in validation.strict_violations(stats):
+            warnings.warn(why + " (CacheConfig(strict=True) raises instead)", RuntimeWarning, stacklevel=3)
     return GenerateResult(tokens=out, stats=stats)
+
+
+def _drain_counters(state: engine.DecodeState, totals: dict) -> engine.DecodeState:
+    """Add the round's int32 device counters to Python ints and zero them (no int32 overflow
+    over long generations; a negative value means one round overflowed)."""
+    c = jax.device_get(state.kv.counters)
+    got = {name: int(getattr(c, name)) for name in totals}
+    for name, v in got.items():
+        if v < 0:
+            raise RuntimeError(f"cache counter {name!r} overflowed int32 within one decode round: "
+                               "lower CacheConfig.round_steps")
+    for name, v in got.items():
+        totals[name] += v
+    return dataclasses.replace(state, kv=dataclasses.replace(state.kv, counters=kvcache.CacheCounters.zeros()))

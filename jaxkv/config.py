@@ -6,13 +6,24 @@ it recompiles. :class:`Sampling` is a pytree of arrays: changing its values neve
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Mode = Literal["host", "resident"]
 Selector = Literal["quest", "indexer", "dense"]
+KV_DTYPES = ("float32", "bfloat16", "float16")
+IMPLEMENTATIONS = ("pallas", "xla")
+
+
+def _as_int(name: str, v, minimum: int):
+    """v as a Python int >= minimum (numpy ints accepted, bools and floats refused)."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < minimum:
+        raise ValueError(f"CacheConfig.{name} must be an int >= {minimum}, got {v!r}")
+    return int(v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +49,14 @@ class CacheConfig:
       prefill_chunk: tokens per prefill chunk (bounds prefill memory).
       round_steps: decode steps per compiled round (stream granularity).
       implementation: kernel implementation ("pallas", "xla" or None = per backend).
+      schedule: host mode only. "step": one LRU ensure for all layers per step installs the
+        previous step's selections (one launch moves them into pool slots), and each layer
+        fetches the pages it misses into its scratch rows for this step (nothing is ever
+        dropped from attention; ``dropped`` then counts pages that found no slot to stay
+        in). "layer": a full LRU ensure per layer before its attention (misses beyond the
+        pool are dropped from attention and counted).
+      reuse: keep fetched pages in the pool for later steps. False (with schedule "step")
+        is the no-cache baseline: every selected page is fetched every step.
       unroll_layers: unroll the per-token layer loop (None: on GPU, where a loop iteration
         costs a host round trip of ~10 us; off elsewhere, for compile time).
     """
@@ -55,33 +74,47 @@ class CacheConfig:
     prefill_chunk: int = 2048
     round_steps: int = 64
     implementation: str | None = None
+    schedule: Literal["step", "layer"] = "step"
+    reuse: bool = True
     unroll_layers: bool | None = None
 
     def __post_init__(self):
+        if self.schedule not in ("step", "layer"):
+            raise ValueError(f"CacheConfig.schedule must be 'step' or 'layer', got {self.schedule!r}")
+        if not self.reuse and self.schedule != "step":
+            raise ValueError("CacheConfig(reuse=False) (no-cache baseline) needs schedule='step'")
         if self.mode not in ("host", "resident"):
             raise ValueError(f"CacheConfig.mode must be 'host' or 'resident', got {self.mode!r}")
         if self.selector not in ("quest", "indexer", "dense"):
             raise ValueError(
                 f"CacheConfig.selector must be 'quest', 'indexer' or 'dense', got {self.selector!r}")
+        for name, lo in (("page_size", 1), ("selected_pages", 1), ("prefill_chunk", 1),
+                         ("round_steps", 1), ("sink_pages", 0), ("recent_pages", 0)):
+            object.__setattr__(self, name, _as_int(name, getattr(self, name), lo))
+        for name in ("pool_pages", "max_context"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _as_int(name, getattr(self, name), 1))
         ps = self.page_size
-        if not isinstance(ps, int) or ps <= 0 or ps & (ps - 1):
-            raise ValueError(f"CacheConfig.page_size must be a power of two, got {ps!r}")
-        for name in ("selected_pages", "prefill_chunk", "round_steps"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"CacheConfig.{name} must be a positive int, got {v!r}")
-        for name in ("sink_pages", "recent_pages"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"CacheConfig.{name} must be an int >= 0, got {v!r}")
+        if ps & (ps - 1):
+            raise ValueError(f"CacheConfig.page_size must be a power of two, got {ps!r}: "
+                             f"use {1 << (ps.bit_length() - 1)} or {1 << ps.bit_length()}")
         if self.selected_pages < self.sink_pages + 1:
             raise ValueError(
                 f"selected_pages ({self.selected_pages}) must cover the sink pages "
                 f"({self.sink_pages}) and the current page: raise selected_pages")
-        if self.pool_pages is not None and (not isinstance(self.pool_pages, int) or self.pool_pages <= 0):
-            raise ValueError(f"CacheConfig.pool_pages must be a positive int or None, got {self.pool_pages!r}")
-        if self.max_context is not None and (not isinstance(self.max_context, int) or self.max_context <= 0):
-            raise ValueError(f"CacheConfig.max_context must be a positive int or None, got {self.max_context!r}")
+        if self.max_context is not None and self.max_context % ps:
+            lo, hi = self.max_context // ps * ps, -(-self.max_context // ps) * ps
+            raise ValueError(f"CacheConfig.max_context ({self.max_context}) is not a multiple of page_size "
+                             f"({ps}): use {hi}" + (f" or {lo}" if lo else ""))
+        if self.dtype is not None and self.dtype not in KV_DTYPES:
+            raise ValueError(f"CacheConfig.dtype must be one of {KV_DTYPES} or None (the model's), "
+                             f"got {self.dtype!r}")
+        if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"CacheConfig.implementation must be 'pallas', 'xla' or None, "
+                             f"got {self.implementation!r}")
+        for name in ("strict",) + (("unroll_layers",) if self.unroll_layers is not None else ()):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"CacheConfig.{name} must be a bool, got {getattr(self, name)!r}")
         pc = self.prefill_chunk
         if pc & (pc - 1) or pc < ps:
             raise ValueError(f"prefill_chunk must be a power of two >= page_size ({ps}), got {pc}")
@@ -101,10 +134,10 @@ class Sampling:
 
     @classmethod
     def make(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "Sampling":
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+        if not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+        if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))

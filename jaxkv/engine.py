@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import cache as kvcache
-from jaxkv import selection
+from jaxkv import lru, selection
 from jaxkv.config import CacheConfig, Sampling
 from jaxkv.sampling import sample
 from jaxkv.spec import INVALID, CacheSpec
 from models import llama
 from models.configs import ModelConfig
-from pallas_kernels import page_write
+from pallas_kernels import page_fetch, page_write
 from pallas_kernels.sparse_attention import sparse_paged_attention
 
 
@@ -68,6 +68,16 @@ class Plan:
         return self.cache.sink_pages + self.cache.recent_pages
 
     @property
+    def per_step(self) -> bool:
+        """Host mode with per-step scheduling (see CacheConfig.schedule)."""
+        return self.cache.mode == "host" and self.cache.schedule == "step"
+
+    @property
+    def requests_per_layer(self) -> int:
+        """Selected (request, KV head, page) entries per layer and step."""
+        return self.batch * self.model.num_kv_heads * self.k
+
+    @property
     def kv_dtype(self) -> str:
         return self.cache.dtype or self.model.dtype
 
@@ -89,7 +99,7 @@ class Plan:
             num_slots=self.pool_pages if self.cache.mode == "host" else self.batch * self.pages_per_seq,
             max_requests=self.batch * m.num_kv_heads * self.k,
             num_sink_pages=self.cache.sink_pages, num_recent_pages=self.cache.recent_pages,
-            max_batch=self.batch)
+            max_batch=self.batch, num_scratch=self.requests_per_layer if self.per_step else 0)
 
 
 @jax.tree_util.register_dataclass
@@ -109,6 +119,7 @@ class DecodeState:
     done: jax.Array
     n_generated: jax.Array
     key: jax.Array
+    lookahead: tuple = ()
 
 
 # --------------------------------------------------------------------------------------
@@ -118,6 +129,13 @@ def init_kv(plan: Plan, *, poison: bool = False):
     if plan.cache.mode == "host":
         return kvcache.init_cache(plan.spec, poison=poison)
     return kvcache.init_resident(plan.spec, poison=poison)
+
+
+def init_lookahead(plan: Plan):
+    if not plan.per_step:
+        return ()
+    shape = (plan.model.num_layers, plan.requests_per_layer)
+    return (jnp.full(shape, INVALID, jnp.int32), jnp.full(shape, INVALID, jnp.int32))
 
 
 def init_summaries(plan: Plan):
@@ -227,6 +245,70 @@ def _protected_pages(plan: Plan, pos, active):
     return jnp.where(ok, logical, INVALID).reshape(-1)
 
 
+def install_previous(plan: Plan, kv, lookahead, protect):
+    """Per-step scheduling, step start: one LRU ensure over all layers for the previous
+    step's selections, then one launch that moves their scratch copies into pool slots."""
+    spec = plan.spec
+    L, S = spec.num_layers, spec.num_slots
+    sel, scr = lookahead
+    prot = jnp.broadcast_to(protect, (L, protect.shape[-1]))
+    res = lru.ensure(kv.page_table, kv.slot_owner, kv.last_used, sel, prot, kv.step, payload=scr)
+    lcol = jnp.arange(L, dtype=jnp.int32)[:, None]
+    dst = jnp.where(res.fetch_dst >= 0, lcol * S + res.fetch_dst, INVALID)
+    pool = page_fetch.move_rows(kv.pool, res.fetch_payload.reshape(-1), dst.reshape(-1),
+                                implementation=plan.cache.implementation)
+    c = kv.counters
+    counters = dataclasses.replace(c, evictions=c.evictions + res.evictions,
+                                   dropped=c.dropped + res.dropped)
+    return dataclasses.replace(kv, pool=pool, page_table=res.page_table,
+                               slot_owner=res.slot_owner, last_used=res.last_used,
+                               counters=counters)
+
+
+def _first_occurrence(sel):
+    """sel [B, H, k] logical pages -> (is_dup [B, H, k], leader flat index into [H*k]).
+
+    An entry is a duplicate if an earlier KV head of the same request selected the same page;
+    its leader is the first such entry. Fixed shapes: an [B, H*k, H*k] comparison."""
+    B, H, k = sel.shape
+    flat = sel.reshape(B, H * k)
+    head = jnp.repeat(jnp.arange(H, dtype=jnp.int32), k)
+    eq = (flat[:, :, None] == flat[:, None, :]) & (head[None, None, :] < head[None, :, None])
+    eq &= flat[:, :, None] >= 0
+    is_dup = jnp.any(eq, axis=-1)
+    leader = jnp.where(is_dup, jnp.argmax(eq, axis=-1), jnp.arange(H * k, dtype=jnp.int32)[None])
+    return is_dup.reshape(B, H, k), leader.astype(jnp.int32)
+
+
+def lookup_and_fetch(plan: Plan, kv, layer, sel):
+    """Per-step scheduling, one layer: resident pages are read from their slots, missed pages
+    are fetched (once per request) into this layer's scratch rows. sel [B, H, k] logical
+    pages (-1 pad). Returns (kv, rows [B, H, k] global pool rows, scratch rows [E] or -1)."""
+    spec = plan.spec
+    L, S, P, E = spec.num_layers, spec.num_slots, spec.num_logical_pages, spec.num_scratch
+    B, H, k = sel.shape
+    slot = jnp.where(sel >= 0, kv.page_table[layer, jnp.clip(sel, 0, P - 1)], INVALID)
+    if not plan.cache.reuse:
+        slot = jnp.full_like(slot, INVALID)
+    miss = (sel >= 0) & (slot < 0)
+    is_dup, leader = _first_occurrence(sel)
+    entry = jnp.arange(E, dtype=jnp.int32).reshape(B, H * k)
+    scratch = L * S + layer * E + entry                                    # [B, H*k]
+    lead_scratch = jnp.take_along_axis(scratch, leader, axis=1).reshape(B, H, k)
+    fetch = miss & ~is_dup
+    rows = jnp.where(slot >= 0, layer * S + slot, jnp.where(miss, lead_scratch, INVALID))
+    src = jnp.where(fetch, layer * P + sel, INVALID).reshape(-1)
+    dst = jnp.where(fetch, scratch.reshape(B, H, k), INVALID).reshape(-1)
+    pool = page_fetch.fetch_pages(kv.host_kv, kv.pool, src, dst,
+                                  implementation=plan.cache.implementation)
+    c = kv.counters
+    counters = dataclasses.replace(
+        c, hits=c.hits + jnp.sum(slot >= 0).astype(jnp.int32),
+        misses=c.misses + jnp.sum(miss).astype(jnp.int32),
+        pages_fetched=c.pages_fetched + jnp.sum(fetch).astype(jnp.int32))
+    return dataclasses.replace(kv, pool=pool, counters=counters), rows, dst
+
+
 def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_ids, max_new):
     """One token for every active request. Returns (state, tokens [B] (-1 if inactive))."""
     cfg, spec, ps = plan.model, plan.spec, plan.page_size
@@ -240,9 +322,12 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     offset = pos % ps
     positions = jnp.where(active, pos, INVALID)
     protect = _protected_pages(plan, pos, active)[None, :]
+    kv0 = st.kv
+    if plan.per_step and plan.cache.reuse:
+        kv0 = install_previous(plan, kv0, st.lookahead, protect)
 
     def attend(layer, lp, h, q, k, v, carry):
-        kv, summ = carry
+        kv, summ, look = carry
         q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
         tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)       # [B, 2, H, D]
         if plan.cache.mode == "host":
@@ -254,7 +339,10 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
             k=plan.k, page_size=ps, num_sink_pages=plan.cache.sink_pages, implementation=impl)
         pages = jnp.where(active[:, None, None], pages, INVALID)
         sel = jnp.where(pages >= 0, b_idx[:, None, None] * Np + pages, INVALID)
-        if plan.cache.mode == "host":
+        if plan.per_step:
+            kv, rows, scr = lookup_and_fetch(plan, kv, layer, sel)
+            look = (look[0].at[layer].set(sel.reshape(-1)), look[1].at[layer].set(scr))
+        elif plan.cache.mode == "host":
             kv, rows = kvcache.ensure_resident(spec, kv, sel.reshape(1, -1), protect,
                                                layers=layer[None], implementation=impl)
             rows = rows.reshape(sel.shape)
@@ -262,11 +350,11 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
             rows = jnp.where(sel >= 0, layer * P + sel, INVALID)
         out, _ = sparse_paged_attention(q1, kv.pool, rows, pages, jnp.where(active, pos + 1, 1),
                                         page_size=ps, num_kv_heads=H, implementation=impl)
-        return out[:, None].astype(q.dtype), (kv, summ)
+        return out[:, None].astype(q.dtype), (kv, summ, look)
 
-    logits, (kv, summ) = llama.forward(params, cfg, st.last_token[:, None],
-                                       jnp.maximum(pos, 0)[:, None], attend, (st.kv, st.summaries),
-                                       unroll=plan.layer_unroll)
+    logits, (kv, summ, look) = llama.forward(
+        params, cfg, st.last_token[:, None], jnp.maximum(pos, 0)[:, None], attend,
+        (kv0, st.summaries, st.lookahead), unroll=plan.layer_unroll)
     key, sub = jax.random.split(st.key)
     tok = sample(logits[:, 0], sampling, sub)
     tok = jnp.where(active, tok, INVALID)
@@ -278,7 +366,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         kv = kvcache.tick(kv)
     st = DecodeState(kv=kv, summaries=summ, lengths=lengths,
                      last_token=jnp.where(active, tok, st.last_token), done=done,
-                     n_generated=n_gen, key=key)
+                     n_generated=n_gen, key=key, lookahead=look)
     return st, tok
 
 

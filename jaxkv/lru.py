@@ -37,6 +37,8 @@ class EnsureResult:
     slots [L, R]: slot of each request (-1 for padding and dropped requests).
     fetch_src [L, R], fetch_dst [L, R]: logical page -> slot copies the step needs
       (-1 = nothing to move); at most one entry per distinct missed page.
+    fetch_payload [L, R]: for each fetch entry, the ``payload`` value of the request that
+      brought the page (e.g. where a copy of it already is); -1 elsewhere.
     hits, misses, evictions, dropped: int32 counts over all layers (distinct pages).
     """
 
@@ -46,13 +48,14 @@ class EnsureResult:
     slots: jax.Array
     fetch_src: jax.Array
     fetch_dst: jax.Array
+    fetch_payload: jax.Array
     hits: jax.Array
     misses: jax.Array
     evictions: jax.Array
     dropped: jax.Array
 
 
-def _ensure_layer(page_table, slot_owner, last_used, requests, protect, step):
+def _ensure_layer(page_table, slot_owner, last_used, requests, protect, payload, step):
     """One layer. page_table [P], slot_owner/last_used [S], requests [R], protect [Q]."""
     P = page_table.shape[0]
     S = slot_owner.shape[0]
@@ -103,13 +106,14 @@ def _ensure_layer(page_table, slot_owner, last_used, requests, protect, step):
 
     fetch_src = jnp.where(assigned, sorted_req, INVALID)
     fetch_dst = jnp.where(assigned, new_slot, INVALID)
+    fetch_payload = jnp.where(assigned, payload[order], INVALID)
     counts = jnp.stack([
         jnp.sum(hit), jnp.sum(miss), jnp.sum(evicted), jnp.sum(miss & ~assigned)
     ]).astype(jnp.int32)
-    return page_table, slot_owner, last_used, slots, fetch_src, fetch_dst, counts
+    return page_table, slot_owner, last_used, slots, fetch_src, fetch_dst, fetch_payload, counts
 
 
-def ensure(page_table, slot_owner, last_used, requests, protect, step) -> EnsureResult:
+def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=None) -> EnsureResult:
     """Make the requested pages of every layer resident (fixed shapes, all layers at once).
 
     Args:
@@ -119,13 +123,17 @@ def ensure(page_table, slot_owner, last_used, requests, protect, step) -> Ensure
       requests: [L, R] int32 logical pages wanted this step (-1 = padding; duplicates ok).
       protect: [L, Q] int32 logical pages that must not be evicted (-1 = padding).
       step: int32 scalar, the current step (a strictly increasing clock).
+      payload: optional [L, R] int32 carried to ``fetch_payload`` (default: -1).
     Returns:
       :class:`EnsureResult`.
     """
     step = jnp.asarray(step, jnp.int32)
-    out = jax.vmap(_ensure_layer, in_axes=(0, 0, 0, 0, 0, None))(
-        page_table, slot_owner, last_used, requests.astype(jnp.int32),
-        protect.astype(jnp.int32), step)
-    pt, so, lu, slots, src, dst, counts = out
+    requests = requests.astype(jnp.int32)
+    if payload is None:
+        payload = jnp.full(requests.shape, INVALID, jnp.int32)
+    out = jax.vmap(_ensure_layer, in_axes=(0, 0, 0, 0, 0, 0, None))(
+        page_table, slot_owner, last_used, requests, protect.astype(jnp.int32),
+        payload.astype(jnp.int32), step)
+    pt, so, lu, slots, src, dst, pay, counts = out
     c = jnp.sum(counts, axis=0)
-    return EnsureResult(pt, so, lu, slots, src, dst, c[0], c[1], c[2], c[3])
+    return EnsureResult(pt, so, lu, slots, src, dst, pay, c[0], c[1], c[2], c[3])

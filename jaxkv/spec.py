@@ -39,6 +39,9 @@ class CacheSpec:
       num_recent_pages: most recent pages of each sequence that are never evicted.
       max_batch: requests the pinned pages are reserved for (pinned pages use
         ``max_batch * (num_sink_pages + num_recent_pages)`` slots per layer).
+      num_scratch: extra pool rows per layer after the ``L * S`` slots, where pages missed
+        during a step are fetched for that step (per-step scheduling); row of entry ``e`` of
+        layer ``l``: ``L * S + l * num_scratch + e``.
     """
 
     num_layers: int
@@ -52,6 +55,7 @@ class CacheSpec:
     num_sink_pages: int = 0
     num_recent_pages: int = 0
     max_batch: int = 1
+    num_scratch: int = 0
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size",
@@ -59,9 +63,9 @@ class CacheSpec:
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"CacheSpec.{name} must be a positive int, got {v!r}")
-        for name in ("num_sink_pages", "num_recent_pages"):
+        for name in ("num_sink_pages", "num_recent_pages", "num_scratch"):
             v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or v < 0:
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"CacheSpec.{name} must be an int >= 0, got {v!r}")
         if not _is_pow2(self.page_size):
             raise ValueError(f"page_size must be a power of two (Triton blocks), got {self.page_size}")
@@ -110,7 +114,7 @@ class CacheSpec:
 
     @property
     def pool_shape(self) -> tuple[int, int]:
-        return (self.num_layers * self.num_slots, self.row_elems)
+        return (self.num_layers * (self.num_slots + self.num_scratch), self.row_elems)
 
     @property
     def host_bytes(self) -> int:

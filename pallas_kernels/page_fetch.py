@@ -288,3 +288,95 @@ def fetch_pages(host_kv, pool, src_rows, dst_rows, *, implementation=None, **tun
     """
     fn = _common.resolve(OP, implementation)
     return call_in_place(fn, (host_kv, pool, src_rows, dst_rows), 1, **tuning)
+
+
+# ----------------------------------------------------------------------------------------
+# move_rows: copy rows within ONE array (device pool: scratch rows -> LRU slots), in place
+# ----------------------------------------------------------------------------------------
+OP_MOVE = "move_rows"
+
+
+def _move_rows_pallas(arr, src_rows, dst_rows, tuning: FetchTuning):
+    """arr[dst_rows[m]] = arr[src_rows[m]] in one launch, ``arr`` aliased to the output.
+
+    Valid source rows and destination rows must be disjoint sets (no entry reads a row that
+    another entry writes), which makes the in-place copy race-free.
+    """
+    N, R = arr.shape
+    M = src_rows.shape[0]
+    E, B, K = tuning.pages_per_program, tuning.chunk_elems, tuning.chunks_per_program
+    n_eb = max(1, -(-M // E))
+    n_cb = R // (B * K)
+    pad = n_eb * E - M
+    src_rows = jnp.asarray(src_rows, jnp.int32)
+    dst_rows = jnp.asarray(dst_rows, jnp.int32)
+    if pad:
+        src_rows = jnp.pad(src_rows, (0, pad), constant_values=-1)
+        dst_rows = jnp.pad(dst_rows, (0, pad), constant_values=-1)
+    Mp = n_eb * E
+
+    def kernel(src_rows_ref, dst_rows_ref, arr_in_ref, arr_ref):
+        del arr_in_ref  # aliased with arr_ref
+        i = pl.program_id(0)
+        j = pl.program_id(1)
+        entries = []
+        for e in range(E):
+            s = src_rows_ref[i * E + e]
+            d = dst_rows_ref[i * E + e]
+            ok = (s >= 0) & (s < N) & (d >= 0) & (d < N)
+            entries.append((jnp.where(ok, s, 0), jnp.where(ok, d, 0), jnp.full((B,), ok)))
+
+        def column(k):
+            col = (j * K + k) * B
+            vals = [plgpu.load(arr_ref.at[s, pl.ds(col, B)], mask=m) for s, _, m in entries]
+            for (_, d, m), v in zip(entries, vals):
+                plgpu.store(arr_ref.at[d, pl.ds(col, B)], v, mask=m)
+
+        if K == 1:
+            column(0)
+        else:
+            def body(k, carry):
+                column(k)
+                return carry
+            jax.lax.fori_loop(0, K, body, 0)
+
+    full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(arr.shape, arr.dtype),
+        grid=(n_eb, n_cb),
+        in_specs=[full((Mp,)), full((Mp,)), full(arr.shape)],
+        out_specs=full(arr.shape),
+        input_output_aliases={2: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps,
+                                             num_stages=tuning.num_stages),
+        interpret=_common.interpret_mode(),
+        name="move_rows",
+    )(src_rows, dst_rows, arr)
+
+
+@_common.register(OP_MOVE, "pallas")
+def move_rows_pallas(arr, src_rows, dst_rows, **tuning):
+    """Pallas implementation of :func:`move_rows`."""
+    _check(arr, arr, src_rows, dst_rows)
+    t = resolve_tuning(src_rows.shape[0], arr.shape[1], jnp.dtype(arr.dtype).itemsize, **tuning)
+    return _move_rows_pallas(arr, src_rows, dst_rows, t)
+
+
+@_common.register(OP_MOVE, "xla")
+def move_rows_reference(arr, src_rows, dst_rows, **tuning):
+    """Pure-jnp reference of :func:`move_rows` (device arrays)."""
+    del tuning
+    N = arr.shape[0]
+    ok = (src_rows >= 0) & (src_rows < N) & (dst_rows >= 0) & (dst_rows < N)
+    return arr.at[jnp.where(ok, dst_rows, N)].set(arr[jnp.where(ok, src_rows, 0)], mode="drop")
+
+
+def move_rows(arr, src_rows, dst_rows, *, implementation=None, **tuning):
+    """Copy rows within one device array in place: ``arr[dst_rows[m]] = arr[src_rows[m]]``.
+
+    arr [N, R] (donated); src_rows, dst_rows [M] int32, -1 = skip. Valid sources and valid
+    destinations must be disjoint, and valid destinations distinct. One launch.
+    """
+    fn = _common.resolve(OP_MOVE, implementation)
+    return call_in_place(fn, (arr, src_rows, dst_rows), 0, **tuning)

@@ -24,7 +24,7 @@ def _compiled_round(cfg, cache_cfg, prompt_lens, max_new=8):
         kv=engine.init_kv(plan), summaries=engine.init_summaries(plan),
         lengths=jnp.asarray(prompt_lens, jnp.int32), last_token=jnp.ones((B,), jnp.int32),
         done=jnp.zeros((B,), bool), n_generated=jnp.ones((B,), jnp.int32),
-        key=jax.random.key(0))
+        key=jax.random.key(0), lookahead=engine.init_lookahead(plan))
     lowered = engine.lower_decode_round(plan, params, state, Sampling.make(),
                                         jnp.full((4,), -1, jnp.int32), jnp.int32(max_new))
     return plan, lowered.compile().as_text()

@@ -336,3 +336,21 @@ def test_gpu_fetch_random_large(rng, heads, page_size, m):
         np.testing.assert_array_equal(got, expect, err_msg=str(tuning))
     ref = run_fetch(host, src, dst, m + 7, jnp.bfloat16, "xla")
     np.testing.assert_array_equal(ref, expect)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_move_rows_in_place(impl):
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    N, R, M = 40, 384, 9
+    arr = rng.standard_normal((N, R)).astype(np.float32)
+    perm = rng.permutation(N)
+    src, dst = perm[:M].copy(), perm[M:2 * M].copy()
+    src[2], dst[5] = -1, -1
+    want = arr.copy()
+    for s, d in zip(src, dst):
+        if s >= 0 and d >= 0:
+            want[d] = arr[s]
+    got = page_fetch.move_rows(jnp.asarray(arr), jnp.asarray(src, jnp.int32),
+                               jnp.asarray(dst, jnp.int32), implementation=impl)
+    np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"seed {seed}")

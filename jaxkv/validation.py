@@ -1,0 +1,282 @@
+"""Early checks for the public entry points and the strict-mode guards (docs/failure_modes.md).
+
+Every check raises ``ValueError`` / ``TypeError`` (``RuntimeError`` for strict mode) with a
+message that names the fix. Checks on arrays look at static shapes and dtypes (free at trace
+time) and, when the arrays are concrete (not traced), at their values.
+
+Memory limits are testable off the GPU: ``JAXKV_HOST_MEMORY_LIMIT_GB`` sets a pinned-host cap
+on any backend (on the GPU the smaller of it and XLA's cap applies) and
+``JAXKV_DEVICE_MEMORY_LIMIT_GB`` caps the free device memory figure (which
+``Device.memory_stats()`` does not give on CPU); the check functions also take the figure
+as an argument.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import numpy as np
+
+HOST_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+HOST_LIMIT_OVERRIDE_ENV = "JAXKV_HOST_MEMORY_LIMIT_GB"
+DEVICE_LIMIT_OVERRIDE_ENV = "JAXKV_DEVICE_MEMORY_LIMIT_GB"
+DEFAULT_GPU_HOST_LIMIT_GB = 64.0
+# Counters that strict mode requires to be zero after a generate() call.
+STRICT_COUNTERS = ("dropped", "truncated_requests")
+
+_UNSET = object()
+
+
+# ------------------------------------------------------------------------------ limits
+def _env_gb(name: str) -> float | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        gb = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number: set it to a size in GB (e.g. 100)") from None
+    if not gb > 0:
+        raise ValueError(f"{name}={raw!r} must be a positive size in GB")
+    return gb
+
+
+def host_limit_bytes(backend: str | None = None) -> int | None:
+    """The pinned-host memory cap in bytes, or None when none is known.
+
+    On the GPU: ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` (default 64 GiB), lowered by
+    ``JAXKV_HOST_MEMORY_LIMIT_GB`` if that is set. Elsewhere: ``JAXKV_HOST_MEMORY_LIMIT_GB``
+    if set, else None (no check).
+    """
+    backend = backend or jax.default_backend()
+    override = _env_gb(HOST_LIMIT_OVERRIDE_ENV)
+    caps = [] if override is None else [override]
+    if backend == "gpu":
+        xla = _env_gb(HOST_LIMIT_ENV)
+        caps.append(DEFAULT_GPU_HOST_LIMIT_GB if xla is None else xla)
+    return int(min(caps) * 2**30) if caps else None
+
+
+def check_host_capacity(host_bytes: int, *, limit_bytes=_UNSET,
+                        fix: str = "lower batch / max_context") -> None:
+    """Raise if a pinned-host tier of ``host_bytes`` exceeds the cap (``host_limit_bytes()``)."""
+    limit = host_limit_bytes() if limit_bytes is _UNSET else limit_bytes
+    if limit is not None and host_bytes > limit:
+        raise ValueError(
+            f"the host tier needs {host_bytes / 2**30:.2f} GiB of pinned host memory, over the cap "
+            f"of {limit / 2**30:.2f} GiB: set {HOST_LIMIT_ENV} (in GB, before JAX starts; the "
+            f"machine's RAM bounds it) or {fix}")
+
+
+def device_free_bytes(device=None) -> int | None:
+    """Free device memory in bytes (``memory_stats``), capped by ``JAXKV_DEVICE_MEMORY_LIMIT_GB``;
+    None when unknown (CPU without the override)."""
+    device = device or jax.devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        stats = None
+    free = None
+    if stats and "bytes_limit" in stats:
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    override = _env_gb(DEVICE_LIMIT_OVERRIDE_ENV)
+    if override is not None:
+        cap = int(override * 2**30)
+        free = cap if free is None else min(free, cap)
+    return free
+
+
+def check_device_memory(need_bytes: int, *, what: str, fix: str, free_bytes=_UNSET) -> None:
+    """Raise if ``need_bytes`` exceed the free device memory (``device_free_bytes()``)."""
+    free = device_free_bytes() if free_bytes is _UNSET else free_bytes
+    if free is not None and need_bytes > free:
+        raise ValueError(f"the {what} needs {need_bytes / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB "
+                         f"of device memory is free: {fix}")
+
+
+# ------------------------------------------------------------------------------ inputs
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_token_ids(ids, vocab_size: int, what: str) -> np.ndarray:
+    """``ids`` as a 1-D int array of token ids in ``[0, vocab_size)`` (may be empty)."""
+    if isinstance(ids, (str, bytes)):
+        raise TypeError(f"{what} is text: pass token ids (tokenizer.encode(text))")
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D list of token ids, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{what} must hold integer token ids, got dtype {arr.dtype}")
+    bad = (arr < 0) | (arr >= vocab_size)
+    if bad.any():
+        j = int(np.argmax(bad))
+        raise ValueError(f"{what} has token id {int(arr[j])} at index {j}, outside the vocabulary "
+                         f"[0, {vocab_size}): encode with the model's own tokenizer")
+    return arr.astype(np.int64)
+
+
+def check_int(name: str, value, *, minimum: int) -> int:
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_params(cfg, params) -> None:
+    """Raise unless ``params`` has the tree structure, shapes and dtypes ``cfg`` implies."""
+    want = _param_shapes(cfg)
+    if not isinstance(params, dict):
+        raise TypeError(f"params must be the models.llama params dict, got {type(params).__name__}: "
+                        "load it with models.gguf_loader.load_gguf or llama.init_params")
+    flat_want = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(want)}
+    try:
+        flat_got = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(params)}
+    except Exception as e:
+        raise TypeError(f"params is not a pytree of arrays ({e})") from e
+    missing = sorted(set(flat_want) - set(flat_got))
+    extra = sorted(set(flat_got) - set(flat_want))
+    if missing or extra:
+        raise ValueError(
+            f"params do not match ModelConfig {cfg.name!r}: missing {missing or 'none'}, unexpected "
+            f"{extra or 'none'}: use the ModelConfig returned with these params (load_gguf) or "
+            "llama.init_params(cfg)")
+    for k, w in flat_want.items():
+        g = flat_got[k]
+        shape, dtype = tuple(getattr(g, "shape", ())), getattr(g, "dtype", None)
+        if shape != tuple(w.shape):
+            raise ValueError(f"params{k} has shape {shape}, ModelConfig {cfg.name!r} needs "
+                             f"{tuple(w.shape)}: the params belong to another model configuration")
+        if dtype is None or np.dtype(dtype) != np.dtype(w.dtype):
+            raise ValueError(f"params{k} has dtype {dtype}, ModelConfig {cfg.name!r} says {cfg.dtype}: "
+                             f"cast the params (jax.tree.map(lambda a: a.astype('{cfg.dtype}'), params)) "
+                             "or use dataclasses.replace(cfg, dtype=...)")
+
+
+_SHAPES_CACHE: dict = {}
+
+
+def _param_shapes(cfg):
+    if cfg not in _SHAPES_CACHE:
+        from models import llama
+        _SHAPES_CACHE[cfg] = llama.param_shapes(cfg)
+    return _SHAPES_CACHE[cfg]
+
+
+# ------------------------------------------------------------------------------ cache level
+def _concrete(x) -> np.ndarray | None:
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return np.asarray(x)
+
+
+def _int_array(name: str, x, ndim: int | None = None):
+    dt = getattr(x, "dtype", None)
+    if dt is None or not np.issubdtype(np.dtype(dt), np.integer):
+        raise TypeError(f"{name} must be an integer array (int32), got dtype {dt}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(x.shape)}")
+
+
+def check_cache_state(spec, cache) -> None:
+    """Raise unless ``cache`` (a ``HostTierCache``) has the shapes and dtypes of ``spec``."""
+    from jaxkv.cache import HostTierCache
+    from jaxkv.spec import CacheSpec
+
+    if not isinstance(spec, CacheSpec):
+        raise TypeError(f"spec must be a jaxkv.CacheSpec, got {type(spec).__name__}")
+    if not isinstance(cache, HostTierCache):
+        raise TypeError(f"cache must be a HostTierCache (jaxkv.cache.init_cache(spec)), got "
+                        f"{type(cache).__name__}")
+    L, P, S = spec.num_layers, spec.num_logical_pages, spec.num_slots
+    want = {"host_kv": (spec.host_shape, spec.jnp_dtype), "pool": (spec.pool_shape, spec.jnp_dtype),
+            "page_table": ((L, P), np.int32), "slot_owner": ((L, S), np.int32),
+            "last_used": ((L, S), np.int32)}
+    for name, (shape, dtype) in want.items():
+        a = getattr(cache, name)
+        if tuple(a.shape) != tuple(shape) or np.dtype(a.dtype) != np.dtype(dtype):
+            raise ValueError(f"cache.{name} is {a.dtype}{list(a.shape)}, the spec needs "
+                             f"{np.dtype(dtype)}{list(shape)}: build the cache with "
+                             "jaxkv.cache.init_cache(spec) for this spec")
+
+
+def check_page_requests(spec, requests, protect, layers=None) -> None:
+    """Check ``ensure_resident`` arguments: requests [Lr, R], protect [Lr, Q], layers [Lr].
+
+    Values are checked when concrete: pages in ``[-1, P)``, layers in ``[0, L)`` and distinct.
+    """
+    _int_array("requests", requests, 2)
+    _int_array("protect", protect, 2)
+    Lr = requests.shape[0]
+    if protect.shape[0] != Lr:
+        raise ValueError(f"protect has {protect.shape[0]} rows, requests {Lr}: one row per layer")
+    if layers is None:
+        if Lr != spec.num_layers:
+            raise ValueError(f"requests has {Lr} rows but the cache has {spec.num_layers} layers: "
+                             "pass layers=[...] for a subset")
+    else:
+        _int_array("layers", layers, 1)
+        if layers.shape[0] != Lr:
+            raise ValueError(f"layers has {layers.shape[0]} entries, requests {Lr} rows")
+        lv = _concrete(layers)
+        if lv is not None:
+            if lv.size and (lv.min() < 0 or lv.max() >= spec.num_layers):
+                raise ValueError(f"layers {lv.tolist()} outside [0, {spec.num_layers})")
+            if len(set(lv.tolist())) != lv.size:
+                raise ValueError(f"layers {lv.tolist()} repeat a layer: ensure each layer once per call")
+    for name, x in (("requests", requests), ("protect", protect)):
+        v = _concrete(x)
+        if v is not None and v.size and (v.min() < -1 or v.max() >= spec.num_logical_pages):
+            raise ValueError(f"{name} holds page {int(v.min() if v.min() < -1 else v.max())} outside "
+                             f"[0, {spec.num_logical_pages}) (-1 = none): pages are logical ids "
+                             "b * pages_per_seq + j")
+
+
+def check_token_writes(spec, layer, logical_pages, offsets, kv) -> None:
+    """Check ``write_through`` arguments: layer scalar or [M], logical_pages/offsets [M],
+    kv [M, 2, H, D]. Values are checked when concrete (pages ``>= P`` would land in another
+    layer's rows)."""
+    _int_array("logical_pages", logical_pages, 1)
+    _int_array("offsets", offsets, 1)
+    M = logical_pages.shape[0]
+    want = (M, 2, spec.num_kv_heads, spec.head_dim)
+    if tuple(offsets.shape) != (M,):
+        raise ValueError(f"offsets shape {tuple(offsets.shape)} != logical_pages shape ({M},)")
+    if tuple(kv.shape) != want:
+        raise ValueError(f"kv shape {tuple(kv.shape)} != [M, 2, H, D] = {list(want)}")
+    if not np.issubdtype(np.dtype(kv.dtype), np.floating):
+        raise TypeError(f"kv must be a float array, got {kv.dtype}")
+    checks = ((layer, spec.num_layers, "layer"), (logical_pages, spec.num_logical_pages, "logical_pages"),
+              (offsets, spec.page_size, "offsets"))
+    for x, hi, name in checks:
+        v = _concrete(x)
+        if v is not None and v.size and (v.min() < -1 or v.max() >= hi):
+            raise ValueError(f"{name} holds {int(v.min() if v.min() < -1 else v.max())} outside "
+                             f"[0, {hi}) (-1 = inactive for logical_pages)")
+
+
+# ------------------------------------------------------------------------------ strict mode
+def strict_violations(stats: dict) -> list[str]:
+    """Human-readable reasons why ``stats`` fail strict mode (empty: none)."""
+    out = []
+    if stats.get("dropped", 0) > 0:
+        out.append(f"{stats['dropped']} selected pages were dropped because the device pool "
+                   f"({stats.get('pool_pages')} pages per layer) could not hold a step's working set: "
+                   "raise CacheConfig.pool_pages (None = no drops) or lower selected_pages / batch")
+    if stats.get("truncated_requests", 0) > 0:
+        out.append(f"{stats['truncated_requests']} requests stopped at the context capacity "
+                   f"({stats.get('max_context')} tokens) before max_new_tokens: raise "
+                   "CacheConfig.max_context or lower max_new_tokens")
+    return out
+
+
+def check_strict(stats: dict) -> None:
+    """Strict mode: raise RuntimeError if any counter in STRICT_COUNTERS is non-zero."""
+    why = strict_violations(stats)
+    if why:
+        raise RuntimeError("strict mode: " + "; ".join(why))
+
+
+def nbytes_of(tree) -> int:
+    """Bytes of every array (or ShapeDtypeStruct) leaf of ``tree``."""
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
