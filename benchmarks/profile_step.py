@@ -98,12 +98,15 @@ def main():
         mode, selector = parts[0], parts[1]
         cache = CacheConfig(mode=mode, selector=selector, page_size=a.page_size, selected_pages=k,
                             prefill_chunk=1024)
-        if len(parts) > 2:
-            f = parts[2]
+        for f in parts[2:]:
             if f.endswith("x"):
                 cache = dataclasses.replace(cache, pool_pages=int(float(f[:-1]) * sel * a.batch))
             elif f == "loop":
                 cache = dataclasses.replace(cache, unroll_layers=False)
+            elif f == "layer":
+                cache = dataclasses.replace(cache, schedule="layer")
+            elif f == "nocache":
+                cache = dataclasses.replace(cache, reuse=False)
         r = time_config(cfg, params, prompts, cache, a.steps, a.rounds)
         r["name"] = name
         rows.append(r)
