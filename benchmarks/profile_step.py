@@ -38,7 +38,7 @@ def build_state(plan, params, prompts, seed=0):
                               key=key, lookahead=engine.init_lookahead(plan))
 
 
-def time_config(cfg, params, prompts, cache, steps, rounds):
+def time_config(cfg, params, prompts, cache, steps, rounds, dump=None):
     plan = make_plan(cfg, dataclasses.replace(cache, round_steps=steps), [len(p) for p in prompts],
                      steps * (rounds + 2), num_stop=4)
     t0 = time.perf_counter()
@@ -48,6 +48,18 @@ def time_config(cfg, params, prompts, cache, steps, rounds):
     t_prefill = time.perf_counter() - t0
     stop = jnp.full((4,), -1, jnp.int32)
     max_new = jnp.int32(10**6)
+    if dump:
+        hlo = engine.lower_decode_round(plan, params, state, Sampling.make(), stop,
+                                        max_new).compile().as_text()
+        with open(dump, "w") as f:
+            f.write(hlo)
+        import re
+        kinds = {}
+        for line in hlo.splitlines():
+            m = re.search(r"= \S+ (fusion|custom-call|while|conditional|copy|sort|scatter|gather)\(", line)
+            if m:
+                kinds[m.group(1)] = kinds.get(m.group(1), 0) + 1
+        print("HLO op counts (all computations):", kinds, flush=True)
     state, buf, n = engine.decode_round(plan, params, state, Sampling.make(), stop, max_new)
     jax.block_until_ready(buf)
     comp = compile_stats.since(c0)
@@ -82,7 +94,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--configs", default="resident-dense,resident-quest,host-quest-2x")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--dump-hlo", action="store_true")
+    ap.add_argument("--tag", default="")
     a = ap.parse_args()
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
     over = {"max_position": max(a.context * 2, 8192)}
     if a.layers:
         over["num_layers"] = a.layers
@@ -107,7 +123,8 @@ def main():
                 cache = dataclasses.replace(cache, schedule="layer")
             elif f == "nocache":
                 cache = dataclasses.replace(cache, reuse=False)
-        r = time_config(cfg, params, prompts, cache, a.steps, a.rounds)
+        dump = os.path.join(a.out, f"hlo_{name}.txt") if (a.dump_hlo and a.out) else None
+        r = time_config(cfg, params, prompts, cache, a.steps, a.rounds, dump)
         r["name"] = name
         rows.append(r)
         print(json.dumps(r), flush=True)
@@ -119,8 +136,9 @@ def main():
               f"{r['compile_s']:9.1f}")
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "profile_step.json"), "w") as f:
+        with open(os.path.join(a.out, f"profile_step{a.tag}.json"), "w") as f:
             json.dump(dict(device=str(jax.devices()[0]), jax=jax.__version__,
+                           xla_flags=os.environ.get("XLA_FLAGS", ""),
                            commit=os.environ.get("JAXKV_COMMIT", "unknown"), args=vars(a), rows=rows), f,
                       indent=1)
 
