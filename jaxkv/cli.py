@@ -13,6 +13,16 @@ from pathlib import Path
 DEFAULT_PROMPT = "The capital of France is Paris. The capital of Germany is"
 
 
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jaxkv", description="Generate text with a host-tier sparse KV cache (JAX/Pallas).")
@@ -22,11 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf", type=Path, help="llama-architecture GGUF file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--mode", choices=["host", "resident"], default="host")
     p.add_argument("--selector", choices=["quest", "indexer", "dense"], default="quest")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--budget", type=int, default=None,
+    p.add_argument("--max-new-tokens", type=_positive_int, default=48)
+    p.add_argument("--budget", type=_positive_int, default=None,
                    help="selected tokens per step, layer and KV head (rounded to pages)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--pool-pages", type=int, default=None, help="device pool slots per layer (host mode)")
+    p.add_argument("--page-size", type=_positive_int, default=16, help="tokens per page (a power of two)")
+    p.add_argument("--pool-pages", type=_positive_int, default=None,
+                   help="device pool slots per layer (host mode)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -47,14 +58,29 @@ def main(argv=None) -> int:
         if not args.file.is_file():
             print(f"error: prompt file {args.file} does not exist", file=sys.stderr)
             return 2
-        text = args.file.read_text()
+        try:
+            text = args.file.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            print(f"error: cannot read prompt file {args.file} as UTF-8 text ({e})", file=sys.stderr)
+            return 2
     else:
         text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     if not text.strip():
         print("error: the prompt is empty", file=sys.stderr)
         return 2
-    path = args.gguf or gguf_loader.default_model_path()
+    # settings first: a bad option fails before the model is loaded
+    budget = args.budget if args.budget is not None else 4 * args.page_size * 4
     try:
+        cache = jaxkv.CacheConfig(
+            mode=args.mode, selector=args.selector, page_size=args.page_size,
+            selected_pages=max(2, -(-budget // args.page_size)), pool_pages=args.pool_pages,
+            strict=args.strict)
+        sampling = jaxkv.Sampling.make(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        path = args.gguf or gguf_loader.default_model_path()
         cfg, params = gguf_loader.load_gguf(path, dtype=args.dtype)
         tok = Tokenizer.from_gguf(path)
     except (FileNotFoundError, ValueError) as e:
@@ -65,17 +91,11 @@ def main(argv=None) -> int:
                                                  add_generation_prompt=True), add_bos=False)
     else:
         ids = tok.encode(text)
-    budget = args.budget if args.budget is not None else 4 * args.page_size * 4
-    cache = jaxkv.CacheConfig(
-        mode=args.mode, selector=args.selector, page_size=args.page_size,
-        selected_pages=max(2, -(-budget // args.page_size)), pool_pages=args.pool_pages,
-        strict=args.strict)
-    sampling = jaxkv.Sampling.make(args.temperature, args.top_k, args.top_p)
     try:
         res = jaxkv.generate(cfg, params, [ids], max_new_tokens=args.max_new_tokens,
                              sampling=sampling, cache=cache, stop_tokens=tok.stop_ids,
                              seed=args.seed)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, TypeError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     out = tok.decode(res.tokens[0], skip_special_tokens=True)

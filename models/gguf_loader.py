@@ -77,6 +77,18 @@ def _meta(reader, key, default=None, *, required=False):
     return f.contents()
 
 
+def _meta_int(reader, path, key, default=None, *, required=False) -> int:
+    """A positive integer metadata value (GGUFError naming the key otherwise)."""
+    v = _meta(reader, key, default, required=required)
+    try:
+        iv = int(v)
+    except (TypeError, ValueError):
+        raise GGUFError(f"{path}: metadata {key!r} = {v!r} is not an integer: the file is corrupt") from None
+    if iv <= 0:
+        raise GGUFError(f"{path}: metadata {key!r} = {iv} must be positive: the file is corrupt")
+    return iv
+
+
 def _dequantize(t) -> np.ndarray:
     """One GGUF tensor -> float32 numpy array in numpy (reversed ggml) order."""
     from gguf.quants import dequantize
@@ -120,14 +132,19 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
         raise GGUFError(f"{path}: unsupported architecture {arch!r}; supported: "
                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     a = arch + "."
-    n_layers = int(_meta(reader, a + "block_count", required=True))
-    d_model = int(_meta(reader, a + "embedding_length", required=True))
-    ffn = int(_meta(reader, a + "feed_forward_length", required=True))
-    n_head = int(_meta(reader, a + "attention.head_count", required=True))
-    n_kv = int(_meta(reader, a + "attention.head_count_kv", n_head))
-    head_dim = int(_meta(reader, a + "attention.key_length", d_model // n_head))
-    v_dim = int(_meta(reader, a + "attention.value_length", head_dim))
-    rope_dim = int(_meta(reader, a + "rope.dimension_count", head_dim))
+    n_layers = _meta_int(reader, path, a + "block_count", required=True)
+    d_model = _meta_int(reader, path, a + "embedding_length", required=True)
+    ffn = _meta_int(reader, path, a + "feed_forward_length", required=True)
+    n_head = _meta_int(reader, path, a + "attention.head_count", required=True)
+    n_kv = _meta_int(reader, path, a + "attention.head_count_kv", n_head)
+    if n_head % n_kv:
+        raise GGUFError(f"{path}: head_count {n_head} is not a multiple of head_count_kv {n_kv}")
+    if a + "attention.key_length" not in reader.fields and d_model % n_head:
+        raise GGUFError(f"{path}: embedding_length {d_model} does not divide into {n_head} heads "
+                        "and attention.key_length is missing")
+    head_dim = _meta_int(reader, path, a + "attention.key_length", d_model // n_head)
+    v_dim = _meta_int(reader, path, a + "attention.value_length", head_dim)
+    rope_dim = _meta_int(reader, path, a + "rope.dimension_count", head_dim)
     scaling = _meta(reader, a + "rope.scaling.type", "none")
     if v_dim != head_dim or rope_dim != head_dim:
         raise GGUFError(f"{path}: unsupported: value_length {v_dim} / rope dims {rope_dim} "
@@ -139,10 +156,29 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
     if "rope_freqs.weight" in tensors:
         raise GGUFError(f"{path}: unsupported: rope_freqs.weight (scaled RoPE frequencies)")
 
+    qd, kvd = n_head * head_dim, n_kv * head_dim
+    # expected numpy shapes ([out, in]; None = any), checked before anything is stacked
+    shapes = {"token_embd": (None, d_model), "output": (None, d_model), "output_norm": (d_model,),
+              "attn_norm": (d_model,), "ffn_norm": (d_model,), "attn_q": (qd, d_model),
+              "attn_k": (kvd, d_model), "attn_v": (kvd, d_model), "attn_output": (d_model, qd),
+              "ffn_gate": (ffn, d_model), "ffn_up": (ffn, d_model), "ffn_down": (d_model, ffn)}
+    bias_shapes = {"attn_q": (qd,), "attn_k": (kvd,), "attn_v": (kvd,)}
+
     def get(name):
         if name not in tensors:
             raise GGUFError(f"{path}: tensor {name!r} is missing")
-        return _dequantize(tensors[name])
+        w = _dequantize(tensors[name])
+        base, kind = name.split(".")[-2], name.split(".")[-1]
+        want = (bias_shapes if kind == "bias" else shapes).get(base)
+        if want is not None and (len(want) != w.ndim
+                                 or any(x is not None and x != y for x, y in zip(want, w.shape))):
+            raise GGUFError(f"{path}: tensor {name!r} has shape {list(w.shape)}, the metadata implies "
+                            f"{[x if x is not None else '*' for x in want]}: the file is corrupt or "
+                            "its metadata does not match its tensors")
+        if not np.isfinite(w).all():
+            raise GGUFError(f"{path}: tensor {name!r} holds NaN or Inf values: the file is corrupt; "
+                            "re-download or re-convert it")
+        return w
 
     def lin(name, n_rope_heads=None):  # [out, in] in the file -> [in, out]
         w = get(name)
@@ -190,23 +226,26 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
             raise GGUFError(f"{path}: {k} has shape {params['layers'][k].shape}, metadata says {shape}")
 
     name = _meta(reader, "general.name") or _meta(reader, "general.basename") or path.stem
-    cfg = ModelConfig(
-        name=str(name),
-        vocab_size=vocab,
-        d_model=d_model,
-        num_layers=n_layers,
-        num_heads=n_head,
-        num_kv_heads=n_kv,
-        head_dim=head_dim,
-        ffn_dim=ffn,
-        rope_theta=float(_meta(reader, a + "rope.freq_base", 10000.0)),
-        rms_eps=float(_meta(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_embeddings=tie,
-        qkv_bias=has_bias,
-        dtype=dtype,
-        max_position=int(_meta(reader, a + "context_length", 2048)),
-        bos_id=int(_meta(reader, "tokenizer.ggml.bos_token_id", 1)),
-        eos_id=int(_meta(reader, "tokenizer.ggml.eos_token_id", 2)),
-    )
+    try:
+        cfg = ModelConfig(
+            name=str(name),
+            vocab_size=vocab,
+            d_model=d_model,
+            num_layers=n_layers,
+            num_heads=n_head,
+            num_kv_heads=n_kv,
+            head_dim=head_dim,
+            ffn_dim=ffn,
+            rope_theta=float(_meta(reader, a + "rope.freq_base", 10000.0)),
+            rms_eps=float(_meta(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
+            tie_embeddings=tie,
+            qkv_bias=has_bias,
+            dtype=dtype,
+            max_position=int(_meta(reader, a + "context_length", 2048)),
+            bos_id=int(_meta(reader, "tokenizer.ggml.bos_token_id", 1)),
+            eos_id=int(_meta(reader, "tokenizer.ggml.eos_token_id", 2)),
+        )
+    except (TypeError, ValueError) as e:
+        raise GGUFError(f"{path}: inconsistent metadata: {e}") from e
     return cfg, params
 

@@ -1,0 +1,465 @@
+"""Bad input, capacity limits and strict mode: every public entry point fails early with a
+message that names the fix (jaxkv.generate, CacheConfig, Sampling, CacheSpec, the cache-level
+validators, the GGUF loader and the command line). See docs/failure_modes.md.
+
+All but one test fail before anything is compiled; ``test_strict_*`` runs generate() on the
+tiny model (one compilation shared by its cases).
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import CacheConfig, CacheSpec, Sampling, api, engine, validation
+from jaxkv import cache as kvcache
+from jaxkv.cli import main as cli_main
+from models import configs, llama
+from models.gguf_loader import GGUFError, load_gguf
+
+CFG = configs.tiny()
+PARAMS = llama.init_params(CFG, seed=0)
+RNG = np.random.default_rng()
+PROMPTS = [list(RNG.integers(3, CFG.vocab_size, n)) for n in (37, 21, 50)]
+SMALL = CacheConfig(page_size=4, selected_pages=4)
+
+
+def gen(prompts=PROMPTS, cache=SMALL, model=CFG, params=PARAMS, **kw):
+    kw.setdefault("max_new_tokens", 8)
+    kw.setdefault("stop_tokens", [])
+    return jaxkv.generate(model, params, prompts, cache=cache, **kw)
+
+
+# ------------------------------------------------------------------------------ prompts
+@pytest.mark.parametrize("prompts, exc, match", [
+    ([], ValueError, "non-empty list of token-id lists"),
+    ("hello", ValueError, "non-empty list of token-id lists"),
+    ([[5, 6], "text"], TypeError, r"prompt 1 is text: pass token ids \(tokenizer.encode"),
+    ([[5, 6], []], ValueError, "prompt 1 is empty.*BOS"),
+    ([[5, 6, 7], [1.5, 2.0]], TypeError, "prompt 1 must hold integer token ids"),
+    ([[[1, 2], [3, 4]]], ValueError, "prompt 0 must be a 1-D list"),
+    ([[5, 6], [3, 256, 4]], ValueError, r"prompt 1 has token id 256 at index 1.*\[0, 256\).*tokenizer"),
+    ([[5, -1]], ValueError, "prompt 0 has token id -1"),
+])
+def test_bad_prompts(prompts, exc, match):
+    with pytest.raises(exc, match=match):
+        gen(prompts)
+
+
+def test_2d_array_prompts_accepted():
+    # a [B, T] array passes the prompt checks (the capacity check then fails, before compiling)
+    with pytest.raises(ValueError, match="max_position"):
+        gen(np.full((2, 5), 7, np.int32), max_new_tokens=CFG.max_position)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens must be an int >= 1"),
+    (dict(max_new_tokens=2.5), ValueError, "max_new_tokens must be an int >= 1"),
+    (dict(max_new_tokens=True), ValueError, "max_new_tokens must be an int >= 1"),
+    (dict(seed=-1), ValueError, "seed must be an int >= 0"),
+    (dict(stop_tokens=[2, 999]), ValueError, "stop_tokens has token id 999"),
+    (dict(sampling=0.7), TypeError, r"Sampling.make"),
+    (dict(cache={"page_size": 4}), TypeError, "jaxkv.CacheConfig"),
+    (dict(model="tiny"), TypeError, "ModelConfig"),
+])
+def test_bad_arguments(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        gen(**kw)
+
+
+# ------------------------------------------------------------------------------ params
+def test_params_missing_or_extra_leaf():
+    p = dict(PARAMS, layers={k: v for k, v in PARAMS["layers"].items() if k != "wq"})
+    with pytest.raises(ValueError, match=r"missing \[\"\['layers'\]\['wq'\]\"\].*init_params"):
+        gen(params=p)
+    with pytest.raises(ValueError, match="unexpected.*lm_head"):
+        gen(params=dict(PARAMS, lm_head=PARAMS["embed"].T))
+    with pytest.raises(TypeError, match="params dict"):
+        gen(params=[PARAMS])
+
+
+def test_params_of_another_model():
+    other = llama.init_params(configs.tiny(ffn_dim=96), seed=0)
+    with pytest.raises(ValueError, match=r"'w_down'\] has shape \(2, 96, 64\).*needs \(2, 128, 64\).*another model"):
+        gen(params=other)
+
+
+def test_params_wrong_dtype():
+    p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), PARAMS)
+    with pytest.raises(ValueError, match=r"dtype bfloat16.*says float32.*astype"):
+        gen(params=p)
+
+
+# ------------------------------------------------------------------------------ capacity
+def test_over_max_context():
+    cache = dataclasses.replace(SMALL, max_context=64)
+    with pytest.raises(ValueError, match=r"\(50 tokens\) \+ max_new_tokens \(20\) = 70 exceeds "
+                                         r"CacheConfig.max_context \(64\): raise max_context"):
+        gen(cache=cache, max_new_tokens=20)
+
+
+def test_over_model_max_position():
+    with pytest.raises(ValueError, match=r"max_position \(1024\): shorten the prompt or lower max_new_tokens"):
+        gen(max_new_tokens=1000)
+
+
+def test_selection_over_pool():
+    cache = dataclasses.replace(SMALL, pool_pages=5)  # k 4 + pinned 2 = 6 > 5
+    with pytest.raises(ValueError, match=r"pool_pages \(5\) is smaller than one request's selection.*raise pool_pages"):
+        gen(cache=cache)
+
+
+def test_pinned_pages_over_pool():
+    cache = CacheConfig(page_size=4, selected_pages=3, sink_pages=2, recent_pages=2, pool_pages=8)
+    with pytest.raises(ValueError, match=r"pinned pages of 3 requests.*raise pool_pages, lower sink_pages"):
+        gen(cache=cache)
+
+
+def test_pool_larger_than_host_tier_is_clamped():
+    plan = api.make_plan(CFG, dataclasses.replace(SMALL, pool_pages=10**6), [50, 20], 8, 4)
+    assert plan.pool_pages == plan.spec.num_logical_pages == 2 * plan.pages_per_seq
+
+
+def test_host_tier_over_pinned_host_cap(monkeypatch):
+    monkeypatch.setenv(validation.HOST_LIMIT_OVERRIDE_ENV, "0.0001")  # 100 KiB cap
+    with pytest.raises(ValueError, match=r"pinned host memory, over the cap of 0.00 GiB: set "
+                                         r"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB.*lower batch / max_context"):
+        gen()
+    # resident mode has no host tier: the cap does not apply (it fails later on purpose here)
+    with pytest.raises(ValueError, match="max_position"):
+        gen(cache=dataclasses.replace(SMALL, mode="resident"), max_new_tokens=2000)
+
+
+def test_host_limit_rules(monkeypatch):
+    for env in (validation.HOST_LIMIT_ENV, validation.HOST_LIMIT_OVERRIDE_ENV):
+        monkeypatch.delenv(env, raising=False)
+    assert validation.host_limit_bytes("cpu") is None              # no behaviour change on CPU
+    assert validation.host_limit_bytes("gpu") == 64 * 2**30        # XLA's default on GPU
+    monkeypatch.setenv(validation.HOST_LIMIT_ENV, "100")
+    assert validation.host_limit_bytes("gpu") == 100 * 2**30
+    monkeypatch.setenv(validation.HOST_LIMIT_OVERRIDE_ENV, "8")
+    assert validation.host_limit_bytes("gpu") == 8 * 2**30          # the smaller cap wins
+    assert validation.host_limit_bytes("cpu") == 8 * 2**30
+    monkeypatch.setenv(validation.HOST_LIMIT_ENV, "lots")
+    with pytest.raises(ValueError, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB='lots' is not a number"):
+        validation.host_limit_bytes("gpu")
+    validation.check_host_capacity(2**30, limit_bytes=2**30)
+    with pytest.raises(ValueError, match="1.00 GiB of pinned host memory"):
+        validation.check_host_capacity(2**30, limit_bytes=2**30 - 1)
+
+
+def test_device_memory_too_small(monkeypatch):
+    assert validation.device_free_bytes() is None or jax.default_backend() == "gpu"
+    monkeypatch.setattr(validation, "device_free_bytes", lambda device=None: 1000)
+    with pytest.raises(ValueError, match=r"device pool needs .* GiB of device memory is free: "
+                                         r"lower pool_pages / selected_pages / batch"):
+        gen()
+    with pytest.raises(ValueError, match=r"resident KV cache needs.*or use mode='host'"):
+        gen(cache=dataclasses.replace(SMALL, mode="resident"))
+
+
+def test_device_memory_env_override(monkeypatch):
+    monkeypatch.setenv(validation.DEVICE_LIMIT_OVERRIDE_ENV, "0.000001")
+    assert validation.device_free_bytes() == int(1e-6 * 2**30)
+    with pytest.raises(ValueError, match="device pool needs"):
+        gen()
+    validation.check_device_memory(10, what="x", fix="y", free_bytes=10)
+    with pytest.raises(ValueError, match="the x needs .* free: y"):
+        validation.check_device_memory(11, what="x", fix="y", free_bytes=10)
+
+
+# ------------------------------------------------------------------------------ configs
+@pytest.mark.parametrize("kw, match", [
+    (dict(page_size=12), "power of two, got 12: use 8 or 16"),
+    (dict(page_size=0), "page_size must be an int >= 1"),
+    (dict(max_context=100), r"max_context \(100\) is not a multiple of page_size \(16\): use 112 or 96"),
+    (dict(selected_pages=0), "selected_pages must be an int >= 1"),
+    (dict(selected_pages=1, sink_pages=1), "must cover the sink pages.*raise selected_pages"),
+    (dict(pool_pages=0), "pool_pages must be an int >= 1"),
+    (dict(pool_pages=True), "pool_pages must be an int >= 1"),
+    (dict(sink_pages=-1), "sink_pages must be an int >= 0"),
+    (dict(dtype="int8"), "dtype must be one of"),
+    (dict(implementation="triton"), "'pallas', 'xla' or None"),
+    (dict(strict="yes"), "strict must be a bool"),
+    (dict(mode="device"), "'host' or 'resident'"),
+    (dict(selector="topk"), "'quest', 'indexer' or 'dense'"),
+    (dict(prefill_chunk=24), "prefill_chunk must be a power of two"),
+])
+def test_cache_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        CacheConfig(**kw)
+
+
+def test_cache_config_numpy_ints_normalised():
+    c = CacheConfig(page_size=np.int64(8), pool_pages=np.int32(40))
+    assert type(c.page_size) is int and type(c.pool_pages) is int and hash(c) == hash(
+        CacheConfig(page_size=8, pool_pages=40))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(top_k=2.5), "top_k must be an int >= 0"),
+    (dict(top_k=-3), "top_k must be an int >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=float("nan")), r"top_p must be in \(0, 1\]"),
+])
+def test_sampling_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Sampling.make(**kw)
+
+
+SPEC = dict(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, dtype="float32",
+            num_logical_pages=12, num_slots=6, max_requests=8, num_sink_pages=1,
+            num_recent_pages=1, max_batch=2)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(head_dim=24), "head_dim must be a power of two"),
+    (dict(page_size=3), "page_size must be a power of two"),
+    (dict(dtype="int8"), "dtype must be one of"),
+    (dict(num_slots=3), r"pinned pages need 4 slots.*raise the pool size or pin fewer pages"),
+    (dict(num_slots=13), "pool would be larger than the host tier"),
+    (dict(num_layers=0), "num_layers must be a positive int"),
+    (dict(num_sink_pages=True), "num_sink_pages must be an int >= 0"),
+])
+def test_cache_spec_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        CacheSpec(**{**SPEC, **kw})
+
+
+# ------------------------------------------------------------------------------ cache level
+@pytest.fixture(scope="module")
+def small_cache():
+    spec = CacheSpec(**SPEC)
+    return spec, kvcache.init_cache(spec)
+
+
+def test_cache_state_checks(small_cache):
+    spec, cache = small_cache
+    validation.check_cache_state(spec, cache)
+    other = dataclasses.replace(spec, num_slots=4)
+    with pytest.raises(ValueError, match=r"cache.pool is float32\[12, 256\].*float32\[8, 256\].*init_cache"):
+        validation.check_cache_state(other, cache)
+    with pytest.raises(TypeError, match="HostTierCache"):
+        validation.check_cache_state(spec, kvcache.init_resident(spec))
+    with pytest.raises(TypeError, match="jaxkv.CacheSpec"):
+        validation.check_cache_state(SPEC, cache)
+
+
+def test_page_request_checks(small_cache):
+    spec, _ = small_cache
+    req = jnp.array([[0, 3, -1], [11, 11, 2]], jnp.int32)
+    prot = jnp.full((2, 2), -1, jnp.int32)
+    validation.check_page_requests(spec, req, prot)
+    validation.check_page_requests(spec, req[:1], prot[:1], jnp.array([1], jnp.int32))
+    cases = [
+        ((req.at[0, 0].set(12), prot, None), ValueError, r"requests holds page 12 outside \[0, 12\)"),
+        ((req, prot.at[1, 1].set(-2), None), ValueError, "protect holds page -2"),
+        ((req[:1], prot[:1], None), ValueError, "cache has 2 layers: pass layers"),
+        ((req, prot, jnp.array([0, 2], jnp.int32)), ValueError, r"layers \[0, 2\] outside \[0, 2\)"),
+        ((req, prot, jnp.array([1, 1], jnp.int32)), ValueError, "repeat a layer"),
+        ((req.astype(jnp.float32), prot, None), TypeError, "requests must be an integer array"),
+        ((req[0], prot, None), ValueError, "requests must have 2 dims"),
+        ((req, prot[:1], None), ValueError, "protect has 1 rows, requests 2"),
+    ]
+    for args, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            validation.check_page_requests(spec, *args)
+    # traced values: only static checks (shapes and dtypes), no error
+    jax.jit(lambda r, p: validation.check_page_requests(spec, r, p))(req.at[0, 0].set(99), prot)
+
+
+def test_token_write_checks(small_cache):
+    spec, _ = small_cache
+    pages = jnp.array([0, 11, -1], jnp.int32)
+    offs = jnp.array([0, 3, 0], jnp.int32)
+    kv = jnp.zeros((3, 2, 2, 16), jnp.float32)
+    validation.check_token_writes(spec, jnp.int32(1), pages, offs, kv)
+    cases = [
+        ((jnp.int32(0), pages.at[0].set(12), offs, kv), ValueError,
+         r"logical_pages holds 12 outside \[0, 12\)"),
+        ((jnp.int32(2), pages, offs, kv), ValueError, r"layer holds 2 outside \[0, 2\)"),
+        ((jnp.int32(0), pages, offs.at[1].set(4), kv), ValueError, r"offsets holds 4 outside \[0, 4\)"),
+        ((jnp.int32(0), pages, offs, kv[:, :, :1]), ValueError, r"kv shape \(3, 2, 1, 16\) != \[M, 2, H, D\]"),
+        ((jnp.int32(0), pages, offs[:2], kv), ValueError, "offsets shape"),
+        ((jnp.int32(0), pages, offs, kv.astype(jnp.int32)), TypeError, "kv must be a float array"),
+    ]
+    for args, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            validation.check_token_writes(spec, *args)
+
+
+# ------------------------------------------------------------------------------ strict mode
+def test_strict_rules_and_messages():
+    ok = dict(dropped=0, truncated_requests=0, pool_pages=10, max_context=256)
+    assert validation.strict_violations(ok) == []
+    validation.check_strict(ok)
+    with pytest.raises(RuntimeError, match=r"strict mode: 3 selected pages were dropped.*raise CacheConfig.pool_pages"):
+        validation.check_strict(dict(ok, dropped=3))
+    with pytest.raises(RuntimeError, match=r"2 requests stopped at the context capacity.*raise CacheConfig.max_context"):
+        validation.check_strict(dict(ok, truncated_requests=2))
+
+
+def test_counter_overflow_is_detected():
+    c = kvcache.CacheCounters(*[jnp.int32(v) for v in (5, -7, 0, 0, 0, 0)])
+    kv = kvcache.ResidentCache(pool=jnp.zeros((1, 1)), counters=c)
+    st = engine.DecodeState(kv=kv, summaries=(), lengths=jnp.zeros(1, jnp.int32),
+                            last_token=jnp.zeros(1, jnp.int32), done=jnp.zeros(1, bool),
+                            n_generated=jnp.zeros(1, jnp.int32), key=jax.random.key(0))
+    totals = {f.name: 0 for f in dataclasses.fields(kvcache.CacheCounters)}
+    with pytest.raises(RuntimeError, match="'misses' overflowed int32.*round_steps"):
+        api._drain_counters(st, totals)
+    assert set(totals.values()) == {0}
+    c = kvcache.CacheCounters(*[jnp.int32(v) for v in (5, 7, 1, 2, 3, 4)])
+    st = api._drain_counters(dataclasses.replace(st, kv=dataclasses.replace(kv, counters=c)), totals)
+    assert list(totals.values()) == [5, 7, 1, 2, 3, 4]
+    assert all(int(getattr(st.kv.counters, k)) == 0 for k in totals)
+
+
+# One compiled plan for every strict-mode case (a pool too small for a step's working set).
+DROPPY = CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=5, pool_pages=7,
+                     round_steps=16)
+
+
+def test_strict_dropped_counted_warned_and_raised():
+    with pytest.warns(RuntimeWarning, match="selected pages were dropped.*strict=True"):
+        res = gen(PROMPTS[2:], cache=DROPPY, max_new_tokens=40)
+    s = res.stats
+    assert s["dropped"] > 0 and s["truncated_requests"] == 0 and s["decode_rounds"] >= 3
+    # counters summed over rounds (drained each round): every decode step wrote one token per layer
+    assert s["tokens_written"] == CFG.num_layers * (s["generated_tokens"] - 1)
+    with pytest.raises(RuntimeError, match="strict mode: .* dropped"):
+        gen(PROMPTS[2:], cache=dataclasses.replace(DROPPY, strict=True), max_new_tokens=40)
+
+
+@pytest.mark.filterwarnings("ignore:.*selected pages were dropped")
+def test_strict_truncation_counted(monkeypatch):
+    # Bypass the capacity check (make_plan sizes the context for 40 new tokens, the call asks
+    # for 1000): the loop must stop at the capacity and report it, never drop tokens silently.
+    real = api.make_plan
+    monkeypatch.setattr(api, "make_plan", lambda m, c, lens, n, s: real(m, c, lens, 40, s))
+    with pytest.warns(RuntimeWarning, match="stopped at the context capacity"):
+        res = gen(PROMPTS[2:], cache=DROPPY, max_new_tokens=1000)
+    assert res.stats["truncated_requests"] == 1
+    # the last token fed to the model sits at position max_context - 1 (the last cache slot)
+    assert len(res.tokens[0]) == res.stats["max_context"] - len(PROMPTS[2]) + 1
+    with pytest.raises(RuntimeError, match="requests stopped at the context capacity"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gen(PROMPTS[2:], cache=dataclasses.replace(DROPPY, strict=True), max_new_tokens=1000)
+
+
+# ------------------------------------------------------------------------------ GGUF loader
+def _byte_tokens():
+    from tokenizers import pre_tokenizers
+    return sorted(pre_tokenizers.ByteLevel.alphabet())
+
+
+def write_tiny_gguf(path, cfg=CFG, *, meta=None, replace=None, tokenizer=True):
+    """A llama GGUF of ``cfg`` with random weights (values do not matter here), optional
+    metadata overrides ``meta`` {key: int} and tensor replacements ``replace`` {name: array}."""
+    replace = replace or {}
+    p = jax.tree.map(np.asarray, llama.init_params(cfg, seed=1))
+    w = gguf.GGUFWriter(str(path), "llama")
+    fields = {"llama.block_count": cfg.num_layers, "llama.context_length": cfg.max_position,
+              "llama.embedding_length": cfg.d_model, "llama.feed_forward_length": cfg.ffn_dim,
+              "llama.attention.head_count": cfg.num_heads,
+              "llama.attention.head_count_kv": cfg.num_kv_heads,
+              "tokenizer.ggml.bos_token_id": cfg.bos_id, "tokenizer.ggml.eos_token_id": cfg.eos_id,
+              **(meta or {})}
+    for k, v in fields.items():
+        w.add_uint32(k, v)
+    if tokenizer:
+        w.add_string("tokenizer.ggml.model", "gpt2")
+        w.add_array("tokenizer.ggml.tokens", _byte_tokens())
+        w.add_array("tokenizer.ggml.token_type", [1] * 256)
+    lay = p["layers"]
+    tensors = {"token_embd.weight": p["embed"], "output_norm.weight": p["final_norm"]}
+    names = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm"}
+    mats = {"attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
+            "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down"}
+    for i in range(cfg.num_layers):
+        for g, j in names.items():
+            tensors[f"blk.{i}.{g}.weight"] = lay[j][i]
+        for g, j in mats.items():
+            tensors[f"blk.{i}.{g}.weight"] = lay[j][i].T
+    tensors.update(replace)
+    for name, arr in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(arr, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_loader_reads_tiny(tmp_path):
+    cfg, params = load_gguf(write_tiny_gguf(tmp_path / "t.gguf"))
+    validation.check_params(cfg, params)
+
+
+def test_loader_nan_tensor(tmp_path):
+    bad = np.ones((CFG.d_model,), np.float32)
+    bad[3] = np.nan
+    path = write_tiny_gguf(tmp_path / "nan.gguf", replace={"blk.1.ffn_norm.weight": bad})
+    with pytest.raises(GGUFError, match=r"'blk.1.ffn_norm.weight' holds NaN or Inf.*re-download"):
+        load_gguf(path)
+
+
+def test_loader_tensor_shape_mismatch(tmp_path):
+    w = np.zeros((CFG.ffn_dim, CFG.d_model + 1), np.float32)
+    path = write_tiny_gguf(tmp_path / "shape.gguf", replace={"blk.0.ffn_up.weight": w})
+    with pytest.raises(GGUFError, match=r"'blk.0.ffn_up.weight' has shape \[128, 65\].*implies \[128, 64\]"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("meta, match", [
+    ({"llama.attention.head_count_kv": 3}, "head_count 4 is not a multiple of head_count_kv 3"),
+    ({"llama.block_count": 0}, r"'llama.block_count' = 0 must be positive"),
+    ({"tokenizer.ggml.eos_token_id": 300}, r"inconsistent metadata.*eos_id \(300\).*vocab_size \(256\)"),
+])
+def test_loader_bad_metadata(tmp_path, meta, match):
+    with pytest.raises(GGUFError, match=match):
+        load_gguf(write_tiny_gguf(tmp_path / "meta.gguf", meta=meta))
+
+
+# ------------------------------------------------------------------------------ command line
+def test_cli_bad_options_fail_before_loading(tmp_path, capsys):
+    missing = str(tmp_path / "none.gguf")
+    with pytest.raises(SystemExit) as e:
+        cli_main(["hi", "--page-size", "0"])
+    assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+    for argv, match in [
+        (["hi", "--page-size", "12"], "power of two, got 12: use 8 or 16"),
+        (["hi", "--temperature", "-1"], "temperature must be a finite number >= 0"),
+        (["   "], "the prompt is empty"),
+        (["--file", str(tmp_path / "nope.txt")], "does not exist"),
+    ]:
+        assert cli_main(argv + ["--gguf", missing]) == 2, argv
+        assert match in capsys.readouterr().err, argv
+    binary = tmp_path / "b.txt"
+    binary.write_bytes(b"\xff\xfe\x00\x81")
+    assert cli_main(["--file", str(binary), "--gguf", missing]) == 2
+    assert "as UTF-8 text" in capsys.readouterr().err
+
+
+def test_cli_missing_or_corrupt_model(tmp_path, capsys):
+    assert cli_main(["hi", "--gguf", str(tmp_path / "none.gguf")]) == 2
+    assert "GGUF file not found" in capsys.readouterr().err
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model at all" * 10)
+    assert cli_main(["hi", "--gguf", str(junk)]) == 2
+    assert "is not a GGUF file" in capsys.readouterr().err
+
+
+def test_cli_prompt_over_capacity(tmp_path, capsys):
+    path = write_tiny_gguf(tmp_path / "t.gguf", configs.tiny(max_position=128))
+    assert cli_main(["x" * 200, "--gguf", str(path), "--max-new-tokens", "8"]) == 1
+    assert "exceeds the model's max_position (128)" in capsys.readouterr().err
