@@ -212,7 +212,10 @@ def _step(c: Soak, impl, base_key, carry, step):
 
 
 def _tol(dtype: str) -> float:
-    return 2e-5 if dtype == "float32" else 2e-2
+    """Error bound on |out - ref| / (1 + |ref|) and on the LSE. Kernel and reference differ
+    only by rounding (bf16 output and P cast; f32 summation order); a stale or foreign page
+    changes outputs by O(1)."""
+    return 1e-4 if dtype == "float32" else 2e-2
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
