@@ -193,6 +193,8 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     lengths = jnp.asarray(lens, jnp.int32)
     kv = engine.init_kv(plan)
     summaries = engine.init_summaries(plan)
+    # commit fresh arrays to their shardings: prefill then compiles once, not twice
+    kv, summaries = jax.device_put((kv, summaries), jax.tree.map(lambda a: a.sharding, (kv, summaries)))
     x = engine.embed_prompt(plan, params, jnp.asarray(tokens))
     show = progress if progress is not None else max(lens) >= 8192
     layers = range(model.num_layers)

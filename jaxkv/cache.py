@@ -30,7 +30,10 @@ class CacheCounters:
 
     hits/misses: requested pages found resident / not resident.
     evictions: resident pages displaced by a miss.
-    dropped: missed pages that found no slot (pool smaller than the step's working set).
+    dropped: missed pages that found no slot and were left out of attention (per-layer
+      scheduling, pool smaller than the step's working set).
+    overflow: per-step scheduling: pages of the previous step that found no pool slot to
+      stay in (they were served from scratch rows; attention lost nothing).
     pages_fetched: host->device rows moved; tokens_written: token rows written through
     to the host (per layer).
     """
@@ -39,6 +42,7 @@ class CacheCounters:
     misses: jax.Array
     evictions: jax.Array
     dropped: jax.Array
+    overflow: jax.Array
     pages_fetched: jax.Array
     tokens_written: jax.Array
 
@@ -83,7 +87,8 @@ def cache_shardings(device=None) -> HostTierCache:
     dev = device_sharding(device)
     return HostTierCache(
         host_kv=host_sharding(device), pool=dev, page_table=dev, slot_owner=dev,
-        last_used=dev, step=dev, counters=CacheCounters(*([dev] * 6)))
+        last_used=dev, step=dev,
+        counters=CacheCounters(*([dev] * len(dataclasses.fields(CacheCounters)))))
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,8 +128,10 @@ def init_cache(spec: CacheSpec, *, device=None, poison: bool = False) -> HostTie
 
 
 def _global_rows(local, layer, per_layer):
-    """local [..] (-1 = none) -> layer * per_layer + local, keeping -1."""
-    return jnp.where(local >= 0, layer * per_layer + local, INVALID).astype(jnp.int32)
+    """local [..] (-1 = none) -> layer * per_layer + local; -1 where local is -1 or out of
+    range (an out-of-range page must never land in another layer's rows)."""
+    ok = (local >= 0) & (local < per_layer)
+    return jnp.where(ok, layer * per_layer + local, INVALID).astype(jnp.int32)
 
 
 def ensure_resident(spec: CacheSpec, cache: HostTierCache, requests, protect, *,

@@ -259,7 +259,7 @@ def install_previous(plan: Plan, kv, lookahead, protect):
                                 implementation=plan.cache.implementation)
     c = kv.counters
     counters = dataclasses.replace(c, evictions=c.evictions + res.evictions,
-                                   dropped=c.dropped + res.dropped)
+                                   overflow=c.overflow + res.dropped)
     return dataclasses.replace(kv, pool=pool, page_table=res.page_table,
                                slot_owner=res.slot_owner, last_used=res.last_used,
                                counters=counters)

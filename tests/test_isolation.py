@@ -277,9 +277,6 @@ def test_interleaved_requests_and_reused_pages(impl):
     assert int(cache.counters.evictions) > 0 and int(cache.counters.hits) > 0
 
 
-@pytest.mark.xfail(strict=True, reason="jaxkv.cache.write_through maps logical page >= P of layer l "
-                   "to row (l+1)*P + ..., i.e. into the next layer: _global_rows must mask "
-                   "local >= per_layer (proposed fix; remove this marker with it)")
 def test_write_through_out_of_range_page_never_touches_another_layer():
     spec = _spec()
     cache = kvcache.init_cache(spec)
