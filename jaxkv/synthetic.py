@@ -1,0 +1,517 @@
+"""Synthetic long contexts: a ready-to-decode :class:`engine.DecodeState` without a prefill.
+
+:func:`build_state` fills the host tier (or the resident pool) of a :class:`engine.Plan` with
+random K/V page by page on the device, in chunks written with ``page_write.write_pages`` (a
+64+ GiB host tier never has a device copy), and builds the selector summaries (Quest
+``kmax``/``kmin``, indexer page sums) from the same keys, so selection is consistent with
+the data. :func:`reuse_state` rebinds a filled tier to another plan (pool size, selector,
+round length) and resets the sequence lengths, so one fill serves several configurations.
+
+Key model (per layer, request, KV head and page ``p``; ``n_t ~ N(0, I)`` per token):
+``k_t = c_p + exp(salience * g_p) * n_t`` with a page centre ``c_p ~ N(0, center_scale^2 I)``
+and a page "salience" ``g_p ~ N(0, 1)``; values are ``N(0, value_scale^2)``. Quest's
+upper-bound score is about ``q . c_p + exp(salience * g_p) * |q|_1 * E[max n]``: the first
+term changes with every query, the second is the same for every query, so ``salience``
+sets how persistent the selection is, i.e. the step-to-step selection overlap (``0``: a
+fresh random selection every step; large: the same pages every step).
+:func:`calibrate_salience` finds the salience that gives a target overlap, by simulating
+the selector on generated summaries with ``N(0, 1)`` queries (what a random-weight model
+produces); :func:`trace_selections` records the selections of a real decode (resident
+plans) and :func:`selection_overlap` measures their overlap. Indexer index keys use the
+same model with the salience on the page centre's norm (not calibrated separately).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import cache as kvcache
+from jaxkv import engine, selection
+from jaxkv.spec import INVALID
+from models import llama
+from pallas_kernels import page_write, quest
+from pallas_kernels import indexer as indexer_ops
+from pallas_kernels.sparse_attention import sparse_paged_attention
+
+DEFAULT_CHUNK_BYTES = 256 * 2**20  # K/V bytes generated and written per fill call
+
+
+@dataclasses.dataclass(frozen=True)
+class Synthetic:
+    """How synthetic keys and values are drawn (see the module docstring).
+
+    salience: persistence knob (>= 0); traced in the fill, so changing it never recompiles.
+    center_scale: std of the page centres. value_scale: std of the values.
+    """
+
+    salience: float = 0.0
+    center_scale: float = 1.0
+    value_scale: float = 1.0
+
+    def __post_init__(self):
+        for f in ("salience", "center_scale", "value_scale"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"Synthetic.{f} must be a finite number >= 0, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Static description of a fill (the jit key)."""
+
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    pages_per_seq: int
+    num_logical_pages: int
+    kv_dtype: str
+    model_dtype: str
+    selector: str
+    index_dim: int
+    chunk_pages: int
+    center_scale: float
+    value_scale: float
+    host: bool
+    implementation: str | None
+
+
+# --------------------------------------------------------------------------------------
+# the generator (shared by the fill and the calibration)
+# --------------------------------------------------------------------------------------
+_U32 = jnp.uint32
+
+
+def _mix(h):
+    """murmur3's 32-bit finalizer (a bijection that scrambles every bit)."""
+    h = h ^ (h >> 16)
+    h = h * _U32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * _U32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _combine(h, x):
+    """Hash of (h, x) for uint32 h and integer x (broadcasting)."""
+    return _mix(h ^ (jnp.asarray(x).astype(jnp.uint32) * _U32(0x9E3779B1) + _U32(0x7F4A7C15)))
+
+
+def _normal(base, stream: int, shape) -> jax.Array:
+    """Counter-based N(0, 1) draws [shape] f32 from a uint32 ``base`` (Box-Muller on hashes)."""
+    n = math.prod(shape)
+    h = _combine(_combine(base, stream), jnp.arange(n, dtype=jnp.uint32))
+    u1 = ((_mix(h ^ _U32(0x68E31DA4)) >> 8).astype(jnp.float32) + 0.5) * (2.0 ** -24)
+    u2 = (_mix(h ^ _U32(0xB5297A4D)) >> 8).astype(jnp.float32) * (2.0 ** -24)
+    z = jnp.sqrt(-2.0 * jnp.log(u1)) * jnp.cos((2.0 * math.pi) * u2)
+    return z.reshape(shape)
+
+
+def _page_key(seed, layer, b, page):
+    """uint32 key of one (layer, request, page): independent of chunking and capacity."""
+    h = _combine(_U32(0x2545F491), seed)
+    return _combine(_combine(_combine(h, layer), b), page)
+
+
+def _page_keys(pk, salience, *, H, D, ps, center_scale):
+    """Post-RoPE keys of one page for all KV heads: [H, ps, D] f32."""
+    spread = jnp.exp(salience * _normal(pk, 0, (H,)))
+    centre = center_scale * _normal(pk, 1, (H, 1, D))
+    return centre + spread[:, None, None] * _normal(pk, 2, (H, ps, D))
+
+
+def _page_values(pk, *, H, D, ps, value_scale):
+    """Values of one page: [H, ps, D] f32."""
+    return value_scale * _normal(pk, 3, (H, ps, D))
+
+
+def _page_index_keys(pk, salience, *, dI, ps):
+    """Indexer index keys of one page: [ps, dI] f32 (salience scales the centre's norm)."""
+    scale = jnp.exp(salience * _normal(pk, 4, ()))
+    return scale * _normal(pk, 5, (1, dI)) + _normal(pk, 6, (ps, dI))
+
+
+def _quest_summary(keys, valid, dtype):
+    """keys [H, ps, D] f32, valid [ps] bool -> (kmax, kmin) [H, D] in ``dtype`` (of the stored keys)."""
+    k = keys.astype(dtype)
+    m = valid[None, :, None]
+    return (jnp.where(m, k, -jnp.inf).max(axis=1).astype(dtype),
+            jnp.where(m, k, jnp.inf).min(axis=1).astype(dtype))
+
+
+def _index_summary(ikeys, valid, model_dtype):
+    """ikeys [ps, dI] f32 -> page sum [dI] f32 of the valid tokens (keys rounded to the model dtype)."""
+    return jnp.where(valid[:, None], ikeys.astype(model_dtype).astype(jnp.float32), 0.0).sum(axis=0)
+
+
+# --------------------------------------------------------------------------------------
+# fill
+# --------------------------------------------------------------------------------------
+def _fill_chunk(lay: _Layout, dst, summaries, layer, b, j0, length, key, salience):
+    """Generate pages ``[j0, j0 + chunk)`` of (layer, b), write the used ones, update summaries."""
+    H, D, ps, C = lay.num_kv_heads, lay.head_dim, lay.page_size, lay.chunk_pages
+    kv_dt, m_dt = jnp.dtype(lay.kv_dtype), jnp.dtype(lay.model_dtype)
+    pages = j0 + jnp.arange(C, dtype=jnp.int32)
+    tok = jnp.arange(ps, dtype=jnp.int32)
+
+    def one(p):
+        pk = _page_key(key, layer, b, p)
+        keys = _page_keys(pk, salience, H=H, D=D, ps=ps, center_scale=lay.center_scale)
+        vals = _page_values(pk, H=H, D=D, ps=ps, value_scale=lay.value_scale)
+        # the barrier pins the stored values: the summaries read exactly what is written
+        row = jax.lax.optimization_barrier(jnp.stack([keys, vals]).astype(kv_dt))
+        valid = p * ps + tok < length
+        out = {"row": row.reshape(-1)}                                # [2, H, ps, D] flat
+        if lay.selector == "quest":
+            out["kmax"], out["kmin"] = _quest_summary(row[0], valid, kv_dt)
+        elif lay.selector == "indexer":
+            ik = _page_index_keys(pk, salience, dI=lay.index_dim, ps=ps)
+            out["isum"] = _index_summary(ik, valid, m_dt)
+        return out
+
+    out = jax.vmap(one)(pages)
+    used = (pages * ps < length) & (pages < lay.pages_per_seq)
+    rows = jnp.where(used, layer * lay.num_logical_pages + b * lay.pages_per_seq + pages, INVALID)
+    dst = page_write.write_pages(dst, rows, out["row"], implementation=lay.implementation)
+    if lay.host:
+        dst = page_write.keep_on_host(dst)
+    if lay.selector == "quest":
+        kmax, kmin = summaries
+        summaries = (kmax.at[layer, b, pages].set(out["kmax"], mode="drop"),
+                     kmin.at[layer, b, pages].set(out["kmin"], mode="drop"))
+    elif lay.selector == "indexer":
+        summaries = (summaries[0].at[layer, b, pages].set(out["isum"], mode="drop"),)
+    return dst, summaries
+
+
+@functools.lru_cache(maxsize=32)
+def _fill_fn(lay: _Layout, dst_sharding, summ_shardings):
+    return jax.jit(functools.partial(_fill_chunk, lay), donate_argnums=(0, 1),
+                   out_shardings=(dst_sharding, summ_shardings))
+
+
+def _chunk_pages(plan: engine.Plan, chunk_bytes: int) -> int:
+    n = max(1, int(chunk_bytes) // plan.spec.page_bytes)
+    n = 1 << (n.bit_length() - 1)
+    return max(1, min(n, 1 << max(0, plan.pages_per_seq - 1).bit_length()))
+
+
+def _check_lengths(plan: engine.Plan, lengths) -> np.ndarray:
+    lengths = np.asarray(lengths, np.int64).reshape(-1)
+    if lengths.shape != (plan.batch,):
+        raise ValueError(f"lengths must have {plan.batch} entries (plan.batch), got {lengths.shape[0]}")
+    if (lengths < 1).any() or (lengths >= plan.max_context).any():
+        raise ValueError(f"lengths must be in [1, max_context - 1 = {plan.max_context - 1}], got "
+                         f"{lengths.tolist()}")
+    return lengths.astype(np.int32)
+
+
+def _fresh(plan: engine.Plan, kv, summaries, lengths: np.ndarray, seed: int) -> engine.DecodeState:
+    rng = np.random.default_rng([seed, 7])
+    last = rng.integers(3, plan.model.vocab_size, plan.batch).astype(np.int32)
+    extra = {}
+    if hasattr(engine, "init_lookahead"):  # per-step scheduling state (empty selections)
+        extra["lookahead"] = engine.init_lookahead(plan)
+    return engine.DecodeState(
+        kv=kv, summaries=summaries, lengths=jnp.asarray(lengths, jnp.int32),
+        last_token=jnp.asarray(last), done=jnp.zeros((plan.batch,), jnp.bool_),
+        n_generated=jnp.zeros((plan.batch,), jnp.int32), key=jax.random.key(seed), **extra)
+
+
+def build_state(plan: engine.Plan, lengths, *, synth: Synthetic = Synthetic(), seed: int = 0,
+                poison: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> engine.DecodeState:
+    """A DecodeState for ``plan`` whose requests hold ``lengths`` tokens of synthetic context.
+
+    Args:
+      plan: the engine plan (host or resident mode, any selector).
+      lengths: [B] context tokens per request, in [1, plan.max_context - 1].
+      synth: the key/value model (:class:`Synthetic`).
+      seed: the data depend only on (seed, layer, request, page, synth), not on the chunking,
+        the batch or the capacity; the first tokens to feed are random ids.
+      poison: fill the device pool with NaN first (tests).
+      chunk_bytes: K/V bytes generated per fill call (bounds device scratch memory).
+    Returns:
+      DecodeState: the tier holds every page with a token ``< lengths[b]`` (whole pages: the
+      tail of the last page is random too, as after a padded prefill), summaries cover the
+      valid tokens only, ``done`` False, ``n_generated`` 0, an empty LRU (host mode).
+    """
+    lengths = _check_lengths(plan, lengths)
+    lay = _Layout(
+        num_kv_heads=plan.model.num_kv_heads, head_dim=plan.model.head_dim,
+        page_size=plan.page_size, pages_per_seq=plan.pages_per_seq,
+        num_logical_pages=plan.spec.num_logical_pages, kv_dtype=plan.kv_dtype,
+        model_dtype=plan.model.dtype, selector=plan.cache.selector,
+        index_dim=plan.model.indexer_dim, chunk_pages=_chunk_pages(plan, chunk_bytes),
+        center_scale=float(synth.center_scale), value_scale=float(synth.value_scale),
+        host=plan.cache.mode == "host", implementation=plan.cache.implementation)
+    kv = engine.init_kv(plan, poison=poison)
+    summaries = engine.init_summaries(plan)
+    dst = kv.host_kv if lay.host else kv.pool
+    fn = _fill_fn(lay, dst.sharding, tuple(s.sharding for s in summaries))
+    key = np.uint32(seed % 2**32)
+    sal = jnp.float32(synth.salience)
+    C, ps = lay.chunk_pages, plan.page_size
+    for layer in range(plan.model.num_layers):
+        for b in range(plan.batch):
+            n = -(-int(lengths[b]) // ps)
+            for j0 in range(0, n, C):
+                dst, summaries = fn(dst, summaries, np.int32(layer), np.int32(b), np.int32(j0),
+                                    np.int32(lengths[b]), key, sal)
+    kv = dataclasses.replace(kv, host_kv=dst) if lay.host else dataclasses.replace(kv, pool=dst)
+    return _fresh(plan, kv, tuple(summaries), lengths, seed)
+
+
+def reuse_state(plan: engine.Plan, state: engine.DecodeState, lengths, *, seed: int = 0,
+                summaries=None, poison: bool = False) -> engine.DecodeState:
+    """Rebind the filled tier of ``state`` to ``plan`` and restart at ``lengths``.
+
+    ``plan`` must have the same model, batch, page size, capacity, KV dtype and mode as the
+    plan ``state`` was built for; the pool size, selector, round length and options may
+    differ. Host mode: a cold LRU (empty page table) and zeroed counters; the pool buffer
+    is reused when its shape matches, else a new one is allocated (NaN if ``poison``).
+    Summaries: ``summaries`` if given, else ``state.summaries`` (``()`` for the dense
+    selector). ``state`` must not be used afterwards (its buffers move to the result).
+    Tokens after ``lengths`` that an earlier run wrote are overwritten before they are read
+    (attention masks positions ``>= length``; a page's summary restarts at its first token).
+    """
+    lengths = _check_lengths(plan, lengths)
+    spec = plan.spec
+    kv = state.kv
+    if plan.cache.mode == "host":
+        if not isinstance(kv, kvcache.HostTierCache) or kv.host_kv.shape != spec.host_shape:
+            raise ValueError("reuse_state: the state's host tier does not match the plan")
+        pool = kv.pool
+        if pool.shape != spec.pool_shape:
+            fill = jnp.nan if poison else 0
+            pool = jnp.full(spec.pool_shape, fill, spec.jnp_dtype)
+        L, P, S = spec.num_layers, spec.num_logical_pages, spec.num_slots
+        kv = kvcache.HostTierCache(
+            host_kv=kv.host_kv, pool=pool,
+            page_table=jnp.full((L, P), INVALID, jnp.int32),
+            slot_owner=jnp.full((L, S), INVALID, jnp.int32),
+            last_used=jnp.full((L, S), INVALID, jnp.int32),
+            step=jnp.zeros((), jnp.int32), counters=kvcache.CacheCounters.zeros())
+    else:
+        if not isinstance(kv, kvcache.ResidentCache) or kv.pool.shape != spec.host_shape:
+            raise ValueError("reuse_state: the state's resident pool does not match the plan")
+        kv = kvcache.ResidentCache(pool=kv.pool, counters=kvcache.CacheCounters.zeros())
+    if plan.cache.selector == "dense":
+        summ = ()
+    else:
+        summ = tuple(state.summaries if summaries is None else summaries)
+        want = [(a.shape, a.dtype) for a in
+                jax.tree.leaves(jax.eval_shape(functools.partial(engine.init_summaries, plan)))]
+        have = [(a.shape, a.dtype) for a in jax.tree.leaves(summ)]
+        if want != have:
+            raise ValueError(f"reuse_state: summaries {have} do not match the plan's selector "
+                             f"{plan.cache.selector!r}: pass summaries=")
+    return _fresh(plan, kv, summ, lengths, seed)
+
+
+# --------------------------------------------------------------------------------------
+# selection traces and overlap
+# --------------------------------------------------------------------------------------
+def _trace(plan: engine.Plan, params, state: engine.DecodeState, tokens):
+    cfg, spec, ps = plan.model, plan.spec, plan.page_size
+    B, Np, H, L = plan.batch, plan.pages_per_seq, cfg.num_kv_heads, cfg.num_layers
+    P = spec.num_logical_pages
+    impl = plan.cache.implementation
+    b_idx = jnp.arange(B, dtype=jnp.int32)
+    kp = plan.k
+
+    def step(st, tok):
+        pos = st.lengths
+        logical = b_idx * Np + pos // ps
+        offset = pos % ps
+        buf = jnp.full((L, B, H, kp), INVALID, jnp.int32)
+
+        def attend(layer, lp, h, q, k, v, carry):
+            kv, summ, buf = carry
+            q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
+            tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)
+            kv = kvcache.write_resident(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
+            summ, pages = selection.update_and_select(
+                plan.cache.selector, summ, layer, lp, cfg, h, q1, k1, pos, num_pages=Np,
+                k=kp, page_size=ps, num_sink_pages=plan.cache.sink_pages, implementation=impl)
+            rows = jnp.where(pages >= 0, layer * P + b_idx[:, None, None] * Np + pages, INVALID)
+            out, _ = sparse_paged_attention(q1, kv.pool, rows, pages, pos + 1, page_size=ps,
+                                            num_kv_heads=H, implementation=impl)
+            buf = jax.lax.dynamic_update_index_in_dim(buf, pages.astype(jnp.int32), layer, 0)
+            return out[:, None].astype(q.dtype), (kv, summ, buf)
+
+        logits, (kv, summ, buf) = llama.forward(params, cfg, tok[:, None], pos[:, None], attend,
+                                                (st.kv, st.summaries, buf))
+        greedy = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+        st = dataclasses.replace(st, kv=kv, summaries=summ, lengths=pos + 1, last_token=tok)
+        return st, (buf, greedy)
+
+    state, (pages, greedy) = jax.lax.scan(step, state, tokens.T)
+    return state, pages, greedy.T
+
+
+@functools.lru_cache(maxsize=16)
+def _trace_fn(plan: engine.Plan, shardings_key):
+    return jax.jit(functools.partial(_trace, plan), donate_argnums=(1,),
+                   out_shardings=(_SHARDINGS[shardings_key], None, None))
+
+
+_SHARDINGS: dict = {}
+
+
+def trace_selections(plan: engine.Plan, params, state: engine.DecodeState, tokens):
+    """Decode teacher-forced ``tokens`` from a resident-mode state, recording every selection.
+
+    Mirrors the resident path of ``engine.decode_step`` (write, select, sparse attention),
+    feeding ``tokens[:, t]`` at position ``lengths + t`` instead of sampling.
+    Args: tokens [B, T] int32 (needs ``lengths + T <= plan.max_context``); ``state`` donated.
+    Returns (state, pages [T, L, B, H, k] int32 within-sequence pages (-1 padded; the
+    indexer's shared selection is repeated per head), greedy [B, T] int32: the argmax of the
+    logits after each fed token).
+    """
+    if plan.cache.mode != "resident":
+        raise ValueError("trace_selections needs a resident-mode plan")
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2 or tokens.shape[0] != plan.batch:
+        raise ValueError(f"tokens must be [B={plan.batch}, T], got {tokens.shape}")
+    sh = engine.state_shardings(state)
+    key = (jax.tree.structure(sh), tuple(jax.tree.leaves(sh)))
+    _SHARDINGS.setdefault(key, sh)
+    return _trace_fn(plan, key)(params, state, tokens)
+
+
+def selection_overlap(pages, *, num_sink_pages: int = 0) -> dict:
+    """Step-to-step overlap of a selection trace.
+
+    pages: [T, L, B, H, k] int (-1 padded) within-sequence pages per step (T >= 2).
+    Returns a dict: ``mean`` (over steps t >= 1, layers, requests and heads of
+    |S_t & S_{t-1}| / |S_t|), ``per_layer`` [L], ``per_step`` [T-1], ``union_mean`` (the same
+    for the union over heads of a (layer, request): what the cache sees), ``selected_mean``
+    (mean |S_t|), ``excl_forced_mean`` (sink pages and each step's last page left out of
+    both sets).
+    """
+    pages = np.asarray(pages)
+    if pages.ndim != 5 or pages.shape[0] < 2:
+        raise ValueError(f"pages must be [T >= 2, L, B, H, k], got {pages.shape}")
+    T, L, B, H, k = pages.shape
+    per = np.zeros((T - 1, L, B, H))
+    per_x = np.zeros((T - 1, L, B, H))
+    union = np.zeros((T - 1, L, B))
+    sizes = []
+    for t in range(1, T):
+        a, p = pages[t], pages[t - 1]
+        va = a >= 0
+        hit = ((a[..., :, None] == p[..., None, :]) & (p[..., None, :] >= 0)).any(-1) & va
+        n = va.sum(-1)
+        per[t - 1] = hit.sum(-1) / np.maximum(n, 1)
+        sizes.append(n.mean())
+        last_a = np.where(va, a, -1).max(-1, keepdims=True)
+        last_p = np.where(p >= 0, p, -1).max(-1, keepdims=True)
+        keep_a = va & (a >= num_sink_pages) & (a != last_a) & (a != last_p)
+        hit_x = ((a[..., :, None] == p[..., None, :]) & (p[..., None, :] >= 0)).any(-1) & keep_a
+        per_x[t - 1] = hit_x.sum(-1) / np.maximum(keep_a.sum(-1), 1)
+        for l in range(L):
+            for b in range(B):
+                sa = set(a[l, b][a[l, b] >= 0].tolist())
+                sp = set(p[l, b][p[l, b] >= 0].tolist())
+                union[t - 1, l, b] = len(sa & sp) / max(len(sa), 1)
+    return {"mean": float(per.mean()), "per_layer": per.mean(axis=(0, 2, 3)).tolist(),
+            "per_step": per.mean(axis=(1, 2, 3)).tolist(), "union_mean": float(union.mean()),
+            "selected_mean": float(np.mean(sizes)), "excl_forced_mean": float(per_x.mean()),
+            "steps": T, "layers": L, "batch": B, "heads": H, "k": k}
+
+
+# --------------------------------------------------------------------------------------
+# calibration of the salience knob
+# --------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("selector", "heads", "group", "head_dim", "page_size",
+                                             "num_pages", "k", "sink_pages", "dtype",
+                                             "index_heads", "index_dim", "steps",
+                                             "center_scale", "implementation"))
+def _simulate(salience, key, *, selector, heads, group, head_dim, page_size, num_pages, k,
+              sink_pages, dtype, index_heads, index_dim, steps, center_scale, implementation):
+    """Selections [steps, 1, 1, H, k] for iid N(0, 1) queries over one layer's synthetic pages."""
+    H, D, ps = heads, head_dim, page_size
+    dt = jnp.dtype(dtype)
+    chunk = min(num_pages, 2048)
+    n_chunks = -(-num_pages // chunk)
+    valid = jnp.ones((ps,), jnp.bool_)
+
+    def summarize(c):
+        def one(p):
+            pk = _page_key(key, 0, 0, p)
+            if selector == "quest":
+                return _quest_summary(_page_keys(pk, salience, H=H, D=D, ps=ps,
+                                                 center_scale=center_scale), valid, dt)
+            return (_index_summary(_page_index_keys(pk, salience, dI=index_dim, ps=ps), valid, dt),)
+        return jax.vmap(one)(c * chunk + jnp.arange(chunk, dtype=jnp.int32))
+
+    summ = jax.lax.map(summarize, jnp.arange(n_chunks, dtype=jnp.int32))
+    summ = tuple(s.reshape((n_chunks * chunk,) + s.shape[2:])[:num_pages][None, None] for s in summ)
+    seq = jnp.full((1,), num_pages * ps, jnp.int32)
+    qkey = _combine(_U32(0x51ED270B), key)
+
+    def select(t):
+        kq = _combine(qkey, t)
+        if selector == "quest":
+            q = _normal(kq, 7, (1, H * group, D)).astype(dt)
+            return quest.quest_select(q, summ[0], summ[1], 0, seq, k=k, page_size=ps,
+                                      num_sink_pages=sink_pages, implementation=implementation)
+        qi = _normal(kq, 8, (1, index_heads, index_dim)).astype(dt)
+        w = _normal(kq, 9, (1, index_heads)) * index_heads ** -0.5
+        pages = indexer_ops.indexer_select(qi, w, summ[0], 0, seq, k=k, page_size=ps,
+                                           num_sink_pages=sink_pages, implementation=implementation)
+        return jnp.broadcast_to(pages[:, None], (1, H, k))
+
+    return jax.lax.map(select, jnp.arange(steps, dtype=jnp.int32))[:, None]
+
+
+def simulate_overlap(salience: float, *, model, page_size: int, num_pages: int, k: int,
+                     selector: str = "quest", sink_pages: int = 1, dtype: str | None = None,
+                     steps: int = 16, seed: int = 0, center_scale: float = 1.0,
+                     implementation: str | None = None) -> float:
+    """Mean step-to-step selection overlap of the synthetic keys at ``salience``.
+
+    One layer and request of ``num_pages`` full pages drawn like :func:`build_state` does
+    (``model``: a ModelConfig, for heads, group size, head dim and indexer shape), and
+    ``steps`` independent ``N(0, 1)`` queries (indexer weights ``N(0, 1/H_I)``), selected with
+    the real selector (``k`` pages). Returns the mean of :func:`selection_overlap`.
+    """
+    if selector not in ("quest", "indexer"):
+        raise ValueError(f"simulate_overlap: selector must be 'quest' or 'indexer', got {selector!r}")
+    pages = _simulate(jnp.float32(salience), np.uint32(seed % 2**32), selector=selector,
+                      heads=model.num_kv_heads, group=model.group_size, head_dim=model.head_dim,
+                      page_size=page_size, num_pages=int(num_pages), k=int(min(k, num_pages)),
+                      sink_pages=sink_pages, dtype=dtype or model.dtype,
+                      index_heads=model.indexer_heads, index_dim=model.indexer_dim,
+                      steps=int(steps), center_scale=float(center_scale),
+                      implementation=implementation)
+    return selection_overlap(np.asarray(pages))["mean"]
+
+
+def calibrate_salience(target: float, *, lo: float = 1e-4, hi: float = 10.0, iters: int = 14,
+                       **kw) -> tuple[float, float]:
+    """The salience whose :func:`simulate_overlap` (same ``kw``) is closest to ``target``.
+
+    Bisection on ``log(salience)`` in ``[lo, hi]`` (the overlap grows with the salience).
+    Returns (salience, simulated overlap); an unreachable target gives the nearest end.
+    """
+    f_lo, f_hi = simulate_overlap(lo, **kw), simulate_overlap(hi, **kw)
+    if target <= f_lo:
+        return lo, f_lo
+    if target >= f_hi:
+        return hi, f_hi
+    a, b = math.log(lo), math.log(hi)
+    best = (lo, f_lo) if abs(f_lo - target) < abs(f_hi - target) else (hi, f_hi)
+    for _ in range(iters):
+        m = 0.5 * (a + b)
+        f = simulate_overlap(math.exp(m), **kw)
+        if abs(f - target) < abs(best[1] - target):
+            best = (math.exp(m), f)
+        if f < target:
+            a = m
+        else:
+            b = m
+    return best

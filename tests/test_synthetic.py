@@ -1,0 +1,231 @@
+"""Tests of jaxkv.synthetic (synthetic decode states, selection traces, overlap calibration) and
+a smoke run of benchmarks/bench_decode.py, on the tiny model (CPU)."""
+import dataclasses
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import cache as kvcache
+from jaxkv import engine, synthetic
+from jaxkv.config import CacheConfig, Sampling
+from models import configs, llama
+from pallas_kernels import quest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+CFG = configs.tiny()
+PARAMS = llama.init_params(CFG, seed=0)
+PS = 4
+SEED = int(np.random.default_rng().integers(0, 2**31))
+LENGTHS = [37, 50]           # partial last pages on purpose
+STOP = jnp.full((4,), -1, jnp.int32)
+
+
+def _plan(mode="host", selector="quest", k=4, batch=2, max_context=64, cfg=CFG, **kw):
+    cache = CacheConfig(mode=mode, selector=selector, page_size=PS, selected_pages=k, **kw)
+    return engine.Plan(model=cfg, cache=cache, batch=batch, prompt_len=max_context,
+                       max_context=max_context, num_stop=4)
+
+
+def _tier(plan, state):
+    """The filled tier as numpy [L, B, Np, 2, H, ps, D]."""
+    c = plan.model
+    arr = np.asarray(state.kv.host_kv if plan.cache.mode == "host" else state.kv.pool)
+    return arr.reshape(c.num_layers, plan.batch, plan.pages_per_seq, 2, c.num_kv_heads, PS,
+                       c.head_dim)
+
+
+def _decode(plan, state, rounds=1):
+    toks = []
+    for _ in range(rounds):
+        state, buf, _ = engine.decode_round(plan, PARAMS, state, Sampling.make(), STOP,
+                                            jnp.int32(1000))
+        toks.append(np.asarray(buf))
+    return state, np.concatenate(toks, axis=1)
+
+
+def _poison_after(plan, state, lengths):
+    """NaN in every token slot at positions >= lengths[b] (host tier or resident pool)."""
+    arr = _tier(plan, state).copy()
+    pos = np.arange(plan.pages_per_seq)[:, None] * PS + np.arange(PS)[None, :]   # [Np, ps]
+    for b, n in enumerate(lengths):
+        arr[:, b] = np.where((pos >= n)[None, :, None, None, :, None], np.nan, arr[:, b])
+    flat = arr.reshape(-1, arr.shape[3] * arr.shape[4] * PS * arr.shape[-1])
+    if plan.cache.mode == "host":
+        kv = dataclasses.replace(state.kv, host_kv=jax.device_put(flat, kvcache.host_sharding()))
+    else:
+        kv = dataclasses.replace(state.kv, pool=jax.device_put(flat, kvcache.device_sharding()))
+    return dataclasses.replace(state, kv=kv)
+
+
+def test_fill_matches_summaries_and_is_chunking_invariant():
+    synth = synthetic.Synthetic(salience=0.4)
+    plan = _plan("host")
+    a = synthetic.build_state(plan, LENGTHS, synth=synth, seed=SEED,
+                              chunk_bytes=plan.spec.page_bytes)          # one page per call
+    rplan = _plan("resident")
+    b = synthetic.build_state(rplan, LENGTHS, synth=synth, seed=SEED)  # one call
+    ta, tb = _tier(plan, a), _tier(rplan, b)
+    np.testing.assert_array_equal(ta, tb)
+    for x, y in zip(a.summaries, b.summaries):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    kmax, kmin = (np.asarray(s) for s in a.summaries)
+    L, B, Np = CFG.num_layers, plan.batch, plan.pages_per_seq
+    for layer in range(L):
+        keys = ta[layer, :, :, 0].transpose(0, 1, 3, 2, 4).reshape(B, Np * PS, CFG.num_kv_heads,
+                                                                    CFG.head_dim)
+        rmax, rmin = quest.quest_summarize(jnp.asarray(keys), PS, jnp.asarray(LENGTHS))
+        for bb, n in enumerate(LENGTHS):
+            nv = -(-n // PS)
+            np.testing.assert_array_equal(kmax[layer, bb, :nv], np.asarray(rmax)[bb, :nv])
+            np.testing.assert_array_equal(kmin[layer, bb, :nv], np.asarray(rmin)[bb, :nv])
+            assert np.all(kmax[layer, bb, nv:] == -np.inf) and np.all(kmin[layer, bb, nv:] == np.inf)
+            assert np.all(ta[layer, bb, nv:] == 0)                       # unused pages untouched
+            assert np.isfinite(ta[layer, bb, :nv]).all() and ta[layer, bb, :nv].std() > 0.5
+    # different requests / layers / seeds get different data
+    assert not np.array_equal(ta[0, 0, 0], ta[0, 1, 0]) and not np.array_equal(ta[0, 0, 0], ta[1, 0, 0])
+    c = synthetic.build_state(plan, LENGTHS, synth=synth, seed=SEED + 1)
+    assert not np.array_equal(_tier(plan, c)[0, 0, 0], ta[0, 0, 0])
+
+
+def test_indexer_page_sums_cover_valid_tokens_only():
+    cfg = configs.with_indexer(CFG, heads=4, dim=16)
+    synth = synthetic.Synthetic(salience=0.3)
+    plan = _plan("host", "indexer", cfg=cfg)
+    st = synthetic.build_state(plan, LENGTHS, synth=synth, seed=SEED, chunk_bytes=3 * plan.spec.page_bytes)
+    sums = np.asarray(st.summaries[0])                                  # [L, B, Np, dI]
+    for layer in range(cfg.num_layers):
+        for b, n in enumerate(LENGTHS):
+            nv = -(-n // PS)
+            for p in (0, nv - 1):
+                ik = synthetic._page_index_keys(synthetic._page_key(np.uint32(SEED), layer, b, p),
+                                                jnp.float32(0.3), dI=16, ps=PS)
+                valid = (p * PS + np.arange(PS)) < n
+                want = np.asarray(ik)[valid].sum(0)
+                np.testing.assert_allclose(sums[layer, b, p], want, rtol=1e-5, atol=1e-5)
+            assert np.all(sums[layer, b, nv:] == 0)
+
+
+def test_host_and_resident_states_decode_identically_with_poison():
+    synth = synthetic.Synthetic(salience=0.3)
+    # 14 slots per layer for 23 context pages: the LRU churns
+    host = _plan("host", pool_pages=14, round_steps=6)
+    res = _plan("resident", round_steps=6)
+    hs = synthetic.build_state(host, LENGTHS, synth=synth, seed=SEED, poison=True)
+    rs = synthetic.build_state(res, LENGTHS, synth=synth, seed=SEED, poison=True)
+    hs, rs = _poison_after(host, hs, LENGTHS), _poison_after(res, rs, LENGTHS)
+    hs, th = _decode(host, hs, rounds=2)
+    rs, tr = _decode(res, rs, rounds=2)
+    np.testing.assert_array_equal(th, tr)
+    assert (th >= 0).all()
+    c = hs.kv.counters.as_dict(host.spec)
+    assert c["misses"] > 0 and c["hits"] > 0 and c["evictions"] > 0
+    np.testing.assert_array_equal(np.asarray(hs.lengths), np.asarray(LENGTHS) + 12)
+
+
+def test_selecting_every_page_equals_dense_resident():
+    synth = synthetic.Synthetic(salience=0.2)
+    full = _plan("host", k=16, round_steps=5)                     # k = pages_per_seq
+    dense = _plan("resident", "dense", round_steps=5)
+    _, a = _decode(full, synthetic.build_state(full, LENGTHS, synth=synth, seed=SEED))
+    _, b = _decode(dense, synthetic.build_state(dense, LENGTHS, synth=synth, seed=SEED))
+    np.testing.assert_array_equal(a, b)
+
+
+def test_reuse_state_restarts_deterministically_across_pool_sizes():
+    synth = synthetic.Synthetic(salience=0.3)
+    p_big = _plan("host", pool_pages=30, round_steps=6)
+    p_small = _plan("host", pool_pages=14, round_steps=6)
+    st = synthetic.build_state(p_big, LENGTHS, synth=synth, seed=SEED)
+    st, t1 = _decode(p_big, st)
+    st = synthetic.reuse_state(p_small, st, LENGTHS, seed=SEED)   # new pool, cold LRU
+    assert st.kv.pool.shape == p_small.spec.pool_shape
+    assert int(st.kv.counters.misses) == 0 and np.all(np.asarray(st.kv.page_table) == -1)
+    st, t2 = _decode(p_small, st)
+    np.testing.assert_array_equal(t1, t2)
+    # resident -> dense keeps the pool and drops the summaries
+    rp = _plan("resident", round_steps=6)
+    rs = synthetic.build_state(rp, LENGTHS, synth=synth, seed=SEED)
+    ds = synthetic.reuse_state(_plan("resident", "dense", round_steps=6), rs, [20, 30], seed=SEED)
+    assert ds.summaries == () and np.asarray(ds.lengths).tolist() == [20, 30]
+    with pytest.raises(ValueError, match="does not match"):
+        synthetic.reuse_state(_plan("host", max_context=128), ds, LENGTHS)
+    with pytest.raises(ValueError, match="lengths"):
+        synthetic.reuse_state(rp, ds, [64, 3])
+
+
+def test_trace_selections_mirrors_the_engine():
+    synth = synthetic.Synthetic(salience=0.3)
+    plan = _plan("resident", round_steps=6)
+    st = synthetic.build_state(plan, LENGTHS, synth=synth, seed=SEED)
+    first = np.asarray(st.last_token)
+    _, toks = _decode(plan, st)                                   # greedy engine tokens
+    st = synthetic.build_state(plan, LENGTHS, synth=synth, seed=SEED)
+    fed = np.concatenate([first[:, None], toks[:, :-1]], axis=1)
+    st, pages, greedy = synthetic.trace_selections(plan, PARAMS, st, fed)
+    np.testing.assert_array_equal(np.asarray(greedy), toks)
+    pages = np.asarray(pages)                                     # [T, L, B, H, k]
+    assert pages.shape == (6, CFG.num_layers, 2, CFG.num_kv_heads, 4)
+    for t in range(6):
+        for b, n in enumerate(LENGTHS):
+            cur = (n + t) // PS
+            row = pages[t, :, b]
+            assert (row[..., 0] == 0).all() and (row == cur).any(-1).all()
+            assert (row <= cur).all() and (np.diff(row, axis=-1) > 0).all()
+    with pytest.raises(ValueError, match="resident"):
+        synthetic.trace_selections(_plan("host"), PARAMS, st, fed)
+
+
+def test_selection_overlap_counts():
+    base = np.array([0, 3, 5, 9])
+    same = np.broadcast_to(base, (3, 2, 1, 2, 4))
+    s = synthetic.selection_overlap(same)
+    assert s["mean"] == 1.0 and s["union_mean"] == 1.0 and s["selected_mean"] == 4
+    half = np.stack([base, [0, 3, 6, 10], [0, 3, 7, -1]])[:, None, None, None, :]
+    s = synthetic.selection_overlap(half, num_sink_pages=1)
+    assert s["per_step"] == pytest.approx([0.5, 2 / 3])
+    # without the sink (0) and each step's last page: {3, 5} -> {3, 6} -> {3}: 1/2 then 1/1
+    assert s["excl_forced_mean"] == pytest.approx(0.75)
+
+
+def test_salience_sets_the_overlap_and_calibrates():
+    kw = dict(model=CFG, page_size=PS, num_pages=64, k=8, steps=12, seed=SEED % 1000)
+    low = synthetic.simulate_overlap(1e-4, **kw)
+    high = synthetic.simulate_overlap(5.0, **kw)
+    assert low < 0.5 and high > 0.9
+    sal, got = synthetic.calibrate_salience(0.7, **kw)
+    assert abs(got - 0.7) < 0.08 and 1e-4 < sal < 5
+    assert abs(synthetic.simulate_overlap(sal, **kw) - got) < 1e-9     # deterministic
+
+
+def test_measure_overlap_on_tiny_model():
+    import bench_decode
+    toks = np.random.default_rng(SEED).integers(3, CFG.vocab_size, 64)
+    r = bench_decode.measure_overlap(CFG, PARAMS, toks, context=64, steps=6, page_size=PS,
+                                     selected_tokens=64)          # k = every page
+    # only the page that opens at position 60 is new
+    assert r["excl_forced_mean"] == 1.0 and r["mean"] > 0.95
+    assert r["prompt_tokens"] == 58 and len(r["per_layer"]) == CFG.num_layers
+    assert r["chance_overlap"] == 1.0 and 0 <= r["next_token_accuracy"] <= 1
+
+
+def test_bench_decode_quick_smoke(tmp_path):
+    import bench_decode
+    st = bench_decode.Settings(configs=("c2", "d"), probe_steps=0)
+    res = bench_decode.run(str(tmp_path), quick=True, batches=[2], settings=st, prefill=(),
+                           overlap_target=0.7, plot=False)
+    case = res["cases"][0]
+    assert "error" not in case, case
+    got = {r["config"]: r for r in case["results"]}
+    assert set(got) == {"c2", "d"}
+    assert got["d"]["hit_rate"] == 0 and got["c2"]["hit_rate"] > 0
+    assert all(r["tokens_per_s"] > 0 and set(r["split_ms"]) >= {"selector", "fetch", "rest"}
+               for r in got.values())
+    assert res["targets"]["no_recompilation_within_bucket"] is True
+    assert os.path.exists(tmp_path / "bench_decode.json")
+    for k in ("device", "date", "commit", "jax_version"):
+        assert res[k]
