@@ -229,3 +229,46 @@ def test_bench_decode_quick_smoke(tmp_path):
     assert os.path.exists(tmp_path / "bench_decode.json")
     for k in ("device", "date", "commit", "jax_version"):
         assert res[k]
+
+
+@pytest.mark.gpu
+def test_gpu_fill_and_decode_host_equals_resident():
+    """Pallas kernels on the GPU (bf16, 16-token pages, several fill chunks per sequence)."""
+    cfg = configs.tiny(dtype="bfloat16", num_heads=8, num_kv_heads=2, head_dim=64)
+    params = llama.init_params(cfg, seed=0)
+
+    def mk(mode, **kw):
+        cache = CacheConfig(mode=mode, selector="quest", page_size=16, selected_pages=8,
+                            round_steps=8, **kw)
+        return engine.Plan(model=cfg, cache=cache, batch=2, prompt_len=4096, max_context=4096,
+                           num_stop=4)
+
+    host, res = mk("host", pool_pages=40), mk("resident")
+    lengths = [3001, 4000]
+    synth = synthetic.Synthetic(salience=0.3)
+    hs = synthetic.build_state(host, lengths, synth=synth, seed=SEED,
+                               chunk_bytes=64 * host.spec.page_bytes)
+    rs = synthetic.build_state(res, lengths, synth=synth, seed=SEED)
+    np.testing.assert_array_equal(np.asarray(hs.kv.host_kv.astype(jnp.float32)),
+                                  np.asarray(rs.kv.pool.astype(jnp.float32)))
+    for x, y in zip(hs.summaries, rs.summaries):
+        np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)),
+                                      np.asarray(y.astype(jnp.float32)))
+    sampling, stop = Sampling.make(), jnp.full((4,), -1, jnp.int32)
+    hs, th, _ = engine.decode_round(host, params, hs, sampling, stop, jnp.int32(100))
+    rs, tr, _ = engine.decode_round(res, params, rs, sampling, stop, jnp.int32(100))
+    np.testing.assert_array_equal(np.asarray(th), np.asarray(tr))
+    c = hs.kv.counters.as_dict(host.spec)
+    assert c["misses"] > 0 and c["hits"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_bench_decode_quick(tmp_path):
+    """The whole benchmark path (fills, calibration, probe, a-d, splits, prefill) at tiny size."""
+    import bench_decode
+    res = bench_decode.run(str(tmp_path), quick=True, overlap_target=0.8, plot=False)
+    assert all("error" not in c for c in res["cases"]), res["cases"]
+    assert all("error" not in p for p in res["prefill"]), res["prefill"]
+    got = {r["config"] for r in res["cases"][0]["results"]}
+    assert got == {"a", "b", "c1", "c2", "c4", "d"}
+    assert res["targets"]["no_recompilation_within_bucket"] is True
