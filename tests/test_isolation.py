@@ -99,12 +99,12 @@ def _spy_rounds(saved: dict):
 
 
 def _host_caches():
-    base = dict(mode="host", selector="quest", page_size=4, selected_pages=4,
-                pool_pages=3 * (2 * 4 + 2), strict=True)  # churns (evictions), never drops
-    fields = {f.name for f in dataclasses.fields(CacheConfig)}
-    if "schedule" in fields:
-        return [pytest.param(CacheConfig(**base, schedule=s), id=s) for s in ("step", "layer")]
-    return [pytest.param(CacheConfig(**base), id="host")]
+    base = dict(mode="host", selector="quest", page_size=4, selected_pages=4, strict=True)
+    # Pools that churn (evictions) and never drop: per-layer scheduling needs room for a
+    # step's whole working set (3 requests x (2 heads x 4 + 2 pinned)); per-step scheduling
+    # serves misses from scratch rows, so a pool just above the pinned pages (6) churns always.
+    return [pytest.param(CacheConfig(**base, schedule="step", pool_pages=9), id="step"),
+            pytest.param(CacheConfig(**base, schedule="layer", pool_pages=3 * (2 * 4 + 2)), id="layer")]
 
 
 @pytest.mark.parametrize("cache", _host_caches())
