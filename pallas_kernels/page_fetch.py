@@ -118,63 +118,77 @@ def naive_tuning() -> dict:
     return dict(pages_per_program=1, chunk_elems=0, chunks_per_program=0, num_warps=4)
 
 
-def _copy_rows_pallas(src, dst, src_rows, dst_rows, tuning: FetchTuning):
-    """dst[dst_rows[m]] = src[src_rows[m]] in one Pallas launch; dst aliased to the output.
-
-    src [Ns, R], dst [Nd, R] same dtype; src_rows, dst_rows [M] int32.
-    """
-    Ns, R = src.shape
-    Nd = dst.shape[0]
+def _pad_entries(src_rows, dst_rows, E):
+    """Pad both row lists with -1 to a multiple of E entries; returns (src, dst, programs)."""
     M = src_rows.shape[0]
-    E, B, K = tuning.pages_per_program, tuning.chunk_elems, tuning.chunks_per_program
     n_eb = max(1, -(-M // E))
-    n_cb = R // (B * K)
     pad = n_eb * E - M
     src_rows = jnp.asarray(src_rows, jnp.int32)
     dst_rows = jnp.asarray(dst_rows, jnp.int32)
     if pad:
         src_rows = jnp.pad(src_rows, (0, pad), constant_values=-1)
         dst_rows = jnp.pad(dst_rows, (0, pad), constant_values=-1)
-    Mp = n_eb * E
+    return src_rows, dst_rows, n_eb
 
-    def kernel(src_rows_ref, dst_rows_ref, src_ref, dst_in_ref, dst_ref):
-        del dst_in_ref  # aliased with dst_ref
-        i = pl.program_id(0)
-        j = pl.program_id(1)
-        entries = []
-        for e in range(E):
-            s = src_rows_ref[i * E + e]
-            d = dst_rows_ref[i * E + e]
-            ok = (s >= 0) & (s < Ns) & (d >= 0) & (d < Nd)
-            entries.append((jnp.where(ok, s, 0), jnp.where(ok, d, 0), jnp.full((B,), ok)))
 
-        def column(k):
-            col = (j * K + k) * B
-            vals = [plgpu.load(src_ref.at[s, pl.ds(col, B)], mask=m) for s, _, m in entries]
-            for (_, d, m), v in zip(entries, vals):
-                plgpu.store(dst_ref.at[d, pl.ds(col, B)], v, mask=m)
+def _copy_program(src_rows_ref, dst_rows_ref, src_ref, dst_ref, Ns, Nd, tuning: FetchTuning):
+    """Body of program (i, j): its E entries x its K chunk columns, loads before stores."""
+    E, B, K = tuning.pages_per_program, tuning.chunk_elems, tuning.chunks_per_program
+    i = pl.program_id(0)
+    j = pl.program_id(1)
+    entries = []
+    for e in range(E):
+        s = src_rows_ref[i * E + e]
+        d = dst_rows_ref[i * E + e]
+        ok = (s >= 0) & (s < Ns) & (d >= 0) & (d < Nd)
+        entries.append((jnp.where(ok, s, 0), jnp.where(ok, d, 0), jnp.full((B,), ok)))
 
-        if K == 1:
-            column(0)
-        else:
-            def body(k, carry):
-                column(k)
-                return carry
-            jax.lax.fori_loop(0, K, body, 0)
+    def column(k):
+        col = (j * K + k) * B
+        vals = [plgpu.load(src_ref.at[s, pl.ds(col, B)], mask=m) for s, _, m in entries]
+        for (_, d, m), v in zip(entries, vals):
+            plgpu.store(dst_ref.at[d, pl.ds(col, B)], v, mask=m)
 
+    if K == 1:
+        column(0)
+    else:
+        def body(k, carry):
+            column(k)
+            return carry
+        jax.lax.fori_loop(0, K, body, 0)
+
+
+def _launch(kernel, operands, out, n_eb, tuning: FetchTuning, alias: int, name: str):
+    R = out.shape[1]
+    n_cb = R // (tuning.chunk_elems * tuning.chunks_per_program)
     full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(dst.shape, dst.dtype),
+        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
         grid=(n_eb, n_cb),
-        in_specs=[full((Mp,)), full((Mp,)), full(src.shape), full(dst.shape)],
-        out_specs=full(dst.shape),
-        input_output_aliases={3: 0},
+        in_specs=[full(x.shape) for x in operands],
+        out_specs=full(out.shape),
+        input_output_aliases={alias: 0},
         compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps,
                                              num_stages=tuning.num_stages),
         interpret=_common.interpret_mode(),
-        name="copy_rows",
-    )(src_rows, dst_rows, src, dst)
+        name=name,
+    )(*operands)
+
+
+def _copy_rows_pallas(src, dst, src_rows, dst_rows, tuning: FetchTuning):
+    """dst[dst_rows[m]] = src[src_rows[m]] in one Pallas launch; dst aliased to the output.
+
+    src [Ns, R], dst [Nd, R] same dtype; src_rows, dst_rows [M] int32.
+    """
+    Ns, Nd = src.shape[0], dst.shape[0]
+    src_rows, dst_rows, n_eb = _pad_entries(src_rows, dst_rows, tuning.pages_per_program)
+
+    def kernel(src_rows_ref, dst_rows_ref, src_ref, dst_in_ref, dst_ref):
+        del dst_in_ref  # aliased with dst_ref
+        _copy_program(src_rows_ref, dst_rows_ref, src_ref, dst_ref, Ns, Nd, tuning)
+
+    return _launch(kernel, (src_rows, dst_rows, src, dst), dst, n_eb, tuning, 3, "copy_rows")
 
 
 def copy_rows_pallas(src, dst, src_rows, dst_rows, **tuning):
@@ -302,57 +316,14 @@ def _move_rows_pallas(arr, src_rows, dst_rows, tuning: FetchTuning):
     Valid source rows and destination rows must be disjoint sets (no entry reads a row that
     another entry writes), which makes the in-place copy race-free.
     """
-    N, R = arr.shape
-    M = src_rows.shape[0]
-    E, B, K = tuning.pages_per_program, tuning.chunk_elems, tuning.chunks_per_program
-    n_eb = max(1, -(-M // E))
-    n_cb = R // (B * K)
-    pad = n_eb * E - M
-    src_rows = jnp.asarray(src_rows, jnp.int32)
-    dst_rows = jnp.asarray(dst_rows, jnp.int32)
-    if pad:
-        src_rows = jnp.pad(src_rows, (0, pad), constant_values=-1)
-        dst_rows = jnp.pad(dst_rows, (0, pad), constant_values=-1)
-    Mp = n_eb * E
+    N = arr.shape[0]
+    src_rows, dst_rows, n_eb = _pad_entries(src_rows, dst_rows, tuning.pages_per_program)
 
     def kernel(src_rows_ref, dst_rows_ref, arr_in_ref, arr_ref):
         del arr_in_ref  # aliased with arr_ref
-        i = pl.program_id(0)
-        j = pl.program_id(1)
-        entries = []
-        for e in range(E):
-            s = src_rows_ref[i * E + e]
-            d = dst_rows_ref[i * E + e]
-            ok = (s >= 0) & (s < N) & (d >= 0) & (d < N)
-            entries.append((jnp.where(ok, s, 0), jnp.where(ok, d, 0), jnp.full((B,), ok)))
+        _copy_program(src_rows_ref, dst_rows_ref, arr_ref, arr_ref, N, N, tuning)
 
-        def column(k):
-            col = (j * K + k) * B
-            vals = [plgpu.load(arr_ref.at[s, pl.ds(col, B)], mask=m) for s, _, m in entries]
-            for (_, d, m), v in zip(entries, vals):
-                plgpu.store(arr_ref.at[d, pl.ds(col, B)], v, mask=m)
-
-        if K == 1:
-            column(0)
-        else:
-            def body(k, carry):
-                column(k)
-                return carry
-            jax.lax.fori_loop(0, K, body, 0)
-
-    full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(arr.shape, arr.dtype),
-        grid=(n_eb, n_cb),
-        in_specs=[full((Mp,)), full((Mp,)), full(arr.shape)],
-        out_specs=full(arr.shape),
-        input_output_aliases={2: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=tuning.num_warps,
-                                             num_stages=tuning.num_stages),
-        interpret=_common.interpret_mode(),
-        name="move_rows",
-    )(src_rows, dst_rows, arr)
+    return _launch(kernel, (src_rows, dst_rows, arr), arr, n_eb, tuning, 2, "move_rows")
 
 
 @_common.register(OP_MOVE, "pallas")
