@@ -78,6 +78,15 @@ class Plan:
         return self.batch * self.model.num_kv_heads * self.k
 
     @property
+    def scratch_per_request(self) -> int:
+        """Scratch rows per request and layer: distinct pages one request can miss in a step."""
+        return min(self.model.num_kv_heads * self.k, self.pages_per_seq)
+
+    @property
+    def scratch_per_layer(self) -> int:
+        return self.batch * self.scratch_per_request
+
+    @property
     def kv_dtype(self) -> str:
         return self.cache.dtype or self.model.dtype
 
@@ -99,7 +108,7 @@ class Plan:
             num_slots=self.pool_pages if self.cache.mode == "host" else self.batch * self.pages_per_seq,
             max_requests=self.batch * m.num_kv_heads * self.k,
             num_sink_pages=self.cache.sink_pages, num_recent_pages=self.cache.recent_pages,
-            max_batch=self.batch, num_scratch=self.requests_per_layer if self.per_step else 0)
+            max_batch=self.batch, num_scratch=self.scratch_per_layer if self.per_step else 0)
 
 
 @jax.tree_util.register_dataclass
@@ -287,18 +296,22 @@ def lookup_and_fetch(plan: Plan, kv, layer, sel):
     spec = plan.spec
     L, S, P, E = spec.num_layers, spec.num_slots, spec.num_logical_pages, spec.num_scratch
     B, H, k = sel.shape
+    per_req = plan.scratch_per_request
     slot = jnp.where(sel >= 0, kv.page_table[layer, jnp.clip(sel, 0, P - 1)], INVALID)
     if not plan.cache.reuse:
         slot = jnp.full_like(slot, INVALID)
     miss = (sel >= 0) & (slot < 0)
     is_dup, leader = _first_occurrence(sel)
-    entry = jnp.arange(E, dtype=jnp.int32).reshape(B, H * k)
-    scratch = L * S + layer * E + entry                                    # [B, H*k]
+    fetch = (miss & ~is_dup).reshape(B, H * k)
+    # Each request's fetched (distinct) pages take its scratch rows in order: < per_req.
+    rank = jnp.cumsum(fetch.astype(jnp.int32), axis=1) - 1
+    b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
+    scratch = jnp.where(fetch, L * S + layer * E + b_idx * per_req + rank, INVALID)  # [B, H*k]
     lead_scratch = jnp.take_along_axis(scratch, leader, axis=1).reshape(B, H, k)
-    fetch = miss & ~is_dup
     rows = jnp.where(slot >= 0, layer * S + slot, jnp.where(miss, lead_scratch, INVALID))
+    fetch = fetch.reshape(B, H, k)
     src = jnp.where(fetch, layer * P + sel, INVALID).reshape(-1)
-    dst = jnp.where(fetch, scratch.reshape(B, H, k), INVALID).reshape(-1)
+    dst = scratch.reshape(-1)
     pool = page_fetch.fetch_pages(kv.host_kv, kv.pool, src, dst,
                                   implementation=plan.cache.implementation)
     c = kv.counters

@@ -193,7 +193,7 @@ def test_selection_overlap_counts():
 
 
 def test_salience_sets_the_overlap_and_calibrates():
-    kw = dict(model=CFG, page_size=PS, num_pages=64, k=8, steps=12, seed=SEED % 1000)
+    kw = dict(model=CFG, page_size=PS, num_pages=64, k=8, steps=12, seed=0)  # fixed: a statistical calibration, not a kernel check
     low = synthetic.simulate_overlap(1e-4, **kw)
     high = synthetic.simulate_overlap(5.0, **kw)
     assert low < 0.5 and high > 0.9
