@@ -41,7 +41,7 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 # Default split heuristic: aim for about this many programs (a few per SM on an H200's 132 SMs).
 TARGET_PROGRAMS = 512
-MIN_CHUNKS_PER_SPLIT = 2
+MIN_CHUNKS_PER_SPLIT = 1  # H200 sweep (bench_attention.json): one chunk per split is best at B=1
 
 
 @dataclasses.dataclass(frozen=True)
