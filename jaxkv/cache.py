@@ -26,9 +26,11 @@ from pallas_kernels import page_fetch, page_write
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CacheCounters:
-    """int32 scalar counters (distinct pages per layer and step, summed).
+    """int32 scalar counters, summed over layers and steps.
 
-    hits/misses: requested pages found resident / not resident.
+    hits/misses: requested pages found resident / not resident (per-layer scheduling:
+      distinct pages per layer and step; per-step scheduling: selected (KV head, page)
+      entries, so a page two heads miss counts twice but is fetched once).
     evictions: resident pages displaced by a miss.
     dropped: missed pages that found no slot and were left out of attention (per-layer
       scheduling, pool smaller than the step's working set).
