@@ -44,13 +44,8 @@ TARGETS = dict(min_roofline_frac_at_batch_ge_8=0.70, max_us_batch1_32pages=10.0)
 
 
 def _commit() -> str:
-    if os.environ.get("JAXKV_COMMIT"):
-        return os.environ["JAXKV_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
+    from _meta import commit  # benchmarks/ is on sys.path when the script runs
+    return commit()
 
 
 def _time_loop(body, init, args, iters, reps, unroll=1):

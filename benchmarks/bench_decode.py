@@ -121,13 +121,8 @@ QUICK = dict(page_size=4, selected_tokens=16, round_steps=4, timed_rounds=1, spl
 
 # ------------------------------------------------------------------------------ helpers
 def _commit() -> str:
-    if os.environ.get("JAXKV_COMMIT"):
-        return os.environ["JAXKV_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
+    from _meta import commit  # benchmarks/ is on sys.path when the script runs
+    return commit()
 
 
 def _device_str() -> str:

@@ -75,14 +75,8 @@ def _variants(itemsize: int) -> dict[str, dict]:
 
 # ------------------------------------------------------------------------------ helpers
 def _commit() -> str:
-    if os.environ.get("JAXKV_COMMIT"):
-        return os.environ["JAXKV_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)),
-                              check=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
+    from _meta import commit  # benchmarks/ is on sys.path when the script runs
+    return commit()
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))

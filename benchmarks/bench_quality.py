@@ -202,13 +202,8 @@ def live_prompts(c: dict, gguf_path) -> list[dict]:
 # running
 # ----------------------------------------------------------------------------------------
 def _commit() -> str:
-    if os.environ.get("JAXKV_COMMIT"):
-        return os.environ["JAXKV_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=HERE).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
+    from _meta import commit  # benchmarks/ is on sys.path when the script runs
+    return commit()
 
 
 def _jsonable(c: dict) -> dict:

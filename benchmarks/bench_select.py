@@ -41,13 +41,8 @@ SELECT_VARIANTS = (("pallas", "auto"), ("xla", "auto"), ("pallas", "sort"), ("pa
 
 
 def _commit() -> str:
-    if os.environ.get("JAXKV_COMMIT"):
-        return os.environ["JAXKV_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
+    from _meta import commit  # benchmarks/ is on sys.path when the script runs
+    return commit()
 
 
 UNROLL = 8  # body calls per loop iteration (spreads the loop's ~10 us/iteration GPU cost)

@@ -16,32 +16,8 @@ from pallas_kernels import _common, page_fetch, page_write
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
-DEV0 = jax.devices()[0]
-HOST = SingleDeviceSharding(DEV0, memory_kind="pinned_host")
-DEVICE = SingleDeviceSharding(DEV0, memory_kind="device")
-HEADS = {"8x128": (8, 128), "3x64": (3, 64)}
-DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
-# Head shape x page size, each with one dtype, so that every head shape and every page size
-# is tested in both dtypes (a covering design: half the interpret-mode compiles).
-SHAPES = [(h, ps, "bf16" if (ps in (1, 16)) != (h == "3x64") else "f32")
-          for h in HEADS for ps in (1, 2, 16, 64)]
-
-
-@pytest.fixture
-def rng():
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={seed}")  # shown by pytest when the test fails
-    return np.random.default_rng(seed)
-
-
-def host_zeros(shape, dtype=jnp.bfloat16):
-    """Zeros in pinned_host memory, typed as host memory (usable as a loop carry)."""
-    return jax.jit(lambda: jax.device_put(jnp.zeros(shape, dtype), jax.memory.Space.Host),
-                   out_shardings=HOST)()
-
-
-def as_f32(x):
-    return np.asarray(jnp.asarray(x).astype(jnp.float32))
+from page_kernel_util import (DEV0, DEVICE, DTYPES, HEADS, HOST, SHAPES, as_f32,  # noqa: F401,E402
+                              host_zeros, rng)
 
 
 def make_case(rng, n_host, n_pool, row, m, dtype, *, p_invalid=0.3, repeat_src=True):
