@@ -66,6 +66,9 @@ def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int]
                 f"CacheConfig.max_context ({cache.max_context}): raise max_context or shorten the request")
     else:
         max_context = max(_next_pow2(need), 256, ps)
+    if cache.dense_layers > model.num_layers:
+        raise ValueError(f"CacheConfig.dense_layers ({cache.dense_layers}) exceeds the model's "
+                         f"{model.num_layers} layers: lower dense_layers")
     if need > model.max_position:
         raise ValueError(
             f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) = {need} exceeds the model's "
@@ -194,7 +197,9 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     kv = engine.init_kv(plan)
     summaries = engine.init_summaries(plan)
     # commit fresh arrays to their shardings: prefill then compiles once, not twice
-    kv, summaries = jax.device_put((kv, summaries), jax.tree.map(lambda a: a.sharding, (kv, summaries)))
+    dense = engine.init_dense(plan)
+    kv, summaries, dense = jax.device_put((kv, summaries, dense),
+                                          jax.tree.map(lambda a: a.sharding, (kv, summaries, dense)))
     x = engine.embed_prompt(plan, params, jnp.asarray(tokens))
     show = progress if progress is not None else max(lens) >= 8192
     layers = range(model.num_layers)
@@ -202,7 +207,8 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         from tqdm.auto import tqdm
         layers = tqdm(layers, desc=f"prefill {sum(lens)} tokens", unit="layer")
     for layer in layers:
-        x, kv, summaries = engine.prefill_layer(plan, params, jnp.int32(layer), x, lengths, kv, summaries)
+        x, kv, summaries, dense = engine.prefill_layer(plan, params, jnp.int32(layer), x, lengths,
+                                                       kv, summaries, dense)
     key = jax.random.key(seed)
     key, sub = jax.random.split(key)
     first = engine.first_token(plan, params, x, lengths, sampling, sub)
@@ -215,7 +221,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     state = engine.DecodeState(
         kv=kv, summaries=summaries, lengths=lengths, last_token=first,
         done=jnp.asarray(done0), n_generated=jnp.ones((B,), jnp.int32), key=key,
-        lookahead=engine.init_lookahead(plan))
+        lookahead=engine.init_lookahead(plan), dense=dense)
     out = [[int(t)] for t in first_np]
     yield [[int(t)] for t in first_np]
 

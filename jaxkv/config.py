@@ -57,6 +57,8 @@ class CacheConfig:
         pool are dropped from attention and counted).
       reuse: keep fetched pages in the pool for later steps. False (with schedule "step")
         is the no-cache baseline: every selected page is fetched every step.
+      dense_layers: the first N layers attend densely to every page (as Quest does for its
+        first 2 layers); in "host" mode their K/V are also kept fully on device.
       unroll_layers: unroll the per-token layer loop (None: on GPU, where a loop iteration
         costs a host round trip of ~10 us; off elsewhere, for compile time).
     """
@@ -77,8 +79,12 @@ class CacheConfig:
     schedule: Literal["step", "layer"] = "step"
     reuse: bool = True
     unroll_layers: bool | None = None
+    dense_layers: int = 0
 
     def __post_init__(self):
+        if not isinstance(self.dense_layers, int) or isinstance(self.dense_layers, bool) \
+                or self.dense_layers < 0:
+            raise ValueError(f"CacheConfig.dense_layers must be an int >= 0, got {self.dense_layers!r}")
         if self.schedule not in ("step", "layer"):
             raise ValueError(f"CacheConfig.schedule must be 'step' or 'layer', got {self.schedule!r}")
         if not self.reuse and self.schedule != "step":

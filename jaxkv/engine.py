@@ -26,7 +26,7 @@ from jaxkv.sampling import sample
 from jaxkv.spec import INVALID, CacheSpec
 from models import llama
 from models.configs import ModelConfig
-from pallas_kernels import page_fetch, page_write
+from pallas_kernels import dense_select, page_fetch, page_write
 from pallas_kernels.sparse_attention import sparse_paged_attention
 
 
@@ -66,6 +66,17 @@ class Plan:
     @property
     def num_pinned(self) -> int:
         return self.cache.sink_pages + self.cache.recent_pages
+
+    @property
+    def num_dense(self) -> int:
+        """The first layers that attend densely (CacheConfig.dense_layers)."""
+        return min(self.cache.dense_layers, self.model.num_layers)
+
+    @property
+    def dense_spec(self) -> CacheSpec:
+        """Host mode: the device-resident K/V of the dense layers, [num_dense * P, R]."""
+        return dataclasses.replace(self.spec, num_layers=max(1, self.num_dense),
+                                   num_slots=self.spec.num_logical_pages, num_scratch=0)
 
     @property
     def per_step(self) -> bool:
@@ -129,6 +140,7 @@ class DecodeState:
     n_generated: jax.Array
     key: jax.Array
     lookahead: tuple = ()
+    dense: object = ()
 
 
 # --------------------------------------------------------------------------------------
@@ -138,6 +150,13 @@ def init_kv(plan: Plan, *, poison: bool = False):
     if plan.cache.mode == "host":
         return kvcache.init_cache(plan.spec, poison=poison)
     return kvcache.init_resident(plan.spec, poison=poison)
+
+
+def init_dense(plan: Plan, *, poison: bool = False):
+    """Device copy of the dense layers' K/V (host mode with CacheConfig.dense_layers > 0)."""
+    if plan.cache.mode != "host" or plan.num_dense == 0:
+        return ()
+    return kvcache.init_resident(plan.dense_spec, poison=poison)
 
 
 def init_lookahead(plan: Plan):
@@ -192,8 +211,8 @@ def _prefill_attention(q, k, v, lengths, chunk):
     return out.transpose(1, 0, 2, 3, 4).reshape(B, T, Hq, D)
 
 
-@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("kv", "summaries"))
-def prefill_layer(plan: Plan, params, layer, x, lengths, kv, summaries):
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("kv", "summaries", "dense"))
+def prefill_layer(plan: Plan, params, layer, x, lengths, kv, summaries, dense=()):
     """One layer over the bucketed prompt; writes its K/V pages and selector summaries.
 
     x [B, T, d]; lengths [B] prompt lengths; layer int32 scalar. Returns (x, kv, summaries).
@@ -221,9 +240,13 @@ def prefill_layer(plan: Plan, params, layer, x, lengths, kv, summaries):
     else:
         kv = dataclasses.replace(kv, pool=page_write.write_pages(
             kv.pool, rows, pages.reshape(B * n, -1), implementation=impl))
+    if plan.cache.mode == "host" and plan.num_dense:
+        drows = jnp.where(layer < plan.num_dense, rows, INVALID)
+        dense = dataclasses.replace(dense, pool=page_write.write_pages(
+            dense.pool, drows, pages.reshape(B * n, -1), implementation=impl))
     summaries = selection.summarize_prefill(plan.cache.selector, summaries, layer, lp, cfg, h, k,
                                             positions, lengths, ps)
-    return x, kv, summaries
+    return x, kv, summaries, dense
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))
@@ -339,8 +362,29 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     if plan.per_step and plan.cache.reuse:
         kv0 = install_previous(plan, kv0, st.lookahead, protect)
 
+    def attend_dense(layer, lp, h, q, k, v, carry):
+        """The first plan.num_dense layers: every valid page, read from device memory."""
+        kv, summ, look, dense = carry
+        q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
+        tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)
+        if plan.cache.mode == "host":
+            kv = kvcache.write_through(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
+            dense = kvcache.write_resident(spec, dense, layer, logical, offset, tok_kv,
+                                           implementation=impl)
+            pool = dense.pool
+        else:
+            kv = kvcache.write_resident(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
+            pool = kv.pool
+        pages = dense_select.dense_select(jnp.maximum(positions + 1, 1), num_pages=Np,
+                                          num_kv_heads=H, page_size=ps)
+        pages = jnp.where(active[:, None, None], pages, INVALID)
+        rows = jnp.where(pages >= 0, layer * P + b_idx[:, None, None] * Np + pages, INVALID)
+        out, _ = sparse_paged_attention(q1, pool, rows, pages, jnp.where(active, pos + 1, 1),
+                                        page_size=ps, num_kv_heads=H, implementation=impl)
+        return out[:, None].astype(q.dtype), (kv, summ, look, dense)
+
     def attend(layer, lp, h, q, k, v, carry):
-        kv, summ, look = carry
+        kv, summ, look, dense = carry
         q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
         tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)       # [B, 2, H, D]
         if plan.cache.mode == "host":
@@ -363,11 +407,18 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
             rows = jnp.where(sel >= 0, layer * P + sel, INVALID)
         out, _ = sparse_paged_attention(q1, kv.pool, rows, pages, jnp.where(active, pos + 1, 1),
                                         page_size=ps, num_kv_heads=H, implementation=impl)
-        return out[:, None].astype(q.dtype), (kv, summ, look)
+        return out[:, None].astype(q.dtype), (kv, summ, look, dense)
 
-    logits, (kv, summ, look) = llama.forward(
-        params, cfg, st.last_token[:, None], jnp.maximum(pos, 0)[:, None], attend,
-        (kv0, st.summaries, st.lookahead), unroll=plan.layer_unroll)
+    x = llama.embed(params, cfg, st.last_token[:, None])
+    tpos = jnp.maximum(pos, 0)[:, None]
+    carry = (kv0, st.summaries, st.lookahead, st.dense)
+    nd = plan.num_dense
+    x, carry = llama.run_layers(params, cfg, x, tpos, attend_dense, carry, start=0, stop=nd,
+                                unroll=plan.layer_unroll)
+    x, carry = llama.run_layers(params, cfg, x, tpos, attend, carry, start=nd,
+                                unroll=plan.layer_unroll)
+    kv, summ, look, dense = carry
+    logits = llama.final_logits(params, cfg, x)
     key, sub = jax.random.split(st.key)
     tok = sample(logits[:, 0], sampling, sub)
     tok = jnp.where(active, tok, INVALID)
@@ -379,7 +430,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         kv = kvcache.tick(kv)
     st = DecodeState(kv=kv, summaries=summ, lengths=lengths,
                      last_token=jnp.where(active, tok, st.last_token), done=done,
-                     n_generated=n_gen, key=key, lookahead=look)
+                     n_generated=n_gen, key=key, lookahead=look, dense=dense)
     return st, tok
 
 

@@ -333,6 +333,31 @@ def dense_attend(layer, layer_params, h, q, k, v, carry):
     return gqa_attention(q, k, v, mask), carry
 
 
+def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn, carry, *,
+               start: int = 0, stop: int | None = None, unroll: int = 1):
+    """Layers ``[start, stop)`` (static) of the model: x [B, T, d] -> (x, carry).
+
+    `lax.scan` over that slice of the stacked layers; `attend` gets the global layer index.
+    """
+    stop = cfg.num_layers if stop is None else stop
+    if stop <= start:
+        return x, carry
+
+    def body(c, xs):
+        x, ac = c
+        layer, lp = xs
+        h, q, k, v = attention_inputs(lp, cfg, x, positions)
+        attn, ac = attend(layer, lp, h, q, k, v, ac)
+        return (layer_output(lp, cfg, x, attn), ac), None
+
+    layers = jnp.arange(start, stop, dtype=jnp.int32)
+    lps = params["layers"]
+    if (start, stop) != (0, cfg.num_layers):
+        lps = jax.tree.map(lambda a: a[start:stop], lps)
+    (x, carry), _ = jax.lax.scan(body, (x, carry), (layers, lps), unroll=min(unroll, stop - start))
+    return x, carry
+
+
 def forward(params: Params, cfg: ModelConfig, tokens, positions, attend: AttendFn, carry,
             *, unroll: int = 1):
     """Full model: embed, `lax.scan` over the stacked layers, final logits.
@@ -345,14 +370,5 @@ def forward(params: Params, cfg: ModelConfig, tokens, positions, attend: AttendF
     is a plain causal model.
     """
     x = embed(params, cfg, tokens)
-
-    def body(c, xs):
-        x, ac = c
-        layer, lp = xs
-        h, q, k, v = attention_inputs(lp, cfg, x, positions)
-        attn, ac = attend(layer, lp, h, q, k, v, ac)
-        return (layer_output(lp, cfg, x, attn), ac), None
-
-    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, carry), _ = jax.lax.scan(body, (x, carry), (layers, params["layers"]), unroll=unroll)
+    x, carry = run_layers(params, cfg, x, positions, attend, carry, unroll=unroll)
     return final_logits(params, cfg, x), carry

@@ -144,3 +144,20 @@ def test_gpu_host_equals_resident(selector):
             base, mode="resident", implementation="xla"), **kw)
         agree = np.mean([a == b for x, y in zip(xla.tokens, res.tokens) for a, b in zip(x, y)])
         assert agree > 0.9  # bf16: kernels and references may differ in rounding
+
+
+@pytest.mark.parametrize("mode", ["host", "resident"])
+def test_dense_first_layers(mode):
+    """dense_layers=1: layer 0 attends to every page, layer 1 uses Quest. Host == resident;
+    dense_layers=L equals the dense selector."""
+    cache = CacheConfig(mode=mode, selector="quest", page_size=4, selected_pages=4, dense_layers=1,
+                        pool_pages=12 if mode == "host" else None)
+    res = _gen(cache, max_new_tokens=8)
+    ref = _gen(CacheConfig(mode="resident", selector="quest", page_size=4, selected_pages=4,
+                           dense_layers=1), max_new_tokens=8)
+    assert res.tokens == ref.tokens
+    all_dense = _gen(dataclasses.replace(cache, dense_layers=CFG.num_layers), max_new_tokens=8)
+    dense = _gen(CacheConfig(mode="resident", selector="dense", page_size=4), max_new_tokens=8)
+    assert all_dense.tokens == dense.tokens
+    with pytest.raises(ValueError, match="dense_layers"):
+        _gen(dataclasses.replace(cache, dense_layers=CFG.num_layers + 1), max_new_tokens=8)
