@@ -55,19 +55,9 @@ def _time_loop(body, init, args, iters, reps, unroll=1):
     ``i * unroll + u``), so the loop's own per-iteration cost (a host round trip on GPU,
     ~10 us) is spread over ``unroll`` calls, as in a decode step's unrolled layer loop.
     """
-    def it(i, c, a):
-        for u in range(unroll):
-            c = body(i * unroll + u, c, *a)
-        return c
-    f = jax.jit(lambda c, a: lax.fori_loop(0, iters, lambda i, c: it(i, c, a), c))
-    for _ in range(2):  # compile, then one more run (XLA:CPU finishes some compilation lazily)
-        jax.block_until_ready(f(init, args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(init, args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) / iters / unroll
+    from _meta import time_chained  # benchmarks/ is on sys.path when the script runs
+    # warm-up: compile, then one more run (XLA:CPU finishes some compilation lazily)
+    return time_chained(body, init, args, iters, reps, unroll, warmups=2)
 
 
 def _hbm_copy_gbps(mib, reps):

@@ -56,18 +56,9 @@ def _time_loop(body, init, iters, reps, args=()):
     unroll = UNROLL
     iters = max(2, iters // unroll)
 
-    def it(i, c, a):
-        for u in range(unroll):
-            c = body(i * unroll + u, c, *a)
-        return c
-    f = jax.jit(lambda c, a: lax.fori_loop(0, iters, lambda i, c: it(i, c, a), c))
-    jax.block_until_ready(f(init, args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(init, args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) / iters / unroll
+    from _meta import time_chained  # benchmarks/ is on sys.path when the script runs
+    # warm-up: compile
+    return time_chained(body, init, args, iters, reps, unroll, warmups=1)
 
 
 def _hbm_copy_gbps(mib, iters, reps):
