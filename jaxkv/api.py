@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import cache as kvcache
-from jaxkv import compile_stats, engine, validation
+from jaxkv import compile_stats, engine, parallel, validation
 from jaxkv.config import CacheConfig, Sampling
 from models.configs import ModelConfig
 
@@ -106,18 +106,22 @@ def _check_device_memory(plan: engine.Plan):
              else "lower batch / max_context, or use mode='host'"))
 
 
-def _memory_stats(plan: engine.Plan, state: engine.DecodeState) -> dict:
+def _memory_stats(plan: engine.Plan, state: engine.DecodeState, n: int = 1) -> dict:
+    """Totals over the ``n`` devices (``plan`` is one device's; state arrays are global)."""
     spec = plan.spec
     summ = sum(int(a.nbytes) for a in jax.tree.leaves(state.summaries))
     if plan.cache.mode == "host":
-        dev = spec.pool_bytes + summ + int(state.kv.page_table.nbytes) * 3
-        host = spec.host_bytes
+        dev = n * spec.pool_bytes + summ + int(state.kv.page_table.nbytes) * 3
+        host = n * spec.host_bytes
     else:
-        dev, host = spec.host_bytes + summ, 0
-    return {"device_kv_bytes": dev, "host_kv_bytes": host,
-            "logical_kv_bytes": spec.host_bytes,
-            "pool_fraction_of_logical": (spec.pool_bytes / spec.host_bytes
-                                         if plan.cache.mode == "host" else 1.0)}
+        dev, host = n * spec.host_bytes + summ, 0
+    out = {"device_kv_bytes": dev, "host_kv_bytes": host,
+           "logical_kv_bytes": n * spec.host_bytes,
+           "pool_fraction_of_logical": (spec.pool_bytes / spec.host_bytes
+                                        if plan.cache.mode == "host" else 1.0)}
+    if n > 1:
+        out["device_kv_bytes_per_device"] = dev // n
+    return out
 
 
 class TokenStream:
@@ -137,7 +141,7 @@ class TokenStream:
 def generate(model: ModelConfig, params, prompts, *, max_new_tokens: int = 32,
              sampling: Sampling | None = None, cache: CacheConfig | None = None,
              stop_tokens: Sequence[int] | None = None, seed: int = 0, stream: bool = False,
-             progress: bool | None = None):
+             progress: bool | None = None, mesh=None):
     """Generate up to ``max_new_tokens`` tokens for each prompt.
 
     Args:
@@ -151,11 +155,15 @@ def generate(model: ModelConfig, params, prompts, *, max_new_tokens: int = 32,
       seed: PRNG seed for sampling.
       stream: return a :class:`TokenStream` yielding tokens round by round.
       progress: show a prefill progress bar (default: prompts of >= 8k tokens).
+      mesh: tensor parallelism over KV heads (jaxkv.parallel): a one-axis
+        ``jax.sharding.Mesh`` or a list of N devices; N must divide num_kv_heads and ffn_dim.
+        Each device keeps its heads' host tier, pool and LRU state. None or the one default
+        device: the single-device path. Counters in ``stats`` are totals over the devices.
     Returns:
       :class:`GenerateResult` (or a :class:`TokenStream` when ``stream``).
     """
     gen = _generate(model, params, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                    cache=cache, stop_tokens=stop_tokens, seed=seed, progress=progress)
+                    cache=cache, stop_tokens=stop_tokens, seed=seed, progress=progress, mesh=mesh)
     if stream:
         return TokenStream(gen)
     try:
@@ -165,7 +173,8 @@ def generate(model: ModelConfig, params, prompts, *, max_new_tokens: int = 32,
         return e.value
 
 
-def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_tokens, seed, progress):
+def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_tokens, seed, progress,
+              mesh=None):
     if not isinstance(model, ModelConfig):
         raise TypeError(f"model must be a models.configs.ModelConfig, got {type(model).__name__}")
     cache = CacheConfig() if cache is None else cache
@@ -178,13 +187,19 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     validation.check_int("max_new_tokens", max_new_tokens, minimum=1)
     validation.check_int("seed", seed, minimum=0)
     validation.check_params(model, params)
+    tp = parallel.TensorParallel.create(mesh, model)   # None: one device
+    n_dev = 1 if tp is None else tp.size
+    eng = engine if tp is None else tp
     prompts = _validate_prompts(model, prompts)
     stops = ([model.eos_id] if stop_tokens is None else
              [int(t) for t in validation.check_token_ids(list(stop_tokens), model.vocab_size, "stop_tokens")])
     num_stop = max(4, _next_pow2(len(stops)))
     stop_ids = jnp.asarray(stops + [-1] * (num_stop - len(stops)), jnp.int32)
     lens = [len(p) for p in prompts]
-    plan = make_plan(model, cache, lens, int(max_new_tokens), num_stop)
+    plan = make_plan(model if tp is None else tp.local_model(model), cache, lens,
+                     int(max_new_tokens), num_stop)
+    if tp is not None:
+        plan, params = tp.plan(plan), tp.shard_params(params)
     B, T = plan.batch, plan.prompt_len
     compiles0 = compile_stats.snapshot()
 
@@ -194,24 +209,24 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = p
     lengths = jnp.asarray(lens, jnp.int32)
-    kv = engine.init_kv(plan)
-    summaries = engine.init_summaries(plan)
+    kv = eng.init_kv(plan)
+    summaries = eng.init_summaries(plan)
     # commit fresh arrays to their shardings: prefill then compiles once, not twice
-    dense = engine.init_dense(plan)
+    dense = eng.init_dense(plan)
     kv, summaries, dense = jax.device_put((kv, summaries, dense),
                                           jax.tree.map(lambda a: a.sharding, (kv, summaries, dense)))
-    x = engine.embed_prompt(plan, params, jnp.asarray(tokens))
+    x = eng.embed_prompt(plan, params, jnp.asarray(tokens))
     show = progress if progress is not None else max(lens) >= 8192
     layers = range(model.num_layers)
     if show:
         from tqdm.auto import tqdm
         layers = tqdm(layers, desc=f"prefill {sum(lens)} tokens", unit="layer")
     for layer in layers:
-        x, kv, summaries, dense = engine.prefill_layer(plan, params, jnp.int32(layer), x, lengths,
-                                                       kv, summaries, dense)
+        x, kv, summaries, dense = eng.prefill_layer(plan, params, jnp.int32(layer), x, lengths,
+                                                    kv, summaries, dense)
     key = jax.random.key(seed)
     key, sub = jax.random.split(key)
-    first = engine.first_token(plan, params, x, lengths, sampling, sub)
+    first = eng.first_token(plan, params, x, lengths, sampling, sub)
     first_np = np.asarray(first)
     t_prefill = time.perf_counter() - t0
     del x
@@ -221,7 +236,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     state = engine.DecodeState(
         kv=kv, summaries=summaries, lengths=lengths, last_token=first,
         done=jnp.asarray(done0), n_generated=jnp.ones((B,), jnp.int32), key=key,
-        lookahead=engine.init_lookahead(plan), dense=dense)
+        lookahead=eng.init_lookahead(plan), dense=dense)
     out = [[int(t)] for t in first_np]
     yield [[int(t)] for t in first_np]
 
@@ -231,9 +246,10 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     compiles_decode0 = compile_stats.snapshot()
     rounds = 0
     totals = {f.name: 0 for f in dataclasses.fields(kvcache.CacheCounters)}
+    per_device = {name: np.zeros(n_dev, np.int64) for name in totals}
     while not bool(np.all(np.asarray(state.done))):
-        state, buf, steps = engine.decode_round(plan, params, state, sampling, stop_ids, max_new)
-        state = _drain_counters(state, totals)
+        state, buf, steps = eng.decode_round(plan, params, state, sampling, stop_ids, max_new)
+        state = _drain_counters(state, totals, per_device)
         buf = np.asarray(buf)[:, : int(steps)]
         rounds += 1
         new = [[int(t) for t in row if t >= 0] for row in buf]
@@ -257,12 +273,15 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         "decode_rounds": rounds,
         **counters,
         "truncated_requests": truncated,
-        **_memory_stats(plan, state),
+        **_memory_stats(plan, state, n_dev),
         "page_size": plan.page_size, "selected_pages": plan.k,
         "pool_pages": plan.pool_pages if cache.mode == "host" else plan.spec.num_logical_pages,
         "max_context": plan.max_context, "prompt_bucket": plan.prompt_len,
         "compile_time_s": compiles["time_s"], "num_compilations": compiles["count"],
+        "num_devices": n_dev,
     }
+    if n_dev > 1:  # counters are totals over the devices; here each device's own
+        stats["per_device"] = {k: [int(x) for x in v] for k, v in per_device.items()}
     if cache.strict:
         validation.check_strict(stats)
     else:
@@ -271,15 +290,21 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     return GenerateResult(tokens=out, stats=stats)
 
 
-def _drain_counters(state: engine.DecodeState, totals: dict) -> engine.DecodeState:
+def _drain_counters(state: engine.DecodeState, totals: dict, per_device: dict | None = None
+                    ) -> engine.DecodeState:
     """Add the round's int32 device counters to Python ints and zero them (no int32 overflow
-    over long generations; a negative value means one round overflowed)."""
+    over long generations; a negative value means one round overflowed). Several devices
+    (counters [N]): ``totals`` get the sum, ``per_device`` each device's values."""
     c = jax.device_get(state.kv.counters)
-    got = {name: int(getattr(c, name)) for name in totals}
+    got = {name: np.asarray(getattr(c, name)).astype(np.int64).reshape(-1) for name in totals}
     for name, v in got.items():
-        if v < 0:
+        if (v < 0).any():
             raise RuntimeError(f"cache counter {name!r} overflowed int32 within one decode round: "
                                "lower CacheConfig.round_steps")
     for name, v in got.items():
-        totals[name] += v
-    return dataclasses.replace(state, kv=dataclasses.replace(state.kv, counters=kvcache.CacheCounters.zeros()))
+        totals[name] += int(v.sum())
+        if per_device is not None:
+            per_device[name] += v
+    zeros = (kvcache.CacheCounters.zeros() if np.ndim(c.hits) == 0
+             else jax.tree.map(jnp.zeros_like, state.kv.counters))
+    return dataclasses.replace(state, kv=dataclasses.replace(state.kv, counters=zeros))

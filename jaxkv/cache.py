@@ -94,11 +94,13 @@ def cache_shardings(device=None) -> HostTierCache:
 
 
 @functools.lru_cache(maxsize=None)
-def _filler(shape: tuple, dtype: str, fill: str, sharding) -> callable:
+def _filler(shape: tuple, dtype: str, fill: str, sharding, traced: bool = False) -> callable:
     """A cached jitted allocator, so repeated cache construction never recompiles.
 
     A pinned_host result is also *typed* as host memory (device_put to Space.Host as the
     last op), so it can be a loop carry next to the aliased writes that keep it there.
+    ``traced``: the plain function (no jit, no placement), for use inside a jit or
+    shard_map whose output shardings place the result (jaxkv.parallel).
     """
     host = sharding.memory_kind == "pinned_host"
 
@@ -106,17 +108,20 @@ def _filler(shape: tuple, dtype: str, fill: str, sharding) -> callable:
         x = jnp.full(shape, float(fill), dtype)
         return jax.device_put(x, jax.memory.Space.Host) if host else x
 
-    return jax.jit(alloc, out_shardings=sharding)
+    return alloc if traced else jax.jit(alloc, out_shardings=sharding)
 
 
-def init_cache(spec: CacheSpec, *, device=None, poison: bool = False) -> HostTierCache:
+def init_cache(spec: CacheSpec, *, device=None, poison: bool = False,
+               traced: bool = False) -> HostTierCache:
     """Empty cache: host tier zeroed in pinned_host memory, pool empty.
 
     ``poison=True`` fills the pool with NaN (tests: an unwritten slot must never be read).
+    ``traced=True``: plain jnp ops, to call inside a jit / shard_map (one device's shard of
+    a multi-device cache, jaxkv.parallel); the host tier is still typed as host memory.
     """
     fill = "nan" if poison else "0"
-    host_kv = _filler(spec.host_shape, spec.dtype, "0", host_sharding(device))()
-    pool = _filler(spec.pool_shape, spec.dtype, fill, device_sharding(device))()
+    host_kv = _filler(spec.host_shape, spec.dtype, "0", host_sharding(device), traced)()
+    pool = _filler(spec.pool_shape, spec.dtype, fill, device_sharding(device), traced)()
     L, P, S = spec.num_layers, spec.num_logical_pages, spec.num_slots
     return HostTierCache(
         host_kv=host_kv,
@@ -214,10 +219,12 @@ class ResidentCache:
     counters: CacheCounters
 
 
-def init_resident(spec: CacheSpec, *, device=None, poison: bool = False) -> ResidentCache:
-    """Resident KV for ``spec`` (its ``num_slots`` is ignored: all P pages are on device)."""
+def init_resident(spec: CacheSpec, *, device=None, poison: bool = False,
+                  traced: bool = False) -> ResidentCache:
+    """Resident KV for ``spec`` (its ``num_slots`` is ignored: all P pages are on device).
+    ``traced``: as in :func:`init_cache`."""
     fill = "nan" if poison else "0"
-    pool = _filler(spec.host_shape, spec.dtype, fill, device_sharding(device))()
+    pool = _filler(spec.host_shape, spec.dtype, fill, device_sharding(device), traced)()
     return ResidentCache(pool=pool, counters=CacheCounters.zeros())
 
 

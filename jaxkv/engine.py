@@ -40,6 +40,9 @@ class Plan:
     prompt_len: int      # bucketed prompt length T (multiple of page_size)
     max_context: int     # tokens per sequence (multiple of page_size)
     num_stop: int        # length of the padded stop-token array
+    # Tensor parallelism (jaxkv.parallel): the mesh axis this plan's functions run over
+    # inside shard_map; ``model`` is then one device's share (its KV heads, MLP block).
+    axis_name: str | None = None
 
     @property
     def page_size(self) -> int:
@@ -146,17 +149,18 @@ class DecodeState:
 # --------------------------------------------------------------------------------------
 # state construction
 # --------------------------------------------------------------------------------------
-def init_kv(plan: Plan, *, poison: bool = False):
+def init_kv(plan: Plan, *, poison: bool = False, traced: bool = False):
+    """``traced``: build inside a jit / shard_map (see kvcache.init_cache)."""
     if plan.cache.mode == "host":
-        return kvcache.init_cache(plan.spec, poison=poison)
-    return kvcache.init_resident(plan.spec, poison=poison)
+        return kvcache.init_cache(plan.spec, poison=poison, traced=traced)
+    return kvcache.init_resident(plan.spec, poison=poison, traced=traced)
 
 
-def init_dense(plan: Plan, *, poison: bool = False):
+def init_dense(plan: Plan, *, poison: bool = False, traced: bool = False):
     """Device copy of the dense layers' K/V (host mode with CacheConfig.dense_layers > 0)."""
     if plan.cache.mode != "host" or plan.num_dense == 0:
         return ()
-    return kvcache.init_resident(plan.dense_spec, poison=poison)
+    return kvcache.init_resident(plan.dense_spec, poison=poison, traced=traced)
 
 
 def init_lookahead(plan: Plan):
@@ -223,7 +227,7 @@ def prefill_layer(plan: Plan, params, layer, x, lengths, kv, summaries, dense=()
     lp = jax.tree.map(lambda a: a[layer], params["layers"])
     h, q, k, v = llama.attention_inputs(lp, cfg, x, positions)
     attn = _prefill_attention(q, k, v, lengths, plan.cache.prefill_chunk)
-    x = llama.layer_output(lp, cfg, x, attn)
+    x = llama.layer_output(lp, cfg, x, attn, axis_name=plan.axis_name)
 
     dt = jnp.dtype(plan.kv_dtype)
     pages = _pack_pages(k.astype(dt), v.astype(dt), ps)             # [B, n, R]
@@ -259,7 +263,17 @@ def first_token(plan: Plan, params, x, lengths, sampling: Sampling, key):
     """Sample the first new token from the prompt's last position. x [B, T, d] -> [B]."""
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)   # [B, 1, d]
     logits = llama.final_logits(params, plan.model, last)[:, 0]
-    return sample(logits, sampling, key)
+    return agree(sample(logits, sampling, key), plan.axis_name)
+
+
+def agree(tok, axis_name):
+    """Tensor parallelism: every device takes the first device's tokens [B]. The devices
+    compute identical logits and sample with the same key; this makes agreement (and so the
+    shared while-loop condition) certain at the cost of one [B] int32 all-reduce."""
+    if axis_name is None:
+        return tok
+    first = jax.lax.axis_index(axis_name) == 0
+    return jax.lax.psum(jnp.where(first, tok, jnp.zeros_like(tok)), axis_name)
 
 
 # --------------------------------------------------------------------------------------
@@ -414,13 +428,13 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     carry = (kv0, st.summaries, st.lookahead, st.dense)
     nd = plan.num_dense
     x, carry = llama.run_layers(params, cfg, x, tpos, attend_dense, carry, start=0, stop=nd,
-                                unroll=plan.layer_unroll)
+                                unroll=plan.layer_unroll, axis_name=plan.axis_name)
     x, carry = llama.run_layers(params, cfg, x, tpos, attend, carry, start=nd,
-                                unroll=plan.layer_unroll)
+                                unroll=plan.layer_unroll, axis_name=plan.axis_name)
     kv, summ, look, dense = carry
     logits = llama.final_logits(params, cfg, x)
     key, sub = jax.random.split(st.key)
-    tok = sample(logits[:, 0], sampling, sub)
+    tok = agree(sample(logits[:, 0], sampling, sub), plan.axis_name)
     tok = jnp.where(active, tok, INVALID)
     lengths = jnp.where(active, pos + 1, pos)
     n_gen = st.n_generated + active.astype(jnp.int32)

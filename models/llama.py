@@ -264,21 +264,28 @@ def indexer_inputs(layer_params: Params, cfg: ModelConfig, h, positions, *, rope
     return q.astype(dt), w, k.astype(dt)
 
 
-def layer_output(layer_params: Params, cfg: ModelConfig, x, attn) -> jax.Array:
+def _psum(y, axis_name):
+    return y if axis_name is None else jax.lax.psum(y, axis_name)
+
+
+def layer_output(layer_params: Params, cfg: ModelConfig, x, attn, *, axis_name=None) -> jax.Array:
     """Output projection + residual, then RMSNorm + SwiGLU MLP + residual.
 
     x [B, T, d], attn [B, T, Hq, D] (any float dtype) -> x [B, T, d] cfg.dtype.
+    ``axis_name`` (tensor parallelism inside ``shard_map``, jaxkv.parallel): ``cfg`` and the
+    params are this device's share (its heads' wo rows, a block of the MLP hidden units); the
+    o_proj and down_proj outputs (float32) are summed over that mesh axis before each residual.
     """
     dt = _dtype(cfg)
     B, T, _ = x.shape
     lp = layer_params
     a = attn.astype(dt).reshape(B, T, cfg.q_dim)
-    x = (x.astype(jnp.float32) + _proj(a, lp["wo"])).astype(dt)
+    x = (x.astype(jnp.float32) + _psum(_proj(a, lp["wo"]), axis_name)).astype(dt)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_eps).astype(dt)
     g = _proj(h, lp["w_gate"])
     u = _proj(h, lp["w_up"])
     m = (jax.nn.silu(g) * u).astype(dt)
-    return (x.astype(jnp.float32) + _proj(m, lp["w_down"])).astype(dt)
+    return (x.astype(jnp.float32) + _psum(_proj(m, lp["w_down"]), axis_name)).astype(dt)
 
 
 def final_logits(params: Params, cfg: ModelConfig, x) -> jax.Array:
@@ -334,10 +341,11 @@ def dense_attend(layer, layer_params, h, q, k, v, carry):
 
 
 def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn, carry, *,
-               start: int = 0, stop: int | None = None, unroll: int = 1):
+               start: int = 0, stop: int | None = None, unroll: int = 1, axis_name=None):
     """Layers ``[start, stop)`` (static) of the model: x [B, T, d] -> (x, carry).
 
     `lax.scan` over that slice of the stacked layers; `attend` gets the global layer index.
+    ``axis_name``: tensor-parallel mesh axis (see :func:`layer_output`).
     """
     stop = cfg.num_layers if stop is None else stop
     if stop <= start:
@@ -348,7 +356,7 @@ def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn,
         layer, lp = xs
         h, q, k, v = attention_inputs(lp, cfg, x, positions)
         attn, ac = attend(layer, lp, h, q, k, v, ac)
-        return (layer_output(lp, cfg, x, attn), ac), None
+        return (layer_output(lp, cfg, x, attn, axis_name=axis_name), ac), None
 
     layers = jnp.arange(start, stop, dtype=jnp.int32)
     lps = params["layers"]
