@@ -22,24 +22,48 @@ the measured misses per layer; sparse attention), rest = step - their sum. Selec
 real selector on synthetic keys whose persistence is calibrated to the step-to-step overlap
 measured on real text (see jaxkv/synthetic.py and BENCHMARKS.md).
 Writes bench_decode.json (+ bench_decode.png) to --out and prints a short table last.
+
+Several GPUs (tensor parallelism over KV heads, jaxkv.parallel): ``--devices N`` runs every
+case on N devices (each holds H/N KV heads: its own host tier, pool and LRU; a decode round
+is one program over the mesh) and writes bench_decode_tpN.json; compare with the one-device
+run of the same grid. Per-component split timings, the real-model probe and nothing else
+single-device-only are skipped there. Memory figures: ``pool_bytes`` and ``device_*`` are per
+device, ``*_total`` and ``logical_kv_bytes`` over all devices. CPU smoke test (2 virtual
+devices): ``PYTHONPATH=. python3 benchmarks/bench_decode.py --quick --devices 2 --out /tmp/bd``.
 """
 from __future__ import annotations
 
 import os
+import sys
+
+
+def _devices_arg(argv) -> int:
+    for i, a in enumerate(argv):
+        if a == "--devices" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if a.startswith("--devices="):
+            return int(a.split("=", 1)[1])
+    return 1
+
 
 # Before JAX starts: room for a 1M-token pinned host tier, and most of HBM for the pool.
 os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "100")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+if __name__ == "__main__" and _devices_arg(sys.argv) > 1 and \
+        "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # CPU smoke tests: N virtual CPU devices (the CPU platform only; GPUs are unaffected)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+                               f"device_count={_devices_arg(sys.argv)}").strip()
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -49,7 +73,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
-from jaxkv import compile_stats, engine, lru, selection, synthetic  # noqa: E402
+from jaxkv import compile_stats, engine, lru, parallel, selection, synthetic  # noqa: E402
 from jaxkv import cache as kvcache  # noqa: E402
 from jaxkv.config import CacheConfig, Sampling  # noqa: E402
 from jaxkv.spec import INVALID  # noqa: E402
@@ -109,6 +133,7 @@ class Settings:
     budget_s: float = 420.0
     host_mem_gb: float = 96.0
     implementation: str | None = None
+    devices: int = 1              # tensor parallelism over KV heads on this many devices
 
     @property
     def k(self) -> int:
@@ -220,6 +245,101 @@ def bulk_h2d_gbps(nbytes: int, reps: int) -> float:
         y.delete()
     x.delete()
     return n * 2 / statistics.median(ts[1:]) / 1e9
+
+
+# ------------------------------------------------------------------------------ several devices
+def tensor_parallel(cfg, st: Settings):
+    """The jaxkv.parallel.TensorParallel over ``st.devices`` devices for ``cfg`` (None: one)."""
+    if st.devices <= 1:
+        return None
+    if len(jax.devices()) < st.devices:
+        raise ValueError(f"--devices {st.devices}: JAX sees only {len(jax.devices())} devices")
+    return parallel.TensorParallel.create(jax.devices()[:st.devices], cfg)
+
+
+_TP_PARAMS: dict = {}
+
+
+def tp_params(tp, shape: str, params):
+    """``params`` split over ``tp``'s mesh (cached per shape; one model at a time)."""
+    if (shape, tp) not in _TP_PARAMS:
+        _TP_PARAMS.clear()
+        _TP_PARAMS[(shape, tp)] = tp.shard_params(params)
+    return _TP_PARAMS[(shape, tp)]
+
+
+def params_bytes_per_device(params) -> int:
+    return sum(int(a.addressable_shards[0].data.nbytes) for a in jax.tree.leaves(params))
+
+
+def _bytes_in_use(device):
+    try:
+        return int((device.memory_stats() or {}).get("bytes_in_use", 0))
+    except Exception:  # noqa: BLE001 - backends without allocator stats
+        return 0
+
+
+def counter_dict(state, spec) -> dict:
+    """The cache counters (summed over devices) as ``CacheCounters.as_dict``."""
+    c = jax.tree.map(lambda a: np.asarray(a).astype(np.int64).sum(), jax.device_get(state.kv.counters))
+    return c.as_dict(spec)
+
+
+@functools.lru_cache(maxsize=8)
+def _tp_fill_fn(tp, lay, dst_sharding, summ_shardings):
+    """synthetic's fill chunk on every device's shard (an independent stream per device)."""
+    PS = jax.sharding.PartitionSpec
+
+    def local(dst, summ, layer, b, j0, length, key, sal):
+        key = key ^ (jax.lax.axis_index(parallel.AXIS).astype(jnp.uint32) * jnp.uint32(0x9E3779B1))
+        dst, summ = synthetic._fill_chunk(lay, dst[0], tuple(a[0] for a in summ), layer, b, j0,
+                                          length, key, sal)
+        return dst[None], tuple(a[None] for a in summ)
+
+    smap = jax.shard_map(local, mesh=tp.mesh,
+                         in_specs=(PS(parallel.AXIS), PS(parallel.AXIS)) + (PS(),) * 6,
+                         out_specs=(PS(parallel.AXIS), PS(parallel.AXIS)), check_vma=False)
+    return jax.jit(smap, donate_argnums=(0, 1), out_shardings=(dst_sharding, summ_shardings))
+
+
+def build_state(tp, plan, lengths, *, synth, seed, chunk_bytes):
+    """synthetic.build_state, on one device (``tp`` None) or on every device of ``tp``."""
+    if tp is None:
+        return synthetic.build_state(plan, lengths, synth=synth, seed=seed, chunk_bytes=chunk_bytes)
+    lengths = synthetic._check_lengths(plan, lengths)
+    lay = synthetic._Layout(
+        num_kv_heads=plan.model.num_kv_heads, head_dim=plan.model.head_dim,
+        page_size=plan.page_size, pages_per_seq=plan.pages_per_seq,
+        num_logical_pages=plan.spec.num_logical_pages, kv_dtype=plan.kv_dtype,
+        model_dtype=plan.model.dtype, selector=plan.cache.selector,
+        index_dim=plan.model.indexer_dim, chunk_pages=synthetic._chunk_pages(plan, chunk_bytes),
+        center_scale=float(synth.center_scale), value_scale=float(synth.value_scale),
+        host=plan.cache.mode == "host", implementation=plan.cache.implementation)
+    kv, summaries = tp.init_kv(plan), tuple(tp.init_summaries(plan))
+    dst = kv.host_kv if lay.host else kv.pool
+    fn = _tp_fill_fn(tp, lay, dst.sharding, tuple(a.sharding for a in summaries))
+    key, sal, C = np.uint32(seed % 2**32), jnp.float32(synth.salience), lay.chunk_pages
+    for layer in range(plan.model.num_layers):
+        for b in range(plan.batch):
+            for j0 in range(0, -(-int(lengths[b]) // plan.page_size), C):
+                dst, summaries = fn(dst, summaries, np.int32(layer), np.int32(b), np.int32(j0),
+                                    np.int32(lengths[b]), key, sal)
+    kv = dataclasses.replace(kv, host_kv=dst) if lay.host else dataclasses.replace(kv, pool=dst)
+    B = plan.batch
+    state = engine.DecodeState(
+        kv=kv, summaries=tuple(summaries), lengths=jnp.asarray(lengths, jnp.int32),
+        last_token=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), jnp.bool_),
+        n_generated=jnp.zeros((B,), jnp.int32), key=jax.random.key(seed),
+        lookahead=tp.init_lookahead(plan))
+    return reuse_state(tp, plan, state, lengths, seed=seed)
+
+
+def reuse_state(tp, plan, state, lengths, *, seed):
+    """synthetic.reuse_state, on one device or on every device's shard."""
+    if tp is None:
+        return synthetic.reuse_state(plan, state, lengths, seed=seed)
+    lengths = [int(x) for x in lengths]
+    return tp.map_state(lambda s: synthetic.reuse_state(plan, s, lengths, seed=seed), state)
 
 
 # ------------------------------------------------------------------------------ real text
@@ -527,8 +647,12 @@ def _flush(kv):
         last_used=jnp.full(kv.last_used.shape, INVALID, jnp.int32))
 
 
-def run_decode(name, plan, params, state, st: Settings, *, rounds: int, flush: bool = False):
-    """Warm-up round (compile), then ``rounds`` timed rounds. Returns (record, state)."""
+def run_decode(name, plan, params, state, st: Settings, *, rounds: int, flush: bool = False,
+               tp=None):
+    """Warm-up round (compile), then ``rounds`` timed rounds. Returns (record, state).
+    ``tp``: a jaxkv.parallel.TensorParallel (``plan`` is then one device's plan)."""
+    eng = engine if tp is None else tp
+    n_dev = 1 if tp is None else tp.size
     sampling = Sampling.make(temperature=st.temperature)
     stop = jnp.full((plan.num_stop,), INVALID, jnp.int32)
     max_new = jnp.int32(2**30)
@@ -536,7 +660,7 @@ def run_decode(name, plan, params, state, st: Settings, *, rounds: int, flush: b
     def one(state):
         if flush:
             state = dataclasses.replace(state, kv=_flush(state.kv))
-        return engine.decode_round(plan, params, state, sampling, stop, max_new)
+        return eng.decode_round(plan, params, state, sampling, stop, max_new)
 
     snap = compile_stats.snapshot()
     t0 = time.perf_counter()
@@ -544,7 +668,7 @@ def run_decode(name, plan, params, state, st: Settings, *, rounds: int, flush: b
     jax.block_until_ready(state)
     warm = time.perf_counter() - t0
     comp = compile_stats.since(snap)
-    c0 = state.kv.counters.as_dict(plan.spec)
+    c0 = counter_dict(state, plan.spec)
     t0 = time.perf_counter()
     all_steps = []
     for _ in range(rounds):
@@ -552,7 +676,7 @@ def run_decode(name, plan, params, state, st: Settings, *, rounds: int, flush: b
         all_steps.append(s)
     jax.block_until_ready(state)
     dt = time.perf_counter() - t0
-    c1 = state.kv.counters.as_dict(plan.spec)
+    c1 = counter_dict(state, plan.spec)
     n = int(sum(int(s) for s in all_steps))
     d = {k: c1[k] - c0[k] for k in ("hits", "misses", "evictions", "dropped", "overflow",
                                     "pages_fetched", "tokens_written") if k in c1}
@@ -571,11 +695,15 @@ def run_decode(name, plan, params, state, st: Settings, *, rounds: int, flush: b
         misses_per_layer_step=d["misses"] / max(n, 1) / L,
         pool_pages_per_layer=spec.num_slots if host else spec.num_logical_pages,
         pool_bytes=spec.pool_bytes if host else spec.host_bytes,
-        host_tier_bytes=spec.host_bytes if host else 0,
-        logical_kv_bytes=spec.host_bytes,
+        host_tier_bytes=n_dev * spec.host_bytes if host else 0,
+        logical_kv_bytes=n_dev * spec.host_bytes,
         pool_fraction_of_logical=(spec.pool_bytes / spec.host_bytes) if host else 1.0,
         summaries_bytes=sum(int(a.nbytes) for a in jax.tree.leaves(state.summaries)),
         **memory_stats())
+    if tp is not None:
+        rec.update(devices=n_dev, pool_bytes_total=n_dev * rec["pool_bytes"],
+                   device_bytes_in_use_per_device=[
+                       _bytes_in_use(d) for d in tp.mesh.devices.reshape(-1)])
     rec["h2d_gbps_over_step"] = rec["h2d_bytes_per_step"] / (rec["step_ms"] / 1e3) / 1e9
     print(f"    {name:3s} {rec['tokens_per_s']:10.1f} tok/s  step {rec['step_ms']:8.3f} ms  "
           f"hit {rec['hit_rate'] if rec['hit_rate'] is not None else float('nan'):.3f}  "
@@ -619,6 +747,11 @@ def feasibility(cfg, B, ctx, st: Settings, host_limit, dev_limit, params_bytes):
 def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float, probe: bool,
              limits) -> dict:
     cfg = model_config(shape)
+    tp = tensor_parallel(cfg, st)
+    if tp is not None:  # one device's share of the model; single-device-only parts skipped
+        params, probe = tp_params(tp, shape, params), False
+        limits = (limits[0] / tp.size, limits[1])   # the host tiers share one host's RAM
+    run_cfg = cfg if tp is None else tp.local_model(cfg)
     ps, k = st.page_size, st.k
     max_ctx = -(-(ctx + st.headroom) // ps) * ps
     lengths = [ctx] * B
@@ -626,19 +759,27 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
     out = dict(shape=shape, model=cfg.name, batch=B, context=ctx, max_context=max_ctx,
                page_size=ps, selected_pages=k, selected_tokens=k * ps, selector=st.selector,
                results=[], notes=[])
-    params_bytes = sum(int(a.nbytes) for a in jax.tree.leaves(params))
-    feas = feasibility(cfg, B, ctx, st, *limits, params_bytes)
+    params_bytes = params_bytes_per_device(params)
+    feas = feasibility(run_cfg, B, ctx, st, *limits, params_bytes)
+    if tp is not None:
+        out["devices"] = tp.size
+        out["notes"].append(f"tensor parallel over {tp.size} devices: memory_plan is per device "
+                            "(logical_kv_bytes and host_needed: one device's share); split "
+                            "timings and the probe are single-device only")
+        feas = dict(feas, logical_kv_bytes_total=tp.size * feas["logical_kv_bytes"])
     out["memory_plan"] = feas
-    print(f"\n== {shape} B={B} context={ctx}: logical KV {feas['logical_kv_bytes'] / GiB:.1f} GiB",
-          flush=True)
+    print(f"\n== {shape} B={B} context={ctx}: logical KV "
+          f"{feas.get('logical_kv_bytes_total', feas['logical_kv_bytes']) / GiB:.1f} GiB"
+          + (f" over {tp.size} devices" if tp is not None else ""), flush=True)
 
     base = CacheConfig(mode="resident", selector=st.selector, page_size=ps, selected_pages=k,
                        round_steps=st.round_steps, max_context=max_ctx,
                        implementation=st.implementation)
 
     def plan_for(**kw):
-        return engine.Plan(model=cfg, cache=dataclasses.replace(base, **kw), batch=B,
-                           prompt_len=max_ctx, max_context=max_ctx, num_stop=4)
+        extra = {} if tp is None else {"axis_name": parallel.AXIS}
+        return engine.Plan(model=run_cfg, cache=dataclasses.replace(base, **kw), batch=B,
+                           prompt_len=max_ctx, max_context=max_ctx, num_stop=4, **extra)
 
     # --- calibrate the synthetic keys to the target overlap --------------------------------
     t0 = time.perf_counter()
@@ -664,8 +805,8 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
         elif budget.ok(f"{shape}/B{B}/{ctx} resident", 40):
             plan_b = plan_for(mode="resident")
             t0 = time.perf_counter()
-            state = synthetic.build_state(plan_b, lengths, synth=synth, seed=st.seed,
-                                          chunk_bytes=st.chunk_bytes)
+            state = build_state(tp, plan_b, lengths, synth=synth, seed=st.seed,
+                                chunk_bytes=st.chunk_bytes)
             jax.block_until_ready(state)
             out["fill_resident_s"] = time.perf_counter() - t0
             print(f"  resident fill {out['fill_resident_s']:.1f} s", flush=True)
@@ -682,23 +823,27 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
                       f"(union {pr['union_mean']:.3f}) [{pr['seconds']:.1f} s]", flush=True)
                 state = synthetic.reuse_state(plan_b, state, lengths, seed=st.seed)
             if "b" in want:
-                rec, state = run_decode("b", plan_b, params, state, st, rounds=st.timed_rounds)
-                sel, summ = time_selector(plan_b, params, state.summaries, lengths, st)
-                state = dataclasses.replace(state, summaries=summ)
-                timings["selector"] = sel
-                att = time_attention(plan_b, state.kv.pool, lengths, st, rng, where="resident")
-                _split(rec, selector=sel, ensure=0.0, fetch=0.0, attention=att)
+                rec, state = run_decode("b", plan_b, params, state, st, rounds=st.timed_rounds,
+                                        tp=tp)
+                if tp is None:
+                    sel, summ = time_selector(plan_b, params, state.summaries, lengths, st)
+                    state = dataclasses.replace(state, summaries=summ)
+                    timings["selector"] = sel
+                    att = time_attention(plan_b, state.kv.pool, lengths, st, rng, where="resident")
+                    _split(rec, selector=sel, ensure=0.0, fetch=0.0, attention=att)
                 out["results"].append(rec)
-                state = synthetic.reuse_state(plan_b, state, lengths, seed=st.seed)
+                state = reuse_state(tp, plan_b, state, lengths, seed=st.seed)
                 if not _bucket_done(out):
-                    state = _bucket_check(out, plan_b, params, state, ctx, st)
+                    state = _bucket_check(out, plan_b, params, state, ctx, st, tp)
             if "a" in want and budget.ok(f"{shape}/B{B}/{ctx} a", 35):
                 plan_a = plan_for(mode="resident", selector="dense")
-                state = synthetic.reuse_state(plan_a, state, lengths, seed=st.seed)
-                rec, state = run_decode("a", plan_a, params, state, st, rounds=st.timed_rounds)
-                att = time_attention(plan_a, state.kv.pool, lengths, st, rng, where="dense")
-                _split(rec, selector=0.0, ensure=0.0, fetch=0.0, attention=att)
-                rec["split_note"] = "dense: no selector (an iota), attention over every valid page"
+                state = reuse_state(tp, plan_a, state, lengths, seed=st.seed)
+                rec, state = run_decode("a", plan_a, params, state, st, rounds=st.timed_rounds,
+                                        tp=tp)
+                if tp is None:
+                    att = time_attention(plan_a, state.kv.pool, lengths, st, rng, where="dense")
+                    _split(rec, selector=0.0, ensure=0.0, fetch=0.0, attention=att)
+                    rec["split_note"] = "dense: no selector (an iota), attention over every valid page"
                 out["results"].append(rec)
             del state
 
@@ -724,11 +869,12 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
 
             t0 = time.perf_counter()
             plan0 = host_plan(host_cfgs[0])
-            state = synthetic.build_state(plan0, lengths, synth=synth, seed=st.seed,
-                                          chunk_bytes=st.chunk_bytes)
+            state = build_state(tp, plan0, lengths, synth=synth, seed=st.seed,
+                                chunk_bytes=st.chunk_bytes)
             jax.block_until_ready(state)
             out["fill_host_s"] = time.perf_counter() - t0
-            out["fill_host_gbps"] = feas["logical_kv_bytes"] * ctx / max_ctx / out["fill_host_s"] / 1e9
+            out["fill_host_gbps"] = (feas.get("logical_kv_bytes_total", feas["logical_kv_bytes"])
+                                     * ctx / max_ctx / out["fill_host_s"] / 1e9)
             print(f"  host fill {out['fill_host_s']:.1f} s ({out['fill_host_gbps']:.1f} GB/s)",
                   flush=True)
             host_recs = []
@@ -736,20 +882,22 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
                 if not budget.ok(f"{shape}/B{B}/{ctx} {c}", 35):
                     continue
                 plan = host_plan(c)
-                state = synthetic.reuse_state(plan, state, lengths, seed=st.seed)
+                state = reuse_state(tp, plan, state, lengths, seed=st.seed)
                 flush = c == "d" and NO_CACHE_KW is None
                 rounds = st.timed_rounds * (st.round_steps if flush else 1)
-                rec, state = run_decode(c, plan, params, state, st, rounds=rounds, flush=flush)
+                rec, state = run_decode(c, plan, params, state, st, rounds=rounds, flush=flush,
+                                        tp=tp)
                 rec["pool_factor"] = None if c == "d" else int(c[1:])
                 rec["schedule"] = getattr(plan.cache, "schedule", "layer")
                 if c == "d":
                     rec["no_cache_method"] = NO_CACHE_METHOD
                 reuse = getattr(plan.cache, "reuse", True)
-                rec["_lru_s"] = time_ensure(plan, lengths, st, rng) if reuse else 0.0
-                host_recs.append((rec, plan))
+                if tp is None:
+                    rec["_lru_s"] = time_ensure(plan, lengths, st, rng) if reuse else 0.0
+                    host_recs.append((rec, plan))
                 out["results"].append(rec)
                 if not _bucket_done(out):
-                    state = _bucket_check(out, plan, params, state, ctx, st)
+                    state = _bucket_check(out, plan, params, state, ctx, st, tp)
             if host_recs:
                 plan = host_recs[-1][1]
                 if "selector" not in timings:
@@ -786,14 +934,15 @@ def _bucket_done(case) -> bool:
     return "bucket_check" in case
 
 
-def _bucket_check(case, plan, params, state, ctx, st: Settings):
+def _bucket_check(case, plan, params, state, ctx, st: Settings, tp=None):
     """One round at a shorter context with the same plan: must not compile anything."""
     short = max(st.page_size, (ctx - ctx // 4) // st.page_size * st.page_size)
-    state = synthetic.reuse_state(plan, state, [short] * plan.batch, seed=st.seed)
+    state = reuse_state(tp, plan, state, [short] * plan.batch, seed=st.seed)
     sampling = Sampling.make(temperature=st.temperature)
     stop = jnp.full((plan.num_stop,), INVALID, jnp.int32)
     snap = compile_stats.snapshot()
-    state, _, _ = engine.decode_round(plan, params, state, sampling, stop, jnp.int32(2**30))
+    state, _, _ = (engine if tp is None else tp).decode_round(plan, params, state, sampling, stop,
+                                                               jnp.int32(2**30))
     jax.block_until_ready(state)
     n = compile_stats.since(snap)["count"]
     case["bucket_check"] = dict(plan_mode=plan.cache.mode, context=ctx, shorter_context=short,
@@ -807,33 +956,40 @@ def _bucket_check(case, plan, params, state, ctx, st: Settings):
 def run_prefill(shape, T, mode, params, st: Settings) -> dict:
     """Prefill tokens/s of one ``T``-token prompt (batch 1) into the resident tier or the host tier."""
     cfg = model_config(shape)
+    tp = tensor_parallel(cfg, st)
+    eng = engine if tp is None else tp
+    extra = {} if tp is None else {"axis_name": parallel.AXIS}
+    if tp is not None:
+        params, cfg = tp_params(tp, shape, params), tp.local_model(cfg)
     ps = st.page_size
     chunk = _pow2_floor(max(ps, 4 * GiB // (cfg.num_heads * T * 4)))
     chunk = max(ps, min(2048, chunk, _pow2_floor(T)))
     cache = CacheConfig(mode=mode, selector=st.selector, page_size=ps, selected_pages=st.k,
                         max_context=T + ps, prefill_chunk=chunk, implementation=st.implementation)
-    plan = engine.Plan(model=cfg, cache=cache, batch=1, prompt_len=T, max_context=T + ps, num_stop=4)
+    plan = engine.Plan(model=cfg, cache=cache, batch=1, prompt_len=T, max_context=T + ps, num_stop=4,
+                       **extra)
     toks = np.random.default_rng(st.seed).integers(3, cfg.vocab_size, (1, T)).astype(np.int32)
     lengths = jnp.asarray([T], jnp.int32)
-    kv, summ = engine.init_kv(plan), engine.init_summaries(plan)
-    x0 = engine.embed_prompt(plan, params, jnp.asarray(toks))
+    kv, summ = eng.init_kv(plan), eng.init_summaries(plan)
+    x0 = eng.embed_prompt(plan, params, jnp.asarray(toks))
     snap = compile_stats.snapshot()
     t0 = time.perf_counter()
-    _, kv, summ, _ = engine.prefill_layer(plan, params, jnp.int32(0), x0, lengths, kv, summ)
+    _, kv, summ, _ = eng.prefill_layer(plan, params, jnp.int32(0), x0, lengths, kv, summ)
     jax.block_until_ready(kv)
     warm = time.perf_counter() - t0
     comp = compile_stats.since(snap)
     t0 = time.perf_counter()
     x = x0
     for layer in range(cfg.num_layers):
-        x, kv, summ, _ = engine.prefill_layer(plan, params, jnp.int32(layer), x, lengths, kv, summ)
-    first = engine.first_token(plan, params, x, lengths, Sampling.make(), jax.random.key(0))
+        x, kv, summ, _ = eng.prefill_layer(plan, params, jnp.int32(layer), x, lengths, kv, summ)
+    first = eng.first_token(plan, params, x, lengths, Sampling.make(), jax.random.key(0))
     jax.block_until_ready((first, kv))
     dt = time.perf_counter() - t0
     rec = dict(shape=shape, model=cfg.name, mode=mode, prompt_tokens=T, seconds=dt,
                tokens_per_s=T / dt, prefill_chunk=chunk, warmup_layer_s=warm,
                compile_s=comp["time_s"], num_compilations=comp["count"],
-               kv_bytes=plan.spec.host_bytes, **memory_stats())
+               kv_bytes=plan.spec.host_bytes * (1 if tp is None else tp.size), **memory_stats(),
+               **({} if tp is None else {"devices": tp.size}))
     print(f"  prefill {shape} {mode:8s} T={T}: {rec['tokens_per_s']:.0f} tok/s ({dt:.1f} s, "
           f"compile {rec['compile_s']:.1f} s)", flush=True)
     return rec
@@ -952,12 +1108,14 @@ def run(out_dir, *, quick=False, shapes=("8b", "qwen1.5b"), contexts=None, batch
         "pool_fraction_of_logical counts every pool row (scratch rows included)",
     ]
     dev = jax.devices()[0]
+    if st.devices > 1 and not tag:
+        tag = f"tp{st.devices}"
     name = "bench_decode" + (f"_{tag}" if tag else "")
     cases, pre = [], []
     res = dict(benchmark="bench_decode", tag=tag, device=_device_str(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=_commit(),
                jax_version=jax.__version__, python=sys.version.split()[0], quick=quick,
-               platform=dev.platform, complete=False,
+               platform=dev.platform, devices=st.devices, complete=False,
                env={k: os.environ.get(k) for k in ("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
                                                    "XLA_PYTHON_CLIENT_MEM_FRACTION", "JAXKV_IMPL")},
                settings={k: (list(v) if isinstance(v, tuple) else v)
@@ -1009,6 +1167,7 @@ def run(out_dir, *, quick=False, shapes=("8b", "qwen1.5b"), contexts=None, batch
             pre.append(r)
             save()
     _PARAMS.clear()
+    _TP_PARAMS.clear()
     bulk1 = bulk_h2d_gbps(st.bulk_bytes, st.reps)
     res["bulk_h2d_gbps"] = dict(before=bulk0, after=bulk1, mean=(bulk0 + bulk1) / 2)
     res["complete"] = True
@@ -1027,7 +1186,9 @@ def run(out_dir, *, quick=False, shapes=("8b", "qwen1.5b"), contexts=None, batch
 def table(res: dict):
     """The short summary table (printed last)."""
     bulk = res["bulk_h2d_gbps"]["mean"]
-    print(f"\nbench_decode on {res['device']} (jax {res['jax_version']}, commit "
+    print(f"\nbench_decode on {res['device']}"
+          + (f" x {res['devices']} (tensor parallel)" if res.get("devices", 1) > 1 else "")
+          + f" (jax {res['jax_version']}, commit "
           f"{res['commit'][:10]}); bulk H2D {bulk:.1f} GB/s; target overlap "
           f"{res['selection']['target_overlap']:.3f}")
     hdr = (f"{'shape':9s}{'B':>2s}{'ctx':>9s} {'cfg':3s}{'tok/s':>10s}{'step':>9s}{'sel':>7s}"
@@ -1086,6 +1247,9 @@ def main():
                                                                  "results/selection_overlap.json)")
     ap.add_argument("--probe-steps", type=int, default=16)
     ap.add_argument("--host-mem-gb", type=float, default=96.0)
+    ap.add_argument("--devices", type=int, default=1,
+                    help="tensor parallelism over KV heads on N devices (writes "
+                         "bench_decode_tpN.json unless --tag)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-decode", action="store_true", help="prefill section only")
     ap.add_argument("--tag", default="", help="write bench_decode_<tag>.json / .png")
@@ -1109,7 +1273,7 @@ def main():
                      if c in cfgs or (c[0] == "c" and ("c" in cfgs or c in cfgs)))
     st = Settings(page_size=a.page_size, selected_tokens=a.selected_tokens, selector=a.selector,
                   budget_s=a.budget, probe_steps=a.probe_steps, host_mem_gb=a.host_mem_gb,
-                  pools=pools, configs=expanded)
+                  pools=pools, configs=expanded, devices=a.devices)
     shapes = ("8b", "qwen1.5b") if a.shape == "all" else (a.shape,)
     contexts = [_parse_tokens(x) for x in a.contexts.split(",") if x.strip()] or None
     batches = [int(x) for x in a.batches.split(",") if x.strip()] or None

@@ -142,11 +142,16 @@ class TensorParallel:
         return jax.tree_util.tree_map_with_path(one, params)
 
     def _state_shardings(self, state: engine.DecodeState):
-        """Per-device parts keep their (committed) shardings; the rest is replicated."""
+        """Per-device parts sharded over "kv" (keeping each leaf's memory kind: the host tier
+        stays pinned_host); the rest replicated."""
         rep = self._sharding(P())
+
+        def per_device(a):
+            return self._sharding(P(AXIS), getattr(a.sharding, "memory_kind", None) or "device")
+
         return engine.DecodeState(**{
-            f.name: (jax.tree.map(lambda a: a.sharding, getattr(state, f.name))
-                     if f.name in _PER_DEVICE else jax.tree.map(lambda _: rep, getattr(state, f.name)))
+            f.name: jax.tree.map(per_device if f.name in _PER_DEVICE else (lambda _: rep),
+                                 getattr(state, f.name))
             for f in dataclasses.fields(engine.DecodeState)})
 
     # ------------------------------------------------------------------ state
@@ -193,6 +198,27 @@ class TensorParallel:
         fn, state = self._round(plan, params, state)
         return fn(params, state, sampling, stop_ids, max_new)
 
+    def map_state(self, fn, state: engine.DecodeState) -> engine.DecodeState:
+        """``fn(one device's DecodeState) -> DecodeState`` (traceable; e.g.
+        ``synthetic.reuse_state``) on every device's shard in one jit(shard_map); ``state``
+        is donated. The per-request fields ``fn`` returns must not depend on the device.
+        Compiles on every call (``fn`` is the cache key): for set-up, not for loops."""
+        sh = self._state_shardings(state)
+        state = jax.device_put(state, sh)
+        smap = jax.shard_map(
+            lambda st: _expand_state(fn(_squeeze_state(st))), mesh=self.mesh,
+            in_specs=(_STATE_SPECS,), out_specs=_STATE_SPECS, check_vma=False)
+        out = jax.eval_shape(smap, state)
+        host = jax.memory.Space.Host
+        out_sh = engine.DecodeState(**{
+            f.name: jax.tree.map(
+                lambda a, name=f.name: self._sharding(
+                    P(AXIS) if name in _PER_DEVICE else P(),
+                    "pinned_host" if jax.typeof(a).memory_space == host else "device"),
+                getattr(out, f.name))
+            for f in dataclasses.fields(engine.DecodeState)})
+        return jax.jit(smap, donate_argnums=(0,), out_shardings=out_sh)(state)
+
     def lower_decode_round(self, plan, params, state, sampling, stop_ids, max_new):
         """The lowered decode round (tests inspect its HLO)."""
         fn, state = self._round(plan, params, state)
@@ -226,6 +252,18 @@ def _expand(tree):
     return jax.tree.map(lambda a: a[None], tree)
 
 
+_STATE_SPECS = engine.DecodeState(**{
+    f.name: P(AXIS) if f.name in _PER_DEVICE else P() for f in dataclasses.fields(engine.DecodeState)})
+
+
+def _squeeze_state(st):
+    return dataclasses.replace(st, **{f: _squeeze(getattr(st, f)) for f in _PER_DEVICE})
+
+
+def _expand_state(st):
+    return dataclasses.replace(st, **{f: _expand(getattr(st, f)) for f in _PER_DEVICE})
+
+
 def _key(shardings):
     return jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings))
 
@@ -252,10 +290,14 @@ def _alloc_fn(tp: TensorParallel, plan, what: str, poison: bool):
             out = engine.init_lookahead(plan)
         return _expand(out)
 
-    if not jax.tree.leaves(jax.eval_shape(local)):
+    shapes = jax.eval_shape(local)
+    if not jax.tree.leaves(shapes):
         return None
+    host = jax.memory.Space.Host
+    out_sh = jax.tree.map(lambda a: tp._sharding(
+        P(AXIS), "pinned_host" if jax.typeof(a).memory_space == host else "device"), shapes)
     return jax.jit(jax.shard_map(local, mesh=tp.mesh, in_specs=(), out_specs=P(AXIS),
-                                 check_vma=False))
+                                 check_vma=False), out_shardings=out_sh)
 
 
 @functools.lru_cache(maxsize=64)
@@ -293,19 +335,14 @@ def _prefill_fn(tp: TensorParallel, plan, treedef, shardings_key):
 @functools.lru_cache(maxsize=64)
 def _round_fn(tp: TensorParallel, plan, treedef, shardings_key):
     state_sh = _unkey(shardings_key)
-    state_specs = engine.DecodeState(**{
-        f.name: P(AXIS) if f.name in _PER_DEVICE else P()
-        for f in dataclasses.fields(engine.DecodeState)})
 
     def local(params, state, sampling, stop_ids, max_new):
-        st = dataclasses.replace(state, **{f: _squeeze(getattr(state, f)) for f in _PER_DEVICE})
-        st, buf, steps = engine._decode_round(plan, _local_params(params), st, sampling,
-                                              stop_ids, max_new)
-        st = dataclasses.replace(st, **{f: _expand(getattr(st, f)) for f in _PER_DEVICE})
-        return st, buf, steps
+        st, buf, steps = engine._decode_round(plan, _local_params(params), _squeeze_state(state),
+                                              sampling, stop_ids, max_new)
+        return _expand_state(st), buf, steps
 
     smap = jax.shard_map(local, mesh=tp.mesh,
-                         in_specs=(_param_specs(treedef), state_specs, P(), P(), P()),
-                         out_specs=(state_specs, P(), P()), check_vma=False)
+                         in_specs=(_param_specs(treedef), _STATE_SPECS, P(), P(), P()),
+                         out_specs=(_STATE_SPECS, P(), P()), check_vma=False)
     rep = tp._sharding(P())
     return jax.jit(smap, donate_argnums=(1,), out_shardings=(state_sh, rep, rep))

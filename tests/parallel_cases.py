@@ -77,6 +77,28 @@ def case_pallas():
     return _compare(dataclasses.replace(QUEST, implementation="pallas"), (2,), max_new_tokens=5)
 
 
+def case_bench_decode():
+    """benchmarks/bench_decode.py --devices 2, a quick subset (synthetic fill on every device,
+    rebinding through map_state, decode rounds over the mesh)."""
+    import tempfile
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_decode
+    st = bench_decode.Settings(configs=("b", "c2"), probe_steps=0, devices=2)
+    with tempfile.TemporaryDirectory() as d:
+        res = bench_decode.run(d, quick=True, batches=[2], settings=st, prefill=(64,), plot=False)
+        files = sorted(os.listdir(d))
+    cases = res["cases"]
+    return {"files": files, "devices": res["devices"],
+            "errors": [c["error"] for c in cases if "error" in c],
+            "results": [{k: r.get(k) for k in ("config", "devices", "tokens_per_s", "hit_rate",
+                                                "steps", "misses_per_layer_step")}
+                        for c in cases for r in c.get("results", [])],
+            "bucket": [c.get("bucket_check", {}).get("compilations") for c in cases],
+            "prefill": [{k: p.get(k) for k in ("mode", "devices", "tokens_per_s", "error")}
+                        for p in res["prefill"]]}
+
+
 def case_bad_mesh():
     out = {}
     for name, mesh in (("three", jax.devices()[:3]), ("twice", [jax.devices()[0]] * 2),

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "parallel_cases.py"
 # two groups of about equal CPU time, run at once (2 cores)
 GROUPS = (("host_quest", "host_churn", "sampled", "bad_mesh", "prefill", "one_program"),
-          ("resident_quest", "dense_layer_schedule", "pallas"))
+          ("resident_quest", "dense_layer_schedule", "pallas", "bench_decode"))
 COMPARE = ("host_quest", "host_churn", "sampled", "resident_quest", "dense_layer_schedule", "pallas")
 CFG = configs.tiny(num_kv_heads=4, num_heads=8)   # as in parallel_cases.py
 
@@ -126,6 +126,18 @@ def test_bad_meshes_fail_early(results):
     assert "1 / 2 / 4 devices" in r["three"]
     assert r["twice"].startswith("ValueError") and "twice" in r["twice"]
     assert r["not_devices"].startswith("TypeError")
+
+
+def test_bench_decode_on_two_devices(results):
+    r = results["bench_decode"]
+    assert r["files"] == ["bench_decode_tp2.json"] and r["devices"] == 2 and not r["errors"]
+    assert [x["config"] for x in r["results"]] == ["b", "c2"]
+    for x in r["results"]:
+        assert x["devices"] == 2 and x["tokens_per_s"] > 0 and x["steps"] > 0
+    assert r["results"][1]["hit_rate"] > 0
+    assert r["bucket"] == [0]
+    assert [p["mode"] for p in r["prefill"]] == ["resident", "host"]
+    assert all(p["devices"] == 2 and p["tokens_per_s"] > 0 for p in r["prefill"])
 
 
 # ------------------------------------------------------------------ in process (1 device)
