@@ -33,7 +33,7 @@ def build_state(plan, params, prompts, seed=0):
     kv, summ = engine.init_kv(plan), engine.init_summaries(plan)
     x = engine.embed_prompt(plan, params, jnp.asarray(toks))
     for layer in range(plan.model.num_layers):
-        x, kv, summ, _ = engine.prefill_layer(plan, params, jnp.int32(layer), x, lengths, kv, summ)
+        x, kv, summ, _ = engine.prefill_layer(plan, params["layers"][layer], jnp.int32(layer), x, lengths, kv, summ)
     key = jax.random.key(seed)
     first = engine.first_token(plan, params, x, lengths, Sampling.make(), key)
     return engine.DecodeState(kv=kv, summaries=summ, lengths=lengths, last_token=first,
