@@ -398,7 +398,7 @@ def measure_overlap(cfg=None, params=None, tokens=None, *, context: int = 8192, 
     kv, summ = engine.init_kv(plan), engine.init_summaries(plan)
     x = engine.embed_prompt(plan, params, jnp.asarray(buf))
     for layer in range(cfg.num_layers):
-        x, kv, summ, _ = engine.prefill_layer(plan, params, jnp.int32(layer), x, lengths, kv, summ)
+        x, kv, summ, _ = engine.prefill_layer(plan, params["layers"][layer], jnp.int32(layer), x, lengths, kv, summ)
     del x
     state = engine.DecodeState(kv=kv, summaries=summ, lengths=lengths,
                                last_token=jnp.asarray(tokens[n_prompt:n_prompt + 1]),
@@ -465,7 +465,7 @@ def time_selector(plan, params, summaries, lengths, st: Settings):
             num_sink_pages=plan.cache.sink_pages, implementation=st.implementation)
         return summ, acc + jnp.sum(pages[..., :1])
 
-    layers = params["layers"] if use_lp else {}
+    layers = llama.stack_layer_tree(params["layers"]) if use_lp else {}
     sec, (summ, _) = _time_loop(body, (tuple(summaries), jnp.int32(0)), (qs, ks, hs, layers, pos),
                                 st.split_steps * L, st.reps)
     return sec * L, summ
@@ -974,14 +974,15 @@ def run_prefill(shape, T, mode, params, st: Settings) -> dict:
     x0 = eng.embed_prompt(plan, params, jnp.asarray(toks))
     snap = compile_stats.snapshot()
     t0 = time.perf_counter()
-    _, kv, summ, _ = eng.prefill_layer(plan, params, jnp.int32(0), x0, lengths, kv, summ)
+    _, kv, summ, _ = eng.prefill_layer(plan, params["layers"][0], jnp.int32(0), x0, lengths, kv, summ)
     jax.block_until_ready(kv)
     warm = time.perf_counter() - t0
     comp = compile_stats.since(snap)
     t0 = time.perf_counter()
     x = x0
     for layer in range(cfg.num_layers):
-        x, kv, summ, _ = eng.prefill_layer(plan, params, jnp.int32(layer), x, lengths, kv, summ)
+        x, kv, summ, _ = eng.prefill_layer(plan, params["layers"][layer], jnp.int32(layer), x, lengths,
+                                           kv, summ)
     first = eng.first_token(plan, params, x, lengths, Sampling.make(), jax.random.key(0))
     jax.block_until_ready((first, kv))
     dt = time.perf_counter() - t0

@@ -16,6 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 from jaxkv import CacheConfig, Sampling, compile_stats, engine
 from jaxkv.api import make_plan
 from models import configs, llama
@@ -30,7 +33,7 @@ def build_state(plan, params, prompts, seed=0):
     kv, summ = engine.init_kv(plan), engine.init_summaries(plan)
     x = engine.embed_prompt(plan, params, jnp.asarray(toks))
     for layer in range(plan.model.num_layers):
-        x, kv, summ, _ = engine.prefill_layer(plan, params, jnp.int32(layer), x, lengths, kv, summ)
+        x, kv, summ, _ = engine.prefill_layer(plan, params["layers"][layer], jnp.int32(layer), x, lengths, kv, summ)
     key = jax.random.key(seed)
     first = engine.first_token(plan, params, x, lengths, Sampling.make(), key)
     return engine.DecodeState(kv=kv, summaries=summ, lengths=lengths, last_token=first,
@@ -38,7 +41,7 @@ def build_state(plan, params, prompts, seed=0):
                               key=key, lookahead=engine.init_lookahead(plan))
 
 
-def time_config(cfg, params, prompts, cache, steps, rounds, dump=None):
+def time_config(cfg, params, prompts, cache, steps, rounds, dump=None, trace=None):
     plan = make_plan(cfg, dataclasses.replace(cache, round_steps=steps), [len(p) for p in prompts],
                      steps * (rounds + 2), num_stop=4)
     t0 = time.perf_counter()
@@ -72,6 +75,14 @@ def time_config(cfg, params, prompts, cache, steps, rounds, dump=None):
         ts.append((time.perf_counter() - t) / int(n))
     c_after = state.kv.counters.as_dict(plan.spec)
     step = float(np.median(ts))
+    kernels = None
+    if trace:
+        import trace_summary
+        with jax.profiler.trace(trace, create_perfetto_trace=True):
+            state, buf, n = engine.decode_round(plan, params, state, Sampling.make(), stop, max_new)
+            jax.block_until_ready(buf)
+        kernels = trace_summary.summarise(trace, steps=int(n), top=30)
+        trace_summary.print_summary(kernels)
     hits = c_after["hits"] - c_before["hits"]
     misses = c_after["misses"] - c_before["misses"]
     return dict(mode=cache.mode, selector=cache.selector, unroll=plan.layer_unroll,
@@ -79,7 +90,7 @@ def time_config(cfg, params, prompts, cache, steps, rounds, dump=None):
                 tokens_per_s=plan.batch / step, prefill_s=t_prefill,
                 compile_s=comp["time_s"], compiles=comp["count"],
                 hit_rate=hits / max(1, hits + misses),
-                dropped=c_after["dropped"] - c_before["dropped"])
+                dropped=c_after["dropped"] - c_before["dropped"], kernels=kernels)
 
 
 def main():
@@ -96,6 +107,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--dump-hlo", action="store_true")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--trace", action="store_true", help="profile one round, print the kernel table")
     a = ap.parse_args()
     if a.out:
         os.makedirs(a.out, exist_ok=True)
@@ -124,7 +136,8 @@ def main():
             elif f == "nocache":
                 cache = dataclasses.replace(cache, reuse=False)
         dump = os.path.join(a.out, f"hlo_{name}.txt") if (a.dump_hlo and a.out) else None
-        r = time_config(cfg, params, prompts, cache, a.steps, a.rounds, dump)
+        trace = os.path.join(a.out or "/tmp", f"trace_{name}") if a.trace else None
+        r = time_config(cfg, params, prompts, cache, a.steps, a.rounds, dump, trace)
         r["name"] = name
         rows.append(r)
         print(json.dumps(r), flush=True)

@@ -222,8 +222,8 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         from tqdm.auto import tqdm
         layers = tqdm(layers, desc=f"prefill {sum(lens)} tokens", unit="layer")
     for layer in layers:
-        x, kv, summaries, dense = eng.prefill_layer(plan, params, jnp.int32(layer), x, lengths,
-                                                    kv, summaries, dense)
+        x, kv, summaries, dense = eng.prefill_layer(plan, params["layers"][layer], jnp.int32(layer), x,
+                                                    lengths, kv, summaries, dense)
     key = jax.random.key(seed)
     key, sub = jax.random.split(key)
     first = eng.first_token(plan, params, x, lengths, sampling, sub)

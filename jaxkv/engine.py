@@ -216,15 +216,16 @@ def _prefill_attention(q, k, v, lengths, chunk):
 
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("kv", "summaries", "dense"))
-def prefill_layer(plan: Plan, params, layer, x, lengths, kv, summaries, dense=()):
+def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, dense=()):
     """One layer over the bucketed prompt; writes its K/V pages and selector summaries.
 
-    x [B, T, d]; lengths [B] prompt lengths; layer int32 scalar. Returns (x, kv, summaries).
+    layer_params: params["layers"][layer]; x [B, T, d]; lengths [B] prompt lengths; layer
+    int32 scalar (traced: one compilation serves every layer). Returns (x, kv, summaries, dense).
     """
     cfg, ps = plan.model, plan.page_size
     B, T, _ = x.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    lp = jax.tree.map(lambda a: a[layer], params["layers"])
+    lp = layer_params
     h, q, k, v = llama.attention_inputs(lp, cfg, x, positions)
     attn = _prefill_attention(q, k, v, lengths, plan.cache.prefill_chunk)
     x = llama.layer_output(lp, cfg, x, attn, axis_name=plan.axis_name)
@@ -341,7 +342,7 @@ def lookup_and_fetch(plan: Plan, kv, layer, sel):
     is_dup, leader = _first_occurrence(sel)
     fetch = (miss & ~is_dup).reshape(B, H * k)
     # Each request's fetched (distinct) pages take its scratch rows in order: < per_req.
-    rank = jnp.cumsum(fetch.astype(jnp.int32), axis=1) - 1
+    rank = lru.prefix_sum(fetch.astype(jnp.int32)) - 1
     b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
     scratch = jnp.where(fetch, L * S + layer * E + b_idx * per_req + rank, INVALID)  # [B, H*k]
     lead_scratch = jnp.take_along_axis(scratch, leader, axis=1).reshape(B, H, k)
@@ -451,6 +452,9 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
 def _decode_round(plan: Plan, params, state: DecodeState, sampling: Sampling, stop_ids, max_new):
     N, B = plan.cache.round_steps, plan.batch
     buf = jnp.full((B, N), INVALID, jnp.int32)
+    if plan.layer_unroll < plan.model.num_layers:
+        # a rolled layer loop scans stacked weights: stack them once per round, not per step
+        params = dict(params, layers=llama.stack_layer_tree(params["layers"]))
 
     def cond(c):
         i, st, _ = c

@@ -26,6 +26,37 @@ import jax.numpy as jnp
 from jaxkv.spec import INVALID
 
 _BIG = jnp.iinfo(jnp.int32).max
+_SCAN_BLOCK = 64
+
+
+def prefix_sum(x: jax.Array) -> jax.Array:
+    """Inclusive prefix sum along the last axis of an int32 array [..., n].
+
+    The same values as ``jnp.cumsum``, computed with compare-and-reduce fusions over blocks
+    of 64 (two or three wide kernels): XLA:GPU lowers a cumsum to a ``reduce_window`` run by
+    a single thread block, about 12 us for 256 entries on the H200."""
+    return _prefix(x, jnp.sum, 0, lambda a, b: a + b)
+
+
+def prefix_max(x: jax.Array) -> jax.Array:
+    """Inclusive running maximum along the last axis of an int32 array [..., n] (as
+    ``lax.cummax``, for values > int32 min), computed like ``prefix_sum``."""
+    return _prefix(x, jnp.max, jnp.iinfo(jnp.int32).min, jnp.maximum)
+
+
+def _prefix(x, reduce, identity, combine):
+    n = x.shape[-1]
+    if n <= _SCAN_BLOCK:
+        i = jnp.arange(n)
+        return reduce(jnp.where(i[None, :] <= i[:, None], x[..., None, :], identity), axis=-1)
+    c = _SCAN_BLOCK
+    nb = -(-n // c)
+    xp = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, nb * c - n)], constant_values=identity)
+    local = _prefix(xp.reshape(x.shape[:-1] + (nb, c)), reduce, identity, combine)  # [..., nb, c]
+    incl = _prefix(local[..., -1], reduce, identity, combine)                       # [..., nb]
+    excl = jnp.concatenate([jnp.full(incl.shape[:-1] + (1,), identity, incl.dtype),
+                            incl[..., :-1]], axis=-1)
+    return combine(local, excl[..., None]).reshape(x.shape[:-1] + (nb * c,))[..., :n]
 
 
 @jax.tree_util.register_dataclass
@@ -85,13 +116,13 @@ def _ensure_layer(page_table, slot_owner, last_used, requests, protect, payload,
     _, victims = jax.lax.sort_key_val(key, jnp.arange(S, dtype=jnp.int32))
     n_free = jnp.sum(~prot).astype(jnp.int32)
 
-    rank = jnp.cumsum(miss.astype(jnp.int32)) - 1
+    rank = prefix_sum(miss.astype(jnp.int32)) - 1
     assigned = miss & (rank < n_free)
     new_slot = victims[jnp.clip(rank, 0, S - 1)]
     lead_slot = jnp.where(hit, cur, jnp.where(assigned, new_slot, INVALID))
 
     # Duplicates take the slot of the first occurrence (the run's leader in sorted order).
-    leader = jax.lax.cummax(jnp.where(first, idx, 0))
+    leader = prefix_max(jnp.where(first, idx, 0))
     s_slot = jnp.where(s_valid, lead_slot[leader], INVALID)
     slots = jnp.zeros((R,), jnp.int32).at[order].set(s_slot)
 

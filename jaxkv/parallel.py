@@ -4,7 +4,9 @@ Megatron-style, inside ``jax.shard_map`` over a one-axis mesh named ``"kv"`` of 
 device j holds KV heads ``[j*H/N, (j+1)*H/N)`` and their query heads (the matching columns
 of wq/wk/wv and their biases, the matching rows of wo) and MLP hidden units
 ``[j*F/N, (j+1)*F/N)`` (columns of w_gate/w_up, rows of w_down). The o_proj and down_proj
-outputs are summed over the mesh (``llama.layer_output(axis_name=...)``). The embedding, the
+outputs are summed over the mesh (``llama.layer_output(axis_name=...)``). The fused per-layer
+weights (``wqkv`` = [wq | wk | wv], ``w_gate_up``) are split part by part, so device j's
+``wqkv`` is [its wq block | its wk block | its wv block]. The embedding, the
 norms, the LM head and the indexer weights are replicated (the simplest choice: every device
 computes the same logits, samples with the same key, and ``engine.agree`` makes the tokens
 certainly equal).
@@ -15,7 +17,8 @@ pool, LRU state, selector summaries and counters; page selection is per KV head,
 local. Global layout: every leaf of those per-device parts (``DecodeState.kv``, ``summaries``,
 ``lookahead``, ``dense``) has a leading ``[N]`` axis sharded over ``"kv"``, keeping its memory
 kind; the per-request values (lengths, tokens, done flags, counts, key) are replicated.
-Parameters: the split leaves are stacked ``[N, ...]`` and sharded, the others replicated.
+Parameters (``params["layers"]``: one dict per layer): the split leaves are stacked
+``[N, ...]`` (device j's block j) and sharded, the others replicated.
 
 Prefill runs one ``jit(shard_map(...))`` per layer; a decode round is one
 ``jit(shard_map(while_loop))`` with the state donated: one program over the mesh.
@@ -36,9 +39,12 @@ from jaxkv import engine, validation
 from models.configs import ModelConfig
 
 AXIS = "kv"
-# params["layers"] leaves split over the mesh, by the axis of their [L, ...] shape
-_SPLIT_AXIS = {"wq": 2, "wk": 2, "wv": 2, "bq": 1, "bk": 1, "bv": 1, "wo": 1,
-               "w_gate": 2, "w_up": 2, "w_down": 1}
+# per-layer leaves split over the mesh: by rows (wo, w_down) or by output columns, part by part
+# for the fused ones (the widths of their parts, from the ModelConfig)
+_SPLIT_ROWS = ("wo", "w_down")
+_SPLIT_COLS = {"wqkv": lambda m: (m.q_dim, m.kv_dim, m.kv_dim),
+               "bqkv": lambda m: (m.q_dim, m.kv_dim, m.kv_dim),
+               "w_gate_up": lambda m: (m.ffn_dim, m.ffn_dim)}
 # DecodeState fields that hold one shard per device (leading [N] axis)
 _PER_DEVICE = ("kv", "summaries", "lookahead", "dense")
 
@@ -88,9 +94,11 @@ class TensorParallel:
     ``init_*``, ``embed_prompt``, ``prefill_layer``, ``first_token`` and ``decode_round`` take
     the same arguments as their ``engine`` namesakes, with a *local* plan (:meth:`plan`),
     params from :meth:`shard_params` and the global state layout of the module docstring.
+    ``model`` is the whole (global) model.
     """
 
     mesh: Mesh
+    model: ModelConfig
 
     @classmethod
     def create(cls, mesh, model: ModelConfig) -> "TensorParallel | None":
@@ -104,14 +112,14 @@ class TensorParallel:
         if len(devs) == 1 and devs[0] == jax.devices()[0]:
             return None
         check_model(model, len(devs))
-        return cls(Mesh(np.asarray(devs, dtype=object), (AXIS,)))
+        return cls(Mesh(np.asarray(devs, dtype=object), (AXIS,)), model)
 
     @property
     def size(self) -> int:
         return self.mesh.size
 
-    def local_model(self, model: ModelConfig) -> ModelConfig:
-        return local_model(model, self.size)
+    def local_model(self, model: ModelConfig | None = None) -> ModelConfig:
+        return local_model(self.model if model is None else model, self.size)
 
     def plan(self, plan: engine.Plan) -> engine.Plan:
         """A plan made for :meth:`local_model` -> the plan that runs inside shard_map. Checks
@@ -126,17 +134,23 @@ class TensorParallel:
         return NamedSharding(self.mesh, spec, memory_kind=memory_kind)
 
     def shard_params(self, params):
-        """Global params: split leaves as ``[N, ...]`` stacks sharded over "kv" (device j's
-        block j), the others replicated on every device."""
+        """Global params (``self.model``'s): split leaves as ``[N, ...]`` stacks sharded over
+        "kv" (device j's block j), the others replicated on every device."""
         n = self.size
 
         def one(path, a):
             name = _leaf_name(path)
             if name is None:
                 return jax.device_put(a, self._sharding(P()))
-            ax = _SPLIT_AXIS[name]
-            s = a.shape
-            a = jnp.moveaxis(jnp.reshape(a, s[:ax] + (n, s[ax] // n) + s[ax + 1:]), ax, 0)
+            if name in _SPLIT_ROWS:          # [rows, d] -> [n, rows/n, d]
+                a = jnp.reshape(a, (n, a.shape[0] // n) + a.shape[1:])
+            else:                            # [..., w1 + w2 (+ w3)] -> [n, ..., (w1 + w2 + w3)/n]
+                parts, start = [], 0
+                for w in _SPLIT_COLS[name](self.model):
+                    part = a[..., start:start + w]
+                    parts.append(jnp.reshape(part, part.shape[:-1] + (n, w // n)))
+                    start += w
+                a = jnp.moveaxis(jnp.concatenate(parts, axis=-1), -2, 0)
             return jax.device_put(a, self._sharding(P(AXIS)))
 
         return jax.tree_util.tree_map_with_path(one, params)
@@ -177,11 +191,12 @@ class TensorParallel:
         fn = _smap_fn(self, plan, "embed", jax.tree.structure(params))
         return fn(params, tokens)
 
-    def prefill_layer(self, plan, params, layer, x, lengths, kv, summaries, dense=()):
-        """engine.prefill_layer on every device's shard (kv, summaries, dense donated)."""
+    def prefill_layer(self, plan, layer_params, layer, x, lengths, kv, summaries, dense=()):
+        """engine.prefill_layer on every device's shard (kv, summaries, dense donated);
+        ``layer_params``: ``shard_params(...)["layers"][layer]``."""
         sh = jax.tree.map(lambda a: a.sharding, (kv, summaries, dense))
-        fn = _prefill_fn(self, plan, jax.tree.structure(params), _key(sh))
-        return fn(params, layer, x, lengths, kv, summaries, dense)
+        fn = _prefill_fn(self, plan, jax.tree.structure(layer_params), _key(sh))
+        return fn(layer_params, layer, x, lengths, kv, summaries, dense)
 
     def first_token(self, plan, params, x, lengths, sampling, key):
         fn = _smap_fn(self, plan, "first", jax.tree.structure(params))
@@ -226,11 +241,10 @@ class TensorParallel:
 
 
 def _leaf_name(path) -> str | None:
-    """The params["layers"] key of a split leaf, else None (replicated)."""
-    keys = [getattr(p, "key", None) for p in path]
-    if len(keys) == 2 and keys[0] == "layers" and keys[1] in _SPLIT_AXIS:
-        return keys[1]
-    return None
+    """The name of a split leaf (a per-layer weight), else None (replicated). Works on the
+    whole params tree and on one layer's dict."""
+    name = getattr(path[-1], "key", None) if path else None
+    return name if name in _SPLIT_ROWS or name in _SPLIT_COLS else None
 
 
 def _param_specs(treedef):
@@ -318,7 +332,7 @@ def _smap_fn(tp: TensorParallel, plan, what: str, treedef):
 
 @functools.lru_cache(maxsize=64)
 def _prefill_fn(tp: TensorParallel, plan, treedef, shardings_key):
-    def local(params, layer, x, lengths, kv, summaries, dense):
+    def local(params, layer, x, lengths, kv, summaries, dense):  # params: one layer's
         x, kv, summaries, dense = _raw(engine.prefill_layer)(
             plan, _local_params(params), layer, x, lengths, _squeeze(kv), _squeeze(summaries),
             _squeeze(dense))

@@ -117,11 +117,13 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
     Args: ``path`` (default: ``default_model_path()``); ``dtype`` of the returned weights
     ("float32" or "bfloat16"; norms are cast too).
     Returns ``(ModelConfig, params)``: params as in models/llama.py, jax arrays
-    ``embed [V, d]``, ``layers`` dict of stacked ``[L, ...]`` weights (``[in, out]``),
+    ``embed [V, d]``, ``layers`` (one dict per layer, fused as in ``models.llama.init_params``;
+    weights ``[in, out]``),
     ``final_norm [d]`` and, when the file has ``output.weight``, ``lm_head [d, V]``.
     """
     import jax.numpy as jnp
     from models.configs import ModelConfig
+    from models.llama import fuse_layer
 
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
@@ -212,18 +214,21 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
     jdt = jnp.dtype(dtype)
     params = {
         "embed": jnp.asarray(embed, jdt),
-        "layers": {k: jnp.asarray(np.stack(v), jdt) for k, v in layers.items()},
+        "layers": tuple(
+            {k: jnp.asarray(v, jdt) for k, v in fuse_layer({k: layers[k][i] for k in names}, np).items()}
+            for i in range(n_layers)),
         "final_norm": jnp.asarray(get("output_norm.weight"), jdt),
     }
     tie = "output.weight" not in tensors
     if not tie:
         params["lm_head"] = jnp.asarray(get("output.weight").T, jdt)
 
-    expect = {"wq": (n_layers, d_model, n_head * head_dim), "wk": (n_layers, d_model, n_kv * head_dim),
-              "w_gate": (n_layers, d_model, ffn), "wo": (n_layers, n_head * head_dim, d_model)}
+    expect = {"wq": (d_model, n_head * head_dim), "wk": (d_model, n_kv * head_dim),
+              "w_gate": (d_model, ffn), "wo": (n_head * head_dim, d_model)}
     for k, shape in expect.items():
-        if tuple(params["layers"][k].shape) != shape:
-            raise GGUFError(f"{path}: {k} has shape {params['layers'][k].shape}, metadata says {shape}")
+        for w in layers[k]:
+            if tuple(w.shape) != shape:
+                raise GGUFError(f"{path}: {k} has shape {w.shape}, metadata says {shape}")
 
     name = _meta(reader, "general.name") or _meta(reader, "general.basename") or path.stem
     try:

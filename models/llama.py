@@ -1,7 +1,7 @@
 """Functional Llama-family decoder over a params pytree (plain nested dicts of jnp arrays).
 
-Layers are stacked along a leading `L` axis and `forward` runs `lax.scan` over them, calling
-the caller's `attend` for attention, so the KV cache (in `attend`'s carry) is not this
+``params["layers"]`` holds one dict per layer (see "parameters" below) and `forward` runs
+them in order, calling the caller's `attend` for attention, so the KV cache (in `attend`'s carry) is not this
 module's business. Weights are stored input-major (`y = x @ W`, the transpose of a torch
 `nn.Linear` weight). Query head `i` reads KV head `i // group_size`. RoPE is the half-split
 (NeoX / HF `rotate_half`) convention. Shapes: `B` requests, `T` tokens, `d` d_model,
@@ -111,104 +111,176 @@ def apply_rope(x, positions, theta: float, rot_dim: int | None = None):
 
 
 # --------------------------------------------------------------------------- parameters
+#
+# Layout: ``params["layers"]`` is a tuple with one dict per layer (not arrays stacked on a
+# layer axis), and the projections that read the same input are fused: ``wqkv`` = [wq | wk | wv]
+# and ``w_gate_up`` = [w_gate | w_up] along the output axis. Both are measured choices
+# (benchmarks/micro_step.py, H200, 8B-like layer): an unrolled decode step slices a stacked
+# [L, ...] weight with a copy on every step (XLA cannot hand cuBLAS a sub-buffer), and a
+# single-token K or V projection on its own is rewritten by XLA into a slow
+# multiply-and-reduce; per-layer fused weights read at 4.0 TB/s against 1.2 TB/s.
+# ``unfuse_layer`` / ``stacked_layers`` give the textbook view (wq, wk, wv, w_gate, w_up,
+# stacked) for references and tests; ``fuse_layers`` builds the layout from it.
 
-def _param_specs(cfg: ModelConfig):
-    """[(path, shape, init std or 'ones'/'zeros')] in a fixed order (defines the init keys)."""
-    L, d, V, F = cfg.num_layers, cfg.d_model, cfg.vocab_size, cfg.ffn_dim
+_FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def _layer_specs(cfg: ModelConfig):
+    """[(name, shape, init std or 'ones'/'zeros')] of one layer, unfused, in a fixed order."""
+    L, d, F = cfg.num_layers, cfg.d_model, cfg.ffn_dim
     qd, kvd = cfg.q_dim, cfg.kv_dim
     res = 1.0 / math.sqrt(2 * L)  # residual-branch output scaling
-    specs = [(("embed",), (V, d), d ** -0.5)]
-    lay = [("attn_norm", (L, d), "ones"),
-           ("wq", (L, d, qd), d ** -0.5),
-           ("wk", (L, d, kvd), d ** -0.5),
-           ("wv", (L, d, kvd), d ** -0.5)]
+    lay = [("attn_norm", (d,), "ones"),
+           ("wq", (d, qd), d ** -0.5),
+           ("wk", (d, kvd), d ** -0.5),
+           ("wv", (d, kvd), d ** -0.5)]
     if cfg.qkv_bias:
-        lay += [("bq", (L, qd), 0.1), ("bk", (L, kvd), 0.1), ("bv", (L, kvd), 0.1)]
-    lay += [("wo", (L, qd, d), qd ** -0.5 * res),
-            ("mlp_norm", (L, d), "ones"),
-            ("w_gate", (L, d, F), d ** -0.5),
-            ("w_up", (L, d, F), d ** -0.5),
-            ("w_down", (L, F, d), F ** -0.5 * res)]
+        lay += [("bq", (qd,), 0.1), ("bk", (kvd,), 0.1), ("bv", (kvd,), 0.1)]
+    lay += [("wo", (qd, d), qd ** -0.5 * res),
+            ("mlp_norm", (d,), "ones"),
+            ("w_gate", (d, F), d ** -0.5),
+            ("w_up", (d, F), d ** -0.5),
+            ("w_down", (F, d), F ** -0.5 * res)]
     if cfg.has_indexer:
         hi, di = cfg.indexer_heads, cfg.indexer_dim
-        lay += [("idx_wq", (L, d, hi * di), d ** -0.5),
-                ("idx_wk", (L, d, di), d ** -0.5),
-                ("idx_knorm_w", (L, di), "ones"),
-                ("idx_knorm_b", (L, di), "zeros"),
-                ("idx_ww", (L, d, hi), d ** -0.5)]
-    specs += [(("layers", n), s, i) for n, s, i in lay]
-    specs.append((("final_norm",), (d,), "ones"))
+        lay += [("idx_wq", (d, hi * di), d ** -0.5),
+                ("idx_wk", (d, di), d ** -0.5),
+                ("idx_knorm_w", (di,), "ones"),
+                ("idx_knorm_b", (di,), "zeros"),
+                ("idx_ww", (d, hi), d ** -0.5)]
+    return lay
+
+
+def _top_specs(cfg: ModelConfig):
+    d, V = cfg.d_model, cfg.vocab_size
+    specs = [("embed", (V, d), d ** -0.5), ("final_norm", (d,), "ones")]
     if not cfg.tie_embeddings:
-        specs.append((("lm_head",), (d, V), d ** -0.5))
+        specs.append(("lm_head", (d, V), d ** -0.5))
     return specs
 
 
-def _set(tree: Params, path, val):
-    for p in path[:-1]:
-        tree = tree.setdefault(p, {})
-    tree[path[-1]] = val
+def fuse_layer(unfused: dict, xp=jnp) -> dict:
+    """One layer's unfused weights (wq, wk, wv, [bq, bk, bv], w_gate, w_up, ...) -> the
+    fused layout (wqkv, [bqkv], w_gate_up, the rest unchanged). ``xp``: jnp or numpy."""
+    out = {}
+    for name, v in unfused.items():
+        fused = next((f for f, parts in _FUSED.items() if name in parts), None)
+        if fused is None:
+            out[name] = v
+        elif fused not in out:
+            out[fused] = xp.concatenate([unfused[p] for p in _FUSED[fused]], axis=-1)
+    return out
+
+
+def unfuse_layer(layer: dict, cfg: ModelConfig) -> dict:
+    """Inverse of ``fuse_layer``: the textbook names (wq, wk, wv, w_gate, w_up, ...)."""
+    widths = {"wq": cfg.q_dim, "wk": cfg.kv_dim, "wv": cfg.kv_dim, "bq": cfg.q_dim,
+              "bk": cfg.kv_dim, "bv": cfg.kv_dim, "w_gate": cfg.ffn_dim, "w_up": cfg.ffn_dim}
+    out = {}
+    for name, v in layer.items():
+        if name not in _FUSED:
+            out[name] = v
+            continue
+        start = 0
+        for part in _FUSED[name]:
+            out[part] = v[..., start:start + widths[part]]
+            start += widths[part]
+    return out
+
+
+def fuse_layers(stacked: dict) -> tuple:
+    """Textbook stacked layers {name: [L, ...]} -> the params["layers"] tuple."""
+    n = len(next(iter(stacked.values())))
+    xp = np if all(isinstance(v, np.ndarray) for v in stacked.values()) else jnp
+    return tuple(fuse_layer({k: v[i] for k, v in stacked.items()}, xp) for i in range(n))
+
+
+def stacked_layers(params: Params, cfg: ModelConfig) -> dict:
+    """params["layers"] in the textbook view: {name: [L, ...]} with wq, wk, wv, w_gate, w_up
+    (a copy; for references and tests)."""
+    layers = [unfuse_layer(lp, cfg) for lp in params["layers"]]
+    return {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0]}
+
+
+def stack_layer_tree(layers) -> dict:
+    """The params["layers"] tuple stacked on a leading L axis (same names), for `lax.scan`."""
+    return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+
+
+def _draw(shape, init, dt, rng_or_key):
+    if init in ("ones", "zeros"):
+        return (jnp.ones if init == "ones" else jnp.zeros)(shape, dt)
+    if isinstance(rng_or_key, np.random.Generator):
+        return jnp.asarray((rng_or_key.standard_normal(shape, np.float32)
+                            * np.float32(init)).astype(dt))
+    return (jax.random.normal(rng_or_key, shape, jnp.float32) * init).astype(dt)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _init_jax(cfg: ModelConfig, key):
-    """All parameters with jax.random in one program (big models; runs on the device)."""
+def _init_layer_jax(cfg: ModelConfig, key):
+    """One layer with jax.random (big models; one program reused for every layer)."""
     dt = _dtype(cfg)
-    params: Params = {}
-    for i, (path, shape, init) in enumerate(_param_specs(cfg)):
-        if init in ("ones", "zeros"):
-            val = (jnp.ones if init == "ones" else jnp.zeros)(shape, dt)
-        else:
-            val = (jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
-                   * init).astype(dt)
-        _set(params, path, val)
-    return params
+    return fuse_layer({n: _draw(s, i, dt, jax.random.fold_in(key, j))
+                       for j, (n, s, i) in enumerate(_layer_specs(cfg))})
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_top_jax(cfg: ModelConfig, key):
+    dt = _dtype(cfg)
+    return {n: _draw(s, i, dt, jax.random.fold_in(key, j))
+            for j, (n, s, i) in enumerate(_top_specs(cfg))}
 
 
 def _init_numpy(cfg: ModelConfig, seed: int) -> Params:
     """All parameters with numpy on the host (small models: no XLA compile)."""
     dt = _dtype(cfg)
-    params: Params = {}
-    for i, (path, shape, init) in enumerate(_param_specs(cfg)):
-        if init in ("ones", "zeros"):
-            val = (np.ones if init == "ones" else np.zeros)(shape, np.float32)
-        else:
-            rng = np.random.default_rng([seed % 2**64, i])
-            val = rng.standard_normal(shape, np.float32) * np.float32(init)
-        _set(params, path, jnp.asarray(val.astype(dt)))
-    return params
+    top = {n: _draw(s, i, dt, np.random.default_rng([seed % 2**64, 0, j]))
+           for j, (n, s, i) in enumerate(_top_specs(cfg))}
+    layers = tuple(
+        fuse_layer({n: _draw(s, i, dt, np.random.default_rng([seed % 2**64, 1 + layer, j]))
+                    for j, (n, s, i) in enumerate(_layer_specs(cfg))})
+        for layer in range(cfg.num_layers))
+    return {**top, "layers": layers}
 
 
 _NUMPY_INIT_MAX = 1 << 28  # models up to this many parameters are initialised with numpy
 
 
 def init_params(cfg: ModelConfig, seed: int) -> Params:
-    """Seeded random parameters (scaled normal; norm weights 1), layers stacked on axis 0.
+    """Seeded random parameters (scaled normal; norm weights 1).
 
-    Returns {"embed": [V, d], "layers": {"attn_norm": [L, d], "wq": [L, d, Hq*D],
-    "wk"/"wv": [L, d, H*D], ("bq": [L, Hq*D], "bk"/"bv": [L, H*D] if qkv_bias),
-    "wo": [L, Hq*D, d], "mlp_norm": [L, d], "w_gate"/"w_up": [L, d, F], "w_down": [L, F, d],
-    (if indexer: "idx_wq": [L, d, H_I*dI], "idx_wk": [L, d, dI], "idx_knorm_w"/"idx_knorm_b":
-    [L, dI] (ones/zeros), "idx_ww": [L, d, H_I])}, "final_norm": [d], ("lm_head": [d, V] if
-    untied)}, all in cfg.dtype on the default device. Std: fan_in**-0.5 for projections
-    and the embedding, times (2L)**-0.5 for wo/w_down, 0.1 for biases. The values depend
-    only on (cfg, seed): models up to 2**28 parameters are drawn with numpy on the host (no
-    compile), bigger ones with jax.random in one jitted program on the device.
+    Returns {"embed": [V, d], "layers": (one dict per layer: "attn_norm": [d],
+    "wqkv": [d, Hq*D + 2*H*D], ("bqkv": [Hq*D + 2*H*D] if qkv_bias), "wo": [Hq*D, d],
+    "mlp_norm": [d], "w_gate_up": [d, 2F], "w_down": [F, d], (if indexer: "idx_wq":
+    [d, H_I*dI], "idx_wk": [d, dI], "idx_knorm_w"/"idx_knorm_b": [dI] (ones/zeros), "idx_ww":
+    [d, H_I])), "final_norm": [d], ("lm_head": [d, V] if untied)}, all in cfg.dtype on the
+    default device. Std: fan_in**-0.5 for projections and the embedding, times (2L)**-0.5
+    for wo/w_down, 0.1 for biases. The values depend only on (cfg, seed): models up to
+    2**28 parameters are drawn with numpy on the host (no compile), bigger ones with
+    jax.random on the device, one layer at a time.
     """
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, (bool, np.bool_)):
         raise TypeError(f"init_params: seed must be an int, got {seed!r}")
     if num_params(cfg) <= _NUMPY_INIT_MAX:
         return _init_numpy(cfg, int(seed))
-    return _init_jax(cfg, jax.random.key(int(seed) % 2**32))
+    key = jax.random.key(int(seed) % 2**32)
+    layers = tuple(_init_layer_jax(cfg, jax.random.fold_in(key, 1 + i))
+                   for i in range(cfg.num_layers))
+    return {**_init_top_jax(cfg, jax.random.fold_in(key, 0)), "layers": layers}
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
     """The `init_params` tree as jax.ShapeDtypeStruct leaves (nothing is allocated)."""
-    return jax.eval_shape(functools.partial(_init_jax, cfg), jax.random.key(0))
+    key = jax.random.key(0)
+    layer = jax.eval_shape(functools.partial(_init_layer_jax, cfg), key)
+    top = jax.eval_shape(functools.partial(_init_top_jax, cfg), key)
+    return {**top, "layers": tuple(layer for _ in range(cfg.num_layers))}
 
 
 def num_params(cfg: ModelConfig) -> int:
     """Total number of parameters (Python int)."""
-    return sum(math.prod(shape) for _, shape, _ in _param_specs(cfg))
+    return (sum(math.prod(shape) for _, shape, _ in _top_specs(cfg))
+            + cfg.num_layers * sum(math.prod(shape) for _, shape, _ in _layer_specs(cfg)))
 
 
 # --------------------------------------------------------------------------- blocks
@@ -221,7 +293,7 @@ def embed(params: Params, cfg: ModelConfig, tokens) -> jax.Array:
 def attention_inputs(layer_params: Params, cfg: ModelConfig, x, positions):
     """Pre-attention RMSNorm, q/k/v projections and RoPE for one layer.
 
-    layer_params: one layer's slice of params["layers"] (no L axis); x [B, T, d];
+    layer_params: one layer's dict, params["layers"][i]; x [B, T, d];
     positions [B, T] int32 (may differ per request).
     Returns (h [B, T, d], q [B, T, Hq, D], k [B, T, H, D], v [B, T, H, D]), all cfg.dtype;
     h is the normed x, q and k have RoPE applied at `positions`.
@@ -231,9 +303,11 @@ def attention_inputs(layer_params: Params, cfg: ModelConfig, x, positions):
     Hq, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     lp = layer_params
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps).astype(dt)
-    q = _proj(h, lp["wq"], lp.get("bq")).reshape(B, T, Hq, D)
-    k = _proj(h, lp["wk"], lp.get("bk")).reshape(B, T, H, D)
-    v = _proj(h, lp["wv"], lp.get("bv")).reshape(B, T, H, D)
+    qkv = _proj(h, lp["wqkv"], lp.get("bqkv"))
+    qd, kvd = cfg.q_dim, cfg.kv_dim
+    q = qkv[..., :qd].reshape(B, T, Hq, D)
+    k = qkv[..., qd:qd + kvd].reshape(B, T, H, D)
+    v = qkv[..., qd + kvd:].reshape(B, T, H, D)
     q = apply_rope(q, positions, cfg.rope_theta)
     k = apply_rope(k, positions, cfg.rope_theta)
     return h, q.astype(dt), k.astype(dt), v.astype(dt)
@@ -282,8 +356,8 @@ def layer_output(layer_params: Params, cfg: ModelConfig, x, attn, *, axis_name=N
     a = attn.astype(dt).reshape(B, T, cfg.q_dim)
     x = (x.astype(jnp.float32) + _psum(_proj(a, lp["wo"]), axis_name)).astype(dt)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_eps).astype(dt)
-    g = _proj(h, lp["w_gate"])
-    u = _proj(h, lp["w_up"])
+    gu = _proj(h, lp["w_gate_up"])
+    g, u = gu[..., :cfg.ffn_dim], gu[..., cfg.ffn_dim:]
     m = (jax.nn.silu(g) * u).astype(dt)
     return (x.astype(jnp.float32) + _psum(_proj(m, lp["w_down"]), axis_name)).astype(dt)
 
@@ -344,7 +418,10 @@ def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn,
                start: int = 0, stop: int | None = None, unroll: int = 1, axis_name=None):
     """Layers ``[start, stop)`` (static) of the model: x [B, T, d] -> (x, carry).
 
-    `lax.scan` over that slice of the stacked layers; `attend` gets the global layer index.
+    ``params["layers"]`` is the per-layer tuple (then ``unroll >= stop - start`` runs a Python
+    loop over the layers, each reading its own weight arrays, and a smaller ``unroll`` stacks
+    them for a `lax.scan`: a copy, see ``stack_layer_tree``) or already stacked (a dict of
+    [L, ...] arrays: always a `lax.scan`). `attend` gets the global layer index (int32).
     ``axis_name``: tensor-parallel mesh axis (see :func:`layer_output`).
     """
     stop = cfg.num_layers if stop is None else stop
@@ -358,17 +435,24 @@ def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn,
         attn, ac = attend(layer, lp, h, q, k, v, ac)
         return (layer_output(lp, cfg, x, attn, axis_name=axis_name), ac), None
 
-    layers = jnp.arange(start, stop, dtype=jnp.int32)
     lps = params["layers"]
-    if (start, stop) != (0, cfg.num_layers):
+    if not isinstance(lps, dict):
+        if unroll >= stop - start:
+            c = (x, carry)
+            for i in range(start, stop):
+                c, _ = body(c, (jnp.int32(i), lps[i]))
+            return c
+        lps = stack_layer_tree(lps[start:stop])
+    elif (start, stop) != (0, cfg.num_layers):
         lps = jax.tree.map(lambda a: a[start:stop], lps)
+    layers = jnp.arange(start, stop, dtype=jnp.int32)
     (x, carry), _ = jax.lax.scan(body, (x, carry), (layers, lps), unroll=min(unroll, stop - start))
     return x, carry
 
 
 def forward(params: Params, cfg: ModelConfig, tokens, positions, attend: AttendFn, carry,
             *, unroll: int = 1):
-    """Full model: embed, `lax.scan` over the stacked layers, final logits.
+    """Full model: embed, the layers (`run_layers`), final logits.
 
     tokens [B, T] int32, positions [B, T] int32. Per layer (index `layer`, traced i32
     scalar): `h, q, k, v = attention_inputs(...)`, then

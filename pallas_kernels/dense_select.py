@@ -82,10 +82,11 @@ def _topk_indices(x: jax.Array, k: int, method: str) -> tuple[jax.Array, jax.Arr
 
     "sort": one ``lax.top_k``. "rounds": ``lax.top_k`` 16 at a time, masking taken entries to
     -inf between rounds (exact; an entry taken twice can only be -inf and becomes -1 later).
-    "chunked": ``_topk_chunked``. "auto": rounds for k <= 64, else chunked.
+    "chunked": ``_topk_chunked``. "auto": chunked (the fastest for k = 32 on the H200 at
+    512-16384 columns; benchmarks/results/micro_step.json).
     """
     if method == "auto":
-        method = "rounds" if k <= 4 * _FAST_TOPK_MAX_K else "chunked"
+        method = "chunked"
     if method not in TOPK_METHODS:
         raise ValueError(f"unknown top-k method {method!r}; choose one of {TOPK_METHODS}")
     if method == "sort" or k <= _FAST_TOPK_MAX_K:

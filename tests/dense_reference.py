@@ -15,9 +15,22 @@ def _f64(a) -> np.ndarray:
     return np.asarray(a, dtype=np.float64)
 
 
-def _weights64(params) -> dict:
-    """params pytree (jax or numpy arrays, any float dtype) -> dict of float64 numpy arrays."""
-    layers = {k: _f64(v) for k, v in params["layers"].items()}
+def _weights64(params, cfg) -> dict:
+    """params pytree (jax or numpy arrays, any float dtype) -> dict of float64 numpy arrays,
+    layers stacked [L, ...] under their textbook names (the fused wqkv / w_gate_up split)."""
+    qd, kvd, F = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.ffn_dim
+    split = {"wqkv": (("wq", 0, qd), ("wk", qd, qd + kvd), ("wv", qd + kvd, qd + 2 * kvd)),
+             "bqkv": (("bq", 0, qd), ("bk", qd, qd + kvd), ("bv", qd + kvd, qd + 2 * kvd)),
+             "w_gate_up": (("w_gate", 0, F), ("w_up", F, 2 * F))}
+    per_layer = []
+    for lp in params["layers"]:
+        d = {}
+        for k, v in lp.items():
+            v = _f64(v)
+            for name, a, b in split.get(k, ((k, None, None),)):
+                d[name] = v if a is None else v[..., a:b]
+        per_layer.append(d)
+    layers = {k: np.stack([d[k] for d in per_layer]) for k in per_layer[0]}
     out = {"embed": _f64(params["embed"]), "layers": layers, "final_norm": _f64(params["final_norm"])}
     if "lm_head" in params:
         out["lm_head"] = _f64(params["lm_head"])
@@ -82,13 +95,13 @@ def _forward(w, cfg, tokens, start, cache):
 
 def reference_logits(params, cfg, tokens) -> np.ndarray:
     """tokens [T] int -> logits [T, V] float64 (positions 0..T-1, causal)."""
-    return _forward(_weights64(params), cfg, tokens, 0, [])
+    return _forward(_weights64(params, cfg), cfg, tokens, 0, [])
 
 
 def reference_greedy(params, cfg, prompt, n: int) -> list[int]:
     """Greedy continuation: the n tokens (list of int) that argmax decoding appends to
     ``prompt`` [T] (no stop tokens; ties go to the lowest id)."""
-    w = _weights64(params)
+    w = _weights64(params, cfg)
     cache: list = []
     logits = _forward(w, cfg, prompt, 0, cache)
     pos = len(np.asarray(prompt).reshape(-1))

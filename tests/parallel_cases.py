@@ -112,8 +112,11 @@ def case_bad_mesh():
 
 
 def case_prefill():
-    """Prefill through engine (one device) and parallel (4): logits and host tiers agree."""
+    """Prefill through engine (one device) and parallel (4): logits, host tiers (every KV head's
+    K/V) and Quest summaries agree. With q/k/v biases (the fused ``bqkv`` split too)."""
     cache = QUEST
+    cfg = dataclasses.replace(CFG, qkv_bias=True)
+    params0 = llama.init_params(cfg, seed=2)
     lens = [len(p) for p in PROMPTS]
     tokens = np.zeros((2, 64), np.int32)
     for i, p in enumerate(PROMPTS):
@@ -121,18 +124,19 @@ def case_prefill():
     lengths = jnp.asarray(lens, jnp.int32)
     out = {}
     for n in (1, 4):
-        tp = None if n == 1 else parallel.TensorParallel.create(jax.devices()[:n], CFG)
+        tp = None if n == 1 else parallel.TensorParallel.create(jax.devices()[:n], cfg)
         eng = engine if tp is None else tp
-        plan = make_plan(CFG if tp is None else tp.local_model(CFG), cache, lens, NEW, 4)
-        params = PARAMS
+        plan = make_plan(cfg if tp is None else tp.local_model(), cache, lens, NEW, 4)
+        params = params0
         if tp is not None:
-            plan, params = tp.plan(plan), tp.shard_params(PARAMS)
+            plan, params = tp.plan(plan), tp.shard_params(params0)
         kv, summ = eng.init_kv(plan), eng.init_summaries(plan)
         x = eng.embed_prompt(plan, params, jnp.asarray(tokens))
-        for layer in range(CFG.num_layers):
-            x, kv, summ, _ = eng.prefill_layer(plan, params, jnp.int32(layer), x, lengths, kv, summ, ())
+        for layer in range(cfg.num_layers):
+            x, kv, summ, _ = eng.prefill_layer(plan, params["layers"][layer], jnp.int32(layer), x,
+                                               lengths, kv, summ, ())
         last = jnp.take_along_axis(jnp.asarray(x), (lengths - 1)[:, None, None], axis=1)
-        logits = np.asarray(llama.final_logits(PARAMS, CFG, last))[:, 0]
+        logits = np.asarray(llama.final_logits(params0, cfg, last))[:, 0]
         host = np.asarray(kv.host_kv)
         ps, D = plan.page_size, CFG.head_dim
         if tp is not None:   # [N, L*P, 2*(H/N)*ps*D] -> [L*P, 2, H, ps, D] (device j: heads block j)

@@ -81,7 +81,7 @@ def _write_gguf(path, cfg, params, *, arch="llama", quant=None, raw_tensors=None
         else:
             w.add_tensor(name, np.ascontiguousarray(arr, np.float32))
 
-    lp = params["layers"]
+    lp = llama.stacked_layers(params, cfg)
     put("token_embd.weight", params["embed"])
     for i in range(cfg.num_layers):
         b = f"blk.{i}."
@@ -155,8 +155,9 @@ def test_tiny_quantized_and_bf16(tmp_path):
     def qdq(a, t):
         return gguf.quants.dequantize(gguf.quants.quantize(a.astype(np.float32), t), t)
 
-    _, got = load_gguf(path)
-    lp, gl = params["layers"], got["layers"]
+    cfg_got, got = load_gguf(path)
+    lp = jax.tree.map(np.asarray, llama.stacked_layers(params, cfg))
+    gl = llama.stacked_layers(got, cfg_got)
     # Row permutations commute with row-wise block quantization.
     np.testing.assert_array_equal(np.asarray(gl["wq"][0]), qdq(lp["wq"][0].T, Q.Q4_1).T)
     np.testing.assert_array_equal(np.asarray(gl["wk"][1]), qdq(lp["wk"][1].T, Q.Q8_0).T)
@@ -390,8 +391,10 @@ def test_smollm2_config(smollm, ref):
     assert cfg.rope_theta == meta["hf_rope"]["rope_theta"]
     assert "lm_head" not in params and cfg.tie_embeddings
     shapes = jax.tree.map(lambda a: a.shape, params)
-    assert shapes["layers"]["wq"] == (30, 576, 576) and shapes["layers"]["wk"] == (30, 576, 192)
-    assert shapes["embed"] == (49152, 576) and shapes["layers"]["w_down"] == (30, 1536, 576)
+    assert len(shapes["layers"]) == 30
+    assert shapes["layers"][0]["wqkv"] == (576, 576 + 2 * 192)
+    assert shapes["layers"][29]["w_gate_up"] == (576, 2 * 1536)
+    assert shapes["embed"] == (49152, 576) and shapes["layers"][0]["w_down"] == (1536, 576)
 
 
 def _check_logits(name, logits, z, i):

@@ -42,16 +42,16 @@ def _relerr(a, b) -> float:
 def _expected_shapes(cfg: ModelConfig) -> dict:
     L, d, V, F = cfg.num_layers, cfg.d_model, cfg.vocab_size, cfg.ffn_dim
     Hq, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    lay = {"attn_norm": (L, d), "wq": (L, d, Hq * D), "wk": (L, d, H * D), "wv": (L, d, H * D),
-           "wo": (L, Hq * D, d), "mlp_norm": (L, d), "w_gate": (L, d, F), "w_up": (L, d, F),
-           "w_down": (L, F, d)}
+    qkv = Hq * D + 2 * H * D
+    lay = {"attn_norm": (d,), "wqkv": (d, qkv), "wo": (Hq * D, d), "mlp_norm": (d,),
+           "w_gate_up": (d, 2 * F), "w_down": (F, d)}
     if cfg.qkv_bias:
-        lay |= {"bq": (L, Hq * D), "bk": (L, H * D), "bv": (L, H * D)}
+        lay |= {"bqkv": (qkv,)}
     if cfg.indexer_heads:
         hi, di = cfg.indexer_heads, cfg.indexer_dim
-        lay |= {"idx_wq": (L, d, hi * di), "idx_wk": (L, d, di), "idx_knorm_w": (L, di),
-                "idx_knorm_b": (L, di), "idx_ww": (L, d, hi)}
-    out = {"embed": (V, d), "layers": lay, "final_norm": (d,)}
+        lay |= {"idx_wq": (d, hi * di), "idx_wk": (d, di), "idx_knorm_w": (di,),
+                "idx_knorm_b": (di,), "idx_ww": (d, hi)}
+    out = {"embed": (V, d), "layers": tuple(dict(lay) for _ in range(L)), "final_norm": (d,)}
     if not cfg.tie_embeddings:
         out["lm_head"] = (d, V)
     return out
@@ -70,7 +70,7 @@ def test_preset_param_shapes(name, indexer):
     assert dts == {jnp.dtype(cfg.dtype)}
     n = llama.num_params(cfg)
     assert n == sum(math.prod(s) for s in jax.tree_util.tree_leaves(
-        _expected_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)))
+        _expected_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)))
     if name in KNOWN_NUM_PARAMS and not indexer:
         assert n == KNOWN_NUM_PARAMS[name]
 
@@ -134,11 +134,13 @@ def test_init_params_seeded():
     a, b, c = llama.init_params(cfg, 3), llama.init_params(cfg, 3), llama.init_params(cfg, 4)
     for x, y, z in zip(*(jax.tree_util.tree_leaves(t) for t in (a, b, c))):
         np.testing.assert_array_equal(x, y)
+    sa, sc = llama.stacked_layers(a, cfg), llama.stacked_layers(c, cfg)
     for n in ("wq", "wo", "bk", "w_down"):
-        assert not np.array_equal(a["layers"][n], c["layers"][n])
-        std = float(np.std(a["layers"][n]))
-        assert 0 < std < 1 and np.isfinite(a["layers"][n]).all()
-    np.testing.assert_array_equal(a["layers"]["attn_norm"], 1.0)
+        assert not np.array_equal(sa[n], sc[n])
+        std = float(np.std(sa[n]))
+        assert 0 < std < 1 and np.isfinite(sa[n]).all()
+    assert not np.array_equal(sa["wq"][0], sa["wq"][1])  # layers are drawn independently
+    np.testing.assert_array_equal(sa["attn_norm"], 1.0)
     np.testing.assert_array_equal(a["final_norm"], 1.0)
     assert a["embed"].dtype == jnp.float32
     assert llama.init_params(tiny(dtype="bfloat16"), 3)["embed"].dtype == jnp.bfloat16
@@ -202,12 +204,12 @@ def test_attention_inputs_match_numpy():
     seed = _seed()
     cfg = tiny(qkv_bias=True)
     params = llama.init_params(cfg, seed)
-    lp = jax.tree_util.tree_map(lambda a: a[1], params["layers"])
+    lp = params["layers"][1]
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((2, 4, cfg.d_model)).astype(np.float32)
     pos = rng.integers(0, 3000, (2, 4)).astype(np.int32)
     h, q, k, v = jax.jit(llama.attention_inputs, static_argnums=1)(lp, cfg, x, pos)
-    np_lp = {n: np.asarray(a, np.float64) for n, a in lp.items()}
+    np_lp = {n: np.asarray(a, np.float64) for n, a in llama.unfuse_layer(lp, cfg).items()}
     hn = x / np.sqrt(np.mean(np.float64(x) ** 2, -1, keepdims=True) + cfg.rms_eps) \
         * np_lp["attn_norm"]
     B, T, D = 2, 4, cfg.head_dim
@@ -286,7 +288,7 @@ def test_forward_f32_and_bf16(tiny_params):
     assert lb.dtype == jnp.float32 and lb.shape == lf.shape
     assert _relerr(lb, lf) < 3e-2
     # bf16 activations really are bf16
-    lp0 = jax.tree_util.tree_map(lambda a: a[0], pb["layers"])
+    lp0 = pb["layers"][0]
     x, q, k, v = jax.eval_shape(
         lambda p, lp, t, ps: (lambda x: (x,) + llama.attention_inputs(lp, cb, x, ps)[1:])(
             llama.embed(p, cb, t)), pb, lp0, tok, _pos(B_, T_))
@@ -416,7 +418,7 @@ def test_indexer_inputs():
     seed = _seed()
     cfg = with_indexer(tiny(), heads=8, dim=16)
     params = llama.init_params(cfg, seed)
-    lp = jax.tree_util.tree_map(lambda a: a[0], params["layers"])
+    lp = params["layers"][0]
     rng = np.random.default_rng(seed)
     B, T = 2, 5
     h = rng.standard_normal((B, T, cfg.d_model)).astype(np.float32)
@@ -452,7 +454,7 @@ def test_indexer_params_do_not_change_forward(tiny_params):
     cfg = with_indexer(tiny(), heads=4, dim=8)
     p = llama.init_params(cfg, 1234)
     p = {**p, "embed": tiny_params["embed"], "final_norm": tiny_params["final_norm"],
-         "layers": {**p["layers"], **tiny_params["layers"]}}
+         "layers": tuple({**a, **b} for a, b in zip(p["layers"], tiny_params["layers"]))}
     tok = jnp.arange(B_ * T_, dtype=jnp.int32).reshape(B_, T_)
     a, _ = _fwd(p, cfg, tok, _pos(B_, T_), llama.dense_attend, None)
     b, _ = _fwd(tiny_params, tiny(), tok, _pos(B_, T_), llama.dense_attend, None)
@@ -507,7 +509,7 @@ def test_gpu_big_model_random_init():
     got = jax.tree_util.tree_map(lambda a: (tuple(a.shape), a.dtype), params)
     want = jax.tree_util.tree_map(lambda s: (tuple(s.shape), s.dtype), llama.param_shapes(cfg))
     assert got == want
-    wq = np.asarray(params["layers"]["wq"][0], np.float32)
+    wq = np.asarray(llama.unfuse_layer(params["layers"][0], cfg)["wq"], np.float32)
     assert np.isfinite(wq).all() and abs(float(wq.std()) * math.sqrt(cfg.d_model) - 1) < 0.05
     tok = jnp.arange(32, dtype=jnp.int32).reshape(2, 16)
     lg, _ = _fwd(params, cfg, tok, _pos(2, 16), llama.dense_attend, None)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 
+from jaxkv import lru
 from jaxkv.lru import ensure
 from lru_model import LruModel
 
@@ -113,3 +114,11 @@ def test_fixed_shapes_and_no_loops():
     assert not prims & {"while", "scan", "nonzero", "cond"}, prims
     out = jax.eval_shape(ensure, *args)
     assert out.slots.shape == (2, 6) and out.fetch_src.shape == (2, 6)
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 65, 256, 1000, 4097])
+def test_prefix_scans_match_numpy(n):
+    rng = np.random.default_rng(n)
+    x = rng.integers(-50, 50, (3, n)).astype(np.int32)
+    np.testing.assert_array_equal(lru.prefix_sum(jnp.asarray(x)), np.cumsum(x, axis=-1))
+    np.testing.assert_array_equal(lru.prefix_max(jnp.asarray(x)), np.maximum.accumulate(x, axis=-1))

@@ -76,8 +76,9 @@ def test_bad_arguments(kw, exc, match):
 
 # ------------------------------------------------------------------------------ params
 def test_params_missing_or_extra_leaf():
-    p = dict(PARAMS, layers={k: v for k, v in PARAMS["layers"].items() if k != "wq"})
-    with pytest.raises(ValueError, match=r"missing \[\"\['layers'\]\['wq'\]\"\].*init_params"):
+    lay0 = {k: v for k, v in PARAMS["layers"][0].items() if k != "wqkv"}
+    p = dict(PARAMS, layers=(lay0,) + tuple(PARAMS["layers"][1:]))
+    with pytest.raises(ValueError, match=r"missing \[\"\['layers'\]\[0\]\['wqkv'\]\"\].*init_params"):
         gen(params=p)
     with pytest.raises(ValueError, match="unexpected.*lm_head"):
         gen(params=dict(PARAMS, lm_head=PARAMS["embed"].T))
@@ -87,7 +88,7 @@ def test_params_missing_or_extra_leaf():
 
 def test_params_of_another_model():
     other = llama.init_params(configs.tiny(ffn_dim=96), seed=0)
-    with pytest.raises(ValueError, match=r"'w_down'\] has shape \(2, 96, 64\).*needs \(2, 128, 64\).*another model"):
+    with pytest.raises(ValueError, match=r"'w_down'\] has shape \(96, 64\).*needs \(128, 64\).*another model"):
         gen(params=other)
 
 
@@ -381,7 +382,7 @@ def write_tiny_gguf(path, cfg=CFG, *, meta=None, replace=None, tokenizer=True):
         w.add_string("tokenizer.ggml.model", "gpt2")
         w.add_array("tokenizer.ggml.tokens", _byte_tokens())
         w.add_array("tokenizer.ggml.token_type", [1] * 256)
-    lay = p["layers"]
+    lay = jax.tree.map(np.asarray, llama.stacked_layers(p, cfg))
     tensors = {"token_embd.weight": p["embed"], "output_norm.weight": p["final_norm"]}
     names = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm"}
     mats = {"attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
