@@ -679,7 +679,7 @@ def run_decode(name, plan, params, state, st: Settings, *, rounds: int, flush: b
     c1 = counter_dict(state, plan.spec)
     n = int(sum(int(s) for s in all_steps))
     d = {k: c1[k] - c0[k] for k in ("hits", "misses", "evictions", "dropped", "overflow",
-                                    "pages_fetched", "tokens_written") if k in c1}
+                                    "pages_fetched", "tokens_written", "host_reads") if k in c1}
     spec = plan.spec
     L = plan.model.num_layers
     host = plan.cache.mode == "host"
@@ -691,7 +691,8 @@ def run_decode(name, plan, params, state, st: Settings, *, rounds: int, flush: b
         round_steps=plan.cache.round_steps,
         **({f"{k}_per_step": v / max(n, 1) for k, v in d.items()}),
         hit_rate=(d["hits"] / (d["hits"] + d["misses"])) if host and d["hits"] + d["misses"] else None,
-        h2d_bytes_per_step=d["pages_fetched"] / max(n, 1) * spec.page_bytes,
+        h2d_bytes_per_step=(d["pages_fetched"] * spec.page_bytes + d.get("host_reads", 0)
+                            * (spec.page_bytes // spec.num_kv_heads)) / max(n, 1),
         misses_per_layer_step=d["misses"] / max(n, 1) / L,
         pool_pages_per_layer=spec.num_slots if host else spec.num_logical_pages,
         pool_bytes=spec.pool_bytes if host else spec.host_bytes,
@@ -914,7 +915,7 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
                                                 st, rng)
                     ensure = rec.pop("_lru_s")
                     if _per_step(p) and getattr(p.cache, "reuse", True) and \
-                            hasattr(page_fetch, "move_rows"):
+                            getattr(p.spec, "num_scratch", 0) > 0:
                         kept = rec["pages_fetched_per_step"] - rec.get("overflow_per_step", 0.0)
                         moved = max(0.0, kept) / L
                         mv, pool = time_move(plan, pool, moved, st, rng)
@@ -924,6 +925,12 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
                     _split(rec, selector=timings["selector"], ensure=ensure, fetch=fetch,
                            attention=att)
                     rec["fetch_timed_pages_per_layer"] = m
+                    if getattr(p, "in_place", False):
+                        rec["split_note"] = ("schedule 'step': fetch = installing the previous "
+                                             "step's new pages into slots (timed as one launch per "
+                                             "layer; the engine makes one per step); this step's "
+                                             "misses are read in place by the attention kernel "
+                                             "(inside attention/rest)")
                     fb = m * L * plan.spec.page_bytes
                     rec["fetch_gbps"] = fb / fetch / 1e9 if fetch > 0 and m else None
             del state

@@ -36,8 +36,9 @@ class CacheCounters:
       scheduling, pool smaller than the step's working set).
     overflow: per-step scheduling: pages of the previous step that found no pool slot to
       stay in (they were served from scratch rows; attention lost nothing).
-    pages_fetched: host->device rows moved; tokens_written: token rows written through
-    to the host (per layer).
+    pages_fetched: host->device rows moved into the pool; host_reads: (KV head, page)
+    entries attention read in place from the host tier (each 1/H of a page row); tokens_written:
+    token rows written through to the host (per layer).
     """
 
     hits: jax.Array
@@ -47,6 +48,7 @@ class CacheCounters:
     overflow: jax.Array
     pages_fetched: jax.Array
     tokens_written: jax.Array
+    host_reads: jax.Array
 
     @classmethod
     def zeros(cls) -> "CacheCounters":
@@ -57,7 +59,8 @@ class CacheCounters:
         d = {f.name: int(getattr(self, f.name)) for f in dataclasses.fields(self)}
         total = d["hits"] + d["misses"]
         d["hit_rate"] = d["hits"] / total if total else float("nan")
-        d["bytes_host_to_device"] = d["pages_fetched"] * spec.page_bytes
+        d["bytes_host_to_device"] = (d["pages_fetched"] * spec.page_bytes
+                                     + d["host_reads"] * (spec.page_bytes // spec.num_kv_heads))
         d["bytes_device_to_host"] = d["tokens_written"] * spec.token_bytes
         return d
 

@@ -49,14 +49,18 @@ class CacheConfig:
       prefill_chunk: tokens per prefill chunk (bounds prefill memory).
       round_steps: decode steps per compiled round (stream granularity).
       implementation: kernel implementation ("pallas", "xla" or None = per backend).
-      schedule: host mode only. "step": one LRU ensure for all layers per step installs the
-        previous step's selections (one launch moves them into pool slots), and each layer
-        fetches the pages it misses into its scratch rows for this step (nothing is ever
-        dropped from attention; ``dropped`` then counts pages that found no slot to stay
-        in). "layer": a full LRU ensure per layer before its attention (misses beyond the
-        pool are dropped from attention and counted).
-      reuse: keep fetched pages in the pool for later steps. False (with schedule "step")
-        is the no-cache baseline: every selected page is fetched every step.
+      schedule: host mode only. "step" (default): attention reads the pages a layer misses
+        straight from the pinned host tier (zero-copy, inside the attention kernel), and one
+        LRU ensure for all layers at the start of the next step installs the previous step's
+        selections into pool slots (one fetch launch). Nothing is ever dropped from
+        attention; ``overflow`` counts pages that found no slot to stay in. "scratch": as
+        "step", but each layer first copies its misses into per-layer scratch rows of the
+        pool (one fetch launch per layer) and attention reads only device memory. "layer": a
+        full LRU ensure per layer before its attention (misses beyond the pool are dropped
+        from attention and counted).
+      reuse: keep fetched pages in the pool for later steps. False (schedule "step" or
+        "scratch") is the no-cache baseline: every selected page is read from the host every
+        step.
       dense_layers: the first N layers attend densely to every page (as Quest does for its
         first 2 layers); in "host" mode their K/V are also kept fully on device.
       unroll_layers: unroll the per-token layer loop (None: on GPU, where a loop iteration
@@ -76,7 +80,7 @@ class CacheConfig:
     prefill_chunk: int = 2048
     round_steps: int = 64
     implementation: str | None = None
-    schedule: Literal["step", "layer"] = "step"
+    schedule: Literal["step", "scratch", "layer"] = "step"
     reuse: bool = True
     unroll_layers: bool | None = None
     dense_layers: int = 0
@@ -85,10 +89,12 @@ class CacheConfig:
         if not isinstance(self.dense_layers, int) or isinstance(self.dense_layers, bool) \
                 or self.dense_layers < 0:
             raise ValueError(f"CacheConfig.dense_layers must be an int >= 0, got {self.dense_layers!r}")
-        if self.schedule not in ("step", "layer"):
-            raise ValueError(f"CacheConfig.schedule must be 'step' or 'layer', got {self.schedule!r}")
-        if not self.reuse and self.schedule != "step":
-            raise ValueError("CacheConfig(reuse=False) (no-cache baseline) needs schedule='step'")
+        if self.schedule not in ("step", "scratch", "layer"):
+            raise ValueError("CacheConfig.schedule must be 'step', 'scratch' or 'layer', got "
+                             f"{self.schedule!r}")
+        if not self.reuse and self.schedule == "layer":
+            raise ValueError("CacheConfig(reuse=False) (no-cache baseline) needs schedule='step' "
+                             "or 'scratch'")
         if self.mode not in ("host", "resident"):
             raise ValueError(f"CacheConfig.mode must be 'host' or 'resident', got {self.mode!r}")
         if self.selector not in ("quest", "indexer", "dense"):

@@ -83,8 +83,13 @@ class Plan:
 
     @property
     def per_step(self) -> bool:
-        """Host mode with per-step scheduling (see CacheConfig.schedule)."""
-        return self.cache.mode == "host" and self.cache.schedule == "step"
+        """Host mode with per-step scheduling, "step" or "scratch" (see CacheConfig.schedule)."""
+        return self.cache.mode == "host" and self.cache.schedule in ("step", "scratch")
+
+    @property
+    def in_place(self) -> bool:
+        """Per-step scheduling that reads missed pages in place from the host tier."""
+        return self.per_step and self.cache.schedule == "step"
 
     @property
     def requests_per_layer(self) -> int:
@@ -122,7 +127,7 @@ class Plan:
             num_slots=self.pool_pages if self.cache.mode == "host" else self.batch * self.pages_per_seq,
             max_requests=self.batch * m.num_kv_heads * self.k,
             num_sink_pages=self.cache.sink_pages, num_recent_pages=self.cache.recent_pages,
-            max_batch=self.batch, num_scratch=self.scratch_per_layer if self.per_step else 0)
+            max_batch=self.batch, num_scratch=self.scratch_per_layer if self.per_step and not self.in_place else 0)
 
 
 @jax.tree_util.register_dataclass
@@ -164,9 +169,13 @@ def init_dense(plan: Plan, *, poison: bool = False, traced: bool = False):
 
 
 def init_lookahead(plan: Plan):
+    """Per-step scheduling: the previous step's selections [L, R] (and, "scratch", the scratch
+    rows they were fetched into)."""
     if not plan.per_step:
         return ()
     shape = (plan.model.num_layers, plan.requests_per_layer)
+    if plan.in_place:
+        return (jnp.full(shape, INVALID, jnp.int32),)
     return (jnp.full(shape, INVALID, jnp.int32), jnp.full(shape, INVALID, jnp.int32))
 
 
@@ -294,17 +303,30 @@ def _protected_pages(plan: Plan, pos, active):
 
 def install_previous(plan: Plan, kv, lookahead, protect):
     """Per-step scheduling, step start: one LRU ensure over all layers for the previous
-    step's selections, then one launch that moves their scratch copies into pool slots."""
+    step's selections, then one launch that copies the pages it assigned slots to into the
+    pool: from the host tier ("step") or from the scratch rows they were fetched into
+    ("scratch")."""
     spec = plan.spec
-    L, S = spec.num_layers, spec.num_slots
-    sel, scr = lookahead
+    L, S, P = spec.num_layers, spec.num_slots, spec.num_logical_pages
+    sel = lookahead[0]
     prot = jnp.broadcast_to(protect, (L, protect.shape[-1]))
-    res = lru.ensure(kv.page_table, kv.slot_owner, kv.last_used, sel, prot, kv.step, payload=scr)
     lcol = jnp.arange(L, dtype=jnp.int32)[:, None]
-    dst = jnp.where(res.fetch_dst >= 0, lcol * S + res.fetch_dst, INVALID)
-    pool = page_fetch.move_rows(kv.pool, res.fetch_payload.reshape(-1), dst.reshape(-1),
-                                implementation=plan.cache.implementation)
+    impl = plan.cache.implementation
     c = kv.counters
+    if plan.in_place:
+        res = lru.ensure(kv.page_table, kv.slot_owner, kv.last_used, sel, prot, kv.step)
+        ok = res.fetch_dst >= 0
+        src = jnp.where(ok, lcol * P + res.fetch_src, INVALID)
+        dst = jnp.where(ok, lcol * S + res.fetch_dst, INVALID)
+        pool = page_fetch.fetch_pages(kv.host_kv, kv.pool, src.reshape(-1), dst.reshape(-1),
+                                      implementation=impl)
+        c = dataclasses.replace(c, pages_fetched=c.pages_fetched + jnp.sum(ok).astype(jnp.int32))
+    else:
+        res = lru.ensure(kv.page_table, kv.slot_owner, kv.last_used, sel, prot, kv.step,
+                         payload=lookahead[1])
+        dst = jnp.where(res.fetch_dst >= 0, lcol * S + res.fetch_dst, INVALID)
+        pool = page_fetch.move_rows(kv.pool, res.fetch_payload.reshape(-1), dst.reshape(-1),
+                                    implementation=impl)
     counters = dataclasses.replace(c, evictions=c.evictions + res.evictions,
                                    overflow=c.overflow + res.dropped)
     return dataclasses.replace(kv, pool=pool, page_table=res.page_table,
@@ -325,6 +347,25 @@ def _first_occurrence(sel):
     is_dup = jnp.any(eq, axis=-1)
     leader = jnp.where(is_dup, jnp.argmax(eq, axis=-1), jnp.arange(H * k, dtype=jnp.int32)[None])
     return is_dup.reshape(B, H, k), leader.astype(jnp.int32)
+
+
+def lookup_in_place(plan: Plan, kv, layer, sel):
+    """Per-step scheduling "step", one layer: resident pages are read from their slots, missed
+    pages in place from the host tier by the attention kernel. sel [B, H, k] logical pages
+    (-1 pad). Returns (kv (counters), rows [B, H, k] pool rows or -1, host_rows [B, H, k])."""
+    spec = plan.spec
+    S, P = spec.num_slots, spec.num_logical_pages
+    slot = jnp.where(sel >= 0, kv.page_table[layer, jnp.clip(sel, 0, P - 1)], INVALID)
+    if not plan.cache.reuse:
+        slot = jnp.full_like(slot, INVALID)
+    miss = (sel >= 0) & (slot < 0)
+    rows = jnp.where(slot >= 0, layer * S + slot, INVALID)
+    host_rows = jnp.where(miss, layer * P + sel, INVALID)
+    c = kv.counters
+    n_hit, n_miss = jnp.sum(slot >= 0).astype(jnp.int32), jnp.sum(miss).astype(jnp.int32)
+    counters = dataclasses.replace(c, hits=c.hits + n_hit, misses=c.misses + n_miss,
+                                   host_reads=c.host_reads + n_miss)
+    return dataclasses.replace(kv, counters=counters), rows, host_rows
 
 
 def lookup_and_fetch(plan: Plan, kv, layer, sel):
@@ -411,7 +452,12 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
             k=plan.k, page_size=ps, num_sink_pages=plan.cache.sink_pages, implementation=impl)
         pages = jnp.where(active[:, None, None], pages, INVALID)
         sel = jnp.where(pages >= 0, b_idx[:, None, None] * Np + pages, INVALID)
-        if plan.per_step:
+        host = {}
+        if plan.in_place:
+            kv, rows, host_rows = lookup_in_place(plan, kv, layer, sel)
+            look = (look[0].at[layer].set(sel.reshape(-1)),)
+            host = dict(host=kv.host_kv, host_rows=host_rows)
+        elif plan.per_step:
             kv, rows, scr = lookup_and_fetch(plan, kv, layer, sel)
             look = (look[0].at[layer].set(sel.reshape(-1)), look[1].at[layer].set(scr))
         elif plan.cache.mode == "host":
@@ -421,7 +467,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         else:
             rows = jnp.where(sel >= 0, layer * P + sel, INVALID)
         out, _ = sparse_paged_attention(q1, kv.pool, rows, pages, jnp.where(active, pos + 1, 1),
-                                        page_size=ps, num_kv_heads=H, implementation=impl)
+                                        page_size=ps, num_kv_heads=H, implementation=impl, **host)
         return out[:, None].astype(q.dtype), (kv, summ, look, dense)
 
     x = llama.embed(params, cfg, st.last_token[:, None])

@@ -6,9 +6,12 @@ viewed as ``[N_rows, 2 (K, V), H, ps, D]``; ``block_rows`` hold global pool rows
 
 Semantics shared by the kernel ("pallas") and the reference ("xla"):
 
-* entry ``i`` of ``(b, h)`` is valid iff ``block_rows[b, h, i] >= 0`` and
-  ``page_index[b, h, i] >= 0``; its tokens are positions ``page_index * ps + t`` (``t < ps``) and
-  only those ``< seq_lens[b]`` take part (the partly filled last page);
+* entry ``i`` of ``(b, h)`` is valid iff ``page_index[b, h, i] >= 0`` and its K/V has a source:
+  pool row ``block_rows[b, h, i] >= 0``, else (when a host tier is passed) host row
+  ``host_rows[b, h, i] >= 0`` of the ``pinned_host`` array, read by the kernel in place over PCIe
+  (zero-copy: a page missing from the pool is attended without first being copied to the
+  device); its tokens are positions ``page_index * ps + t`` (``t < ps``) and only those
+  ``< seq_lens[b]`` take part (the partly filled last page);
 * invalid entries and masked tokens are never read into the result (NaN there is harmless);
 * duplicates: every listed entry is attended as listed, so a page listed twice counts twice
   (selectors never emit duplicates except ``-1``; callers should not rely on this);
@@ -57,8 +60,17 @@ class AttentionTuning:
     num_stages: int | None = None
 
 
-def _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads):
+def _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads, host=None,
+           host_rows=None):
     B, Hq, D = q.shape
+    if (host is None) != (host_rows is None):
+        raise ValueError("pass host and host_rows together (or neither)")
+    if host is not None:
+        if host.ndim != 2 or host.shape[1] != pool.shape[1] or host.dtype != pool.dtype:
+            raise ValueError(f"host {host.shape} {host.dtype} must be [N_host, {pool.shape[1]}] "
+                             f"{pool.dtype}, the pool's row layout")
+        if host_rows.shape != block_rows.shape:
+            raise ValueError(f"host_rows {host_rows.shape} != block_rows {block_rows.shape}")
     H = num_kv_heads
     if Hq % H:
         raise ValueError(f"query heads {Hq} not a multiple of kv heads {H}")
@@ -113,16 +125,31 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     return o.astype(out_a.dtype), l
 
 
+def _gather_rows(arr, rows):
+    """arr[rows] as a device array [N, R]; a host-memory ``arr`` (the pinned host tier) is read
+    one row at a time with a device_put (XLA computes on device memory only)."""
+    if jax.typeof(arr).memory_space != jax.memory.Space.Host:
+        return arr[rows]
+
+    def body(m, out):
+        row = jax.device_put(lax.dynamic_slice_in_dim(arr, rows[m], 1, 0), jax.memory.Space.Device)
+        return lax.dynamic_update_slice_in_dim(out, row, m, 0)
+
+    return lax.fori_loop(0, rows.shape[0], body, jnp.zeros((rows.shape[0], arr.shape[1]), arr.dtype))
+
+
 # --------------------------------------------------------------------------------------------
 # Reference (pure jnp): gather + masked softmax in f32.
 # --------------------------------------------------------------------------------------------
 @register(OP, "xla")
 @functools.partial(jax.jit, static_argnames=("page_size", "num_kv_heads", "sm_scale", "num_splits", "tuning"))
 def sparse_paged_attention_xla(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads,
-                               sm_scale=None, num_splits=None, tuning=None):
-    """Reference. Shapes as in :func:`sparse_paged_attention`; ``num_splits``/``tuning`` ignored."""
+                               sm_scale=None, num_splits=None, tuning=None, host=None, host_rows=None):
+    """Reference. Shapes as in :func:`sparse_paged_attention`; ``num_splits``/``tuning`` ignored.
+    With a host tier it gathers from ``host`` like from the pool (fine on the CPU; on a GPU only
+    the kernel can read pinned host memory)."""
     del num_splits, tuning
-    _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads)
+    _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads, host, host_rows)
     if block_rows.shape[-1] == 0:
         return _empty(q)
     B, Hq, D = q.shape
@@ -130,10 +157,18 @@ def sparse_paged_attention_xla(q, pool, block_rows, page_index, seq_lens, *, pag
     G, K = Hq // H, block_rows.shape[-1]
     scale = (1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
     pool5 = pool.reshape(pool.shape[0], 2, H, ps, D)
-    valid = (block_rows >= 0) & (page_index >= 0)  # [B, H, K]
-    rows = jnp.where(valid, block_rows, 0)
+    in_pool = block_rows >= 0
     heads = jnp.arange(H, dtype=jnp.int32)[None, :, None]
-    kv = pool5[rows, :, heads]  # [B, H, K, 2, ps, D]
+    kv = pool5[jnp.where(in_pool, block_rows, 0), :, heads]  # [B, H, K, 2, ps, D]
+    if host is not None:
+        in_host = ~in_pool & (host_rows >= 0)
+        rows_h = _gather_rows(host, jnp.where(in_host, host_rows, 0).reshape(-1))
+        hh = jnp.arange(H)
+        # entry (b, h, i) uses head h of its row: [H, B, K, 2, ps, D] -> [B, H, K, 2, ps, D]
+        kv_h = jnp.moveaxis(rows_h.reshape(B, H, K, 2, H, ps, D)[:, hh, :, :, hh], 0, 1)
+        kv = jnp.where(in_host[..., None, None, None], kv_h, kv)
+        in_pool = in_pool | in_host
+    valid = in_pool & (page_index >= 0)  # [B, H, K]
     pos = page_index[..., None] * ps + jnp.arange(ps, dtype=jnp.int32)  # [B, H, K, ps]
     ok = valid[..., None] & (pos < seq_lens[:, None, None, None])
     kv = jnp.where(ok[:, :, :, None, :, None], kv.astype(jnp.float32), 0.0)
@@ -155,8 +190,12 @@ def sparse_paged_attention_xla(q, pool, block_rows, page_index, seq_lens, *, pag
 # --------------------------------------------------------------------------------------------
 # Triton kernel: one program per (b, kv head, split), looping over its pages.
 # --------------------------------------------------------------------------------------------
-def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, o_ref, lse_ref, *,
-            ps, ppi, n_iter, k_per, G, G_pad, scale2, precision):
+def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter, k_per, G, G_pad,
+            scale2, precision, has_host):
+    if has_host:
+        hrows_ref, host_ref, o_ref, lse_ref = refs
+    else:
+        o_ref, lse_ref = refs
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     Hq, D = q_ref.shape[1:]
     K = rows_ref.shape[2]
@@ -177,13 +216,23 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, o_ref, lse_ref, *,
         sel_c = jnp.minimum(sel, K - 1)
         rows = rows_ref[b, h, sel_c]
         pidx = pidx_ref[b, h, sel_c]
-        ok = (sel < K) & (rows >= 0) & (pidx >= 0) & (pidx * ps + tok_off < seq_len)  # [T]
-        rows = jnp.where(ok, rows, 0)
+        ok = (sel < K) & (pidx >= 0) & (pidx * ps + tok_off < seq_len)  # [T]
+        in_pool = ok & (rows >= 0)
         # Every index is a full [T, D] int array (interpret mode cannot mix gathers and slices).
-        rows2 = jnp.broadcast_to(rows[:, None], (T, D))
-        mask = jnp.broadcast_to(ok[:, None], (T, D))
+        rows2 = jnp.broadcast_to(jnp.where(in_pool, rows, 0)[:, None], (T, D))
+        mask = jnp.broadcast_to(in_pool[:, None], (T, D))
         k = pltriton.load(pool_ref.at[rows2, 0, h, off2, dim2], mask=mask, other=0)  # [T, D]
         v = pltriton.load(pool_ref.at[rows2, 1, h, off2, dim2], mask=mask, other=0)
+        if has_host:  # entries missing from the pool: read the pinned host rows in place
+            hrows = hrows_ref[b, h, sel_c]
+            in_host = ok & (rows < 0) & (hrows >= 0)
+            hrows2 = jnp.broadcast_to(jnp.where(in_host, hrows, 0)[:, None], (T, D))
+            hmask = jnp.broadcast_to(in_host[:, None], (T, D))
+            k = k + pltriton.load(host_ref.at[hrows2, 0, h, off2, dim2], mask=hmask, other=0)
+            v = v + pltriton.load(host_ref.at[hrows2, 1, h, off2, dim2], mask=hmask, other=0)
+            ok = in_pool | in_host
+        else:
+            ok = in_pool
         s = pltriton.dot(q, k, trans_b=True, precision=precision) * scale2  # [G_pad, T] f32, log2 units
         s = jnp.where(ok[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -208,16 +257,17 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, o_ref, lse_ref, *,
 @register(OP, "pallas")
 @functools.partial(jax.jit, static_argnames=("page_size", "num_kv_heads", "sm_scale", "num_splits", "tuning"))
 def sparse_paged_attention_pallas(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads,
-                                  sm_scale=None, num_splits=None, tuning=None):
+                                  sm_scale=None, num_splits=None, tuning=None, host=None,
+                                  host_rows=None):
     """Pallas (Triton) kernel. Shapes as in :func:`sparse_paged_attention`."""
     return _pallas_impl(q, pool, block_rows, page_index, seq_lens, page_size=page_size,
                         num_kv_heads=num_kv_heads, sm_scale=sm_scale, num_splits=num_splits,
-                        tuning=tuning, interpret=interpret_mode())
+                        tuning=tuning, interpret=interpret_mode(), host=host, host_rows=host_rows)
 
 
 def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads, sm_scale,
-                 num_splits, tuning, interpret):
-    _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads)
+                 num_splits, tuning, interpret, host=None, host_rows=None):
+    _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads, host, host_rows)
     if block_rows.shape[-1] == 0:
         return _empty(q)
     tuning = tuning or AttentionTuning()
@@ -235,17 +285,25 @@ def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv
     scale = (1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, ps=ps, ppi=ppi, n_iter=k_per // ppi, k_per=k_per, G=G, G_pad=G_pad,
-                               scale2=scale * _LOG2E, precision=precision)
+                               scale2=scale * _LOG2E, precision=precision, has_host=host is not None)
+    in_specs = [
+        pl.BlockSpec((B,), lambda b, h, s: (0,)),
+        pl.BlockSpec((B, Hq, D), lambda b, h, s: (0, 0, 0)),
+        pl.BlockSpec((B, H, K), lambda b, h, s: (0, 0, 0)),
+        pl.BlockSpec((B, H, K), lambda b, h, s: (0, 0, 0)),
+        pl.BlockSpec(pool5.shape, lambda b, h, s: (0, 0, 0, 0, 0)),
+    ]
+    operands = [seq_lens.astype(jnp.int32), q, block_rows.astype(jnp.int32),
+                page_index.astype(jnp.int32), pool5]
+    if host is not None:
+        host5 = host.reshape(host.shape[0], 2, H, ps, D)
+        in_specs += [pl.BlockSpec((B, H, K), lambda b, h, s: (0, 0, 0)),
+                     pl.BlockSpec(host5.shape, lambda b, h, s: (0, 0, 0, 0, 0))]
+        operands += [host_rows.astype(jnp.int32), host5]
     o_part, lse_part = pl.pallas_call(
         kernel,
         grid=(B, H, S),
-        in_specs=[
-            pl.BlockSpec((B,), lambda b, h, s: (0,)),
-            pl.BlockSpec((B, Hq, D), lambda b, h, s: (0, 0, 0)),
-            pl.BlockSpec((B, H, K), lambda b, h, s: (0, 0, 0)),
-            pl.BlockSpec((B, H, K), lambda b, h, s: (0, 0, 0)),
-            pl.BlockSpec(pool5.shape, lambda b, h, s: (0, 0, 0, 0, 0)),
-        ],
+        in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, None, None, G_pad, D), lambda b, h, s: (b, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, G_pad), lambda b, h, s: (b, h, s, 0)),
@@ -257,7 +315,7 @@ def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv
         compiler_params=pltriton.CompilerParams(num_warps=tuning.num_warps, num_stages=tuning.num_stages),
         interpret=interpret,
         name="sparse_paged_attention",
-    )(seq_lens.astype(jnp.int32), q, block_rows.astype(jnp.int32), page_index.astype(jnp.int32), pool5)
+    )(*operands)
     o_part, lse_part = o_part[:, :, :, :G], lse_part[:, :, :, :G]
     if S == 1:
         out, lse = o_part[:, :, 0], lse_part[:, :, 0]
@@ -267,7 +325,8 @@ def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv
 
 
 def sparse_paged_attention(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads,
-                           sm_scale=None, num_splits=None, tuning=None, implementation=None):
+                           sm_scale=None, num_splits=None, tuning=None, implementation=None,
+                           host=None, host_rows=None):
     """Decode attention of ``q`` over selected pool pages (see the module docstring for semantics).
 
     q: ``[B, Hq, D]`` bf16/f32 (query head j uses KV head ``j // (Hq // H)``); pool: ``[N_rows, R]``
@@ -275,8 +334,12 @@ def sparse_paged_attention(q, pool, block_rows, page_index, seq_lens, *, page_si
     and within-sequence page number of each entry, -1 = none); seq_lens: ``[B]`` int32.
     Static: page_size, num_kv_heads (H), sm_scale (default ``D**-0.5``), num_splits (partial results
     per (b, h), default :func:`default_num_splits`), tuning (:class:`AttentionTuning`).
+    Optional host tier: ``host`` ``[N_host, R]`` (the ``pinned_host`` array, same row layout and
+    dtype as the pool) and ``host_rows`` ``[B, H, K]`` int32: an entry whose ``block_rows`` is -1
+    is read from host row ``host_rows`` (-1 = none) in place.
     Returns ``(out [B, Hq, D] q.dtype, lse [B, Hq] f32)``; empty selection -> ``(0, -inf)``.
     """
     fn = resolve(OP, implementation)
+    extra = {} if host is None else dict(host=host, host_rows=host_rows)
     return fn(q, pool, block_rows, page_index, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads,
-              sm_scale=sm_scale, num_splits=num_splits, tuning=tuning)
+              sm_scale=sm_scale, num_splits=num_splits, tuning=tuning, **extra)

@@ -29,22 +29,27 @@ def resident_quest():
     return _gen(CacheConfig(mode="resident", selector="quest", page_size=4, selected_pages=4))
 
 
-@pytest.mark.parametrize("schedule", ["step", "layer"])
+@pytest.mark.parametrize("schedule", ["step", "scratch", "layer"])
 def test_host_equals_resident_with_large_pool(resident_quest, schedule):
     host = _gen(CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=4,
                             schedule=schedule))
     assert host.tokens == resident_quest.tokens
     s = host.stats
     assert s["dropped"] == 0 and s["misses"] > 0 and s["hits"] > 0
-    assert s["bytes_host_to_device"] == s["pages_fetched"] * (2 * CFG.num_kv_heads * 4 * CFG.head_dim * 4)
+    page_bytes = 2 * CFG.num_kv_heads * 4 * CFG.head_dim * 4
+    assert s["bytes_host_to_device"] == (s["pages_fetched"] * page_bytes
+                                         + s["host_reads"] * page_bytes // CFG.num_kv_heads)
+    # "step" reads misses in place (one head's part of a page each) and installs them later
+    assert (s["host_reads"] == s["misses"]) if schedule == "step" else (s["host_reads"] == 0)
     assert all(len(t) == NEW for t in host.tokens)
 
 
 @pytest.mark.parametrize("schedule,pool", [("layer", 3 * (2 * 4 + 2)), ("step", 3 * (2 * 4 + 2)),
-                                           ("step", 6)])
+                                           ("step", 6), ("scratch", 6)])
 def test_host_equals_resident_with_churning_small_pool(resident_quest, schedule, pool):
     # a step needs at most H*k + pinned = 2*4 + 2 pages per request; the context has up to 16.
-    # Per-step scheduling serves misses from scratch rows, so even a tiny pool is exact.
+    # Per-step scheduling reads misses in place from the host ("step") or from scratch rows
+    # ("scratch"), so even a tiny pool is exact.
     cache = CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=4,
                         pool_pages=pool, schedule=schedule, strict=(pool > 6))
     host = _gen(cache)
@@ -58,7 +63,7 @@ def test_no_cache_baseline_fetches_every_selected_page(resident_quest):
     host = _gen(CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=4,
                             reuse=False))
     assert host.tokens == resident_quest.tokens
-    assert host.stats["hits"] == 0 and host.stats["pages_fetched"] > 0
+    assert host.stats["hits"] == 0 and host.stats["host_reads"] == host.stats["misses"] > 0
 
 
 def test_dense_selector_equals_independent_reference():

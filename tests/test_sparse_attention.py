@@ -120,6 +120,48 @@ def test_kernel_matches_reference(B, H, G, D, ps, K, dtype, num_splits):
     check(lse, ref_l, dtype, seed, "lse", LSE_TOL)
 
 
+def split_to_host(case, seed, on_host=None):
+    """Move a random half of the selected pages to a separate "host" array (random row order,
+    NaN-poisoned spare rows) and poison their pool rows: entries then read block_rows = -1 and
+    host_rows = their host row. The attention result must not change."""
+    rng = np.random.default_rng(seed + 1)
+    pool = np.array(case["pool"].astype(jnp.float32))
+    rows = np.asarray(case["block_rows"])
+    used = sorted({int(r) for r in rows[rows >= 0].ravel()})
+    moved = [r for r in used if rng.random() < 0.5]
+    n_host = len(moved) + 3
+    host_of = dict(zip(moved, rng.permutation(n_host)[:len(moved)].tolist()))
+    host = np.full((n_host, pool.shape[1]), np.nan, np.float32)
+    for r, hr in host_of.items():
+        host[hr] = pool[r]
+        pool[r] = np.nan
+    new_rows = np.where(np.isin(rows, moved), -1, rows)
+    host_rows = np.vectorize(lambda r: host_of.get(int(r), -1))(rows).astype(np.int32)
+    dt = case["pool"].dtype
+    host = jnp.asarray(host, dt)
+    if on_host is not None:
+        host = on_host(host)
+    return dict(case, pool=jnp.asarray(pool, dt), block_rows=jnp.asarray(new_rows),
+                host=host, host_rows=jnp.asarray(host_rows)), len(moved)
+
+
+@pytest.mark.parametrize("B,H,G,D,ps,K,dtype,num_splits", [CASES[0], CASES[3], CASES[5]])
+def test_host_rows_read_in_place(B, H, G, D, ps, K, dtype, num_splits):
+    """Entries missing from the pool are read from the host tier's rows: same result."""
+    seed = fresh_seed()
+    case, static = make_case(seed, B=B, H=H, G=G, D=D, ps=ps, K=K, dtype=dtype, max_pages=max(2, 24 // ps))
+    ref_o, ref_l = sparse_paged_attention(**case, **static, implementation="xla")
+    split, n_moved = split_to_host(case, seed)
+    assert n_moved > 0
+    for impl in ("xla", "pallas"):
+        out, lse = sparse_paged_attention(**split, **static, num_splits=num_splits, implementation=impl)
+        assert np.isfinite(np.asarray(out, np.float32)).all(), f"{impl}: non-finite (seed {seed})"
+        check(out, ref_o, dtype, seed, f"{impl} out")
+        check(lse, ref_l, dtype, seed, f"{impl} lse", LSE_TOL)
+    with pytest.raises(ValueError, match="together"):
+        sparse_paged_attention(**dict(split, host_rows=None), **static)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("ps,G", [(16, 3), (64, 1), (8, 4)])
 def test_reference_matches_float64(dtype, ps, G):
@@ -258,5 +300,21 @@ def test_gpu_kernel_matches_reference(dtype, B, H, G, D, ps, K, num_splits, tuni
     case, static = make_case(seed, B=B, H=H, G=G, D=D, ps=ps, K=K, dtype=dtype, max_pages=K + 8)
     ref_o, ref_l = sparse_paged_attention(**case, **static, implementation="xla")
     out, lse = sparse_paged_attention(**case, **static, num_splits=num_splits, tuning=tuning, implementation="pallas")
+    check(out, ref_o, dtype, seed, "out")
+    check(lse, ref_l, dtype, seed, "lse", LSE_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_host_rows_read_from_pinned_host(dtype):
+    """On the GPU the host rows come from a real pinned_host array, read by the kernel in place."""
+    from jax.sharding import SingleDeviceSharding
+    pinned = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    seed = fresh_seed()
+    case, static = make_case(seed, B=3, H=8, G=4, D=128, ps=64, K=16, dtype=dtype, max_pages=12)
+    ref_o, ref_l = sparse_paged_attention(**case, **static, implementation="xla")
+    split, _ = split_to_host(case, seed, on_host=lambda a: jax.device_put(a, pinned))
+    assert split["host"].sharding.memory_kind == "pinned_host"
+    out, lse = jax.jit(lambda c: sparse_paged_attention(**c, **static, implementation="pallas"))(split)
     check(out, ref_o, dtype, seed, "out")
     check(lse, ref_l, dtype, seed, "lse", LSE_TOL)

@@ -310,7 +310,7 @@ def test_strict_rules_and_messages():
 
 
 def test_counter_overflow_is_detected():
-    c = kvcache.CacheCounters(*[jnp.int32(v) for v in (5, -7, 0, 0, 0, 0, 0)])
+    c = kvcache.CacheCounters(*[jnp.int32(v) for v in (5, -7, 0, 0, 0, 0, 0, 0)])
     kv = kvcache.ResidentCache(pool=jnp.zeros((1, 1)), counters=c)
     st = engine.DecodeState(kv=kv, summaries=(), lengths=jnp.zeros(1, jnp.int32),
                             last_token=jnp.zeros(1, jnp.int32), done=jnp.zeros(1, bool),
@@ -319,9 +319,9 @@ def test_counter_overflow_is_detected():
     with pytest.raises(RuntimeError, match="'misses' overflowed int32.*round_steps"):
         api._drain_counters(st, totals)
     assert set(totals.values()) == {0}
-    c = kvcache.CacheCounters(*[jnp.int32(v) for v in (5, 7, 1, 2, 3, 4, 6)])
+    c = kvcache.CacheCounters(*[jnp.int32(v) for v in (5, 7, 1, 2, 3, 4, 6, 8)])
     st = api._drain_counters(dataclasses.replace(st, kv=dataclasses.replace(kv, counters=c)), totals)
-    assert list(totals.values()) == [5, 7, 1, 2, 3, 4, 6]
+    assert list(totals.values()) == [5, 7, 1, 2, 3, 4, 6, 8]
     assert all(int(getattr(st.kv.counters, k)) == 0 for k in totals)
 
 
