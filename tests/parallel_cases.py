@@ -55,8 +55,9 @@ def case_host_quest():
 
 
 def case_host_churn():
-    # pool of 6 slots (= k + pinned, the minimum): pages churn on every device
-    return _compare(dataclasses.replace(QUEST, pool_pages=6), (4,))
+    # pool of 6 slots (= k + pinned, the minimum): pages churn on every device; misses are
+    # copied to scratch rows first (schedule "scratch"; the default "step" reads them in place)
+    return _compare(dataclasses.replace(QUEST, pool_pages=6, schedule="scratch"), (4,))
 
 
 def case_resident_quest():

@@ -3,8 +3,8 @@
 CPU: JAX fixes its device count at import, so the multi-device cases run in two concurrent
 subprocesses with 4 virtual CPU devices (tests/parallel_cases.py) and the tests here check
 their JSON results: N = 2 and 4 devices generate the single-device tokens token for token
-(greedy and sampled; host tier and resident; Quest and dense; churning pool; per-step and
-per-layer schedules; XLA references and Pallas kernels in interpret mode), prefill logits,
+(greedy and sampled; host tier and resident; Quest and dense; churning pool; schedules
+"step" (host reads in attention), "scratch" and "layer"; XLA references and Pallas kernels in interpret mode), prefill logits,
 host tiers and summaries agree within f32 tolerance, counters add up, the decode round over
 the mesh is one program that never copies the host tier, bad meshes fail early.
 GPU (marker ``gpu``, needs >= 2 GPUs): the same on the real kernels.
@@ -86,7 +86,9 @@ def test_counters_are_totals_and_consistent(results, case):
         assert per["tokens_written"] == [one["tokens_written"]] * n
         assert s["bytes_device_to_host"] == one["bytes_device_to_host"]
         assert s["dropped"] == 0 and s["truncated_requests"] == 0
-        assert s["bytes_host_to_device"] == s["pages_fetched"] * _local_page_bytes(s, n)
+        page = _local_page_bytes(s, n)     # a host read moves one KV head's part of a row
+        assert s["bytes_host_to_device"] == (s["pages_fetched"] * page
+                                             + s["host_reads"] * page // (CFG.num_kv_heads // n))
         assert s["generated_tokens"] == one["generated_tokens"]
         assert s["logical_kv_bytes"] == one["logical_kv_bytes"]
         assert s["host_kv_bytes"] == one["host_kv_bytes"]
