@@ -320,6 +320,10 @@ def install_previous(plan: Plan, kv, lookahead, protect):
         dst = jnp.where(ok, lcol * S + res.fetch_dst, INVALID)
         pool = page_fetch.fetch_pages(kv.host_kv, kv.pool, src.reshape(-1), dst.reshape(-1),
                                       implementation=impl)
+        # The host tier is written in place later in the step; tie it to the fetch's result so
+        # XLA orders that write after this read instead of copying the whole host array.
+        host_kv, pool = jax.lax.optimization_barrier((kv.host_kv, pool))
+        kv = dataclasses.replace(kv, host_kv=host_kv)
         c = dataclasses.replace(c, pages_fetched=c.pages_fetched + jnp.sum(ok).astype(jnp.int32))
     else:
         res = lru.ensure(kv.page_table, kv.slot_owner, kv.last_used, sel, prot, kv.step,
@@ -468,6 +472,9 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
             rows = jnp.where(sel >= 0, layer * P + sel, INVALID)
         out, _ = sparse_paged_attention(q1, kv.pool, rows, pages, jnp.where(active, pos + 1, 1),
                                         page_size=ps, num_kv_heads=H, implementation=impl, **host)
+        if host:  # order the next in-place host write after this read (no host-array copy)
+            host_kv, out = jax.lax.optimization_barrier((kv.host_kv, out))
+            kv = dataclasses.replace(kv, host_kv=host_kv)
         return out[:, None].astype(q.dtype), (kv, summ, look, dense)
 
     x = llama.embed(params, cfg, st.last_token[:, None])
