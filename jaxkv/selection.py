@@ -59,7 +59,8 @@ def update_and_select(selector: str, summaries, layer, lp, cfg, h, q, k_new, pos
     if selector == "indexer":
         pos2 = jnp.maximum(positions, 0)[:, None]
         q_idx, w, k_idx = llama.indexer_inputs(lp, cfg, h, pos2)
-        keys = indexer.indexer_update(summaries[0], layer, k_idx[:, 0], positions)
+        keys = indexer.indexer_update(summaries[0], layer, k_idx[:, 0], positions,
+                                      page_size=page_size)
         pages = indexer.indexer_select(q_idx[:, 0], w[:, 0], keys, layer, seq_lens, k=k,
                                        page_size=page_size, num_sink_pages=num_sink_pages,
                                        implementation=implementation)

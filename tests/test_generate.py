@@ -166,3 +166,16 @@ def test_dense_first_layers(mode):
     assert all_dense.tokens == dense.tokens
     with pytest.raises(ValueError, match="dense_layers"):
         _gen(dataclasses.replace(cache, dense_layers=CFG.num_layers + 1), max_new_tokens=8)
+
+
+def test_indexer_selector_host_equals_resident():
+    """The learned-indexer selector end to end: host tier (churning pool) == resident."""
+    cfg = configs.with_indexer(CFG, heads=4, dim=16)
+    params = llama.init_params(cfg, seed=3)
+    base = dict(selector="indexer", page_size=4, selected_pages=3)
+    runs = [jaxkv.generate(cfg, params, PROMPTS, max_new_tokens=8, stop_tokens=[], cache=c)
+            for c in (CacheConfig(mode="resident", **base),
+                      CacheConfig(mode="host", pool_pages=3 * 6, **base))]
+    assert runs[0].tokens == runs[1].tokens
+    assert all(len(t) == 8 for t in runs[1].tokens)
+    assert runs[1].stats["misses"] > 0 and runs[1].stats["dropped"] == 0
