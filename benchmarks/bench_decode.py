@@ -325,12 +325,9 @@ def build_state(tp, plan, lengths, *, synth, seed, chunk_bytes):
                 dst, summaries = fn(dst, summaries, np.int32(layer), np.int32(b), np.int32(j0),
                                     np.int32(lengths[b]), key, sal)
     kv = dataclasses.replace(kv, host_kv=dst) if lay.host else dataclasses.replace(kv, pool=dst)
-    B = plan.batch
-    state = engine.DecodeState(
-        kv=kv, summaries=tuple(summaries), lengths=jnp.asarray(lengths, jnp.int32),
-        last_token=jnp.zeros((B,), jnp.int32), done=jnp.zeros((B,), jnp.bool_),
-        n_generated=jnp.zeros((B,), jnp.int32), key=jax.random.key(seed),
-        lookahead=tp.init_lookahead(plan))
+    state = engine.start_state(plan, kv, tuple(summaries), lengths,
+                               jnp.zeros((plan.batch,), jnp.int32), jax.random.key(seed),
+                               n_generated=0, lookahead=tp.init_lookahead(plan))
     return reuse_state(tp, plan, state, lengths, seed=seed)
 
 
@@ -475,17 +472,22 @@ def _per_step(plan) -> bool:
     return bool(getattr(plan, "per_step", False))
 
 
+def _ensure_shapes(plan, lengths):
+    """(L, P, S, B, H, k, Np, ps, n_valid) of the LRU timings: n_valid = pages of the shortest
+    request."""
+    spec = plan.spec
+    ps = plan.page_size
+    return (spec.num_layers, spec.num_logical_pages, spec.num_slots, plan.batch,
+            plan.model.num_kv_heads, plan.k, plan.pages_per_seq, ps, -(-int(min(lengths)) // ps))
+
+
 def time_ensure(plan, lengths, st: Settings, rng):
     """Seconds per step of ``lru.ensure`` + the LRU-state updates for random requests of the
     step's shape: one call for all layers per step (per-step schedule) or one per layer."""
     if _per_step(plan):
         return _time_ensure_all_layers(plan, lengths, st, rng)
-    spec = plan.spec
-    L, P, S, B, H, k = (spec.num_layers, spec.num_logical_pages, spec.num_slots, plan.batch,
-                        plan.model.num_kv_heads, plan.k)
-    Np, ps = plan.pages_per_seq, plan.page_size
+    L, P, S, B, H, k, Np, ps, n_valid = _ensure_shapes(plan, lengths)
     nr = 4
-    n_valid = -(-int(min(lengths)) // ps)
     reqs = np.stack([(_random_pages(rng, B, H, k, n_valid)
                       + (np.arange(B) * Np)[:, None, None]).reshape(1, -1) for _ in range(nr)])
     cur = np.asarray(lengths) // ps
@@ -511,12 +513,8 @@ def time_ensure(plan, lengths, st: Settings, rng):
 
 
 def _time_ensure_all_layers(plan, lengths, st: Settings, rng):
-    spec = plan.spec
-    L, P, S, B, H, k = (spec.num_layers, spec.num_logical_pages, spec.num_slots, plan.batch,
-                        plan.model.num_kv_heads, plan.k)
-    Np, ps = plan.pages_per_seq, plan.page_size
+    L, P, S, B, H, k, Np, ps, n_valid = _ensure_shapes(plan, lengths)
     nr = 4
-    n_valid = -(-int(min(lengths)) // ps)
     reqs = np.stack([np.stack([(_random_pages(rng, B, H, k, n_valid)
                                 + (np.arange(B) * Np)[:, None, None]).reshape(-1)
                                for _ in range(L)]) for _ in range(nr)])          # [nr, L, R]

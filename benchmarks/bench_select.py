@@ -95,6 +95,16 @@ def run(out_dir, quick=False, sizes=None):
                           reps)
     rec("loop", 0, "empty_loop", overhead)
 
+    def time_topk(method_name, np_, scores, seq_lens, top_kw):
+        """Top-k alone over precomputed per-layer scores [L, B, (H,) Np], every method."""
+        for method in ds.TOPK_METHODS[1:]:
+            def body(i, acc, scores, seq_lens, method=method):
+                s = lax.dynamic_index_in_dim(scores, i % L, 0, keepdims=False)
+                return acc + ds.select_top_pages(s, seq_lens, method=method, **top_kw)
+            acc0 = jnp.zeros(scores.shape[1:-1] + (top_kw["k"],), jnp.int32)
+            rec(method_name, np_, f"topk_{method}",
+                _time_loop(body, acc0, iters, reps, (scores, seq_lens)))
+
     for np_ in c["sizes"]:
         seq_lens = jnp.full((B,), np_ * ps - ps // 2, jnp.int32)
         sel_kw = dict(k=k, page_size=ps, num_sink_pages=sinks)
@@ -121,13 +131,7 @@ def run(out_dir, quick=False, sizes=None):
             rec("quest", np_, name, t, meta, block_pages=bp, num_warps=nw)
         scores = jnp.stack([quest.quest_scores_pallas(q, kmax, kmin, l, seq_lens, page_size=ps)
                             for l in range(L)])
-        for method in ds.TOPK_METHODS[1:]:
-            def body(i, acc, scores, seq_lens, method=method):
-                s = lax.dynamic_index_in_dim(scores, i % L, 0, keepdims=False)
-                return acc + ds.select_top_pages(s, seq_lens, method=method, **top_kw)
-            rec("quest", np_, f"topk_{method}",
-                _time_loop(body, jnp.zeros((B, H, k), jnp.int32), iters, reps,
-                           (scores, seq_lens)))
+        time_topk("quest", np_, scores, seq_lens, top_kw)
         for impl, method in variants:
             def body(i, acc, q, kmax, kmin, seq_lens, impl=impl, method=method):
                 return acc + quest.quest_select(q, kmax, kmin, i % L, seq_lens,
@@ -158,12 +162,7 @@ def run(out_dir, quick=False, sizes=None):
                 block_pages=bp, num_warps=nw)
         scores = jnp.stack([indexer.indexer_scores_pallas(qi, w, pk, l, seq_lens, page_size=ps)
                             for l in range(L)])
-        for method in ds.TOPK_METHODS[1:]:
-            def body(i, acc, scores, seq_lens, method=method):
-                s = lax.dynamic_index_in_dim(scores, i % L, 0, keepdims=False)
-                return acc + ds.select_top_pages(s, seq_lens, method=method, **top_kw)
-            rec("indexer", np_, f"topk_{method}",
-                _time_loop(body, jnp.zeros((B, k), jnp.int32), iters, reps, (scores, seq_lens)))
+        time_topk("indexer", np_, scores, seq_lens, top_kw)
         for impl, method in variants:
             def body(i, acc, qi, w, pk, seq_lens, impl=impl, method=method):
                 return acc + indexer.indexer_select(qi, w, pk, i % L, seq_lens,

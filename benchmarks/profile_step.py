@@ -36,9 +36,7 @@ def build_state(plan, params, prompts, seed=0):
         x, kv, summ, _ = engine.prefill_layer(plan, params["layers"][layer], jnp.int32(layer), x, lengths, kv, summ)
     key = jax.random.key(seed)
     first = engine.first_token(plan, params, x, lengths, Sampling.make(), key)
-    return engine.DecodeState(kv=kv, summaries=summ, lengths=lengths, last_token=first,
-                              done=jnp.zeros((B,), bool), n_generated=jnp.ones((B,), jnp.int32),
-                              key=key, lookahead=engine.init_lookahead(plan))
+    return engine.start_state(plan, kv, summ, lengths, first, key)
 
 
 def time_config(cfg, params, prompts, cache, steps, rounds, dump=None, trace=None):

@@ -233,10 +233,8 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
 
     stop_np = set(stops)
     done0 = np.array([(t in stop_np) or max_new_tokens <= 1 for t in first_np])
-    state = engine.DecodeState(
-        kv=kv, summaries=summaries, lengths=lengths, last_token=first,
-        done=jnp.asarray(done0), n_generated=jnp.ones((B,), jnp.int32), key=key,
-        lookahead=eng.init_lookahead(plan), dense=dense)
+    state = engine.start_state(plan, kv, summaries, lengths, first, key, done=done0,
+                               lookahead=eng.init_lookahead(plan), dense=dense)
     out = [[int(t)] for t in first_np]
     yield [[int(t)] for t in first_np]
 

@@ -168,6 +168,21 @@ def init_dense(plan: Plan, *, poison: bool = False, traced: bool = False):
     return kvcache.init_resident(plan.dense_spec, poison=poison, traced=traced)
 
 
+def start_state(plan: Plan, kv, summaries, lengths, last_token, key, *, done=None,
+                n_generated: int = 1, lookahead=None, dense=()) -> DecodeState:
+    """The decode state right after a prefill: lengths [B] (tokens in the cache), last_token [B]
+    (the next token to feed), ``done`` [B] bool (default all False), every request's
+    ``n_generated`` set to the given count, empty per-step selections (``lookahead`` default:
+    ``init_lookahead(plan)``)."""
+    B = plan.batch
+    return DecodeState(
+        kv=kv, summaries=summaries, lengths=jnp.asarray(lengths, jnp.int32),
+        last_token=jnp.asarray(last_token, jnp.int32),
+        done=jnp.zeros((B,), jnp.bool_) if done is None else jnp.asarray(done),
+        n_generated=jnp.full((B,), n_generated, jnp.int32), key=key,
+        lookahead=init_lookahead(plan) if lookahead is None else lookahead, dense=dense)
+
+
 def init_lookahead(plan: Plan):
     """Per-step scheduling: the previous step's selections [L, R] (and, "scratch", the scratch
     rows they were fetched into)."""

@@ -212,13 +212,8 @@ def _check_lengths(plan: engine.Plan, lengths) -> np.ndarray:
 def _fresh(plan: engine.Plan, kv, summaries, lengths: np.ndarray, seed: int) -> engine.DecodeState:
     rng = np.random.default_rng([seed, 7])
     last = rng.integers(3, plan.model.vocab_size, plan.batch).astype(np.int32)
-    extra = {}
-    if hasattr(engine, "init_lookahead"):  # per-step scheduling state (empty selections)
-        extra["lookahead"] = engine.init_lookahead(plan)
-    return engine.DecodeState(
-        kv=kv, summaries=summaries, lengths=jnp.asarray(lengths, jnp.int32),
-        last_token=jnp.asarray(last), done=jnp.zeros((plan.batch,), jnp.bool_),
-        n_generated=jnp.zeros((plan.batch,), jnp.int32), key=jax.random.key(seed), **extra)
+    return engine.start_state(plan, kv, summaries, lengths, last, jax.random.key(seed),
+                              n_generated=0)
 
 
 def build_state(plan: engine.Plan, lengths, *, synth: Synthetic = Synthetic(), seed: int = 0,

@@ -166,12 +166,9 @@ def case_one_program():
     lens = [30, 17]
     plan = tp.plan(make_plan(tp.local_model(CFG), QUEST, lens, 8, 4))
     params = tp.shard_params(PARAMS)
-    B = len(lens)
-    state = engine.DecodeState(
-        kv=tp.init_kv(plan), summaries=tp.init_summaries(plan),
-        lengths=jnp.asarray(lens, jnp.int32), last_token=jnp.ones((B,), jnp.int32),
-        done=jnp.zeros((B,), bool), n_generated=jnp.ones((B,), jnp.int32),
-        key=jax.random.key(0), lookahead=tp.init_lookahead(plan))
+    state = engine.start_state(plan, tp.init_kv(plan), tp.init_summaries(plan), lens,
+                               jnp.ones((len(lens),), jnp.int32), jax.random.key(0),
+                               lookahead=tp.init_lookahead(plan))
     hlo = tp.lower_decode_round(plan, params, state, Sampling.make(), jnp.full((4,), -1, jnp.int32),
                                 jnp.int32(8)).compile().as_text()
     entry = hlo[hlo.index("\nENTRY"):]

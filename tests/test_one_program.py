@@ -8,7 +8,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from jaxkv import CacheConfig, Sampling, engine
@@ -19,12 +18,8 @@ from models import configs, llama
 def _compiled_round(cfg, cache_cfg, prompt_lens, max_new=8):
     params = llama.init_params(cfg, seed=0)
     plan = make_plan(cfg, cache_cfg, prompt_lens, max_new, num_stop=4)
-    B = plan.batch
-    state = engine.DecodeState(
-        kv=engine.init_kv(plan), summaries=engine.init_summaries(plan),
-        lengths=jnp.asarray(prompt_lens, jnp.int32), last_token=jnp.ones((B,), jnp.int32),
-        done=jnp.zeros((B,), bool), n_generated=jnp.ones((B,), jnp.int32),
-        key=jax.random.key(0), lookahead=engine.init_lookahead(plan))
+    state = engine.start_state(plan, engine.init_kv(plan), engine.init_summaries(plan),
+                               prompt_lens, jnp.ones((plan.batch,), jnp.int32), jax.random.key(0))
     lowered = engine.lower_decode_round(plan, params, state, Sampling.make(),
                                         jnp.full((4,), -1, jnp.int32), jnp.int32(max_new))
     return plan, lowered.compile().as_text()

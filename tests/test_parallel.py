@@ -209,12 +209,9 @@ def test_gpu_decode_round_is_one_program_over_the_mesh():
     lens = [300, 170]
     plan = tp.plan(make_plan(tp.local_model(cfg), CacheConfig(mode="host", page_size=16,
                                                               selected_pages=4), lens, 8, 4))
-    B = len(lens)
-    state = engine.DecodeState(
-        kv=tp.init_kv(plan), summaries=tp.init_summaries(plan),
-        lengths=jnp.asarray(lens, jnp.int32), last_token=jnp.ones((B,), jnp.int32),
-        done=jnp.zeros((B,), bool), n_generated=jnp.ones((B,), jnp.int32),
-        key=jax.random.key(0), lookahead=tp.init_lookahead(plan))
+    state = engine.start_state(plan, tp.init_kv(plan), tp.init_summaries(plan), lens,
+                               jnp.ones((len(lens),), jnp.int32), jax.random.key(0),
+                               lookahead=tp.init_lookahead(plan))
     hlo = tp.lower_decode_round(plan, tp.shard_params(llama.init_params(cfg, seed=0)), state,
                                 Sampling.make(), jnp.full((4,), -1, jnp.int32),
                                 jnp.int32(8)).compile().as_text()
