@@ -128,7 +128,7 @@ def split_to_host(case, seed, on_host=None):
     pool = np.array(case["pool"].astype(jnp.float32))
     rows = np.asarray(case["block_rows"])
     used = sorted({int(r) for r in rows[rows >= 0].ravel()})
-    moved = [r for r in used if rng.random() < 0.5]
+    moved = [r for r in used if rng.random() < 0.5] or used[:1]  # at least one page moves
     n_host = len(moved) + 3
     host_of = dict(zip(moved, rng.permutation(n_host)[:len(moved)].tolist()))
     host = np.full((n_host, pool.shape[1]), np.nan, np.float32)
