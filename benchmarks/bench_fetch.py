@@ -70,6 +70,11 @@ def _variants(itemsize: int) -> dict[str, dict]:
                                        chunks_per_program=1, num_warps=w)
     v["e1_c16k_k4_w8"] = dict(pages_per_program=1, chunk_elems=c(16), chunks_per_program=4,
                               num_warps=8)
+    # pN: a persistent grid of N programs (N / 132 per SM), loads of the next item in flight
+    for n, kib, w in [(264, 16, 8), (528, 16, 8), (1056, 16, 8), (528, 8, 4), (1056, 8, 4),
+                      (2112, 4, 4)]:
+        v[f"p{n}_c{kib}k_w{w}"] = dict(pages_per_program=1, chunk_elems=c(kib), num_warps=w,
+                                       programs=n)
     return v
 
 
@@ -154,8 +159,23 @@ def _fetch_loop(steps, impl, tuning_items):
     return jax.jit(run, donate_argnums=1)
 
 
+def big_copies(f, *args, min_bytes=MiB):
+    """Copy instructions of at least ``min_bytes`` in the compiled HLO of ``f(*args)``: an
+    in-place fetch loop has none (a copy of the pool or host array would be a bug)."""
+    import re
+    sizes = dict(bf16=2, f16=2, f32=4, s32=4, u8=1, s8=1)
+    out = []
+    for line in f.lower(*args).compile().as_text().splitlines():
+        m = re.search(r"= (\w+)\[([\d,]*)\][^ ]* copy(-start)?\(", line)
+        if m and m.group(1) in sizes:
+            n = sizes[m.group(1)] * int(np.prod([int(x) for x in m.group(2).split(",") if x]))
+            if n >= min_bytes:
+                out.append(line.strip()[:160])
+    return out
+
+
 def fetch_point(src_arr, M, *, steps, reps, rng, tuning=None, impl="pallas", empty=False,
-                check=True):
+                check=True, check_copies=False):
     """Time ``steps`` fetches of M random distinct rows; returns a result dict."""
     n_src, row = src_arr.shape
     itemsize = jnp.dtype(src_arr.dtype).itemsize
@@ -172,6 +192,7 @@ def fetch_point(src_arr, M, *, steps, reps, rng, tuning=None, impl="pallas", emp
     pool = f(src_arr, pool, src_tab, dst_tab)
     pool.block_until_ready()
     first = time.perf_counter() - t0
+    copies = big_copies(f, src_arr, pool, src_tab, dst_tab) if check_copies else None
     box = [pool]
 
     def call():
@@ -190,6 +211,8 @@ def fetch_point(src_arr, M, *, steps, reps, rng, tuning=None, impl="pallas", emp
     nbytes = M * row * itemsize
     res = dict(M=M, page_bytes=row * itemsize, us_per_step=t * 1e6, steps=steps,
                first_call_s=first, correct=ok)
+    if copies is not None:
+        res["hlo_big_copies"] = copies
     if not empty:
         res["GBps"] = nbytes / t / 1e9
     if impl == "pallas":
@@ -234,7 +257,8 @@ def section_targets(cfg, bulk_gbps, budget, rng):
             if not budget.ok(f"targets {name} {vname}"):
                 break
             try:
-                r = fetch_point(host, M, steps=steps, reps=cfg.reps, rng=rng, tuning=tun)
+                r = fetch_point(host, M, steps=steps, reps=cfg.reps, rng=rng, tuning=tun,
+                                check_copies=vname == "default")
             except Exception as e:  # noqa: BLE001
                 r = dict(M=M, error=f"{type(e).__name__}: {str(e)[:300]}")
             r.update(variant=vname, aliases=[])
@@ -535,6 +559,11 @@ def print_table(res, path, png):
               f"{p.get('floor_default_us', float('nan')):>8.1f} "
               f"{p.get('device_src_GBps', float('nan')):>8.1f} {_cfg(by.get('default')):>14} "
               f"{'PASS' if bf >= p['target'] else 'miss'}{' BAD:' + ','.join(bad) if bad else ''}")
+    for p in res["targets"]:
+        for r in p["variants"]:
+            if r.get("hlo_big_copies") is not None:
+                print(f"{p['name']}: copies >= 1 MiB in the compiled fetch loop: "
+                      f"{len(r['hlo_big_copies'])} {r['hlo_big_copies'][:2]}")
     if res.get("recommended"):
         r = res["recommended"]
         f2 = lambda x: "-" if x is None else f"{x:.2f}"

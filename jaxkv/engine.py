@@ -368,23 +368,53 @@ def _first_occurrence(sel):
     return is_dup.reshape(B, H, k), leader.astype(jnp.int32)
 
 
-def lookup_in_place(plan: Plan, kv, layer, sel):
-    """Per-step scheduling "step", one layer: resident pages are read from their slots, missed
-    pages in place from the host tier by the attention kernel. sel [B, H, k] logical pages
-    (-1 pad). Returns (kv (counters), rows [B, H, k] pool rows or -1, host_rows [B, H, k])."""
+def lookup_in_place(plan: Plan, kv, layer, sel, logical, offset, tok_kv):
+    """Per-step scheduling "step", one layer: write the new token through (host tier and, if
+    its page is resident, its pool row: one launch), then map the selection to rows.
+    Resident pages are read from their slots, missed pages in place from the host tier by
+    the attention kernel. One page-table gather serves both.
+
+    sel [B, H, k] logical pages (-1 pad); logical [B] the new token's logical page (-1 =
+    inactive), offset [B] its offset; tok_kv [B, 2, H, D]. Returns (kv, rows [B, H, k] pool
+    rows or -1, host_rows [B, H, k] host rows or -1). Hit/miss counters are added once per
+    step by :func:`count_in_place` (the page table does not change within a step)."""
     spec = plan.spec
     S, P = spec.num_slots, spec.num_logical_pages
-    slot = jnp.where(sel >= 0, kv.page_table[layer, jnp.clip(sel, 0, P - 1)], INVALID)
+    B = logical.shape[0]
+    wanted = jnp.concatenate([sel.reshape(-1), logical])
+    slot = jnp.where(wanted >= 0, kv.page_table[layer, jnp.clip(wanted, 0, P - 1)], INVALID)
     if not plan.cache.reuse:
         slot = jnp.full_like(slot, INVALID)
-    miss = (sel >= 0) & (slot < 0)
+    cur = slot[-B:]
+    slot = slot[:-B].reshape(sel.shape)
+    host_kv, pool = page_write.write_tokens_pair(
+        kv.host_kv, kvcache._global_rows(logical, layer, P), kv.pool,
+        kvcache._global_rows(cur, layer, S), offset, tok_kv, page_size=spec.page_size,
+        implementation=plan.cache.implementation)
+    kv = dataclasses.replace(kv, host_kv=page_write.keep_on_host(host_kv), pool=pool)
     rows = jnp.where(slot >= 0, layer * S + slot, INVALID)
-    host_rows = jnp.where(miss, layer * P + sel, INVALID)
+    host_rows = jnp.where((sel >= 0) & (slot < 0), layer * P + sel, INVALID)
+    return kv, rows, host_rows
+
+
+def count_in_place(plan: Plan, kv, sel_all, n_active):
+    """Per-step scheduling "step", step end: hits, misses (= host reads) and tokens written of
+    the step's sparse layers, counted once over all layers. sel_all [L, R] the step's
+    selections (-1 pad; the dense layers' rows are all -1); n_active int32 scalar."""
+    spec = plan.spec
+    P = spec.num_logical_pages
+    lcol = jnp.arange(spec.num_layers, dtype=jnp.int32)[:, None]
+    slot = jnp.where(sel_all >= 0, kv.page_table[lcol, jnp.clip(sel_all, 0, P - 1)], INVALID)
+    if not plan.cache.reuse:
+        slot = jnp.full_like(slot, INVALID)
+    n_hit = jnp.sum(slot >= 0).astype(jnp.int32)
+    n_miss = jnp.sum((sel_all >= 0) & (slot < 0)).astype(jnp.int32)
     c = kv.counters
-    n_hit, n_miss = jnp.sum(slot >= 0).astype(jnp.int32), jnp.sum(miss).astype(jnp.int32)
+    written = (plan.model.num_layers - plan.num_dense) * n_active
     counters = dataclasses.replace(c, hits=c.hits + n_hit, misses=c.misses + n_miss,
-                                   host_reads=c.host_reads + n_miss)
-    return dataclasses.replace(kv, counters=counters), rows, host_rows
+                                   host_reads=c.host_reads + n_miss,
+                                   tokens_written=c.tokens_written + written)
+    return dataclasses.replace(kv, counters=counters)
 
 
 def lookup_and_fetch(plan: Plan, kv, layer, sel):
@@ -462,7 +492,9 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         kv, summ, look, dense = carry
         q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
         tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)       # [B, 2, H, D]
-        if plan.cache.mode == "host":
+        if plan.in_place:
+            pass  # written by lookup_in_place, after the selection (one launch for both tiers)
+        elif plan.cache.mode == "host":
             kv = kvcache.write_through(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
         else:
             kv = kvcache.write_resident(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
@@ -473,7 +505,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         sel = jnp.where(pages >= 0, b_idx[:, None, None] * Np + pages, INVALID)
         host = {}
         if plan.in_place:
-            kv, rows, host_rows = lookup_in_place(plan, kv, layer, sel)
+            kv, rows, host_rows = lookup_in_place(plan, kv, layer, sel, logical, offset, tok_kv)
             look = (look[0].at[layer].set(sel.reshape(-1)),)
             host = dict(host=kv.host_kv, host_rows=host_rows)
         elif plan.per_step:
@@ -501,6 +533,8 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     x, carry = llama.run_layers(params, cfg, x, tpos, attend, carry, start=nd,
                                 unroll=plan.layer_unroll, axis_name=plan.axis_name)
     kv, summ, look, dense = carry
+    if plan.in_place:
+        kv = count_in_place(plan, kv, look[0], jnp.sum(active).astype(jnp.int32))
     logits = llama.final_logits(params, cfg, x)
     key, sub = jax.random.split(st.key)
     tok = agree(sample(logits[:, 0], sampling, sub), plan.axis_name)

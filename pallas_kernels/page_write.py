@@ -2,6 +2,8 @@
 
 * ``write_tokens(dst, rows, offsets, kv, page_size=)``: one token's K and V per entry into
   row ``rows[m]`` at token offset ``offsets[m]`` (row layout ``[2, H, page_size, D]``).
+* ``write_tokens_pair(host, host_rows, pool, pool_rows, offsets, kv, page_size=)``: the same
+  tokens into two page arrays (host tier and device pool: write-through) in one launch.
 * ``write_pages(dst, rows, pages)``: whole rows (prefill).
 
 Both alias ``dst`` to the output (``input_output_aliases``); callers donate it. ``-1`` (or
@@ -38,6 +40,7 @@ from pallas_kernels import _common
 from pallas_kernels import page_fetch
 
 OP_TOKENS = "write_tokens"
+OP_PAIR = "write_tokens_pair"
 OP_PAGES = "write_pages"
 
 
@@ -65,43 +68,59 @@ def _check_tokens(dst, rows, offsets, kv, page_size):
         raise ValueError(f"rows {rows.shape} and offsets {offsets.shape} must be [{M}]")
 
 
-def _write_tokens_pallas(dst, rows, offsets, kv, *, page_size: int, num_warps: int = 4):
-    """Pallas: grid (M,); program m stores the 2*H head vectors of entry m (D elements each)."""
-    _check_tokens(dst, rows, offsets, kv, page_size)
-    N, R = dst.shape
+def _token_stores(dst_ref, r, o, ok, vals, N, ps, D):
+    """Store the 2*H head vectors ``vals`` of one token at row ``r``, offset ``o`` (masked)."""
+    ok = ok & (r >= 0) & (r < N) & (o >= 0) & (o < ps)
+    r = jnp.where(ok, r, 0)
+    o = jnp.where(ok, o, 0)
+    mask = jnp.full((D,), ok)
+    for seg, v in enumerate(vals):  # segment seg = (k_or_v, head): [ps, D] block
+        plgpu.store(dst_ref.at[r, pl.ds((seg * ps + o) * D, D)], v, mask=mask)
+
+
+def _write_tokens_call(dsts, rows, offsets, kv, *, page_size, num_warps, name):
+    """One launch, grid (M,): program m stores entry m's token into every array of ``dsts``
+    (at its row list in ``rows``). Each dst is aliased to its output."""
+    for d, r in zip(dsts, rows):
+        _check_tokens(d, r, offsets, kv, page_size)
     M, _, H, D = kv.shape
     ps = int(page_size)
     if D & (D - 1):
         raise ValueError(f"head_dim {D} must be a power of two (Triton blocks)")
-    kv2 = kv.astype(dst.dtype).reshape(M, 2 * H * D)
-    rows = jnp.asarray(rows, jnp.int32)
+    n = len(dsts)
+    sizes = [d.shape[0] for d in dsts]
+    kv2 = kv.astype(dsts[0].dtype).reshape(M, 2 * H * D)
+    rows = [jnp.asarray(r, jnp.int32) for r in rows]
     offsets = jnp.asarray(offsets, jnp.int32)
 
-    def kernel(rows_ref, offs_ref, kv_ref, dst_in_ref, dst_ref):
-        del dst_in_ref  # aliased with dst_ref
+    def kernel(*refs):
+        rows_refs, (offs_ref, kv_ref) = refs[:n], refs[n:n + 2]
+        out_refs = refs[2 * n + 2:]  # refs[n + 2: 2n + 2] are the aliased inputs
         m = pl.program_id(0)
-        r = rows_ref[m]
         o = offs_ref[m]
-        ok = (r >= 0) & (r < N) & (o >= 0) & (o < ps)
-        r = jnp.where(ok, r, 0)
-        o = jnp.where(ok, o, 0)
-        mask = jnp.full((D,), ok)
         vals = [kv_ref[m, pl.ds(seg * D, D)] for seg in range(2 * H)]
-        for seg, v in enumerate(vals):  # segment seg = (k_or_v, head): [ps, D] block
-            plgpu.store(dst_ref.at[r, pl.ds((seg * ps + o) * D, D)], v, mask=mask)
+        for rows_ref, dst_ref, N in zip(rows_refs, out_refs, sizes):
+            _token_stores(dst_ref, rows_ref[m], o, True, vals, N, ps, D)
 
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
-    return pl.pallas_call(
+    outs = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(dst.shape, dst.dtype),
+        out_shape=[jax.ShapeDtypeStruct(d.shape, d.dtype) for d in dsts],
         grid=(M,),
-        in_specs=[full((M,)), full((M,)), full(kv2.shape), full(dst.shape)],
-        out_specs=full(dst.shape),
-        input_output_aliases={3: 0},
+        in_specs=[full((M,))] * (n + 1) + [full(kv2.shape)] + [full(d.shape) for d in dsts],
+        out_specs=[full(d.shape) for d in dsts],
+        input_output_aliases={n + 2 + i: i for i in range(n)},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps),
         interpret=_common.interpret_mode(),
-        name="write_tokens",
-    )(rows, offsets, kv2, dst)
+        name=name,
+    )(*rows, offsets, kv2, *dsts)
+    return tuple(outs)
+
+
+def _write_tokens_pallas(dst, rows, offsets, kv, *, page_size: int, num_warps: int = 4):
+    """Pallas: grid (M,); program m stores the 2*H head vectors of entry m (D elements each)."""
+    return _write_tokens_call((dst,), (rows,), offsets, kv, page_size=page_size,
+                              num_warps=num_warps, name="write_tokens")[0]
 
 
 @_common.register(OP_TOKENS, "pallas")
@@ -161,6 +180,43 @@ def write_tokens(dst, rows, offsets, kv, *, page_size, implementation=None, **tu
     fn = _common.resolve(OP_TOKENS, implementation)
     return page_fetch.call_in_place(fn, (dst, rows, offsets, kv), 0, page_size=int(page_size),
                                     **tuning)
+
+
+@_common.register(OP_PAIR, "pallas")
+def write_tokens_pair_pallas(host, host_rows, pool, pool_rows, offsets, kv, *, page_size,
+                             num_warps=4):
+    """Pallas implementation of :func:`write_tokens_pair`."""
+    return _write_tokens_call((host, pool), (host_rows, pool_rows), offsets, kv,
+                              page_size=page_size, num_warps=num_warps, name="write_tokens_pair")
+
+
+@_common.register(OP_PAIR, "xla")
+def write_tokens_pair_reference(host, host_rows, pool, pool_rows, offsets, kv, *, page_size,
+                                **tuning):
+    """Pure-jnp reference of :func:`write_tokens_pair`: two :func:`write_tokens` references."""
+    del tuning
+    return (write_tokens_reference(host, host_rows, offsets, kv, page_size=page_size),
+            write_tokens_reference(pool, pool_rows, offsets, kv, page_size=page_size))
+
+
+def write_tokens_pair(host, host_rows, pool, pool_rows, offsets, kv, *, page_size,
+                      implementation=None, **tuning):
+    """Write-through in one launch: each entry's token into ``host`` and into ``pool``.
+
+    Args:
+      host: [Nh, R] host tier (pinned_host), donated; pool: [Np, R] device pool, donated.
+      host_rows, pool_rows: [M] int32 rows of each array (-1 = skip that array for the entry).
+      offsets, kv, page_size, implementation, **tuning: as :func:`write_tokens`.
+    Returns:
+      (host, pool) with the tokens written. Inside a traced loop over a host carry, wrap the
+      host result in :func:`keep_on_host`. Traced use only (inside ``jit``).
+    """
+    if host.dtype != pool.dtype or host.shape[1] != pool.shape[1]:
+        raise ValueError(f"host {host.shape} {host.dtype} and pool {pool.shape} {pool.dtype} "
+                         "must have the same row length and dtype")
+    fn = _common.resolve(OP_PAIR, implementation)
+    return fn(host, jnp.asarray(host_rows, jnp.int32), pool, jnp.asarray(pool_rows, jnp.int32),
+              offsets, kv, page_size=int(page_size), **tuning)
 
 
 @_common.register(OP_PAGES, "pallas")

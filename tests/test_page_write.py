@@ -58,6 +58,34 @@ def test_write_tokens_matches_reference(rng, heads, page_size, dtype):
         np.testing.assert_array_equal(got, expect, err_msg=impl)
 
 
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_write_tokens_pair(rng, impl):
+    """One launch writes each token into the host tier and (where its row is valid) the pool:
+    each array gets exactly what write_tokens would write into it."""
+    H, D, ps, n = 3, 64, 4, 6
+    row = 2 * H * ps * D
+    rows, offs, kv, expect_host = token_case(rng, n, H, D, ps, 7, jnp.float32)
+    pool_rows = np.where(rng.random(7) < 0.5, (rows + 2) % 5, -1).astype(np.int32)
+    pool_rows[rows < 0] = -1
+    expect_pool = np.full((5, 2, H, ps, D), np.nan, np.float32)
+    for r, o, x in zip(pool_rows, offs, kv):
+        if r >= 0 and o < ps:
+            expect_pool[r, :, :, o, :] = x
+
+    def f(host, pool):
+        h, p = page_write.write_tokens_pair(host, jnp.asarray(rows), pool, jnp.asarray(pool_rows),
+                                            jnp.asarray(offs), jnp.asarray(kv), page_size=ps,
+                                            implementation=impl)
+        return page_write.keep_on_host(h), p
+
+    host = jax.device_put(jnp.full((n, row), jnp.nan, jnp.float32), HOST)
+    pool = jnp.full((5, row), jnp.nan, jnp.float32)
+    h, p = jax.jit(f, donate_argnums=(0, 1), out_shardings=(HOST, DEVICE))(host, pool)
+    assert h.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(as_f32(h), expect_host)
+    np.testing.assert_array_equal(as_f32(p), expect_pool.reshape(5, row))
+
+
 def test_write_tokens_casts_kv(rng):
     rows, offs, kv, expect = token_case(rng, 4, 3, 64, 4, 6, jnp.bfloat16)
     got = run_tokens(4, 2 * 3 * 4 * 64, rows, offs, kv.astype(np.float32), 4, jnp.bfloat16,
@@ -149,6 +177,12 @@ def test_write_lowers_to_triton(monkeypatch):
                                                                 implementation="pallas"),
                     sds((n, R), jnp.bfloat16, sharding=HOST), sds((32,), jnp.int32),
                     sds((32,), jnp.int32), sds((32, 2, H, D), jnp.bfloat16))
+        assert "__gpu$xla.gpu.triton" in txt
+        txt = lower(lambda h, r, p, o, kv: page_write.write_tokens_pair(
+                        h, r, p, r, o, kv, page_size=ps, implementation="pallas"),
+                    sds((n, R), jnp.bfloat16, sharding=HOST), sds((32,), jnp.int32),
+                    sds((64, R), jnp.bfloat16), sds((32,), jnp.int32),
+                    sds((32, 2, H, D), jnp.bfloat16))
         assert "__gpu$xla.gpu.triton" in txt
         txt = lower(lambda h, r, p: page_write.write_pages(h, r, p, implementation="pallas"),
                     sds((n, R), jnp.bfloat16, sharding=HOST), sds((5,), jnp.int32),
