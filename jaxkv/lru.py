@@ -1,8 +1,16 @@
 """Static-shape LRU ``ensure``: make a step's requested pages resident in the device pool.
 
-Pure jnp with fixed shapes (no boolean-mask indexing, no ``jnp.unique``): one sort of the
-requests (to find duplicates), one sort of the slots (to rank victims), a few cumulative
-sums and scatters. Batched over layers with ``vmap``, so all layers cost one launch of each.
+Pure jnp with fixed shapes (no boolean-mask indexing, no ``jnp.unique``), batched over layers
+with ``vmap``, so all layers cost one launch of each op. Two implementations, identical
+outputs (every field, fetch entries in the same order):
+
+* ``method="sort"``: one sort of the requests (to find duplicates), one sort of the slots
+  (to rank victims), a few prefix sums and scatters. Scales to any shape.
+* ``method="dense"``: no sort, no prefix sum: [R, R], [S, S], [R, S] and [Q, S] compare
+  matrices that XLA fuses into a few wide kernels, one gather and one scatter on the page
+  table. For small pools, where the cost is the number of kernels, not arithmetic.
+* ``method="auto"`` (default): "dense" when R*R + S*S + R*S + Q*S <= ``DENSE_MAX_ELEMS``
+  (2**16 compare elements per layer), else "sort".
 
 Semantics, per layer and step (the plain-Python model in tests/lru_model.py is the spec):
 
@@ -27,6 +35,12 @@ from jaxkv.spec import INVALID
 
 _BIG = jnp.iinfo(jnp.int32).max
 _SCAN_BLOCK = 64
+METHODS = ("auto", "dense", "sort")
+# Per-layer compare elements up to which "auto" picks "dense". Below it the compare matrices
+# are small (<= 256 KB of int32 per layer) and the step's cost is the sort path's kernel
+# count; the small-pool layout (R=32, S=64, Q=4: 7424) is well inside, a long-context pool
+# (R=1024, S=2304: the [S, S] alone is 5.3M) far outside. A first guess, to tune on the GPU.
+DENSE_MAX_ELEMS = 2 ** 16
 
 
 def prefix_sum(x: jax.Array) -> jax.Array:
@@ -144,7 +158,98 @@ def _ensure_layer(page_table, slot_owner, last_used, requests, protect, payload,
     return page_table, slot_owner, last_used, slots, fetch_src, fetch_dst, fetch_payload, counts
 
 
-def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=None) -> EnsureResult:
+def _ensure_layer_dense(page_table, slot_owner, last_used, requests, protect, payload, step):
+    """One layer, sort-free: the same outputs as :func:`_ensure_layer` (fetch entries in the
+    same order too) from fixed-size compare matrices ([R, R], [S, S], [R, S], [Q, S]) that
+    XLA fuses into a few elementwise+reduce kernels; one gather and one scatter on
+    ``page_table``, none on the [S] state. Shapes as in :func:`_ensure_layer`."""
+    P = page_table.shape[0]
+    S = slot_owner.shape[0]
+    R = requests.shape[0]
+    i_r = jnp.arange(R, dtype=jnp.int32)
+    i_s = jnp.arange(S, dtype=jnp.int32)
+
+    valid = (requests >= 0) & (requests < P)
+    req = jnp.where(valid, requests, P).astype(jnp.int32)
+    pvalid = (protect >= 0) & (protect < P)
+    # One gather for requests and protected pages together.
+    both = jnp.concatenate([jnp.clip(requests, 0, P - 1), jnp.clip(protect, 0, P - 1)])
+    looked = page_table[both]
+    cur = jnp.where(valid, looked[:R], INVALID)              # [R] current slot (every copy)
+    pslot = jnp.where(pvalid, looked[R:], INVALID)           # [Q]
+
+    # [R, R]: duplicates (an earlier equal request) and "strictly smaller page" relations.
+    eq = req[:, None] == req[None, :]
+    first = valid & ~jnp.any(eq & (i_r[None, :] < i_r[:, None]), axis=1)
+    less = valid[None, :] & (req[None, :] < req[:, None])    # [i, j]: req[j] < req[i]
+    hit = first & (cur >= 0)
+    miss = first & (cur < 0)
+    # Position of a page's first copy in the sorted order (= the sort version's index of the
+    # run's leader) and the rank of a missed page among the missed pages (same for copies).
+    pos = jnp.sum(less, axis=1, dtype=jnp.int32)
+    rank = jnp.sum(less & miss[None, :], axis=1, dtype=jnp.int32)
+
+    # [R, S] / [Q, S]: protected slots = slots of resident requested pages (every copy has
+    # the same slot, so no need to wait for ``first``) and of resident protected pages.
+    used_slot = jnp.any(cur[:, None] == i_s[None, :], axis=0)
+    prot = used_slot | jnp.any(pslot[:, None] == i_s[None, :], axis=0)
+    # [S, S]: victim order = stable sort position of the key (ties by slot index).
+    key = jnp.where(prot, _BIG, jnp.where(slot_owner < 0, -1, last_used))
+    before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None])
+                                               & (i_s[None, :] < i_s[:, None]))
+    vrank = jnp.sum(before, axis=1, dtype=jnp.int32)        # [S] a permutation of 0..S-1
+    n_free = jnp.sum(~prot, dtype=jnp.int32)
+    n_assigned = jnp.minimum(jnp.sum(miss, dtype=jnp.int32), n_free)
+
+    # The missed page of rank k takes the slot of victim rank k (k < n_assigned).
+    missing = valid & (cur < 0)                              # every copy of a missed page
+    assigned_any = missing & (rank < n_free)
+    take = assigned_any[:, None] & (rank[:, None] == vrank[None, :])  # [R, S]
+    new_slot = jnp.sum(jnp.where(take, i_s[None, :], 0), axis=1, dtype=jnp.int32)
+    slots = jnp.where(cur >= 0, cur, jnp.where(assigned_any, new_slot, INVALID))
+    assigned = first & assigned_any
+
+    # Dense [S] state updates, straight from the per-slot ranks (no wait for ``new_slot``).
+    installed = vrank < n_assigned
+    new_owner = jnp.sum(jnp.where(miss[:, None] & (rank[:, None] == vrank[None, :]),
+                                  req[:, None], 0), axis=0, dtype=jnp.int32)
+    evicted = installed & (slot_owner >= 0)
+    # One scatter for the page table: evictions -> -1 and installs -> slot (disjoint pages:
+    # an evicted page is resident, an installed one was not).
+    idx = jnp.concatenate([jnp.where(evicted, slot_owner, P), jnp.where(assigned, req, P)])
+    val = jnp.concatenate([jnp.full((S,), INVALID, jnp.int32), new_slot])
+    page_table = page_table.at[idx].set(val, mode="drop")
+    slot_owner = jnp.where(installed, new_owner, slot_owner)
+    last_used = jnp.where(used_slot | installed, step, last_used)
+
+    # Fetch entries at the sorted positions of their pages ([R, R] select), -1 elsewhere.
+    put = assigned[:, None] & (pos[:, None] == i_r[None, :])  # [i, position]
+    anyput = jnp.any(put, axis=0)
+
+    def place(v):
+        return jnp.where(anyput, jnp.sum(jnp.where(put, v[:, None], 0), axis=0,
+                                         dtype=jnp.int32), INVALID)
+
+    counts = jnp.stack([
+        jnp.sum(hit), jnp.sum(miss), jnp.sum(evicted), jnp.sum(miss & ~assigned)
+    ]).astype(jnp.int32)
+    return (page_table, slot_owner, last_used, slots, place(req), place(new_slot),
+            place(payload), counts)
+
+
+def resolve_method(method: str, R: int, S: int, Q: int) -> str:
+    """The implementation ``ensure(..., method=method)`` runs for R requests, S slots and Q
+    protected pages per layer: "dense" or "sort" ("auto": "dense" iff
+    R*R + S*S + R*S + Q*S <= DENSE_MAX_ELEMS)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "auto":
+        return "dense" if R * R + S * S + R * S + Q * S <= DENSE_MAX_ELEMS else "sort"
+    return method
+
+
+def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=None,
+           method: str = "auto") -> EnsureResult:
     """Make the requested pages of every layer resident (fixed shapes, all layers at once).
 
     Args:
@@ -155,6 +260,8 @@ def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=N
       protect: [L, Q] int32 logical pages that must not be evicted (-1 = padding).
       step: int32 scalar, the current step (a strictly increasing clock).
       payload: optional [L, R] int32 carried to ``fetch_payload`` (default: -1).
+      method: static str, "auto" | "dense" | "sort" (see :func:`resolve_method`); all give
+        identical results.
     Returns:
       :class:`EnsureResult`.
     """
@@ -162,7 +269,9 @@ def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=N
     requests = requests.astype(jnp.int32)
     if payload is None:
         payload = jnp.full(requests.shape, INVALID, jnp.int32)
-    out = jax.vmap(_ensure_layer, in_axes=(0, 0, 0, 0, 0, 0, None))(
+    layer = {"dense": _ensure_layer_dense, "sort": _ensure_layer}[
+        resolve_method(method, requests.shape[-1], slot_owner.shape[-1], protect.shape[-1])]
+    out = jax.vmap(layer, in_axes=(0, 0, 0, 0, 0, 0, None))(
         page_table, slot_owner, last_used, requests, protect.astype(jnp.int32),
         payload.astype(jnp.int32), step)
     pt, so, lu, slots, src, dst, pay, counts = out

@@ -1,4 +1,7 @@
-"""jaxkv.lru.ensure against the plain-Python model (tests/lru_model.py) on random streams."""
+"""jaxkv.lru.ensure against the plain-Python model (tests/lru_model.py) on random streams,
+for both implementations ("dense" and "sort"), and the two against each other."""
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -10,10 +13,12 @@ from jaxkv import lru
 from jaxkv.lru import ensure
 from lru_model import LruModel
 
-_ensure = jax.jit(ensure)
+METHODS = ("dense", "sort")
+_JIT = {m: jax.jit(functools.partial(ensure, method=m)) for m in METHODS}
 
 
-def _run_stream(L, P, S, R, Q, steps, seed, p_dup=0.3, p_pad=0.2, locality=0.7):
+def _run_stream(L, P, S, R, Q, steps, seed, p_dup=0.3, p_pad=0.2, locality=0.7, method="sort"):
+    _ensure = _JIT[method]
     rng = np.random.default_rng(seed)
     pt = jnp.full((L, P), -1, jnp.int32)
     so = jnp.full((L, S), -1, jnp.int32)
@@ -52,26 +57,88 @@ def _run_stream(L, P, S, R, Q, steps, seed, p_dup=0.3, p_pad=0.2, locality=0.7):
     return totals
 
 
-def test_stream_pool_larger_than_requests():
-    totals = _run_stream(L=3, P=64, S=24, R=8, Q=2, steps=60, seed=0)
+@pytest.mark.parametrize("method", METHODS)
+def test_stream_pool_larger_than_requests(method):
+    totals = _run_stream(L=3, P=64, S=24, R=8, Q=2, steps=60, seed=0, method=method)
     assert totals[0] > 0 and totals[1] > 0 and totals[2] > 0 and totals[3] == 0
 
 
-def test_stream_pool_smaller_than_requests_drops_and_counts():
+@pytest.mark.parametrize("method", METHODS)
+def test_stream_pool_smaller_than_requests_drops_and_counts(method):
     totals = _run_stream(L=2, P=40, S=6, R=12, Q=3, steps=40, seed=1, p_dup=0.1, p_pad=0.0,
-                         locality=0.2)
+                         locality=0.2, method=method)
     assert totals[3] > 0  # something was dropped and counted
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     L=st.integers(1, 2), P=st.integers(4, 48), S=st.integers(1, 16), R=st.integers(1, 12),
     Q=st.integers(1, 4), seed=st.integers(0, 2**31 - 1),
     p_dup=st.floats(0, 0.6), p_pad=st.floats(0, 0.6), locality=st.floats(0, 1),
 )
-def test_property_matches_model(L, P, S, R, Q, seed, p_dup, p_pad, locality):
+@pytest.mark.parametrize("method", METHODS)
+def test_property_matches_model(method, L, P, S, R, Q, seed, p_dup, p_pad, locality):
     S = min(S, P)
-    _run_stream(L, P, S, R, Q, steps=12, seed=seed, p_dup=p_dup, p_pad=p_pad, locality=locality)
+    _run_stream(L, P, S, R, Q, steps=12, seed=seed, p_dup=p_dup, p_pad=p_pad, locality=locality,
+                method=method)
+
+
+_FIELDS = ("page_table", "slot_owner", "last_used", "slots", "fetch_src", "fetch_dst",
+           "fetch_payload", "hits", "misses", "evictions", "dropped")
+
+
+@pytest.mark.parametrize("L,P,S,R,Q,p_dup,p_pad,locality", [
+    (2, 200, 16, 12, 3, 0.3, 0.2, 0.8),   # pool larger than a step's request, churn
+    (3, 40, 5, 14, 4, 0.4, 0.1, 0.3),     # pool smaller than the request: drops
+    (1, 30, 30, 8, 2, 0.5, 0.5, 0.5),     # pool as large as the page space: no evictions
+    (2, 64, 3, 1, 1, 0.0, 0.3, 0.2),      # single request, tiny pool
+])
+def test_dense_equals_sort_on_long_streams(L, P, S, R, Q, p_dup, p_pad, locality):
+    """Both methods, fed the same stream from the same state, give identical EnsureResults
+    (fetch entries in the same order too), including payloads of duplicated requests."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)  # fresh each run; printed on failure
+    rng = np.random.default_rng([L, P, S, R, Q, seed])
+    state = (jnp.full((L, P), -1, jnp.int32), jnp.full((L, S), -1, jnp.int32),
+             jnp.full((L, S), -1, jnp.int32))
+    prev = rng.integers(0, P, (L, R))
+    drops = evictions = 0
+    for t in range(60):
+        req = np.where(rng.random((L, R)) < locality, prev, rng.integers(0, P, (L, R)))
+        req = np.where(rng.random((L, R)) < p_dup, np.roll(req, 1, axis=1), req)
+        req = np.where(rng.random((L, R)) < p_pad, -1, req)
+        prev = np.where(req >= 0, req, prev)
+        prot = np.where(rng.random((L, Q)) < 0.5, rng.integers(0, P, (L, Q)), -1)
+        pay = rng.integers(-1, 1000, (L, R))  # distinct per copy: exposes which copy is used
+        args = (*state, jnp.asarray(req, jnp.int32), jnp.asarray(prot, jnp.int32), t,
+                jnp.asarray(pay, jnp.int32))
+        d, s = _JIT["dense"](*args), _JIT["sort"](*args)
+        for f in _FIELDS:
+            np.testing.assert_array_equal(getattr(d, f), getattr(s, f), err_msg=f"{f} step {t} seed {seed}")
+        state = (s.page_table, s.slot_owner, s.last_used)
+        drops += int(s.dropped)
+        evictions += int(s.evictions)
+    assert (evictions > 0) == (S < P)
+    if S < R:
+        assert drops > 0
+
+
+def test_auto_picks_dense_for_small_pools_and_sort_for_large():
+    assert lru.resolve_method("auto", R=32, S=64, Q=4) == "dense"   # bench_fetch section_ensure
+    assert lru.resolve_method("auto", R=1024, S=2304, Q=4) == "sort"
+    assert lru.resolve_method("sort", R=1, S=1, Q=1) == "sort"
+    with pytest.raises(ValueError):
+        lru.resolve_method("fast", R=1, S=1, Q=1)
+
+    def prims(L, P, R, S, Q, **kw):
+        args = (jnp.zeros((L, P), jnp.int32), jnp.zeros((L, S), jnp.int32),
+                jnp.zeros((L, S), jnp.int32), jnp.zeros((L, R), jnp.int32),
+                jnp.zeros((L, Q), jnp.int32), 0)
+        return _primitives(jax.make_jaxpr(functools.partial(ensure, **kw))(*args).jaxpr)
+
+    small = prims(32, 256, 32, 64, 4)
+    assert not small & {"sort", "cumsum", "reduce_window_sum", "reduce_window_max"}, small
+    assert "sort" in prims(1, 4096, 1024, 2304, 4)
+    assert "sort" in prims(2, 16, 4, 4, 1, method="sort")
 
 
 def test_pinned_pages_are_never_evicted():
