@@ -18,10 +18,10 @@ the pages with value ``== T``, the ones with the **lowest indices** until it has
 by a radix search on keys: ``32 / radix_bits`` passes, each counting ``key >= t`` for
 ``2**radix_bits`` thresholds at once. To keep those passes small for long rows (two stages,
 ``chunk = c > 1``): the row (``N`` padded to a power of two with masked loads) is viewed as
-``[N / c, c]`` chunks; the k-th largest chunk max ``M`` is found first; the ``k`` chunks with
-max ``> M`` plus the lowest-index chunks with max ``== M`` contain every value ``> M`` and
-``k`` values ``>= M``, so the k-th largest of their ``k * c`` entries (re-loaded by index from
-the L2-resident scores) is exactly ``T``. The final pass over the whole row selects
+``[N / c, c]`` chunks; the k-th largest chunk max ``M`` is found first; the chunks with max
+``> M`` plus the lowest-index chunks with max ``== M``, ``k`` chunks in all, contain every
+value ``> M`` and ``k`` values ``>= M``, so the k-th largest of their ``k * c`` entries
+(re-loaded by index from the L2-resident scores) is exactly ``T``. The final pass over the whole row selects
 ``key > T`` plus the first ``k - count(key > T)`` ties (one packed forward ``cumsum`` gives
 both counts) and scatters the selected column indices to their ranks; the rest of the
 output row is set to -1. No sort is needed: the ranks are already ascending column order.
