@@ -461,15 +461,19 @@ def test_pallas_topk_matches_sort_on_distinct_scores():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_auto_resolves_to_pallas_only_when_asked_off_gpu(monkeypatch):
-    kw = dict(num_pages=23, k=4, page_size=1, num_sink_pages=1)
-    args = (jnp.zeros((1, 23)), jnp.array([23]))
-    assert "pallas_call" not in str(jax.make_jaxpr(
-        lambda s, l: ds.select_top_pages(s, l, method="auto", **kw))(*args))
-    monkeypatch.setenv("JAXKV_IMPL", "pallas")
-    kw["num_pages"] = 22  # a new static argument: traced again
-    assert "pallas_call" in str(jax.make_jaxpr(
-        lambda s, l: ds.select_top_pages(s, l, method="auto", **kw))(*args))
+@pytest.mark.parametrize("env", [None, "pallas", "xla"])
+def test_auto_resolution(monkeypatch, env):
+    """"auto" is the Pallas kernel on the GPU (or with JAXKV_IMPL=pallas), else XLA."""
+    from pallas_kernels import _common
+    if env is None:
+        monkeypatch.delenv("JAXKV_IMPL", raising=False)
+    else:
+        monkeypatch.setenv("JAXKV_IMPL", env)
+    n = {None: 23, "pallas": 22, "xla": 21}[env]  # a new static argument: traced again
+    kw = dict(num_pages=n, k=4, page_size=1, num_sink_pages=1)
+    jaxpr = str(jax.make_jaxpr(lambda s, l: ds.select_top_pages(s, l, method="auto", **kw))(
+        jnp.zeros((1, n)), jnp.array([n])))
+    assert ("pallas_call" in jaxpr) == (env == "pallas" or (env is None and _common.on_gpu()))
 
 
 # ----------------------------------------------------------------------------- GPU lowering
@@ -498,7 +502,8 @@ def test_quest_lowers_for_gpu(no_interpret, L, B, Np, H, G, D):
     def loop(q, kmax, kmin, seq_lens):
         def body(i, acc):
             sel = quest.quest_select(q, kmax, kmin, i % L, seq_lens, k=8, page_size=64,
-                                     num_sink_pages=1, implementation="pallas")
+                                     num_sink_pages=1, implementation="pallas",
+                                     topk_method="chunked")  # one Triton call: the scores
             return acc + sel.sum()
         return jax.lax.fori_loop(0, 2 * L, body, jnp.int32(0))
     meta = S((L, B, Np, H, D), jnp.bfloat16)
@@ -508,11 +513,12 @@ def test_quest_lowers_for_gpu(no_interpret, L, B, Np, H, G, D):
 
 @pytest.mark.parametrize("L,B,Np,HI,dI", [(4, 1, 16384, 64, 128), (2, 3, 37, 6, 16)])
 def test_indexer_lowers_for_gpu(no_interpret, L, B, Np, HI, dI):
-    fn = functools.partial(indexer.indexer_select, k=8, page_size=64, num_sink_pages=1,
-                           implementation="pallas")
-    txt = _lower_for_h200(fn, S((B, HI, dI), jnp.bfloat16), S((B, HI), jnp.float32),
-                          S((L, B, Np, dI), jnp.float32), S((), jnp.int32), S((B,), jnp.int32))
-    assert txt.count("__gpu$xla.gpu.triton") == 1
+    txts = [_lower_for_h200(
+        functools.partial(indexer.indexer_select, k=8, page_size=64, num_sink_pages=1,
+                          implementation="pallas", topk_method=method),
+        S((B, HI, dI), jnp.bfloat16), S((B, HI), jnp.float32), S((L, B, Np, dI), jnp.float32),
+        S((), jnp.int32), S((B,), jnp.int32)) for method in ("chunked", "pallas")]
+    assert [t.count("__gpu$xla.gpu.triton") for t in txts] == [1, 2]
 
 
 @pytest.mark.parametrize("L,B,Np,H,G,D", [(4, 1, 16384, 8, 4, 128), (2, 3, 21, 3, 3, 16)])
