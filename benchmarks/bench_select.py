@@ -3,8 +3,12 @@
 Each timing is one jitted ``lax.fori_loop`` whose body selects for layer ``i % L`` of a
 ``[L, ...]`` metadata array (so nothing is hoisted out of the loop); the figure is wall time
 per iteration (median of several runs). Reported separately: scoring only (the Pallas
-kernel, a few block shapes), top-k only (on precomputed scores, both top-k methods), the whole
-selector (Pallas scoring and the XLA reference), and an almost empty loop (overhead).
+kernel, a few block shapes), top-k only (on precomputed scores, every top-k method, and the
+Pallas top-k kernel's tuning variants ``topk_pallas_c<chunk>_r<radix bits>_w<warps>`` at the
+sweep size), the whole selector (``select_pallas_topk`` = Pallas scores kernel + Pallas top-k
+kernel, the GPU default; ``select_pallas_chunked`` = the previous default, XLA top-k;
+``select_xla_auto`` = the XLA scores reference + the default top-k), and an almost empty
+loop (overhead).
 The metadata read time at HBM speed comes from a large device copy in the same run.
 
     PYTHONPATH=. python3 benchmarks/bench_select.py --out DIR [--quick]
@@ -25,19 +29,22 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels import dense_select as ds
-from pallas_kernels import indexer, quest
+from pallas_kernels import indexer, quest, topk
 
 FULL = dict(sizes=(1024, 4096, 16384), L=4, B=1, H=8, G=4, D=128, HI=64, DI=128, ps=64, k=32,
             sinks=1, iters=200, reps=5, copy_mib=1024, sweep_at=16384,
             quest_blocks=((4, 4), (16, 4), (16, 8), (32, 8)),  # default: 8 pages, 4 warps
-            indexer_blocks=((32, 4), (128, 4), (128, 8)))  # default: 64 pages, 4 warps
+            indexer_blocks=((32, 4), (128, 4), (128, 8)),  # default: 64 pages, 4 warps
+            # Pallas top-k (chunk, radix_bits, num_warps); default at 16k pages: (16, 4, 16)
+            topk_variants=((16, 4, 8), (16, 4, 4), (16, 2, 16), (8, 4, 16), (32, 4, 16)))
 QUICK = dict(sizes=(16,), L=2, B=1, H=2, G=2, D=16, HI=16, DI=16, ps=4, k=8, sinks=1,
              iters=2, reps=1, copy_mib=1, sweep_at=16, quest_blocks=((4, 4),),
-             indexer_blocks=((16, 4),))
+             indexer_blocks=((16, 4),), topk_variants=((1, 2, 4),))
 
 
-# whole-selector variants (implementation, top-k method); all of them at the sweep size only
-SELECT_VARIANTS = (("pallas", "auto"), ("xla", "auto"), ("pallas", "sort"), ("pallas", "chunked"))
+# whole-selector variants (implementation, top-k method) besides select_pallas_topk (the
+# default on the GPU, "auto"); the first two at every size, all of them at the sweep size
+SELECT_VARIANTS = (("pallas", "chunked"), ("xla", "auto"), ("pallas", "sort"))
 
 
 def _commit() -> str:
@@ -96,14 +103,25 @@ def run(out_dir, quick=False, sizes=None):
     rec("loop", 0, "empty_loop", overhead)
 
     def time_topk(method_name, np_, scores, seq_lens, top_kw):
-        """Top-k alone over precomputed per-layer scores [L, B, (H,) Np], every method."""
+        """Top-k alone over precomputed per-layer scores [L, B, (H,) Np], every method (and
+        the Pallas kernel's tuning variants at the sweep size)."""
+        acc0 = jnp.zeros(scores.shape[1:-1] + (top_kw["k"],), jnp.int32)
         for method in ds.TOPK_METHODS[1:]:
             def body(i, acc, scores, seq_lens, method=method):
                 s = lax.dynamic_index_in_dim(scores, i % L, 0, keepdims=False)
                 return acc + ds.select_top_pages(s, seq_lens, method=method, **top_kw)
-            acc0 = jnp.zeros(scores.shape[1:-1] + (top_kw["k"],), jnp.int32)
             rec(method_name, np_, f"topk_{method}",
                 _time_loop(body, acc0, iters, reps, (scores, seq_lens)))
+        for chunk, bits, warps in (c["topk_variants"] if np_ == c["sweep_at"] else ()):
+            fn = functools.partial(topk.select_top_pages_pallas, chunk=chunk, radix_bits=bits,
+                                   num_warps=warps, **top_kw)
+
+            def body(i, acc, scores, seq_lens, fn=fn):
+                return acc + fn(lax.dynamic_index_in_dim(scores, i % L, 0, keepdims=False),
+                                seq_lens)
+            rec(method_name, np_, f"topk_pallas_c{chunk}_r{bits}_w{warps}",
+                _time_loop(body, acc0, iters, reps, (scores, seq_lens)), chunk=chunk,
+                radix_bits=bits, num_warps=warps)
 
     for np_ in c["sizes"]:
         seq_lens = jnp.full((B,), np_ * ps - ps // 2, jnp.int32)
@@ -132,12 +150,13 @@ def run(out_dir, quick=False, sizes=None):
         scores = jnp.stack([quest.quest_scores_pallas(q, kmax, kmin, l, seq_lens, page_size=ps)
                             for l in range(L)])
         time_topk("quest", np_, scores, seq_lens, top_kw)
-        for impl, method in variants:
+        for impl, method in (("pallas", "pallas"),) + variants:
             def body(i, acc, q, kmax, kmin, seq_lens, impl=impl, method=method):
                 return acc + quest.quest_select(q, kmax, kmin, i % L, seq_lens,
                                                 implementation=impl, topk_method=method,
                                                 **sel_kw)
-            rec("quest", np_, f"select_{impl}_{method}",
+            name = "select_pallas_topk" if method == "pallas" else f"select_{impl}_{method}"
+            rec("quest", np_, name,
                 _time_loop(body, jnp.zeros((B, H, k), jnp.int32), iters, reps, qargs), meta)
         del kmax, kmin, scores
         # ---------------------------------------------------------------- indexer
@@ -163,12 +182,13 @@ def run(out_dir, quick=False, sizes=None):
         scores = jnp.stack([indexer.indexer_scores_pallas(qi, w, pk, l, seq_lens, page_size=ps)
                             for l in range(L)])
         time_topk("indexer", np_, scores, seq_lens, top_kw)
-        for impl, method in variants:
+        for impl, method in (("pallas", "pallas"),) + variants:
             def body(i, acc, qi, w, pk, seq_lens, impl=impl, method=method):
                 return acc + indexer.indexer_select(qi, w, pk, i % L, seq_lens,
                                                     implementation=impl, topk_method=method,
                                                     **sel_kw)
-            rec("indexer", np_, f"select_{impl}_{method}",
+            name = "select_pallas_topk" if method == "pallas" else f"select_{impl}_{method}"
+            rec("indexer", np_, name,
                 _time_loop(body, jnp.zeros((B, k), jnp.int32), iters, reps, iargs), meta)
         del pk, scores
 

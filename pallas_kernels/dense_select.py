@@ -17,6 +17,10 @@ clamped to ``num_pages`` pages).
 ``dense_select`` needs no kernel: it reads no memory, it is an iota and a compare that XLA
 fuses into its consumer. ``select_top_pages`` (masking, top-k, ascending sort) is the shared
 second half of the scored selectors (Quest, indexer), whose Pallas kernels do the scoring.
+Its ``method="pallas"`` is one Pallas kernel for all of it (``pallas_kernels.topk``; ties go
+to the lowest page index); the other methods are XLA top-k variants. ``"auto"`` is
+``"pallas"`` on the GPU and ``"chunked"`` elsewhere (interpret mode is slow), unless
+``JAXKV_IMPL=xla`` asks for XLA.
 """
 from __future__ import annotations
 
@@ -27,14 +31,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _common
+from pallas_kernels import _common, topk
 
 INVALID = -1
 # XLA's fast GPU top-k kernel (custom call "__gpu$TopK") handles k <= 16 on [rows, n] inputs
 # with n >= 1024; a larger k falls back to sorting every row. "rounds" stays on the fast
 # kernel by taking 16 at a time and masking what was taken; "chunked" shrinks the sorts.
 _FAST_TOPK_MAX_K = 16
-TOPK_METHODS = ("auto", "sort", "rounds", "chunked")
+TOPK_METHODS = ("auto", "sort", "rounds", "chunked", "pallas")
 
 
 def num_valid_pages(seq_lens: jax.Array, page_size: int, num_pages: int) -> jax.Array:
@@ -82,12 +86,12 @@ def _topk_indices(x: jax.Array, k: int, method: str) -> tuple[jax.Array, jax.Arr
 
     "sort": one ``lax.top_k``. "rounds": ``lax.top_k`` 16 at a time, masking taken entries to
     -inf between rounds (exact; an entry taken twice can only be -inf and becomes -1 later).
-    "chunked": ``_topk_chunked``. "auto": chunked (the fastest for k = 32 on the H200 at
-    512-16384 columns; benchmarks/results/micro_step.json).
+    "chunked": ``_topk_chunked``. "auto": chunked (the fastest XLA method for k = 32 on the
+    H200 at 512-16384 columns; benchmarks/results/micro_step.json).
     """
     if method == "auto":
         method = "chunked"
-    if method not in TOPK_METHODS:
+    if method not in TOPK_METHODS or method == "pallas":
         raise ValueError(f"unknown top-k method {method!r}; choose one of {TOPK_METHODS}")
     if method == "sort" or k <= _FAST_TOPK_MAX_K:
         return lax.top_k(x, k)
@@ -117,9 +121,18 @@ def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, 
     scores: [B, N] or [B, H, N] float, column ``p`` = page ``p``; columns ``>= num_pages``
     (padding) and pages ``>= ceil(seq_lens / page_size)`` are ignored whatever they hold
     (NaN included). seq_lens: [B] int32. Returns int32 [B, k] or [B, H, k].
+    method: "pallas" (one kernel, ``topk.select_top_pages_pallas``), "sort", "rounds",
+    "chunked" (XLA top-k; see ``_topk_indices``) or "auto" (module docstring).
     """
     if k < num_sink_pages + 1:
         raise ValueError(f"k={k} must be >= num_sink_pages + 1 = {num_sink_pages + 1}")
+    if method not in TOPK_METHODS:
+        raise ValueError(f"unknown top-k method {method!r}; choose one of {TOPK_METHODS}")
+    if method == "auto" and _common.resolve(topk.OP) is topk.select_top_pages_pallas:
+        method = "pallas"
+    if method == "pallas":
+        return topk.select_top_pages_pallas(scores, seq_lens, num_pages=num_pages, k=k,
+                                            page_size=page_size, num_sink_pages=num_sink_pages)
     lead = scores.shape[:-1]
     n = scores.shape[-1]
     bshape = (lead[0],) + (1,) * (len(lead) - 1) + (1,)

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import dense_select as ds
-from pallas_kernels import indexer, quest
+from pallas_kernels import indexer, quest, topk
 
-TOPK_METHODS = ("sort", "rounds", "chunked")
+TOPK_METHODS = ("sort", "rounds", "chunked", "pallas")
 
 
 def _rng():
@@ -383,6 +383,99 @@ def test_topk_methods_agree_on_distinct_scores():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def select_rule_numpy(scores, seq_lens, *, num_pages, k, page_size, num_sink_pages):
+    """The written-down selection rule (``pallas_kernels.topk`` docstring) in numpy: forced
+    pages +inf, NaN -inf, invalid pages out; stable sort by descending value (ties: lowest
+    index first); the first k, ascending, -1 padded. scores [B, (H,) N]."""
+    s = np.asarray(scores, np.float32)
+    lead, n = s.shape[:-1], s.shape[-1]
+    rows = s.reshape(-1, n)
+    heads = rows.shape[0] // lead[0]
+    nv = _n_valid(seq_lens, page_size, num_pages)
+    out = np.full((rows.shape[0], k), -1, np.int32)
+    for r in range(rows.shape[0]):
+        m = min(int(nv[r // heads]), n)
+        v = np.where(np.isnan(rows[r, :m]), -np.inf, rows[r, :m]).astype(np.float64)
+        cols = np.arange(m)
+        v[(cols < num_sink_pages) | (cols == nv[r // heads] - 1)] = np.inf
+        pick = np.sort(np.lexsort((cols, -v))[:k])
+        out[r, :len(pick)] = pick
+    return out.reshape(lead + (k,))
+
+
+# shape, num_pages, k, page_size, sinks, chunk, radix_bits, tied scores
+PALLAS_TOPK_CASES = [
+    ((5, 37), 37, 8, 4, 1, None, 4, False),     # N not a power of two, [B, k] form
+    ((5, 37), 35, 8, 4, 1, None, 4, True),      # padding columns past num_pages
+    ((2, 3, 64), 64, 8, 1, 2, None, 4, True),   # two stages (chunk 2), [B, H, k] form
+    ((3, 2, 512), 500, 16, 2, 1, None, 4, True),  # two stages (chunk 4)
+    ((3, 2, 512), 500, 16, 2, 1, 1, 2, True),   # single stage, 2-bit radix
+    ((2, 2, 256), 256, 32, 1, 0, 4, 1, False),  # no sinks, 1-bit radix (bisection)
+    ((3, 5), 5, 8, 1, 1, None, 4, False),       # k larger than N
+]
+
+
+@pytest.mark.parametrize("shape,np_,k,ps,sinks,chunk,bits,tied", PALLAS_TOPK_CASES)
+def test_pallas_topk_matches_rule(shape, np_, k, ps, sinks, chunk, bits, tied):
+    """Kernel (interpret mode) and jnp reference == numpy rule, exactly, ties included;
+    NaN / garbage in invalid and padding columns; seq_lens 0, 1, full, random."""
+    rng = _rng()
+    B = shape[0]
+    if tied:
+        scores = rng.integers(-2, 3, size=shape).astype(np.float32)
+    else:
+        scores = rng.normal(size=shape).astype(np.float32)
+    seq_lens = rng.integers(1, np_ * ps + 1, size=B).astype(np.int32)
+    seq_lens[:3] = [0, np_ * ps, 1][:B]
+    nv = _n_valid(seq_lens, ps, np_)
+    junk = np.arange(shape[-1])[None] >= nv[:, None]
+    junk = junk if len(shape) == 2 else np.broadcast_to(junk[:, None], shape)
+    scores[junk] = rng.choice([np.nan, np.inf, 1e30], size=int(junk.sum()))
+    kw = dict(num_pages=np_, k=k, page_size=ps, num_sink_pages=sinks)
+    want = select_rule_numpy(scores, seq_lens, **kw)
+    args = (jnp.asarray(scores), jnp.asarray(seq_lens))
+    got = topk.select_top_pages_pallas(*args, chunk=chunk, radix_bits=bits, **kw)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(topk.select_top_pages_reference(*args, **kw)), want)
+    check_selection(got, seq_lens, **kw, scores=np.where(junk, -np.inf, scores)[..., :np_])
+    assert np.all(np.asarray(got)[0] == -1)  # seq_len 0
+
+
+def test_pallas_topk_ties_lowest_index_by_hand():
+    """All scores equal: sinks, the last page, then the lowest indices; -0.0 ties +0.0."""
+    scores = jnp.asarray(np.array([[1.0] * 16, [0.0, -0.0] * 8], np.float32))
+    got = ds.select_top_pages(scores, jnp.array([64, 40]), num_pages=16, k=5, page_size=4,
+                              num_sink_pages=1, method="pallas")
+    np.testing.assert_array_equal(np.asarray(got), [[0, 1, 2, 3, 15], [0, 1, 2, 3, 9]])
+
+
+def test_pallas_topk_matches_sort_on_distinct_scores():
+    """Distinct scores: the same selected set as lax.top_k ("sort"), N not a power of two."""
+    rng = _rng()
+    B, H, N, k = 2, 3, 300, 16
+    scores = rng.permutation(B * H * N).reshape(B, H, N).astype(np.float32) - B * H * N / 2
+    seq_lens = jnp.array([N * 4, 123 * 4 - 1])
+    kw = dict(num_pages=N, k=k, page_size=4, num_sink_pages=2)
+    a = ds.select_top_pages(jnp.asarray(scores), seq_lens, method="sort", **kw)
+    b = ds.select_top_pages(jnp.asarray(scores), seq_lens, method="pallas", **kw)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("env", [None, "pallas", "xla"])
+def test_auto_resolution(monkeypatch, env):
+    """"auto" is the Pallas kernel on the GPU (or with JAXKV_IMPL=pallas), else XLA."""
+    from pallas_kernels import _common
+    if env is None:
+        monkeypatch.delenv("JAXKV_IMPL", raising=False)
+    else:
+        monkeypatch.setenv("JAXKV_IMPL", env)
+    n = {None: 23, "pallas": 22, "xla": 21}[env]  # a new static argument: traced again
+    kw = dict(num_pages=n, k=4, page_size=1, num_sink_pages=1)
+    jaxpr = str(jax.make_jaxpr(lambda s, l: ds.select_top_pages(s, l, method="auto", **kw))(
+        jnp.zeros((1, n)), jnp.array([n])))
+    assert ("pallas_call" in jaxpr) == (env == "pallas" or (env is None and _common.on_gpu()))
+
+
 # ----------------------------------------------------------------------------- GPU lowering
 
 
@@ -409,7 +502,8 @@ def test_quest_lowers_for_gpu(no_interpret, L, B, Np, H, G, D):
     def loop(q, kmax, kmin, seq_lens):
         def body(i, acc):
             sel = quest.quest_select(q, kmax, kmin, i % L, seq_lens, k=8, page_size=64,
-                                     num_sink_pages=1, implementation="pallas")
+                                     num_sink_pages=1, implementation="pallas",
+                                     topk_method="chunked")  # one Triton call: the scores
             return acc + sel.sum()
         return jax.lax.fori_loop(0, 2 * L, body, jnp.int32(0))
     meta = S((L, B, Np, H, D), jnp.bfloat16)
@@ -419,10 +513,34 @@ def test_quest_lowers_for_gpu(no_interpret, L, B, Np, H, G, D):
 
 @pytest.mark.parametrize("L,B,Np,HI,dI", [(4, 1, 16384, 64, 128), (2, 3, 37, 6, 16)])
 def test_indexer_lowers_for_gpu(no_interpret, L, B, Np, HI, dI):
-    fn = functools.partial(indexer.indexer_select, k=8, page_size=64, num_sink_pages=1,
-                           implementation="pallas")
-    txt = _lower_for_h200(fn, S((B, HI, dI), jnp.bfloat16), S((B, HI), jnp.float32),
-                          S((L, B, Np, dI), jnp.float32), S((), jnp.int32), S((B,), jnp.int32))
+    txts = [_lower_for_h200(
+        functools.partial(indexer.indexer_select, k=8, page_size=64, num_sink_pages=1,
+                          implementation="pallas", topk_method=method),
+        S((B, HI, dI), jnp.bfloat16), S((B, HI), jnp.float32), S((L, B, Np, dI), jnp.float32),
+        S((), jnp.int32), S((B,), jnp.int32)) for method in ("chunked", "pallas")]
+    assert [t.count("__gpu$xla.gpu.triton") for t in txts] == [1, 2]
+
+
+@pytest.mark.parametrize("L,B,Np,H,G,D", [(4, 1, 16384, 8, 4, 128), (2, 3, 21, 3, 3, 16)])
+def test_quest_pallas_topk_lowers_for_gpu(no_interpret, L, B, Np, H, G, D):
+    """Scores kernel + top-k kernel: two Triton calls and nothing else of note."""
+    fn = functools.partial(quest.quest_select, k=32, page_size=64, num_sink_pages=1,
+                           implementation="pallas", topk_method="pallas")
+    meta = S((L, B, Np, H, D), jnp.bfloat16)
+    txt = _lower_for_h200(fn, S((B, H * G, D), jnp.bfloat16), meta, meta, S((), jnp.int32),
+                          S((B,), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 2
+    assert "stablehlo.sort" not in txt and "TopK" not in txt
+
+
+@pytest.mark.parametrize("shape,k,chunk,bits", [((8, 8, 2048), 32, None, 4),
+                                                ((1, 8, 16384), 32, 1, 4),
+                                                ((3, 37), 8, None, 2), ((2, 5), 8, None, 1)])
+def test_pallas_topk_lowers_for_gpu(shape, k, chunk, bits):
+    fn = functools.partial(topk.select_top_pages_pallas, num_pages=shape[-1] - 1, k=k,
+                           page_size=64, num_sink_pages=1, chunk=chunk, radix_bits=bits,
+                           interpret=False)
+    txt = _lower_for_h200(fn, S(shape, jnp.float32), S((shape[0],), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 1
 
 
@@ -495,3 +613,28 @@ def test_gpu_quest_in_loop_traced_layer():
                                            jnp.asarray(seq_lens), page_size=ps)
         check_selection(out[layer], seq_lens, k=k, page_size=ps, num_sink_pages=1,
                         num_pages=Np, scores=ref, tol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,N", [(1, 8, 2048), (8, 8, 2048), (1, 8, 16384), (8, 8, 16384)])
+def test_gpu_pallas_topk(B, H, N):
+    """Real kernel at decode sizes: == "sort" on distinct scores, == the rule with ties."""
+    rng = _rng()
+    k, ps = 32, 64
+    seq_lens = np.array([N * ps, 1, 0, 31 * ps, 33 * ps + 5, N * ps - 100, 7777, N * 10][:B],
+                        np.int32)
+    kw = dict(num_pages=N - 3, k=k, page_size=ps, num_sink_pages=2)
+    nv = _n_valid(seq_lens, ps, N - 3)
+    junk = np.broadcast_to((np.arange(N)[None] >= nv[:, None])[:, None], (B, H, N))
+    distinct = rng.permutation(B * H * N).reshape(B, H, N).astype(np.float32)
+    tied = rng.integers(-3, 4, size=(B, H, N)).astype(np.float32)
+    for scores in (distinct, tied):
+        scores = np.where(junk, np.nan, scores)
+        args = (jnp.asarray(scores), jnp.asarray(seq_lens))
+        got = np.asarray(ds.select_top_pages(*args, method="pallas", **kw))
+        np.testing.assert_array_equal(got, select_rule_numpy(scores, seq_lens, **kw))
+        if scores is not tied:
+            want = np.asarray(ds.select_top_pages(*args, method="sort", **kw))
+            np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(
+            np.asarray(ds.select_top_pages(*args, method="auto", **kw)), got)
