@@ -31,6 +31,8 @@ Write-through to the host tier (``dst`` in pinned_host memory), see docs/DESIGN.
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -185,7 +187,13 @@ def write_tokens(dst, rows, offsets, kv, *, page_size, implementation=None, **tu
 @_common.register(OP_PAIR, "pallas")
 def write_tokens_pair_pallas(host, host_rows, pool, pool_rows, offsets, kv, *, page_size,
                              num_warps=4):
-    """Pallas implementation of :func:`write_tokens_pair`."""
+    """Pallas implementation of :func:`write_tokens_pair`: one launch with two aliased outputs
+    (``JAXKV_WRITE_PAIR=split``: two :func:`write_tokens` launches)."""
+    if os.environ.get("JAXKV_WRITE_PAIR", "fused") == "split":
+        return (_write_tokens_pallas(host, host_rows, offsets, kv, page_size=page_size,
+                                     num_warps=num_warps),
+                _write_tokens_pallas(pool, pool_rows, offsets, kv, page_size=page_size,
+                                     num_warps=num_warps))
     return _write_tokens_call((host, pool), (host_rows, pool_rows), offsets, kv,
                               page_size=page_size, num_warps=num_warps, name="write_tokens_pair")
 

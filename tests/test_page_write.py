@@ -216,6 +216,41 @@ def test_gpu_write_large_host_array_64bit_offsets(rng):
 
 
 @pytest.mark.gpu
+def test_gpu_write_tokens_pair_in_loop(rng):
+    """The engine's write-through: host tier (loop carry) and device pool in one launch per
+    step, inside a jitted loop, without a copy of either array."""
+    L, P, S, H, D, ps, T = 4, 64, 8, 8, 128, 16, 6
+    R = 2 * H * ps * D
+    kv = jnp.asarray(rng.standard_normal((T, L, 2, H, D)), jnp.bfloat16)
+
+    def run(host, pool, kv):
+        def body(t, carry):
+            host, pool = carry
+            rows = jnp.arange(L, dtype=jnp.int32) * P + t // ps
+            prow = jnp.where(jnp.arange(L) % 2 == 0, jnp.arange(L, dtype=jnp.int32) * S, -1)
+            host, pool = page_write.write_tokens_pair(
+                host, rows, pool, prow, jnp.full((L,), t % ps, jnp.int32), kv[t], page_size=ps,
+                implementation="pallas")
+            return page_write.keep_on_host(host), pool
+        return jax.lax.fori_loop(0, T, body, (host, pool))
+
+    f = jax.jit(run, donate_argnums=(0, 1), out_shardings=(HOST, DEVICE))
+    host = host_zeros((L * P, R))
+    pool = jnp.zeros((L * S, R), jnp.bfloat16, device=DEVICE)
+    txt = f.lower(host, pool, kv).compile().as_text()
+    assert not [ln for ln in txt.splitlines() if " copy(" in ln and f"{L * P}," in ln]
+    host, pool = f(host, pool, kv)
+    kvf = as_f32(kv)
+    for t in range(T):
+        for l in range(L):
+            got = as_f32(host[l * P + t // ps]).reshape(2, H, ps, D)[:, :, t % ps]
+            np.testing.assert_array_equal(got, kvf[t, l])
+            if l % 2 == 0:
+                got = as_f32(pool[l * S]).reshape(2, H, ps, D)[:, :, t % ps]
+                np.testing.assert_array_equal(got, kvf[t, l])
+
+
+@pytest.mark.gpu
 def test_gpu_write_through_jit_no_host_copy(rng):
     L, P, H, D, ps, T = 32, 512, 8, 128, 16, 8  # 1 GiB host tier
     R = 2 * H * ps * D
