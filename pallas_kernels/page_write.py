@@ -3,7 +3,7 @@
 * ``write_tokens(dst, rows, offsets, kv, page_size=)``: one token's K and V per entry into
   row ``rows[m]`` at token offset ``offsets[m]`` (row layout ``[2, H, page_size, D]``).
 * ``write_tokens_pair(host, host_rows, pool, pool_rows, offsets, kv, page_size=)``: the same
-  tokens into two page arrays (host tier and device pool: write-through) in one launch.
+  tokens into the host tier and the device pool (write-through).
 * ``write_pages(dst, rows, pages)``: whole rows (prefill).
 
 Both alias ``dst`` to the output (``input_output_aliases``); callers donate it. ``-1`` (or
@@ -30,8 +30,6 @@ Write-through to the host tier (``dst`` in pinned_host memory), see docs/DESIGN.
   a loop carrying it fails with "carry input and carry output must have equal types".
 """
 from __future__ import annotations
-
-import os
 
 import jax
 import jax.numpy as jnp
@@ -70,9 +68,9 @@ def _check_tokens(dst, rows, offsets, kv, page_size):
         raise ValueError(f"rows {rows.shape} and offsets {offsets.shape} must be [{M}]")
 
 
-def _token_stores(dst_ref, r, o, ok, vals, N, ps, D):
+def _token_stores(dst_ref, r, o, vals, N, ps, D):
     """Store the 2*H head vectors ``vals`` of one token at row ``r``, offset ``o`` (masked)."""
-    ok = ok & (r >= 0) & (r < N) & (o >= 0) & (o < ps)
+    ok = (r >= 0) & (r < N) & (o >= 0) & (o < ps)
     r = jnp.where(ok, r, 0)
     o = jnp.where(ok, o, 0)
     mask = jnp.full((D,), ok)
@@ -80,49 +78,36 @@ def _token_stores(dst_ref, r, o, ok, vals, N, ps, D):
         plgpu.store(dst_ref.at[r, pl.ds((seg * ps + o) * D, D)], v, mask=mask)
 
 
-def _write_tokens_call(dsts, rows, offsets, kv, *, page_size, num_warps, name):
-    """One launch, grid (M,): program m stores entry m's token into every array of ``dsts``
-    (at its row list in ``rows``). Each dst is aliased to its output."""
-    for d, r in zip(dsts, rows):
-        _check_tokens(d, r, offsets, kv, page_size)
+def _write_tokens_pallas(dst, rows, offsets, kv, *, page_size: int, num_warps: int = 4):
+    """Pallas: grid (M,); program m stores the 2*H head vectors of entry m (D elements each)."""
+    _check_tokens(dst, rows, offsets, kv, page_size)
+    N = dst.shape[0]
     M, _, H, D = kv.shape
     ps = int(page_size)
     if D & (D - 1):
         raise ValueError(f"head_dim {D} must be a power of two (Triton blocks)")
-    n = len(dsts)
-    sizes = [d.shape[0] for d in dsts]
-    kv2 = kv.astype(dsts[0].dtype).reshape(M, 2 * H * D)
-    rows = [jnp.asarray(r, jnp.int32) for r in rows]
+    kv2 = kv.astype(dst.dtype).reshape(M, 2 * H * D)
+    rows = jnp.asarray(rows, jnp.int32)
     offsets = jnp.asarray(offsets, jnp.int32)
 
-    def kernel(*refs):
-        rows_refs, (offs_ref, kv_ref) = refs[:n], refs[n:n + 2]
-        out_refs = refs[2 * n + 2:]  # refs[n + 2: 2n + 2] are the aliased inputs
+    def kernel(rows_ref, offs_ref, kv_ref, dst_in_ref, dst_ref):
+        del dst_in_ref  # aliased with dst_ref
         m = pl.program_id(0)
-        o = offs_ref[m]
         vals = [kv_ref[m, pl.ds(seg * D, D)] for seg in range(2 * H)]
-        for rows_ref, dst_ref, N in zip(rows_refs, out_refs, sizes):
-            _token_stores(dst_ref, rows_ref[m], o, True, vals, N, ps, D)
+        _token_stores(dst_ref, rows_ref[m], offs_ref[m], vals, N, ps, D)
 
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
-    outs = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct(d.shape, d.dtype) for d in dsts],
+        out_shape=jax.ShapeDtypeStruct(dst.shape, dst.dtype),
         grid=(M,),
-        in_specs=[full((M,))] * (n + 1) + [full(kv2.shape)] + [full(d.shape) for d in dsts],
-        out_specs=[full(d.shape) for d in dsts],
-        input_output_aliases={n + 2 + i: i for i in range(n)},
+        in_specs=[full((M,)), full((M,)), full(kv2.shape), full(dst.shape)],
+        out_specs=full(dst.shape),
+        input_output_aliases={3: 0},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps),
         interpret=_common.interpret_mode(),
-        name=name,
-    )(*rows, offsets, kv2, *dsts)
-    return tuple(outs)
-
-
-def _write_tokens_pallas(dst, rows, offsets, kv, *, page_size: int, num_warps: int = 4):
-    """Pallas: grid (M,); program m stores the 2*H head vectors of entry m (D elements each)."""
-    return _write_tokens_call((dst,), (rows,), offsets, kv, page_size=page_size,
-                              num_warps=num_warps, name="write_tokens")[0]
+        name="write_tokens",
+    )(rows, offsets, kv2, dst)
 
 
 @_common.register(OP_TOKENS, "pallas")
@@ -187,15 +172,15 @@ def write_tokens(dst, rows, offsets, kv, *, page_size, implementation=None, **tu
 @_common.register(OP_PAIR, "pallas")
 def write_tokens_pair_pallas(host, host_rows, pool, pool_rows, offsets, kv, *, page_size,
                              num_warps=4):
-    """Pallas implementation of :func:`write_tokens_pair`: one launch with two aliased outputs
-    (``JAXKV_WRITE_PAIR=split``: two :func:`write_tokens` launches)."""
-    if os.environ.get("JAXKV_WRITE_PAIR", "fused") == "split":
-        return (_write_tokens_pallas(host, host_rows, offsets, kv, page_size=page_size,
-                                     num_warps=num_warps),
-                _write_tokens_pallas(pool, pool_rows, offsets, kv, page_size=page_size,
-                                     num_warps=num_warps))
-    return _write_tokens_call((host, pool), (host_rows, pool_rows), offsets, kv,
-                              page_size=page_size, num_warps=num_warps, name="write_tokens_pair")
+    """Pallas implementation of :func:`write_tokens_pair`: two :func:`write_tokens` launches.
+
+    One launch with two aliased outputs does not compile on the GPU when one of them is the
+    pinned_host tier (XLA 0.11.2: "Different aliasing shapes: bf16[..]{1,0} vs
+    bf16[..]{1,0:S(5)}": a tuple output cannot carry the host memory space)."""
+    return (_write_tokens_pallas(host, host_rows, offsets, kv, page_size=page_size,
+                                 num_warps=num_warps),
+            _write_tokens_pallas(pool, pool_rows, offsets, kv, page_size=page_size,
+                                 num_warps=num_warps))
 
 
 @_common.register(OP_PAIR, "xla")
@@ -209,7 +194,7 @@ def write_tokens_pair_reference(host, host_rows, pool, pool_rows, offsets, kv, *
 
 def write_tokens_pair(host, host_rows, pool, pool_rows, offsets, kv, *, page_size,
                       implementation=None, **tuning):
-    """Write-through in one launch: each entry's token into ``host`` and into ``pool``.
+    """Write-through: each entry's token into ``host`` and into ``pool``.
 
     Args:
       host: [Nh, R] host tier (pinned_host), donated; pool: [Np, R] device pool, donated.
