@@ -36,11 +36,12 @@ from jaxkv.spec import INVALID
 _BIG = jnp.iinfo(jnp.int32).max
 _SCAN_BLOCK = 64
 METHODS = ("auto", "dense", "sort")
-# Per-layer compare elements up to which "auto" picks "dense". Below it the compare matrices
-# are small (<= 256 KB of int32 per layer) and the step's cost is the sort path's kernel
-# count; the small-pool layout (R=32, S=64, Q=4: 7424) is well inside, a long-context pool
-# (R=1024, S=2304: the [S, S] alone is 5.3M) far outside. A first guess, to tune on the GPU.
-DENSE_MAX_ELEMS = 2 ** 16
+# Per-layer compare elements up to which "auto" picks "dense". XLA fuses each compare into
+# its reduction (nothing of that size is materialized), so the cost is arithmetic against the
+# sort path's kernel count. The small-pool layout (R=32, S=64, Q=4: 7424) and the decode
+# engine's per-step ensure at 8B-like 128k B=1 (R=256, S=520: 0.47M) and Qwen-like B=8
+# (R=512, S=1040: 1.9M) are inside; R=1024, S=2304 (8.7M) is outside.
+DENSE_MAX_ELEMS = 2 ** 22
 
 
 def prefix_sum(x: jax.Array) -> jax.Array:

@@ -18,7 +18,6 @@ Public: ``quest_select`` (scores + top-k), ``quest_update`` (decode write), ``qu
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +29,11 @@ from pallas_kernels import _common
 from pallas_kernels.dense_select import num_valid_pages, select_top_pages
 
 OP = "quest_scores"
-# Scores implementation when none is asked for (argument or JAXKV_IMPL): XLA's fusion of the
-# literal formula reads the summaries at HBM speed and beats the Pallas kernel on the H200
-# (bench_select 2026-11-29, B=1, 8 KV heads, scores alone: 16k pages 15.7 vs 24.1 us, 1k pages
-# 2.0 vs 4.8 us; the XLA figure is scores + Pallas top-k minus the top-k alone).
-DEFAULT_IMPLEMENTATION = "xla"
+# No per-op default: the backend's (Pallas on the GPU). At B=1 with 8 KV heads (G=4) XLA's
+# fusion of the literal formula was faster on the H200 (bench_select 2026-11-29, scores alone:
+# 16k pages 15.7 vs 24.1 us); in the decode step at Qwen-like B=8 (G=6) it made the step
+# 0.7 ms slower (benchmarks/results/bench_decode_qwen_128k_b8_s3.json): it multiplies per
+# query head, the kernel once per group.
 # Elements of each summary array one program reads (block_pages * block_heads * D).
 _BLOCK_ELEMS = 8192
 
@@ -144,7 +143,6 @@ def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages
     always included (see ``dense_select`` module docstring).
     """
     np_ = kmax.shape[2]
-    implementation = implementation or os.environ.get("JAXKV_IMPL") or DEFAULT_IMPLEMENTATION
     scores = _common.resolve(OP, implementation)(
         q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, page_size=page_size)
     return select_top_pages(scores, seq_lens, num_pages=np_, k=k, page_size=page_size,
