@@ -38,10 +38,11 @@ _SCAN_BLOCK = 64
 METHODS = ("auto", "dense", "sort")
 # Per-layer compare elements up to which "auto" picks "dense". XLA fuses each compare into
 # its reduction (nothing of that size is materialized), so the cost is arithmetic against the
-# sort path's kernel count. The small-pool layout (R=32, S=64, Q=4: 7424) and the decode
-# engine's per-step ensure at 8B-like 128k B=1 (R=256, S=520: 0.47M) and Qwen-like B=8
-# (R=512, S=1040: 1.9M) are inside; R=1024, S=2304 (8.7M) is outside.
-DENSE_MAX_ELEMS = 2 ** 22
+# sort path's kernel count. Measured on the H200 (2026-11-29, 32 / 28 layers per call): the
+# small-pool layout (R=32, S=64, Q=4: 7424 elements) dense 40 us vs sort 45-52 us; the decode
+# engine's per-step ensure at 8B-like 128k B=1 (R=256, S=520: 0.47M) dense 86 us vs sort
+# 100 us; Qwen-like 128k B=8 (R=512, S=1040: 1.9M) dense 132 us vs sort 88 us.
+DENSE_MAX_ELEMS = 2 ** 20
 
 
 def prefix_sum(x: jax.Array) -> jax.Array:
