@@ -401,11 +401,13 @@ def section_ensure(cfg, budget, rng):
             return carry
         return jax.lax.fori_loop(0, T // UNROLL, body, (state, pool))
 
-    # Both LRU implementations (jaxkv.lru: "dense" = sort-free compare matrices, "sort");
+    # The LRU implementations (jaxkv.lru: "dense" = sort-free compare matrices, "sort",
+    # "pallas" = "dense" as one Triton kernel for all layers; interpret mode off the GPU);
     # keys are suffixed with the method; "auto" picks the one named in ``auto_method``.
     out = dict(layers=L, pages_per_layer=K, slots=S, steps=T, page_size=ps,
                auto_method=lru.resolve_method("auto", K, S, Q))
-    for method in ("dense", "sort"):
+    methods = ("dense", "sort", "pallas")
+    for method in methods:
         for label, wf in (("ensure_only", False), ("ensure_fetch", True)):
             name = f"{label}_{method}"
             try:
@@ -429,7 +431,7 @@ def section_ensure(cfg, budget, rng):
     print(f"ensure ({L} layers x {K} pages, {S} slots, us/step; auto = {out['auto_method']}): "
           + ", ".join(f"{m} {out.get(f'ensure_only_{m}_us_per_step', float('nan')):.1f} / "
                       f"+fetch {out.get(f'ensure_fetch_{m}_us_per_step', float('nan')):.1f}"
-                      for m in ("dense", "sort")), flush=True)
+                      for m in methods), flush=True)
     host.delete()
     return out
 

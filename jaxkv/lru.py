@@ -1,16 +1,20 @@
 """Static-shape LRU ``ensure``: make a step's requested pages resident in the device pool.
 
-Pure jnp with fixed shapes (no boolean-mask indexing, no ``jnp.unique``), batched over layers
-with ``vmap``, so all layers cost one launch of each op. Two implementations, identical
-outputs (every field, fetch entries in the same order):
+Fixed shapes (no boolean-mask indexing, no ``jnp.unique``), batched over layers (``vmap``
+of pure jnp, or a grid over layers), so all layers cost one launch of each op. Three
+implementations, identical outputs (every field, fetch entries in the same order):
 
 * ``method="sort"``: one sort of the requests (to find duplicates), one sort of the slots
   (to rank victims), a few prefix sums and scatters. Scales to any shape.
 * ``method="dense"``: no sort, no prefix sum: [R, R], [S, S], [R, S] and [Q, S] compare
   matrices that XLA fuses into a few wide kernels, one gather and one scatter on the page
   table. For small pools, where the cost is the number of kernels, not arithmetic.
-* ``method="auto"`` (default): "dense" when R*R + S*S + R*S + Q*S <= ``DENSE_MAX_ELEMS``
-  (2**16 compare elements per layer), else "sort".
+* ``method="pallas"``: "dense" as ONE Pallas kernel for all layers (grid over layers,
+  compare matrices in registers; ``pallas_kernels.lru_ensure``). R, S, Q <= ``PALLAS_MAX``
+  (256). Interpret mode (slow) off the GPU.
+* ``method="auto"`` (default): where R*R + S*S + R*S + Q*S <= ``DENSE_MAX_ELEMS`` (2**16
+  compare elements per layer): "pallas" on the GPU (or with ``JAXKV_IMPL=pallas``) when
+  R, S, Q <= ``PALLAS_MAX``, else "dense"; bigger shapes: "sort".
 
 Semantics, per layer and step (the plain-Python model in tests/lru_model.py is the spec):
 
@@ -27,15 +31,19 @@ Semantics, per layer and step (the plain-Python model in tests/lru_model.py is t
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
 
 from jaxkv.spec import INVALID
+from pallas_kernels import _common, lru_ensure
 
 _BIG = jnp.iinfo(jnp.int32).max
 _SCAN_BLOCK = 64
-METHODS = ("auto", "dense", "sort")
+METHODS = ("auto", "dense", "sort", "pallas")
+# Largest R, S and Q of the one-kernel "pallas" method (its [S, S] matrix is in registers).
+PALLAS_MAX = lru_ensure.MAX_SIZE
 # Per-layer compare elements up to which "auto" picks "dense". XLA fuses each compare into
 # its reduction (nothing of that size is materialized), so the cost is arithmetic against the
 # sort path's kernel count. Measured on the H200 (2026-11-29, 32 / 28 layers per call): the
@@ -241,12 +249,19 @@ def _ensure_layer_dense(page_table, slot_owner, last_used, requests, protect, pa
 
 def resolve_method(method: str, R: int, S: int, Q: int) -> str:
     """The implementation ``ensure(..., method=method)`` runs for R requests, S slots and Q
-    protected pages per layer: "dense" or "sort" ("auto": "dense" iff
-    R*R + S*S + R*S + Q*S <= DENSE_MAX_ELEMS)."""
+    protected pages per layer: "pallas", "dense" or "sort". "auto": if
+    R*R + S*S + R*S + Q*S <= DENSE_MAX_ELEMS, "pallas" when the Pallas implementation is
+    selected (``JAXKV_IMPL=pallas``, or on the GPU unless ``JAXKV_IMPL=xla``) and
+    R, S, Q <= PALLAS_MAX, else "dense"; otherwise "sort"."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "pallas" and max(R, S, Q) > PALLAS_MAX:
+        raise ValueError(f"method 'pallas' needs R, S, Q <= {PALLAS_MAX}, got {R}, {S}, {Q}")
     if method == "auto":
-        return "dense" if R * R + S * S + R * S + Q * S <= DENSE_MAX_ELEMS else "sort"
+        if R * R + S * S + R * S + Q * S > DENSE_MAX_ELEMS:
+            return "sort"
+        impl = os.environ.get("JAXKV_IMPL") or ("pallas" if _common.on_gpu() else "xla")
+        return "pallas" if impl == "pallas" and max(R, S, Q) <= PALLAS_MAX else "dense"
     return method
 
 
@@ -262,8 +277,9 @@ def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=N
       protect: [L, Q] int32 logical pages that must not be evicted (-1 = padding).
       step: int32 scalar, the current step (a strictly increasing clock).
       payload: optional [L, R] int32 carried to ``fetch_payload`` (default: -1).
-      method: static str, "auto" | "dense" | "sort" (see :func:`resolve_method`); all give
-        identical results.
+      method: static str, "auto" | "dense" | "sort" | "pallas" (see
+        :func:`resolve_method`); all give identical results. "pallas" writes the new page
+        table into ``page_table``'s buffer (donate it under jit to avoid a copy).
     Returns:
       :class:`EnsureResult`.
     """
@@ -271,11 +287,14 @@ def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=N
     requests = requests.astype(jnp.int32)
     if payload is None:
         payload = jnp.full(requests.shape, INVALID, jnp.int32)
-    layer = {"dense": _ensure_layer_dense, "sort": _ensure_layer}[
-        resolve_method(method, requests.shape[-1], slot_owner.shape[-1], protect.shape[-1])]
-    out = jax.vmap(layer, in_axes=(0, 0, 0, 0, 0, 0, None))(
-        page_table, slot_owner, last_used, requests, protect.astype(jnp.int32),
-        payload.astype(jnp.int32), step)
+    name = resolve_method(method, requests.shape[-1], slot_owner.shape[-1], protect.shape[-1])
+    args = (page_table, slot_owner, last_used, requests, protect.astype(jnp.int32),
+            payload.astype(jnp.int32), step)
+    if name == "pallas":
+        out = lru_ensure.ensure_layers_pallas(*args)
+    else:
+        layer = {"dense": _ensure_layer_dense, "sort": _ensure_layer}[name]
+        out = jax.vmap(layer, in_axes=(0, 0, 0, 0, 0, 0, None))(*args)
     pt, so, lu, slots, src, dst, pay, counts = out
     c = jnp.sum(counts, axis=0)
     return EnsureResult(pt, so, lu, slots, src, dst, pay, c[0], c[1], c[2], c[3])
