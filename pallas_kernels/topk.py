@@ -170,10 +170,7 @@ def _default_chunk(n_pad: int, k: int) -> int:
 
 
 def _default_warps(n_pad: int) -> int:
-    """4 / 8 warps up to 1024 / 4096 columns; 4 above. On the H200 (2026-11-29) 16 warps at
-    16384 columns gave wrong selections (tests/test_selectors.py::test_gpu_pallas_topk), 4 warps
-    matched "sort" there (one distinct-score case); every warp count matched at 4096."""
-    return 8 if 1024 < n_pad <= 4096 else 4
+    return 4 if n_pad <= 1024 else 8 if n_pad <= 4096 else 16
 
 
 @_common.register(OP, "pallas")

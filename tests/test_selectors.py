@@ -633,8 +633,8 @@ def test_gpu_pallas_topk(B, H, N):
         args = (jnp.asarray(scores), jnp.asarray(seq_lens))
         got = np.asarray(ds.select_top_pages(*args, method="pallas", **kw))
         np.testing.assert_array_equal(got, select_rule_numpy(scores, seq_lens, **kw))
-        if scores is not tied:
+        if scores is not tied:  # XLA's methods break ties their own way
             want = np.asarray(ds.select_top_pages(*args, method="sort", **kw))
             np.testing.assert_array_equal(got, want)
-        np.testing.assert_array_equal(
-            np.asarray(ds.select_top_pages(*args, method="auto", **kw)), got)
+            np.testing.assert_array_equal(  # auto: the kernel up to 4096 pages, chunked above
+                np.asarray(ds.select_top_pages(*args, method="auto", **kw)), got)
