@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the GPU checks and benchmarks on a CUDA machine (the H200 through the device tool):
 #   bash benchmarks/gpu_suite.sh OUTDIR [stage ...]
-# stages: env tests fetch attention select decode quality (default: env tests fetch attention)
+# stages: env tests fetch attention select decode quality tp (default: env tests fetch attention)
+# tp: tensor parallelism on every visible GPU (issue 8; run on the nvidia-h200-x2 kind)
 # Every stage writes its log and JSON under OUTDIR; a short summary is printed last.
 set -uo pipefail
 OUT=${1:?usage: gpu_suite.sh OUTDIR [stage ...]}; shift
@@ -30,6 +31,11 @@ for s in $STAGES; do
     select) run select 200 $PY benchmarks/bench_select.py --out "$OUT" ;;
     decode) run decode 560 $PY benchmarks/bench_decode.py --out "$OUT" ;;
     quality) run quality 400 $PY benchmarks/bench_quality.py --out "$OUT" ;;
+    tp) run tp_tests 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_parallel.py -o addopts="-ra"
+        n=$($PY -c 'import jax; print(jax.device_count())')
+        run tp_decode 400 $PY benchmarks/bench_decode.py --devices "$n" --shape 8b --contexts 128k \
+          --batches 1 --configs a,b,c --pools 2 --page-size 64 --prefill none --no-plot --budget 360 \
+          --tag 8b_128k_b1_tp$n --out "$OUT" ;;
     *) echo "unknown stage $s" ;;
   esac
 done
