@@ -70,11 +70,6 @@ def _variants(itemsize: int) -> dict[str, dict]:
                                        chunks_per_program=1, num_warps=w)
     v["e1_c16k_k4_w8"] = dict(pages_per_program=1, chunk_elems=c(16), chunks_per_program=4,
                               num_warps=8)
-    # pN: a persistent grid of N programs (N / 132 per SM), loads of the next item in flight
-    for n, kib, w in [(264, 16, 8), (528, 16, 8), (1056, 16, 8), (528, 8, 4), (1056, 8, 4),
-                      (2112, 4, 4)]:
-        v[f"p{n}_c{kib}k_w{w}"] = dict(pages_per_program=1, chunk_elems=c(kib), num_warps=w,
-                                       programs=n)
     return v
 
 

@@ -329,7 +329,8 @@ def install_previous(plan: Plan, kv, lookahead, protect):
     impl = plan.cache.implementation
     c = kv.counters
     if plan.in_place:
-        res = lru.ensure(kv.page_table, kv.slot_owner, kv.last_used, sel, prot, kv.step)
+        res = lru.ensure(kv.page_table, kv.slot_owner, kv.last_used, sel, prot, kv.step,
+                         implementation=impl)
         ok = res.fetch_dst >= 0
         src = jnp.where(ok, lcol * P + res.fetch_src, INVALID)
         dst = jnp.where(ok, lcol * S + res.fetch_dst, INVALID)
@@ -342,7 +343,7 @@ def install_previous(plan: Plan, kv, lookahead, protect):
         c = dataclasses.replace(c, pages_fetched=c.pages_fetched + jnp.sum(ok).astype(jnp.int32))
     else:
         res = lru.ensure(kv.page_table, kv.slot_owner, kv.last_used, sel, prot, kv.step,
-                         payload=lookahead[1])
+                         payload=lookahead[1], implementation=impl)
         dst = jnp.where(res.fetch_dst >= 0, lcol * S + res.fetch_dst, INVALID)
         pool = page_fetch.move_rows(kv.pool, res.fetch_payload.reshape(-1), dst.reshape(-1),
                                     implementation=impl)
@@ -370,7 +371,7 @@ def _first_occurrence(sel):
 
 def lookup_in_place(plan: Plan, kv, layer, sel, logical, offset, tok_kv):
     """Per-step scheduling "step", one layer: write the new token through (host tier and, if
-    its page is resident, its pool row: one launch), then map the selection to rows.
+    its page is resident, its pool row), then map the selection to rows.
     Resident pages are read from their slots, missed pages in place from the host tier by
     the attention kernel. One page-table gather serves both.
 
@@ -387,11 +388,8 @@ def lookup_in_place(plan: Plan, kv, layer, sel, logical, offset, tok_kv):
         slot = jnp.full_like(slot, INVALID)
     cur = slot[-B:]
     slot = slot[:-B].reshape(sel.shape)
-    host_kv, pool = page_write.write_tokens_pair(
-        kv.host_kv, kvcache._global_rows(logical, layer, P), kv.pool,
-        kvcache._global_rows(cur, layer, S), offset, tok_kv, page_size=spec.page_size,
-        implementation=plan.cache.implementation)
-    kv = dataclasses.replace(kv, host_kv=page_write.keep_on_host(host_kv), pool=pool)
+    kv = kvcache.write_token_rows(spec, kv, layer, logical, cur, offset, tok_kv,
+                                  implementation=plan.cache.implementation)
     rows = jnp.where(slot >= 0, layer * S + slot, INVALID)
     host_rows = jnp.where((sel >= 0) & (slot < 0), layer * P + sel, INVALID)
     return kv, rows, host_rows
@@ -493,7 +491,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
         tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)       # [B, 2, H, D]
         if plan.in_place:
-            pass  # written by lookup_in_place, after the selection (one launch for both tiers)
+            pass  # written by lookup_in_place, after the selection (one page-table gather)
         elif plan.cache.mode == "host":
             kv = kvcache.write_through(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
         else:

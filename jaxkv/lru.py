@@ -31,7 +31,6 @@ Semantics, per layer and step (the plain-Python model in tests/lru_model.py is t
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -247,7 +246,7 @@ def _ensure_layer_dense(page_table, slot_owner, last_used, requests, protect, pa
             place(payload), counts)
 
 
-def resolve_method(method: str, R: int, S: int, Q: int) -> str:
+def resolve_method(method: str, R: int, S: int, Q: int, implementation: str | None = None) -> str:
     """The implementation ``ensure(..., method=method)`` runs for R requests, S slots and Q
     protected pages per layer: "pallas", "dense" or "sort". "auto": if
     R*R + S*S + R*S + Q*S <= DENSE_MAX_ELEMS, "pallas" when the Pallas implementation is
@@ -260,13 +259,13 @@ def resolve_method(method: str, R: int, S: int, Q: int) -> str:
     if method == "auto":
         if R * R + S * S + R * S + Q * S > DENSE_MAX_ELEMS:
             return "sort"
-        impl = os.environ.get("JAXKV_IMPL") or ("pallas" if _common.on_gpu() else "xla")
-        return "pallas" if impl == "pallas" and max(R, S, Q) <= PALLAS_MAX else "dense"
+        pallas = _common.implementation_name(implementation) == "pallas"
+        return "pallas" if pallas and max(R, S, Q) <= PALLAS_MAX else "dense"
     return method
 
 
 def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=None,
-           method: str = "auto") -> EnsureResult:
+           method: str = "auto", implementation: str | None = None) -> EnsureResult:
     """Make the requested pages of every layer resident (fixed shapes, all layers at once).
 
     Args:
@@ -280,6 +279,7 @@ def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=N
       method: static str, "auto" | "dense" | "sort" | "pallas" (see
         :func:`resolve_method`); all give identical results. "pallas" writes the new page
         table into ``page_table``'s buffer (donate it under jit to avoid a copy).
+      implementation: "pallas" | "xla" | None: what "auto" may use (``_common``'s rule).
     Returns:
       :class:`EnsureResult`.
     """
@@ -287,7 +287,8 @@ def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=N
     requests = requests.astype(jnp.int32)
     if payload is None:
         payload = jnp.full(requests.shape, INVALID, jnp.int32)
-    name = resolve_method(method, requests.shape[-1], slot_owner.shape[-1], protect.shape[-1])
+    name = resolve_method(method, requests.shape[-1], slot_owner.shape[-1], protect.shape[-1],
+                          implementation)
     args = (page_table, slot_owner, last_used, requests, protect.astype(jnp.int32),
             payload.astype(jnp.int32), step)
     if name == "pallas":

@@ -49,12 +49,18 @@ def implementations(op: str) -> tuple[str, ...]:
     return tuple(_REGISTRY.get(op, {}))
 
 
+def implementation_name(implementation: str | None = None) -> str:
+    """The implementation asked for: the argument, else ``JAXKV_IMPL``, else the backend's
+    default ("pallas" on the GPU, "xla" elsewhere)."""
+    return implementation or os.environ.get("JAXKV_IMPL") or ("pallas" if on_gpu() else "xla")
+
+
 def resolve(op: str, implementation: str | None = None) -> Callable:
     """Return the registered implementation of ``op`` (see module docstring for the rule)."""
     impls = _REGISTRY.get(op)
     if not impls:
         raise KeyError(f"no implementations registered for op {op!r}")
-    name = implementation or os.environ.get("JAXKV_IMPL") or ("pallas" if on_gpu() else "xla")
+    name = implementation_name(implementation)
     if name not in impls:
         raise ValueError(f"op {op!r} has no implementation {name!r}; choose one of {sorted(impls)}")
     return impls[name]

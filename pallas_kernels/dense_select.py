@@ -117,9 +117,10 @@ def _topk_indices(x: jax.Array, k: int, method: str) -> tuple[jax.Array, jax.Arr
 
 
 @functools.partial(jax.jit, static_argnames=("num_pages", "k", "page_size", "num_sink_pages",
-                                             "method"))
+                                             "method", "implementation"))
 def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, k: int,
-                     page_size: int, num_sink_pages: int, method: str = "auto") -> jax.Array:
+                     page_size: int, num_sink_pages: int, method: str = "auto",
+                     implementation: str | None = None) -> jax.Array:
     """Top-``k`` pages per row of ``scores`` under the selector convention (module docstring).
 
     scores: [B, N] or [B, H, N] float, column ``p`` = page ``p``; columns ``>= num_pages``
@@ -127,12 +128,13 @@ def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, 
     (NaN included). seq_lens: [B] int32. Returns int32 [B, k] or [B, H, k].
     method: "pallas" (one kernel, ``topk.select_top_pages_pallas``), "sort", "rounds",
     "chunked" (XLA top-k; see ``_topk_indices``) or "auto" (module docstring).
+    implementation: "pallas" | "xla" | None: whether "auto" may use the kernel.
     """
     if k < num_sink_pages + 1:
         raise ValueError(f"k={k} must be >= num_sink_pages + 1 = {num_sink_pages + 1}")
     if method not in TOPK_METHODS:
         raise ValueError(f"unknown top-k method {method!r}; choose one of {TOPK_METHODS}")
-    if (method == "auto" and _common.resolve(topk.OP) is topk.select_top_pages_pallas
+    if (method == "auto" and _common.implementation_name(implementation) == "pallas"
             and scores.shape[-1] <= PALLAS_TOPK_MAX_COLUMNS):
         method = "pallas"
     if method == "pallas":

@@ -145,7 +145,8 @@ def indexer_select(q_idx, weights, page_keys, layer, seq_lens, *, k, page_size,
         q_idx, weights, page_keys, jnp.asarray(layer, jnp.int32), seq_lens,
         page_size=page_size)
     return select_top_pages(scores, seq_lens, num_pages=np_, k=k, page_size=page_size,
-                            num_sink_pages=num_sink_pages, method=topk_method)
+                            num_sink_pages=num_sink_pages, method=topk_method,
+                            implementation=implementation)
 
 
 def indexer_update(page_keys, layer, k_idx_new, positions, *, page_size):

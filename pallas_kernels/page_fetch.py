@@ -60,9 +60,6 @@ class FetchTuning:
     chunks_per_program: K, chunk columns a program walks sequentially (divides R // B).
     num_warps: Triton warps per program.
     num_stages: Triton pipelining stages (None: the backend's default).
-    programs: 0 = one program per work item (E entries x K chunk columns); N > 0 = a
-      persistent grid of N programs, program p doing items p, p + N, ... with the loads of
-      its next item issued before the stores of the current one.
     """
 
     pages_per_program: int
@@ -70,7 +67,6 @@ class FetchTuning:
     chunks_per_program: int
     num_warps: int
     num_stages: int | None = None
-    programs: int = 0
 
 
 def resolve_tuning(num_entries: int, row_elems: int, itemsize: int, *,
@@ -78,8 +74,7 @@ def resolve_tuning(num_entries: int, row_elems: int, itemsize: int, *,
                    chunk_elems: int | None = None,
                    chunks_per_program: int | None = None,
                    num_warps: int | None = None,
-                   num_stages: int | None = None,
-                   programs: int | None = None) -> FetchTuning:
+                   num_stages: int | None = None) -> FetchTuning:
     """Fill unset tunables with defaults and snap set ones to legal values.
 
     ``chunk_elems`` is rounded down to a power of two dividing ``row_elems`` (``0`` = the
@@ -114,11 +109,7 @@ def resolve_tuning(num_entries: int, row_elems: int, itemsize: int, *,
     E = min(E, _common.next_pow2(M), max(1, MAX_PROGRAM_BYTES // (B * itemsize)))
     if num_warps is None:
         num_warps = 8 if E * B * itemsize >= 16 * 1024 else 4
-    n_items = -(-M // E) * n_chunks
-    programs = 0 if not programs or programs >= n_items else int(programs)
-    if programs:
-        K = 1  # a persistent program walks single-chunk items
-    return FetchTuning(E, B, K, int(num_warps), num_stages, programs)
+    return FetchTuning(E, B, K, int(num_warps), num_stages)
 
 
 def naive_tuning() -> dict:
@@ -141,18 +132,22 @@ def _pad_entries(src_rows, dst_rows, E):
 
 
 def _copy_program(src_rows_ref, dst_rows_ref, src_ref, dst_ref, Ns, Nd, tuning: FetchTuning):
-    """Body of a program: one work item (E entries x K chunk columns, loads before stores),
-    or with a persistent grid every ``programs``-th item, software-pipelined by one item."""
+    """Body of program (i, j): its E entries x its K chunk columns, loads before stores."""
     E, B, K = tuning.pages_per_program, tuning.chunk_elems, tuning.chunks_per_program
-    if tuning.programs:
-        return _copy_persistent(src_rows_ref, dst_rows_ref, src_ref, dst_ref, Ns, Nd, tuning)
     i = pl.program_id(0)
     j = pl.program_id(1)
-    entries = _entries(src_rows_ref, dst_rows_ref, i, E, B, Ns, Nd)
+    entries = []
+    for e in range(E):
+        s = src_rows_ref[i * E + e]
+        d = dst_rows_ref[i * E + e]
+        ok = (s >= 0) & (s < Ns) & (d >= 0) & (d < Nd)
+        entries.append((jnp.where(ok, s, 0), jnp.where(ok, d, 0), jnp.full((B,), ok)))
 
     def column(k):
         col = (j * K + k) * B
-        _store(dst_ref, entries, col, B, _load(src_ref, entries, col, B))
+        vals = [plgpu.load(src_ref.at[s, pl.ds(col, B)], mask=m) for s, _, m in entries]
+        for (_, d, m), v in zip(entries, vals):
+            plgpu.store(dst_ref.at[d, pl.ds(col, B)], v, mask=m)
 
     if K == 1:
         column(0)
@@ -163,65 +158,14 @@ def _copy_program(src_rows_ref, dst_rows_ref, src_ref, dst_ref, Ns, Nd, tuning: 
         jax.lax.fori_loop(0, K, body, 0)
 
 
-def _entries(src_rows_ref, dst_rows_ref, i, E, B, Ns, Nd, live=True):
-    """(src, dst, mask) of entries [i*E, (i+1)*E); invalid ones masked (no traffic)."""
-    out = []
-    for e in range(E):
-        s = src_rows_ref[i * E + e]
-        d = dst_rows_ref[i * E + e]
-        ok = live & (s >= 0) & (s < Ns) & (d >= 0) & (d < Nd)
-        out.append((jnp.where(ok, s, 0), jnp.where(ok, d, 0), jnp.full((B,), ok)))
-    return out
-
-
-def _load(src_ref, entries, col, B):
-    return [plgpu.load(src_ref.at[s, pl.ds(col, B)], mask=m) for s, _, m in entries]
-
-
-def _store(dst_ref, entries, col, B, vals):
-    for (_, d, m), v in zip(entries, vals):
-        plgpu.store(dst_ref.at[d, pl.ds(col, B)], v, mask=m)
-
-
-def _copy_persistent(src_rows_ref, dst_rows_ref, src_ref, dst_ref, Ns, Nd, tuning):
-    E, B, N = tuning.pages_per_program, tuning.chunk_elems, tuning.programs
-    n_eb = src_rows_ref.shape[0] // E
-    n_cb = dst_ref.shape[1] // B
-    n_items = n_eb * n_cb
-    p = pl.program_id(0)
-
-    def item(t):  # the program's t-th item: entries, column (masked when past the end)
-        w = p + t * N
-        live = w < n_items
-        w = jnp.where(live, w, 0)
-        return _entries(src_rows_ref, dst_rows_ref, w // n_cb, E, B, Ns, Nd, live), (w % n_cb) * B
-
-    ents, col = item(0)
-    vals = _load(src_ref, ents, col, B)
-
-    def body(t, vals):
-        cur, c = item(t)
-        nxt, c2 = item(t + 1)
-        nvals = _load(src_ref, nxt, c2, B)
-        _store(dst_ref, cur, c, B, vals)
-        return nvals
-
-    vals = jax.lax.fori_loop(0, -(-n_items // N) - 1, body, vals)
-    last, c = item(-(-n_items // N) - 1)
-    _store(dst_ref, last, c, B, vals)
-
-
 def _launch(kernel, operands, out, n_eb, tuning: FetchTuning, alias: int, name: str):
     R = out.shape[1]
-    if tuning.programs:
-        grid = (tuning.programs,)
-    else:
-        grid = (n_eb, R // (tuning.chunk_elems * tuning.chunks_per_program))
-    full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+    n_cb = R // (tuning.chunk_elems * tuning.chunks_per_program)
+    full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
-        grid=grid,
+        grid=(n_eb, n_cb),
         in_specs=[full(x.shape) for x in operands],
         out_specs=full(out.shape),
         input_output_aliases={alias: 0},

@@ -40,7 +40,6 @@ from pallas_kernels import _common
 from pallas_kernels import page_fetch
 
 OP_TOKENS = "write_tokens"
-OP_PAIR = "write_tokens_pair"
 OP_PAGES = "write_pages"
 
 
@@ -68,20 +67,10 @@ def _check_tokens(dst, rows, offsets, kv, page_size):
         raise ValueError(f"rows {rows.shape} and offsets {offsets.shape} must be [{M}]")
 
 
-def _token_stores(dst_ref, r, o, vals, N, ps, D):
-    """Store the 2*H head vectors ``vals`` of one token at row ``r``, offset ``o`` (masked)."""
-    ok = (r >= 0) & (r < N) & (o >= 0) & (o < ps)
-    r = jnp.where(ok, r, 0)
-    o = jnp.where(ok, o, 0)
-    mask = jnp.full((D,), ok)
-    for seg, v in enumerate(vals):  # segment seg = (k_or_v, head): [ps, D] block
-        plgpu.store(dst_ref.at[r, pl.ds((seg * ps + o) * D, D)], v, mask=mask)
-
-
 def _write_tokens_pallas(dst, rows, offsets, kv, *, page_size: int, num_warps: int = 4):
     """Pallas: grid (M,); program m stores the 2*H head vectors of entry m (D elements each)."""
     _check_tokens(dst, rows, offsets, kv, page_size)
-    N = dst.shape[0]
+    N, R = dst.shape
     M, _, H, D = kv.shape
     ps = int(page_size)
     if D & (D - 1):
@@ -93,8 +82,15 @@ def _write_tokens_pallas(dst, rows, offsets, kv, *, page_size: int, num_warps: i
     def kernel(rows_ref, offs_ref, kv_ref, dst_in_ref, dst_ref):
         del dst_in_ref  # aliased with dst_ref
         m = pl.program_id(0)
+        r = rows_ref[m]
+        o = offs_ref[m]
+        ok = (r >= 0) & (r < N) & (o >= 0) & (o < ps)
+        r = jnp.where(ok, r, 0)
+        o = jnp.where(ok, o, 0)
+        mask = jnp.full((D,), ok)
         vals = [kv_ref[m, pl.ds(seg * D, D)] for seg in range(2 * H)]
-        _token_stores(dst_ref, rows_ref[m], offs_ref[m], vals, N, ps, D)
+        for seg, v in enumerate(vals):  # segment seg = (k_or_v, head): [ps, D] block
+            plgpu.store(dst_ref.at[r, pl.ds((seg * ps + o) * D, D)], v, mask=mask)
 
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
     return pl.pallas_call(
@@ -169,32 +165,12 @@ def write_tokens(dst, rows, offsets, kv, *, page_size, implementation=None, **tu
                                     **tuning)
 
 
-@_common.register(OP_PAIR, "pallas")
-def write_tokens_pair_pallas(host, host_rows, pool, pool_rows, offsets, kv, *, page_size,
-                             num_warps=4):
-    """Pallas implementation of :func:`write_tokens_pair`: two :func:`write_tokens` launches.
-
-    One launch with two aliased outputs does not compile on the GPU when one of them is the
-    pinned_host tier (XLA 0.11.2: "Different aliasing shapes: bf16[..]{1,0} vs
-    bf16[..]{1,0:S(5)}": a tuple output cannot carry the host memory space)."""
-    return (_write_tokens_pallas(host, host_rows, offsets, kv, page_size=page_size,
-                                 num_warps=num_warps),
-            _write_tokens_pallas(pool, pool_rows, offsets, kv, page_size=page_size,
-                                 num_warps=num_warps))
-
-
-@_common.register(OP_PAIR, "xla")
-def write_tokens_pair_reference(host, host_rows, pool, pool_rows, offsets, kv, *, page_size,
-                                **tuning):
-    """Pure-jnp reference of :func:`write_tokens_pair`: two :func:`write_tokens` references."""
-    del tuning
-    return (write_tokens_reference(host, host_rows, offsets, kv, page_size=page_size),
-            write_tokens_reference(pool, pool_rows, offsets, kv, page_size=page_size))
-
-
 def write_tokens_pair(host, host_rows, pool, pool_rows, offsets, kv, *, page_size,
                       implementation=None, **tuning):
-    """Write-through: each entry's token into ``host`` and into ``pool``.
+    """Write-through: each entry's token into ``host`` and into ``pool`` (two
+    :func:`write_tokens` launches; one launch with a pinned_host and a device output fails
+    XLA's aliasing check on the GPU: "Different aliasing shapes: bf16[..]{1,0} vs
+    bf16[..]{1,0:S(5)}").
 
     Args:
       host: [Nh, R] host tier (pinned_host), donated; pool: [Np, R] device pool, donated.
@@ -202,14 +178,11 @@ def write_tokens_pair(host, host_rows, pool, pool_rows, offsets, kv, *, page_siz
       offsets, kv, page_size, implementation, **tuning: as :func:`write_tokens`.
     Returns:
       (host, pool) with the tokens written. Inside a traced loop over a host carry, wrap the
-      host result in :func:`keep_on_host`. Traced use only (inside ``jit``).
+      host result in :func:`keep_on_host`.
     """
-    if host.dtype != pool.dtype or host.shape[1] != pool.shape[1]:
-        raise ValueError(f"host {host.shape} {host.dtype} and pool {pool.shape} {pool.dtype} "
-                         "must have the same row length and dtype")
-    fn = _common.resolve(OP_PAIR, implementation)
-    return fn(host, jnp.asarray(host_rows, jnp.int32), pool, jnp.asarray(pool_rows, jnp.int32),
-              offsets, kv, page_size=int(page_size), **tuning)
+    kw = dict(page_size=page_size, implementation=implementation, **tuning)
+    return (write_tokens(host, host_rows, offsets, kv, **kw),
+            write_tokens(pool, pool_rows, offsets, kv, **kw))
 
 
 @_common.register(OP_PAGES, "pallas")

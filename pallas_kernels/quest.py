@@ -146,7 +146,8 @@ def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages
     scores = _common.resolve(OP, implementation)(
         q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, page_size=page_size)
     return select_top_pages(scores, seq_lens, num_pages=np_, k=k, page_size=page_size,
-                            num_sink_pages=num_sink_pages, method=topk_method)
+                            num_sink_pages=num_sink_pages, method=topk_method,
+                            implementation=implementation)
 
 
 def quest_update(kmax, kmin, layer, k_new, positions, *, page_size):
