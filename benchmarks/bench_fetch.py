@@ -357,18 +357,33 @@ def section_write_through(cfg, budget, rng):
     return out
 
 
-def section_ensure(cfg, budget, rng):
-    try:
-        from jaxkv import lru
-    except Exception as e:  # noqa: BLE001
-        return dict(error=f"jaxkv.lru unavailable: {e}")
-    if not budget.ok("ensure"):
-        return dict(skipped=True)
-    L, K, S, Q = cfg.layers, cfg.ensure_pages, 2 * cfg.ensure_pages, 4
-    (H, D), ps = HEADS["8x128"], cfg.small_page_size
+def _ensure_fn(method, num_warps=None):
+    """(pt, so, lu, req, prot, step) -> lru.EnsureResult: ``lru.ensure(method=...)``, or the
+    Pallas kernel with a given warp count (a tuning variant)."""
+    from jaxkv import lru
+    from pallas_kernels import lru_ensure
+
+    if num_warps is None:
+        return lambda *a: lru.ensure(*a, method=method)
+
+    def fn(pt, so, lu, req, prot, step):
+        pay = jnp.full(req.shape, -1, jnp.int32)
+        pt, so, lu, slots, src, dst, pay, counts = lru_ensure.ensure_layers_pallas(
+            pt, so, lu, req, prot, pay, step, num_warps=num_warps)
+        c = jnp.sum(counts, axis=0)
+        return lru.EnsureResult(pt, so, lu, slots, src, dst, pay, c[0], c[1], c[2], c[3])
+    return fn
+
+
+def _zero_miss_case(L, K, S, Q, ps, T, reps, rng, variants, host_rows=None):
+    """Time a zero-miss decode step's ensure (+ fetch) for L layers x K requested pages (all
+    resident in S slots), 8 KV heads x 128 bf16 pages of ``ps`` tokens.
+
+    variants: {name: (ensure_fn, with_fetch, fetch tuning dict or None)}; also times the fetch
+    launch alone with an all -1 (empty) entry list. Returns {name_us_per_step, name_misses}."""
+    (H, D) = HEADS["8x128"]
     row = 2 * H * ps * D
-    P = max(S, cfg.host_bytes // (row * 2) // L)
-    T = UNROLL if cfg.quick else 8 * UNROLL
+    P = max(S, host_rows or S)
     host = make_array(L * P, row, jnp.bfloat16, HOST)
     pool = jax.jit(lambda: jnp.zeros((L * S, row), jnp.bfloat16), out_shardings=DEVICE)()
     pt = np.full((L, P), -1, np.int32)
@@ -379,15 +394,22 @@ def section_ensure(cfg, budget, rng):
                      for _ in range(8)]).astype(np.int32)
     protect = jnp.full((L, Q), -1, jnp.int32)
     lcol = jnp.arange(L, dtype=jnp.int32)[:, None]
+    out = {}
 
-    def run(host, state, pool, reqs, with_fetch, method):
+    def run(host, state, pool, reqs, ensure_fn, with_fetch, tuning):
         def one(t, carry):
             (pt, so, lu, misses), pool = carry
-            res = lru.ensure(pt, so, lu, reqs[t % reqs.shape[0]], protect, t + 1, method=method)
+            if ensure_fn is None:  # the fetch launch alone, nothing to move
+                e = jnp.full((L * K,), -1, jnp.int32) + (t - t)
+                pool = page_fetch.fetch_pages(host, pool, e, e, implementation="pallas",
+                                              **(tuning or {}))
+                return (pt, so, lu, misses), pool
+            res = ensure_fn(pt, so, lu, reqs[t % reqs.shape[0]], protect, t + 1)
             if with_fetch:
                 src = jnp.where(res.fetch_src >= 0, lcol * P + res.fetch_src, -1).reshape(-1)
                 dst = jnp.where(res.fetch_dst >= 0, lcol * S + res.fetch_dst, -1).reshape(-1)
-                pool = page_fetch.fetch_pages(host, pool, src, dst, implementation="pallas")
+                pool = page_fetch.fetch_pages(host, pool, src, dst, implementation="pallas",
+                                              **(tuning or {}))
             return (res.page_table, res.slot_owner, res.last_used, misses + res.misses), pool
 
         def body(t, carry):  # UNROLL steps per iteration: the loop's cost spread over them
@@ -396,38 +418,77 @@ def section_ensure(cfg, budget, rng):
             return carry
         return jax.lax.fori_loop(0, T // UNROLL, body, (state, pool))
 
+    variants = dict(variants, fetch_only_empty=(None, True, None))
+    for name, (ensure_fn, wf, tuning) in variants.items():
+        try:
+            f = jax.jit(functools.partial(run, ensure_fn=ensure_fn, with_fetch=wf,
+                                          tuning=tuning), donate_argnums=2)
+            state = (jnp.asarray(pt), jnp.asarray(so), jnp.asarray(lu), jnp.int32(0))
+            box = [f(host, state, pool, jnp.asarray(reqs))]
+            jax.block_until_ready(box[0])
+
+            def call():
+                box[0] = f(host, state, box[0][1], jnp.asarray(reqs))
+                return box[0]
+
+            out[name + "_us_per_step"] = median_time(call, reps) / T * 1e6
+            out[name + "_misses"] = int(box[0][0][3])
+            pool = box[0][1]
+        except Exception as e:  # noqa: BLE001
+            out[name + "_error"] = f"{type(e).__name__}: {str(e)[:300]}\n{traceback.format_exc()[-600:]}"
+    host.delete()
+    return out
+
+
+def section_ensure(cfg, budget, rng):
+    try:
+        from jaxkv import lru
+    except Exception as e:  # noqa: BLE001
+        return dict(error=f"jaxkv.lru unavailable: {e}")
+    if not budget.ok("ensure"):
+        return dict(skipped=True)
+    L, K, S, Q = cfg.layers, cfg.ensure_pages, 2 * cfg.ensure_pages, 4
+    ps = cfg.small_page_size
+    T = UNROLL if cfg.quick else 8 * UNROLL
     # The LRU implementations (jaxkv.lru: "dense" = sort-free compare matrices, "sort",
     # "pallas" = "dense" as one Triton kernel for all layers; interpret mode off the GPU);
     # keys are suffixed with the method; "auto" picks the one named in ``auto_method``.
+    # Variants: the kernel's warp count (``_w<n>``) and the fetch launch's tuning for this
+    # all-empty case (``_fe<E>``: E entries per program; ``row``: whole-row chunks).
+    methods = ("dense", "sort", "pallas")
+    variants = {}
+    for m in methods:
+        variants[f"ensure_only_{m}"] = (_ensure_fn(m), False, None)
+        variants[f"ensure_fetch_{m}"] = (_ensure_fn(m), True, None)
+    for w in (1, 2, 8):
+        variants[f"ensure_only_pallas_w{w}"] = (_ensure_fn("pallas", w), False, None)
+    for tag, tun in (("fe8", dict(pages_per_program=8)),
+                     ("fe8row", dict(pages_per_program=8, chunk_elems=0))):
+        variants[f"ensure_fetch_pallas_{tag}"] = (_ensure_fn("pallas"), True, tun)
+    P = max(S, cfg.host_bytes // (2 * 2 * 8 * ps * 128 * 2) // L)
     out = dict(layers=L, pages_per_layer=K, slots=S, steps=T, page_size=ps,
                auto_method=lru.resolve_method("auto", K, S, Q))
-    methods = ("dense", "sort", "pallas")
-    for method in methods:
-        for label, wf in (("ensure_only", False), ("ensure_fetch", True)):
-            name = f"{label}_{method}"
-            try:
-                f = jax.jit(functools.partial(run, with_fetch=wf, method=method), donate_argnums=2)
-                state = (jnp.asarray(pt), jnp.asarray(so), jnp.asarray(lu), jnp.int32(0))
-                box = [f(host, state, pool, jnp.asarray(reqs))]
-                jax.block_until_ready(box[0])
-
-                def call():
-                    box[0] = f(host, state, box[0][1], jnp.asarray(reqs))
-                    return box[0]
-
-                t = median_time(call, cfg.reps) / T
-                out[name + "_us_per_step"] = t * 1e6
-                out[name + "_misses"] = int(box[0][0][3])
-                pool = box[0][1]
-            except Exception as e:  # noqa: BLE001
-                out[name + "_error"] = f"{type(e).__name__}: {str(e)[:300]}\n{traceback.format_exc()[-600:]}"
+    out.update(_zero_miss_case(L, K, S, Q, ps, T, cfg.reps, rng, variants, host_rows=P))
     # the summary table reads one miss count (zero for this zero-miss stream, every method)
     out["ensure_fetch_misses"] = out.get(f"ensure_fetch_{out['auto_method']}_misses")
     print(f"ensure ({L} layers x {K} pages, {S} slots, us/step; auto = {out['auto_method']}): "
-          + ", ".join(f"{m} {out.get(f'ensure_only_{m}_us_per_step', float('nan')):.1f} / "
-                      f"+fetch {out.get(f'ensure_fetch_{m}_us_per_step', float('nan')):.1f}"
-                      for m in methods), flush=True)
-    host.delete()
+          + ", ".join(f"{k[:-12]} {v:.1f}" for k, v in out.items()
+                      if k.endswith("_us_per_step")), flush=True)
+    # The engine's shape (8B-like, B=1: 8 heads x 32 pages + 4 pinned requests per layer,
+    # 2x pool, 64-token pages): what a zero-miss step's ensure and install launch cost there.
+    if not cfg.quick and budget.ok("ensure engine shape"):
+        Ke, Qe = 8 * 32 + 4, 4
+        Se = 2 * Ke
+        auto = lru.resolve_method("auto", Ke, Se, Qe)
+        ev = {f"ensure_only_{auto}": (_ensure_fn(auto), False, None),
+              f"ensure_fetch_{auto}": (_ensure_fn(auto), True, None),
+              f"ensure_fetch_{auto}_fe8": (_ensure_fn(auto), True, dict(pages_per_program=8))}
+        eng = dict(layers=L, pages_per_layer=Ke, slots=Se, page_size=64, auto_method=auto)
+        eng.update(_zero_miss_case(L, Ke, Se, Qe, 64, 2 * UNROLL, cfg.reps, rng, ev))
+        out["engine_8b_b1"] = eng
+        print(f"engine-shape zero-miss step ({L} x {Ke} requests, {Se} slots, 64-token pages,"
+              f" us/step): " + ", ".join(f"{k[:-12]} {v:.1f}" for k, v in eng.items()
+                                          if k.endswith("_us_per_step")), flush=True)
     return out
 
 
@@ -489,6 +550,8 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=210.0,
                     help="skip remaining sections after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only-ensure", action="store_true",
+                    help="run only the zero-miss ensure section; writes bench_fetch_ensure.json")
     args = ap.parse_args(argv)
     cfg = config(args)
     rng = np.random.default_rng(args.seed)
@@ -499,6 +562,13 @@ def main(argv=None):
                commit=_commit(), jax=jax.__version__, quick=cfg.quick, argv=sys.argv[1:])
     print(f"bench_fetch on {DEV0.device_kind} ({DEV0.platform}), jax {jax.__version__}", flush=True)
 
+    if args.only_ensure:
+        res["ensure"] = section_ensure(cfg, budget, rng)
+        path = os.path.join(args.out, "bench_fetch_ensure.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        print(f"wrote {path}")
+        return res
     bulk0 = bench_bulk(cfg.bulk_bytes, cfg.reps)
     print(f"bulk device_put: {bulk0['GBps']:.1f} GB/s", flush=True)
     targets = section_targets(cfg, bulk0["GBps"], budget, rng)
