@@ -405,7 +405,11 @@ def _zero_miss_case(L, K, S, Q, ps, T, reps, rng, variants, host_rows=None):
                                               **(tuning or {}))
                 return (pt, so, lu, misses), pool
             res = ensure_fn(pt, so, lu, reqs[t % reqs.shape[0]], protect, t + 1)
-            if with_fetch:
+            if with_fetch == "layers":  # per-layer lists: work proportional to the misses
+                pool = page_fetch.fetch_layer_pages(host, pool, res.fetch_src, res.fetch_dst,
+                                                    src_stride=P, dst_stride=S,
+                                                    implementation="pallas", **(tuning or {}))
+            elif with_fetch:
                 src = jnp.where(res.fetch_src >= 0, lcol * P + res.fetch_src, -1).reshape(-1)
                 dst = jnp.where(res.fetch_dst >= 0, lcol * S + res.fetch_dst, -1).reshape(-1)
                 pool = page_fetch.fetch_pages(host, pool, src, dst, implementation="pallas",
@@ -453,8 +457,9 @@ def section_ensure(cfg, budget, rng):
     # The LRU implementations (jaxkv.lru: "dense" = sort-free compare matrices, "sort",
     # "pallas" = "dense" as one Triton kernel for all layers; interpret mode off the GPU);
     # keys are suffixed with the method; "auto" picks the one named in ``auto_method``.
-    # Variants: the kernel's warp count (``_w<n>``) and the fetch launch's tuning for this
-    # all-empty case (``_fe<E>``: E entries per program; ``row``: whole-row chunks).
+    # Variants: the kernel's warp count (``_w<n>``), the fetch launch's tuning for this
+    # all-empty case (``_fe<E>``: E entries per program; ``row``: whole-row chunks) and
+    # ``_layers``: fetch_layer_pages on the per-layer lists (what the engine runs).
     methods = ("dense", "sort", "pallas")
     variants = {}
     for m in methods:
@@ -462,6 +467,8 @@ def section_ensure(cfg, budget, rng):
         variants[f"ensure_fetch_{m}"] = (_ensure_fn(m), True, None)
     for w in (1, 2, 8):
         variants[f"ensure_only_pallas_w{w}"] = (_ensure_fn("pallas", w), False, None)
+    variants["ensure_fetch_pallas_layers"] = (_ensure_fn("pallas"), "layers", None)
+    variants["ensure_fetch_dense_layers"] = (_ensure_fn("dense"), "layers", None)
     for tag, tun in (("fe8", dict(pages_per_program=8)),
                      ("fe8row", dict(pages_per_program=8, chunk_elems=0))):
         variants[f"ensure_fetch_pallas_{tag}"] = (_ensure_fn("pallas"), True, tun)
@@ -482,7 +489,7 @@ def section_ensure(cfg, budget, rng):
         auto = lru.resolve_method("auto", Ke, Se, Qe)
         ev = {f"ensure_only_{auto}": (_ensure_fn(auto), False, None),
               f"ensure_fetch_{auto}": (_ensure_fn(auto), True, None),
-              f"ensure_fetch_{auto}_fe8": (_ensure_fn(auto), True, dict(pages_per_program=8))}
+              f"ensure_fetch_{auto}_layers": (_ensure_fn(auto), "layers", None)}
         eng = dict(layers=L, pages_per_layer=Ke, slots=Se, page_size=64, auto_method=auto)
         eng.update(_zero_miss_case(L, Ke, Se, Qe, 64, 2 * UNROLL, cfg.reps, rng, ev))
         out["engine_8b_b1"] = eng

@@ -332,10 +332,9 @@ def install_previous(plan: Plan, kv, lookahead, protect):
         res = lru.ensure(kv.page_table, kv.slot_owner, kv.last_used, sel, prot, kv.step,
                          implementation=impl)
         ok = res.fetch_dst >= 0
-        src = jnp.where(ok, lcol * P + res.fetch_src, INVALID)
-        dst = jnp.where(ok, lcol * S + res.fetch_dst, INVALID)
-        pool = page_fetch.fetch_pages(kv.host_kv, kv.pool, src.reshape(-1), dst.reshape(-1),
-                                      implementation=impl)
+        # Per-layer lists (compacted by the ensure): a zero-miss step is one small launch.
+        pool = page_fetch.fetch_layer_pages(kv.host_kv, kv.pool, res.fetch_src, res.fetch_dst,
+                                            src_stride=P, dst_stride=S, implementation=impl)
         # The host tier is written in place later in the step; tie it to the fetch's result so
         # XLA orders that write after this read instead of copying the whole host array.
         host_kv, pool = jax.lax.optimization_barrier((kv.host_kv, pool))

@@ -27,6 +27,9 @@ Semantics, per layer and step (the plain-Python model in tests/lru_model.py is t
 5. Misses beyond the unprotected slots are **dropped**: their slot is ``-1`` and the
    ``dropped`` counter says how many (a strict caller raises on it).
 6. Every resident requested page gets ``last_used = step``.
+7. Fetch entries (``fetch_src`` / ``fetch_dst`` / ``fetch_payload``) are compacted: the
+   assigned misses in ascending page order at positions ``0 .. n - 1`` of the layer's row,
+   ``-1`` after (``pallas_kernels.page_fetch.fetch_layer_pages`` then only walks ``n``).
 """
 from __future__ import annotations
 
@@ -158,9 +161,12 @@ def _ensure_layer(page_table, slot_owner, last_used, requests, protect, payload,
     slot_owner = slot_owner.at[dst].set(sorted_req, mode="drop")
     last_used = last_used.at[jnp.where(s_slot >= 0, s_slot, S)].set(step, mode="drop")
 
-    fetch_src = jnp.where(assigned, sorted_req, INVALID)
-    fetch_dst = jnp.where(assigned, new_slot, INVALID)
-    fetch_payload = jnp.where(assigned, payload[order], INVALID)
+    # Fetch entries compacted at the front: the assigned misses are the first n_assigned
+    # misses in page order, so an assigned miss's rank is its position.
+    at = jnp.where(assigned, rank, R)
+    fetch_src, fetch_dst, fetch_payload = (
+        jnp.full((R,), INVALID, jnp.int32).at[at].set(v, mode="drop")
+        for v in (sorted_req, new_slot, payload[order]))
     counts = jnp.stack([
         jnp.sum(hit), jnp.sum(miss), jnp.sum(evicted), jnp.sum(miss & ~assigned)
     ]).astype(jnp.int32)
@@ -193,9 +199,7 @@ def _ensure_layer_dense(page_table, slot_owner, last_used, requests, protect, pa
     less = valid[None, :] & (req[None, :] < req[:, None])    # [i, j]: req[j] < req[i]
     hit = first & (cur >= 0)
     miss = first & (cur < 0)
-    # Position of a page's first copy in the sorted order (= the sort version's index of the
-    # run's leader) and the rank of a missed page among the missed pages (same for copies).
-    pos = jnp.sum(less, axis=1, dtype=jnp.int32)
+    # The rank of a missed page among the missed pages (same for copies).
     rank = jnp.sum(less & miss[None, :], axis=1, dtype=jnp.int32)
 
     # [R, S] / [Q, S]: protected slots = slots of resident requested pages (every copy has
@@ -231,8 +235,9 @@ def _ensure_layer_dense(page_table, slot_owner, last_used, requests, protect, pa
     slot_owner = jnp.where(installed, new_owner, slot_owner)
     last_used = jnp.where(used_slot | installed, step, last_used)
 
-    # Fetch entries at the sorted positions of their pages ([R, R] select), -1 elsewhere.
-    put = assigned[:, None] & (pos[:, None] == i_r[None, :])  # [i, position]
+    # Fetch entries compacted at the front in page order: entry k is the miss of rank k
+    # ([R, R] select), -1 from n_assigned on.
+    put = assigned[:, None] & (rank[:, None] == i_r[None, :])  # [i, position]
     anyput = jnp.any(put, axis=0)
 
     def place(v):

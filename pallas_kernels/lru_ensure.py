@@ -70,14 +70,13 @@ def _ensure_kernel(step_ref, pt_ref, so_ref, lu_ref, req_ref, prot_ref, pay_ref,
     pslot = plgpu.load(pt_ref.at[l, jnp.where(pvalid, protect, 0)], mask=pvalid,
                        other=_INVALID)
 
-    # [R, R]: first copies, and "strictly smaller page" for sorted positions and miss ranks.
+    # [R, R]: first copies, and "strictly smaller page" for the miss ranks.
     eq = req[:, None] == req[None, :]
     dup = _sum(eq & (i_r[None, :] < i_r[:, None]), axis=1) > 0
     first = valid & jnp.logical_not(dup)
     less = valid[None, :] & (req[None, :] < req[:, None])   # [i, j]: req[j] < req[i]
     hit = first & (cur >= 0)
     miss = first & (cur < 0)
-    pos = _sum(less, axis=1)
     rank = _sum(less & miss[None, :], axis=1)
 
     # [R, S] / [Q, S]: protected slots (padded slots count as protected).
@@ -113,8 +112,8 @@ def _ensure_kernel(step_ref, pt_ref, so_ref, lu_ref, req_ref, prot_ref, pay_ref,
                 mask=in_s)
     plgpu.store(slots_out.at[l, i_r], slots, mask=in_r)
 
-    # Fetch entries at the sorted positions of their pages ([R, R] select), -1 elsewhere.
-    put = assigned[:, None] & (pos[:, None] == i_r[None, :])  # [i, position]
+    # Fetch entries compacted at the front in page order (entry k = the miss of rank k).
+    put = assigned[:, None] & (rank[:, None] == i_r[None, :])  # [i, position]
     anyput = _sum(put, axis=0) > 0
 
     def place(v):

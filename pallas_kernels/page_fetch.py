@@ -351,3 +351,123 @@ def move_rows(arr, src_rows, dst_rows, *, implementation=None, **tuning):
     """
     fn = _common.resolve(OP_MOVE, implementation)
     return call_in_place(fn, (arr, src_rows, dst_rows), 0, **tuning)
+
+
+# ----------------------------------------------------------------------------------------
+# fetch_layer_pages: per-layer fetch lists, work proportional to the entries actually listed
+# ----------------------------------------------------------------------------------------
+OP_LAYERS = "fetch_layer_pages"
+_LAYER_MIN_PROGRAMS = 256  # default programs-per-layer G: L * G * chunk columns >= this
+
+
+def _layer_global(src, dst, l, src_stride, dst_stride):
+    """Per-layer page / slot ids -> (ok, global host row, global pool row)."""
+    ok = (src >= 0) & (src < src_stride) & (dst >= 0) & (dst < dst_stride)
+    return ok, jnp.where(ok, l * src_stride + src, 0), jnp.where(ok, l * dst_stride + dst, 0)
+
+
+def _fetch_layers_kernel(src_ref, dst_ref, host_ref, pool_in_ref, pool_ref, *, R, chunk,
+                         programs_per_layer, src_stride, dst_stride):
+    del pool_in_ref  # aliased with pool_ref
+    l, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    G = programs_per_layer
+    i_r = jax.lax.broadcasted_iota(jnp.int32, (_common.next_pow2(R),), 0)
+    d_all = plgpu.load(dst_ref.at[l, i_r], mask=i_r < R, other=-1)
+    n = jnp.max(jnp.where(d_all >= 0, i_r + 1, 0))  # one past the last listed entry
+    trips = jnp.maximum(n - g + G - 1, 0) // G
+    cols = pl.ds(j * chunk, chunk)
+
+    def body(t, carry):
+        m = g + t * G
+        ok, s, d = _layer_global(src_ref[l, m], dst_ref[l, m], l, src_stride, dst_stride)
+        mask = jnp.full((chunk,), ok)
+        plgpu.store(pool_ref.at[d, cols], plgpu.load(host_ref.at[s, cols], mask=mask), mask=mask)
+        return carry
+
+    jax.lax.fori_loop(0, trips, body, 0)
+
+
+def _check_layers(host_kv, pool, fetch_src, fetch_dst, src_stride, dst_stride):
+    if fetch_src.shape != fetch_dst.shape or fetch_src.ndim != 2:
+        raise ValueError(f"fetch_src {fetch_src.shape} and fetch_dst {fetch_dst.shape} must "
+                         "both be [L, R]")
+    _check(host_kv, pool, fetch_src.reshape(-1), fetch_dst.reshape(-1))
+    L = fetch_src.shape[0]
+    if L * src_stride > host_kv.shape[0] or L * dst_stride > pool.shape[0]:
+        raise ValueError(f"{L} layers x strides ({src_stride}, {dst_stride}) exceed the rows of "
+                         f"host_kv {host_kv.shape} / pool {pool.shape}")
+
+
+@_common.register(OP_LAYERS, "pallas")
+def fetch_layer_pages_pallas(host_kv, pool, fetch_src, fetch_dst, *, src_stride: int,
+                             dst_stride: int, chunk_elems: int | None = None,
+                             programs_per_layer: int | None = None, num_warps: int = 4):
+    """Pallas implementation of :func:`fetch_layer_pages`. Grid ``(L, G, R_row / B)``:
+    program ``(l, g, j)`` copies chunk ``j`` (``B`` elements) of layer ``l``'s entries
+    ``g, g + G, ...`` below one past the layer's last listed entry (a loop whose trip count
+    it reads from the list), so an empty list costs one small launch."""
+    _check_layers(host_kv, pool, fetch_src, fetch_dst, src_stride, dst_stride)
+    L, R = fetch_src.shape
+    row, itemsize = host_kv.shape[1], jnp.dtype(host_kv.dtype).itemsize
+    B = _common.largest_pow2_divisor(
+        row, min(chunk_elems or DEFAULT_CHUNK_BYTES // itemsize, MAX_CHUNK_BYTES // itemsize))
+    n_cb = row // B
+    if programs_per_layer is None:
+        programs_per_layer = min(_common.next_pow2(max(1, -(-_LAYER_MIN_PROGRAMS // (L * n_cb)))),
+                                 _common.next_pow2(R))
+    kernel = functools.partial(_fetch_layers_kernel, R=R, chunk=B,
+                               programs_per_layer=programs_per_layer,
+                               src_stride=src_stride, dst_stride=dst_stride)
+    full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
+    operands = (fetch_src.astype(jnp.int32), fetch_dst.astype(jnp.int32), host_kv, pool)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        grid=(L, programs_per_layer, n_cb),
+        in_specs=[full(x.shape) for x in operands],
+        out_specs=full(pool.shape),
+        input_output_aliases={3: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps),
+        interpret=_common.interpret_mode(),
+        name="fetch_layer_pages",
+    )(*operands)
+
+
+@_common.register(OP_LAYERS, "xla")
+def fetch_layer_pages_reference(host_kv, pool, fetch_src, fetch_dst, *, src_stride: int,
+                                dst_stride: int, **tuning):
+    """Pure-jnp reference of :func:`fetch_layer_pages` (tunables are ignored)."""
+    del tuning
+    _check_layers(host_kv, pool, fetch_src, fetch_dst, src_stride, dst_stride)
+    lcol = jnp.arange(fetch_src.shape[0], dtype=jnp.int32)[:, None]
+    ok, s, d = _layer_global(fetch_src, fetch_dst, lcol, src_stride, dst_stride)
+    return copy_rows_reference(host_kv, pool, jnp.where(ok, s, -1).reshape(-1),
+                               jnp.where(ok, d, -1).reshape(-1))
+
+
+def fetch_layer_pages(host_kv, pool, fetch_src, fetch_dst, *, src_stride: int,
+                      dst_stride: int, implementation=None, **tuning):
+    """Per-layer fetch: ``pool[l * dst_stride + fetch_dst[l, m]] =
+    host_kv[l * src_stride + fetch_src[l, m]]`` for every listed entry, in one launch.
+
+    For lists that are mostly empty (an LRU ensure's fetch entries: a decode step misses a
+    few pages of the ``R`` it requests): the Pallas kernel's work is proportional to the
+    entries up to each layer's last listed one, so list them first (``jaxkv.lru.ensure``
+    does: its entries are compacted at the front of each row). A zero-miss step costs one
+    launch of ``L * G * (row / chunk)`` programs that read their layer's list and exit.
+
+    Args:
+      host_kv: [N_host, R_row] (pinned_host in practice), any dtype.
+      pool: [N_pool, R_row] device array, same dtype; donated, updated in place.
+      fetch_src: [L, R] int32 per-layer host page ids (``-1`` or ``>= src_stride`` = none).
+      fetch_dst: [L, R] int32 per-layer pool slots (``-1`` or ``>= dst_stride`` = none);
+        valid ones distinct within a layer.
+      src_stride, dst_stride: static rows per layer in ``host_kv`` / ``pool``.
+      **tuning: ``chunk_elems`` (elements per load, a power of two dividing R_row),
+        ``programs_per_layer`` (G), ``num_warps``. Ignored by the reference.
+    Returns:
+      pool with the listed rows replaced.
+    """
+    fn = _common.resolve(OP_LAYERS, implementation)
+    return call_in_place(fn, (host_kv, pool, fetch_src, fetch_dst), 1, src_stride=src_stride,
+                         dst_stride=dst_stride, **tuning)

@@ -46,6 +46,9 @@ def _run_stream(L, P, S, R, Q, steps, seed, p_dup=0.3, p_pad=0.2, locality=0.7, 
             got = {int(s): int(d) for s, d in zip(src[l], dst[l]) if s >= 0}
             assert got == fetched, (t, l)
             assert all((s >= 0) == (d >= 0) for s, d in zip(src[l], dst[l]))
+            # compacted: the fetched pages in ascending order first, -1 after
+            n = len(fetched)
+            assert src[l, :n].tolist() == sorted(fetched) and (src[l, n:] == -1).all(), (t, l)
             counts += (h, mi, ev, dr)
             # state consistency: page_table and slot_owner are inverse maps
             pt_l, so_l = np.asarray(pt[l]), np.asarray(so[l])

@@ -330,3 +330,105 @@ def test_move_rows_in_place(impl):
     got = page_fetch.move_rows(jnp.asarray(arr), jnp.asarray(src, jnp.int32),
                                jnp.asarray(dst, jnp.int32), implementation=impl)
     np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"seed {seed}")
+
+
+# ---------------------------------------------------------------- fetch_layer_pages
+def _layer_case(rng, L, P, S, R, row, *, compact):
+    """Per-layer lists: ``n_l`` distinct pages -> distinct slots per layer (compacted at the
+    front, or scattered between -1 holes), a few invalid / out-of-range entries; host rows
+    that are never listed are NaN; expected pool from a numpy loop."""
+    src = np.full((L, R), -1, np.int32)
+    dst = np.full((L, R), -1, np.int32)
+    for l in range(L):
+        n = int(rng.integers(0, min(R, S) + 1)) if l else 0  # layer 0: nothing to fetch
+        pos = np.arange(n) if compact else np.sort(rng.permutation(R)[:n])
+        src[l, pos] = rng.permutation(P)[:n]
+        dst[l, pos] = rng.permutation(S)[:n]
+    if L > 1 and R > 2:  # out-of-range / half-invalid entries move nothing
+        src[-1, -1], dst[-1, -1] = P, 0
+        src[-1, -2], dst[-1, -2] = 1, -1
+    host = np.full((L * P, row), np.nan, np.float32)
+    ok = (src >= 0) & (src < P) & (dst >= 0) & (dst < S)
+    lcol = np.arange(L)[:, None]
+    used = (lcol * P + src)[ok]
+    host[used] = rng.standard_normal((used.size, row))
+    pool = np.full((L * S + 3, row), np.nan, np.float32)  # 3 spare rows stay NaN
+    expect = pool.copy()
+    expect[(lcol * S + dst)[ok]] = host[(lcol * P + src)[ok]]
+    return host, src, dst, pool, expect
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("compact", [True, False])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fetch_layer_pages_matches_numpy(impl, compact, dtype):
+    dtype = DTYPES[dtype]
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    L, P, S, R, row = 3, 11, 6, 5, 192
+    host, src, dst, pool, expect = _layer_case(rng, L, P, S, R, row, compact=compact)
+    expect = as_f32(jnp.asarray(expect, dtype))
+    tuning = dict(chunk_elems=64, programs_per_layer=2) if compact else {}
+    out = page_fetch.fetch_layer_pages(
+        jax.device_put(jnp.asarray(host, dtype), HOST), jnp.asarray(pool, dtype),
+        jnp.asarray(src), jnp.asarray(dst), src_stride=P, dst_stride=S, implementation=impl,
+        **(tuning if impl == "pallas" else {}))
+    np.testing.assert_array_equal(as_f32(out), expect, err_msg=f"seed {seed}")
+
+
+def test_fetch_layer_pages_checks_shapes():
+    host = jnp.zeros((20, 8), jnp.float32)
+    with pytest.raises(ValueError, match="exceed the rows"):
+        page_fetch.fetch_layer_pages(host, jnp.zeros((10, 8), jnp.float32),
+                                     jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 3), jnp.int32),
+                                     src_stride=10, dst_stride=6)
+    with pytest.raises(ValueError, match="must both be"):
+        page_fetch.fetch_layer_pages(host, jnp.zeros((12, 8), jnp.float32),
+                                     jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 4), jnp.int32),
+                                     src_stride=10, dst_stride=6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compact", [True, False])
+def test_gpu_fetch_layer_pages_in_jitted_loop(rng, compact):
+    """Compiled kernel, pinned_host source, pool donated through a jitted fori_loop that
+    fetches a different random per-layer list each iteration (engine-like sizes)."""
+    L, P, S, R, T = 8, 96, 40, 36, 4
+    row = 2 * 8 * 64 * 128 // 8  # 32 KiB bf16 rows
+    cases = [_layer_case(rng, L, P, S, R, row, compact=compact) for _ in range(T)]
+    host_np = np.where(np.isnan(cases[0][0]), 0, cases[0][0])
+    for c in cases[1:]:
+        host_np = np.where(np.isnan(host_np) | (host_np == 0), np.nan_to_num(c[0]), host_np)
+    host_np = np.asarray(jnp.asarray(host_np, jnp.bfloat16).astype(jnp.float32))
+    src = jnp.asarray(np.stack([c[1] for c in cases]))
+    dst = jnp.asarray(np.stack([c[2] for c in cases]))
+
+    @jax.jit
+    def loop(host, pool, src, dst):
+        def body(t, pool):
+            return page_fetch.fetch_layer_pages(host, pool, src[t], dst[t], src_stride=P,
+                                                dst_stride=S, implementation="pallas")
+        return jax.lax.fori_loop(0, T, body, pool)
+
+    host = jax.device_put(jnp.asarray(host_np, jnp.bfloat16), HOST)
+    pool0 = np.full((L * S + 3, row), np.nan, np.float32)
+    got = as_f32(jax.jit(loop, donate_argnums=1)(host, jnp.asarray(pool0, jnp.bfloat16), src, dst))
+    want = pool0
+    lcol = np.arange(L)[:, None]
+    for c in cases:
+        ok = (c[1] >= 0) & (c[1] < P) & (c[2] >= 0) & (c[2] < S)
+        want[(lcol * S + c[2])[ok]] = host_np[(lcol * P + c[1])[ok]]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_fetch_layer_pages_lowers_to_triton(no_interpret):
+    """The kernel's data-dependent loop lowers to Triton for an (abstract) H200, at the
+    engine's 8B-like shape (32 layers, 260 requests, 256 KiB rows) and a small one."""
+    sds = jax.ShapeDtypeStruct
+    for L, P, S, R, row in [(32, 2048, 520, 260, 2 * 8 * 64 * 128), (4, 64, 8, 5, 384)]:
+        txt = _lower_for_h200(
+            lambda h, p, s, d: page_fetch.fetch_layer_pages(
+                h, p, s, d, src_stride=P, dst_stride=S, implementation="pallas"),
+            sds((L * P, row), jnp.bfloat16, sharding=HOST), sds((L * S, row), jnp.bfloat16),
+            sds((L, R), jnp.int32), sds((L, R), jnp.int32))
+        assert "__gpu$xla.gpu.triton" in txt
