@@ -3,15 +3,20 @@
 Each timing is one jitted ``lax.fori_loop`` whose body selects for layer ``i % L`` of a
 ``[L, ...]`` metadata array (so nothing is hoisted out of the loop); the figure is wall time
 per iteration (median of several runs). Reported separately: scoring only (the Pallas
-kernel, a few block shapes), top-k only (on precomputed scores, every top-k method, and the
-Pallas top-k kernel's tuning variants ``topk_pallas_c<chunk>_r<radix bits>_w<warps>`` at the
-sweep size), the whole selector (``select_pallas_topk`` = Pallas scores kernel + Pallas top-k
-kernel, the GPU default; ``select_pallas_chunked`` = the previous default, XLA top-k;
-``select_xla_auto`` = the XLA scores reference + the default top-k), and an almost empty
-loop (overhead).
-The metadata read time at HBM speed comes from a large device copy in the same run.
+kernel with masked loads and ``_unmasked`` loads, a few block shapes; ``scores_cmax_*`` =
+scores plus chunk maxima, Pallas kernel or XLA reference), top-k only (on precomputed scores:
+every top-k method; ``topk_pallas_cmax`` = the kernel on precomputed chunk maxima, with
+tunings ``topk_pallas_cmax_c<chunk>_w<warps>`` at the sweep size; ``topk_pallas_cmax_xlamax``
+= chunk maxima in XLA + that kernel), the whole selector (``select_pallas_topk`` = Pallas
+scores kernel + Pallas top-k kernel, the GPU default; ``select_pallas_chunked`` = XLA top-k;
+``select_xla_auto`` = the XLA scores reference + the default top-k; ``select_pallas_cmax`` /
+``select_xla_cmax`` = Quest's top-k method "pallas_cmax" with the scores kernel / reference
+writing the chunk maxima; ``select_pallas_cmax_unmasked`` the same with unmasked loads), and
+an almost empty loop (overhead).
+The metadata read time at HBM speed comes from a device copy bandwidth measured in the same
+run (one elementwise pass over 1 GiB per loop iteration, read + write).
 
-    PYTHONPATH=. python3 benchmarks/bench_select.py --out DIR [--quick]
+    PYTHONPATH=. python3 benchmarks/bench_select.py --out DIR [--quick] [--sizes 16384]
 """
 from __future__ import annotations
 
@@ -31,20 +36,32 @@ from jax import lax
 from pallas_kernels import dense_select as ds
 from pallas_kernels import indexer, quest, topk
 
+# Sweep-size variants trimmed so that ``--sizes 16384`` fits in ~90 s on the H200; the dropped
+# ones (full-row top-k tunings, scores bp16/bp32, topk sort/rounds, select_pallas_sort) are in
+# benchmarks/results/bench_select_s3.json.
 FULL = dict(sizes=(1024, 4096, 16384), L=4, B=1, H=8, G=4, D=128, HI=64, DI=128, ps=64, k=32,
             sinks=1, iters=200, reps=5, copy_mib=1024, sweep_at=16384,
-            quest_blocks=((4, 4), (16, 4), (16, 8), (32, 8)),  # default: 8 pages, 4 warps
-            indexer_blocks=((32, 4), (128, 4), (128, 8)),  # default: 64 pages, 4 warps
-            # Pallas top-k (chunk, radix_bits, num_warps); default at 16k pages: (16, 4, 16)
-            topk_variants=((16, 4, 8), (16, 4, 4), (16, 2, 16), (8, 4, 16), (32, 4, 16)))
+            quest_blocks=((4, 4),),  # default: 8 pages, 4 warps
+            # unmasked loads (block_pages, num_warps); (None, 4) = default blocks, every size
+            quest_unmasked_blocks=((4, 4), (16, 8)),
+            indexer_blocks=((128, 4),),  # default: 64 pages, 4 warps
+            # scores + chunk maxima (block_pages, num_warps, unmasked) at the sweep size
+            cmax_scores_variants=((4, 4, True), (16, 8, True)),
+            # top-k from chunk maxima (chunk, num_warps) at the sweep size; default (16, 8)
+            topk_cmax_variants=((16, 4), (16, 16), (32, 8)),
+            slow_topk_from=8192)  # topk "sort" / "rounds" only below this many pages
 QUICK = dict(sizes=(16,), L=2, B=1, H=2, G=2, D=16, HI=16, DI=16, ps=4, k=8, sinks=1,
-             iters=2, reps=1, copy_mib=1, sweep_at=16, quest_blocks=((4, 4),),
-             indexer_blocks=((16, 4),), topk_variants=((1, 2, 4),))
+             iters=2, reps=1, copy_mib=1, sweep_at=16, quest_blocks=(),
+             quest_unmasked_blocks=((4, 4),), indexer_blocks=(),
+             cmax_scores_variants=((2, 4, True),), topk_cmax_variants=((2, 4),),
+             slow_topk_from=0)
 
 
 # whole-selector variants (implementation, top-k method) besides select_pallas_topk (the
-# default on the GPU, "auto"); the first two at every size, all of them at the sweep size
-SELECT_VARIANTS = (("pallas", "chunked"), ("xla", "auto"), ("pallas", "sort"))
+# default on the GPU, "auto"), at every size: "pallas_cmax" = scores with chunk maxima
+# (Pallas kernel or XLA reference) + the top-k kernel reading only maxima and chosen chunks
+SELECT_VARIANTS = (("pallas", "chunked"), ("xla", "auto"), ("pallas", "pallas_cmax"),
+                   ("xla", "pallas_cmax"))
 
 
 def _commit() -> str:
@@ -69,11 +86,18 @@ def _time_loop(body, init, iters, reps, args=()):
 
 
 def _hbm_copy_gbps(mib, iters, reps):
-    """Device copy bandwidth (bytes read + written per second) of a ``mib`` MiB array."""
-    n = mib * 2**20 // 4
-    t = _time_loop(lambda i, x: x * jnp.float32(0.999) + 1, jnp.ones((n,), jnp.float32),
-                   max(2 * UNROLL, iters // 20), reps)
-    return 2 * n * 4 / t / 1e9
+    """Device copy bandwidth (bytes read + written per second): the best of a bf16 and an f32
+    elementwise pass over a ``mib`` MiB array, ONE pass per loop iteration (no unrolling:
+    chained elementwise calls fuse into one kernel that reads and writes once, which made the
+    old probe report several times the HBM peak), behind an optimization barrier."""
+    from _meta import time_chained  # benchmarks/ is on sys.path when the script runs
+    best = 0.0
+    for dt in (jnp.bfloat16, jnp.float32):
+        n = max(1, mib * 2**20 // jnp.dtype(dt).itemsize)
+        t = time_chained(lambda i, x, dt=dt: lax.optimization_barrier(x * dt(0.999) + dt(1)),
+                         jnp.ones((n,), dt), (), max(2, iters // 20), reps, 1, warmups=1)
+        best = max(best, 2 * n * jnp.dtype(dt).itemsize / t / 1e9)
+    return best
 
 
 def run(out_dir, quick=False, sizes=None):
@@ -94,7 +118,7 @@ def run(out_dir, quick=False, sizes=None):
         if meta_bytes is not None:
             r["metadata_bytes"] = meta_bytes
         rows.append(r)
-        print(f"  {method:8s} {np_:6d} {name:28s} {sec * 1e6:9.2f} us", flush=True)
+        print(f"  {method:8s} {np_:6d} {name:36s} {sec * 1e6:9.2f} us", flush=True)
 
     gbps = _hbm_copy_gbps(c["copy_mib"], iters, reps)
     print(f"HBM copy {gbps:.0f} GB/s (read + write)", flush=True)
@@ -103,30 +127,46 @@ def run(out_dir, quick=False, sizes=None):
     rec("loop", 0, "empty_loop", overhead)
 
     def time_topk(method_name, np_, scores, seq_lens, top_kw):
-        """Top-k alone over precomputed per-layer scores [L, B, (H,) Np], every method (and
-        the Pallas kernel's tuning variants at the sweep size)."""
+        """Top-k alone over precomputed per-layer scores [L, B, (H,) Np]: every method
+        ("pallas_cmax" as topk_pallas_cmax_xlamax: chunk maxima in XLA + the kernel), and
+        ``topk_pallas_cmax``: the kernel on precomputed chunk maxima (tuning variants
+        ``topk_pallas_cmax_c<chunk>_w<warps>`` at the sweep size)."""
         acc0 = jnp.zeros(scores.shape[1:-1] + (top_kw["k"],), jnp.int32)
         for method in ds.TOPK_METHODS[1:]:
+            if method in ("sort", "rounds") and np_ >= c["slow_topk_from"]:
+                continue
+
             def body(i, acc, scores, seq_lens, method=method):
                 s = lax.dynamic_index_in_dim(scores, i % L, 0, keepdims=False)
                 return acc + ds.select_top_pages(s, seq_lens, method=method, **top_kw)
-            rec(method_name, np_, f"topk_{method}",
-                _time_loop(body, acc0, iters, reps, (scores, seq_lens)))
-        for chunk, bits, warps in (c["topk_variants"] if np_ == c["sweep_at"] else ()):
-            fn = functools.partial(topk.select_top_pages_pallas, chunk=chunk, radix_bits=bits,
-                                   num_warps=warps, **top_kw)
+            name = "topk_pallas_cmax_xlamax" if method == "pallas_cmax" else f"topk_{method}"
+            rec(method_name, np_, name, _time_loop(body, acc0, iters, reps, (scores, seq_lens)))
+        n = scores.shape[-1]
+        default = (topk.default_cmax_chunk(n, top_kw["k"]), None)
+        for chunk, warps in (default,) + (c["topk_cmax_variants"] if np_ == c["sweep_at"]
+                                          else ()):
+            cmax = jnp.stack([topk.chunk_max(s, seq_lens, num_pages=top_kw["num_pages"],
+                                             page_size=top_kw["page_size"], chunk=chunk)
+                              for s in scores])
+            fn = functools.partial(topk.select_top_pages_pallas, chunk=chunk, num_warps=warps,
+                                   **top_kw)
 
-            def body(i, acc, scores, seq_lens, fn=fn):
-                return acc + fn(lax.dynamic_index_in_dim(scores, i % L, 0, keepdims=False),
-                                seq_lens)
-            rec(method_name, np_, f"topk_pallas_c{chunk}_r{bits}_w{warps}",
-                _time_loop(body, acc0, iters, reps, (scores, seq_lens)), chunk=chunk,
-                radix_bits=bits, num_warps=warps)
+            def body(i, acc, scores, cmax, seq_lens, fn=fn):
+                layer = i % L
+                return acc + fn(lax.dynamic_index_in_dim(scores, layer, 0, keepdims=False),
+                                seq_lens,
+                                chunk_max=lax.dynamic_index_in_dim(cmax, layer, 0,
+                                                                   keepdims=False))
+            name = ("topk_pallas_cmax" if warps is None
+                    else f"topk_pallas_cmax_c{chunk}_w{warps}")
+            rec(method_name, np_, name,
+                _time_loop(body, acc0, iters, reps, (scores, cmax, seq_lens)), chunk=chunk,
+                num_warps=warps)
 
     for np_ in c["sizes"]:
         seq_lens = jnp.full((B,), np_ * ps - ps // 2, jnp.int32)
         sel_kw = dict(k=k, page_size=ps, num_sink_pages=sinks)
-        variants = SELECT_VARIANTS if np_ == c["sweep_at"] else SELECT_VARIANTS[:2]
+        variants = SELECT_VARIANTS
         top_kw = dict(num_pages=np_, **sel_kw)
         # ---------------------------------------------------------------- Quest
         k1, k2, k3, key = jax.random.split(key, 4)
@@ -137,16 +177,42 @@ def run(out_dir, quick=False, sizes=None):
         read_us = meta / (gbps * 1e9) * 1e6
         rec("quest", np_, "metadata_read_at_hbm_bw", read_us * 1e-6, meta)
         qargs = (q, kmax, kmin, seq_lens)
-        blocks = ((None, 4),) + (c["quest_blocks"] if np_ == c["sweep_at"] else ())
-        for bp, nw in blocks:
+        sweep = np_ == c["sweep_at"]
+        # (block_pages, num_warps, unmasked, eviction_policy)
+        blocks = [(None, 4, False, None), (None, 4, True, None)]
+        if sweep:
+            blocks += [(bp, nw, False, None) for bp, nw in c["quest_blocks"]]
+            blocks += [(bp, nw, True, None) for bp, nw in c["quest_unmasked_blocks"]]
+            blocks += [(None, 4, True, "evict_first")]
+        for bp, nw, um, ev in blocks:
             fn = functools.partial(quest.quest_scores_pallas, page_size=ps, block_pages=bp,
-                                   num_warps=nw)
+                                   num_warps=nw, unmasked=um, eviction_policy=ev)
 
             def body(i, acc, q, kmax, kmin, seq_lens, fn=fn):
                 return acc + fn(q, kmax, kmin, i % L, seq_lens)[:, :, :k]
             t = _time_loop(body, jnp.zeros((B, H, k), jnp.float32), iters, reps, qargs)
-            name = "scores_pallas_default" if bp is None else f"scores_pallas_bp{bp}_w{nw}"
-            rec("quest", np_, name, t, meta, block_pages=bp, num_warps=nw)
+            name = ("scores_pallas" + ("_unmasked" if um else "") + ("_evict" if ev else "")
+                    + ("_default" if bp is None else f"_bp{bp}_w{nw}"))
+            rec("quest", np_, name, t, meta, block_pages=bp, num_warps=nw, unmasked=um,
+                eviction_policy=ev)
+        # scores + chunk maxima (the "pallas_cmax" top-k's input): Pallas kernel, XLA reference
+        chunk = topk.default_cmax_chunk(np_, k)
+        cvars = [("pallas", None, 4, False), ("pallas", None, 4, True), ("xla", None, 4, False)]
+        cvars += [("pallas",) + v for v in (c["cmax_scores_variants"] if sweep else ())]
+        for impl, bp, nw, um in cvars:
+            tuning = dict(block_pages=bp, num_warps=nw, unmasked=um) if impl == "pallas" else {}
+
+            def body(i, acc, q, kmax, kmin, seq_lens, impl=impl, tuning=tuning):
+                s, cm = quest.quest_scores_with_chunk_max(q, kmax, kmin, i % L, seq_lens,
+                                                          page_size=ps, chunk=chunk,
+                                                          implementation=impl, **tuning)
+                return acc + s[:, :, :k] + cm[:, :, :k]
+            name = ("scores_cmax_xla" if impl == "xla" else "scores_cmax_pallas"
+                    + ("_unmasked" if um else "") + ("_default" if bp is None
+                                                     else f"_bp{bp}_w{nw}"))
+            rec("quest", np_, name,
+                _time_loop(body, jnp.zeros((B, H, k), jnp.float32), iters, reps, qargs), meta,
+                chunk=chunk, block_pages=bp, num_warps=nw, unmasked=um)
         scores = jnp.stack([quest.quest_scores_pallas(q, kmax, kmin, l, seq_lens, page_size=ps)
                             for l in range(L)])
         time_topk("quest", np_, scores, seq_lens, top_kw)
@@ -156,8 +222,18 @@ def run(out_dir, quick=False, sizes=None):
                                                 implementation=impl, topk_method=method,
                                                 **sel_kw)
             name = "select_pallas_topk" if method == "pallas" else f"select_{impl}_{method}"
+            name = name.replace("pallas_cmax", "cmax")
             rec("quest", np_, name,
                 _time_loop(body, jnp.zeros((B, H, k), jnp.int32), iters, reps, qargs), meta)
+
+        def body(i, acc, q, kmax, kmin, seq_lens):  # pallas_cmax with unmasked loads
+            s, cm = quest.quest_scores_with_chunk_max(q, kmax, kmin, i % L, seq_lens,
+                                                      page_size=ps, chunk=chunk,
+                                                      implementation="pallas", unmasked=True)
+            return acc + topk.select_top_pages_pallas(s, seq_lens, chunk=chunk, chunk_max=cm,
+                                                      **top_kw)
+        rec("quest", np_, "select_pallas_cmax_unmasked",
+            _time_loop(body, jnp.zeros((B, H, k), jnp.int32), iters, reps, qargs), meta)
         del kmax, kmin, scores
         # ---------------------------------------------------------------- indexer
         k1, k2, k3, key = jax.random.split(key, 4)
@@ -182,12 +258,13 @@ def run(out_dir, quick=False, sizes=None):
         scores = jnp.stack([indexer.indexer_scores_pallas(qi, w, pk, l, seq_lens, page_size=ps)
                             for l in range(L)])
         time_topk("indexer", np_, scores, seq_lens, top_kw)
-        for impl, method in (("pallas", "pallas"),) + variants:
+        for impl, method in (("pallas", "pallas"),) + variants[:3]:
             def body(i, acc, qi, w, pk, seq_lens, impl=impl, method=method):
                 return acc + indexer.indexer_select(qi, w, pk, i % L, seq_lens,
                                                     implementation=impl, topk_method=method,
                                                     **sel_kw)
             name = "select_pallas_topk" if method == "pallas" else f"select_{impl}_{method}"
+            name = name.replace("pallas_cmax", "cmax_xlamax")
             rec("indexer", np_, name,
                 _time_loop(body, jnp.zeros((B, k), jnp.int32), iters, reps, iargs), meta)
         del pk, scores
@@ -215,14 +292,14 @@ def _table(out):
     for r in rows:
         if r["n_pages"] and (r["method"], r["name"]) not in names:
             names.append((r["method"], r["name"]))
-    print(f"{'method':8s} {'what':28s}" + "".join(f"{s:>10d}p" for s in sizes))
+    print(f"{'method':8s} {'what':36s}" + "".join(f"{s:>10d}p" for s in sizes))
     for m, n in names:
         cells = []
         for s in sizes:
             v = [r["us_per_layer"] for r in rows
                  if (r["method"], r["name"], r["n_pages"]) == (m, n, s)]
             cells.append(f"{v[0]:11.1f}" if v else f"{'-':>11s}")
-        print(f"{m:8s} {n:28s}" + "".join(cells))
+        print(f"{m:8s} {n:36s}" + "".join(cells))
     ov = [r["us_per_layer"] for r in rows if r["name"] == "empty_loop"]
     print(f"(empty loop iteration: {ov[0]:.1f} us)")
 

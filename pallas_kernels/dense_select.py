@@ -18,7 +18,9 @@ clamped to ``num_pages`` pages).
 fuses into its consumer. ``select_top_pages`` (masking, top-k, ascending sort) is the shared
 second half of the scored selectors (Quest, indexer), whose Pallas kernels do the scoring.
 Its ``method="pallas"`` is one Pallas kernel for all of it (``pallas_kernels.topk``; ties go
-to the lowest page index); the other methods are XLA top-k variants. ``"auto"`` is
+to the lowest page index); ``method="pallas_cmax"`` is the same kernel fed with chunk maxima
+(computed here in XLA; ``quest.quest_select`` takes them from its scores kernel), which
+never reads the whole row; the other methods are XLA top-k variants. ``"auto"`` is
 ``"pallas"`` on the GPU for rows of up to ``PALLAS_TOPK_MAX_COLUMNS`` pages and ``"chunked"``
 for longer rows and off the GPU (interpret mode is slow), unless ``JAXKV_IMPL`` says
 otherwise. On the H200 (bench_select, k = 32, 8 rows): the kernel takes 10.2 / 15.1 / 26.2 us
@@ -41,8 +43,12 @@ INVALID = -1
 # with n >= 1024; a larger k falls back to sorting every row. "rounds" stays on the fast
 # kernel by taking 16 at a time and masking what was taken; "chunked" shrinks the sorts.
 _FAST_TOPK_MAX_K = 16
-TOPK_METHODS = ("auto", "sort", "rounds", "chunked", "pallas")
+TOPK_METHODS = ("auto", "sort", "rounds", "chunked", "pallas", "pallas_cmax")
 PALLAS_TOPK_MAX_COLUMNS = 4096
+# "auto" in quest.quest_select takes "pallas_cmax" (scores kernel writes chunk maxima, top-k
+# kernel reads only those and the chosen chunks) for rows of at least this many pages with the
+# "pallas" implementation. None = disabled; enabling it is this one line (e.g. 8192).
+PALLAS_CMAX_MIN_COLUMNS = None
 
 
 def num_valid_pages(seq_lens: jax.Array, page_size: int, num_pages: int) -> jax.Array:
@@ -95,7 +101,7 @@ def _topk_indices(x: jax.Array, k: int, method: str) -> tuple[jax.Array, jax.Arr
     """
     if method == "auto":
         method = "chunked"
-    if method not in TOPK_METHODS or method == "pallas":
+    if method not in TOPK_METHODS or method.startswith("pallas"):
         raise ValueError(f"unknown top-k method {method!r}; choose one of {TOPK_METHODS}")
     if method == "sort" or k <= _FAST_TOPK_MAX_K:
         return lax.top_k(x, k)
@@ -126,8 +132,10 @@ def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, 
     scores: [B, N] or [B, H, N] float, column ``p`` = page ``p``; columns ``>= num_pages``
     (padding) and pages ``>= ceil(seq_lens / page_size)`` are ignored whatever they hold
     (NaN included). seq_lens: [B] int32. Returns int32 [B, k] or [B, H, k].
-    method: "pallas" (one kernel, ``topk.select_top_pages_pallas``), "sort", "rounds",
-    "chunked" (XLA top-k; see ``_topk_indices``) or "auto" (module docstring).
+    method: "pallas" (one kernel, ``topk.select_top_pages_pallas``), "pallas_cmax" (chunk
+    maxima in XLA, ``topk.chunk_max``, then the kernel's chunk-maxima path; Quest's
+    ``quest_select`` gets them from its scores kernel instead), "sort", "rounds", "chunked"
+    (XLA top-k; see ``_topk_indices``) or "auto" (module docstring).
     implementation: "pallas" | "xla" | None: whether "auto" may use the kernel.
     """
     if k < num_sink_pages + 1:
@@ -140,6 +148,13 @@ def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, 
     if method == "pallas":
         return topk.select_top_pages_pallas(scores, seq_lens, num_pages=num_pages, k=k,
                                             page_size=page_size, num_sink_pages=num_sink_pages)
+    if method == "pallas_cmax":
+        chunk = topk.default_cmax_chunk(scores.shape[-1], k)
+        cmax = topk.chunk_max(scores, seq_lens, num_pages=num_pages, page_size=page_size,
+                              chunk=chunk)
+        return topk.select_top_pages_pallas(scores, seq_lens, num_pages=num_pages, k=k,
+                                            page_size=page_size, num_sink_pages=num_sink_pages,
+                                            chunk=chunk, chunk_max=cmax)
     lead = scores.shape[:-1]
     n = scores.shape[-1]
     bshape = (lead[0],) + (1,) * (len(lead) - 1) + (1,)

@@ -25,10 +25,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _common
+from pallas_kernels import _common, topk
+from pallas_kernels import dense_select as ds
 from pallas_kernels.dense_select import num_valid_pages, select_top_pages
 
 OP = "quest_scores"
+OP_CMAX = "quest_scores_cmax"  # scores + chunk maxima (top-k method "pallas_cmax")
 # No per-op default: the backend's (Pallas on the GPU). At B=1 with 8 KV heads (G=4) XLA's
 # fusion of the literal formula was faster on the H200 (bench_select 2026-11-29, scores alone:
 # 16k pages 15.7 vs 24.1 us); in the decode step at Qwen-like B=8 (G=6) it made the step
@@ -36,6 +38,9 @@ OP = "quest_scores"
 # query head, the kernel once per group.
 # Elements of each summary array one program reads (block_pages * block_heads * D).
 _BLOCK_ELEMS = 8192
+# Default of the kernels' ``unmasked`` option (plain block loads inside the sequence); the
+# GPU timings (bench_select: scores_pallas_* vs scores_pallas_unmasked_*) decide.
+UNMASKED_LOADS = False
 
 
 def _check(q, kmax, kmin):
@@ -69,50 +74,90 @@ def quest_scores_reference(q, kmax, kmin, layer, seq_lens, *, page_size):
     return jnp.where(pages < n_valid[:, None, None], s, -jnp.inf)
 
 
-def _quest_kernel(layer_ref, lens_ref, qp_ref, qn_ref, kmax_ref, kmin_ref, out_ref, *,
-                  page_size, num_pages, block_pages, block_heads, head_dim):
+def _quest_kernel(layer_ref, lens_ref, qp_ref, qn_ref, kmax_ref, kmin_ref, out_ref, *cmax_ref,
+                  page_size, num_pages, block_pages, n_sub, block_heads, head_dim, chunk,
+                  unmasked, eviction_policy):
+    """One program: ``n_sub`` blocks of ``block_pages`` pages x ``block_heads`` heads; writes
+    their scores and, when ``cmax_ref`` is given, the chunk maxima of those scores."""
     b = pl.program_id(0)
     h0 = pl.program_id(1) * block_heads
-    p0 = pl.program_id(2) * block_pages
+    base = pl.program_id(2) * (block_pages * n_sub)
     layer = layer_ref[0]
     seq_len = jnp.maximum(lens_ref[b], 0)
     n_valid = jnp.minimum((seq_len + page_size - 1) // page_size, num_pages)
-    pages = p0 + lax.broadcasted_iota(jnp.int32, (block_pages,), 0)
-    valid = pages < n_valid
+    qp = qp_ref[...][None]
+    qn = qn_ref[...][None]
     shape = (block_pages, block_heads, head_dim)
-    mask = jnp.broadcast_to(valid[:, None, None], shape)
-    idx = (layer, b, pl.ds(p0, block_pages), pl.ds(h0, block_heads), slice(None))
-    # Masked loads: pages past the sequence (or past Np) are never read, whatever they hold.
-    mx = plgpu.load(kmax_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
-    mn = plgpu.load(kmin_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
-    s = jnp.sum(mx * qp_ref[...][None] + mn * qn_ref[...][None], axis=-1)  # [BP, Hb]
-    s = jnp.where(valid[:, None], s, -jnp.inf)
-    out_ref[...] = s.T
+    run_max = None
+    for i in range(n_sub):
+        p0 = base + i * block_pages
+        valid = p0 + lax.broadcasted_iota(jnp.int32, (block_pages,), 0) < n_valid
+        idx = (layer, b, pl.ds(p0, block_pages), pl.ds(h0, block_heads), slice(None))
+
+        def block_scores(masked, idx=idx, valid=valid):
+            kw = dict(eviction_policy=eviction_policy)
+            if masked:  # pages past the sequence (or past Np) are never read
+                kw.update(mask=jnp.broadcast_to(valid[:, None, None], shape), other=0.0)
+            mx = plgpu.load(kmax_ref.at[idx], **kw).astype(jnp.float32)
+            mn = plgpu.load(kmin_ref.at[idx], **kw).astype(jnp.float32)
+            return jnp.sum(mx * qp + mn * qn, axis=-1)  # [BP, Hb]
+
+        if unmasked:  # plain loads for blocks inside the sequence, masked ones at its end
+            s = lax.cond(p0 + block_pages <= n_valid, functools.partial(block_scores, False),
+                         functools.partial(block_scores, True))
+        else:
+            s = block_scores(True)
+        s = jnp.where(valid[:, None], s, -jnp.inf)
+        if n_sub == 1:
+            out_ref[...] = s.T
+        else:
+            out_ref[:, pl.ds(i * block_pages, block_pages)] = s.T
+        if not cmax_ref:
+            continue
+        sc = jnp.where(s == s, s, -jnp.inf)  # NaN -> -inf (the top-k's order)
+        if chunk <= block_pages:  # n_sub == 1
+            cm = jnp.max(sc.reshape(block_pages // chunk, chunk, block_heads), axis=1)
+            cmax_ref[0][...] = cm.T
+        else:
+            m = jnp.max(sc, axis=0)  # [Hb]
+            run_max = m if run_max is None else jnp.maximum(run_max, m)
+    if cmax_ref and chunk > block_pages:
+        cmax_ref[0][...] = run_max[:, None]
 
 
-def quest_scores_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, block_pages=None,
-                        num_warps=4, interpret=None):
-    """Quest scores with the Pallas kernel. Shapes as ``quest_scores_reference`` except the
-    result is [B, H, Np_pad] f32 (Np rounded up to a multiple of ``block_pages``; padding
-    columns are -inf). D must be a power of two."""
+def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_pages, num_warps,
+                 unmasked, eviction_policy, interpret):
+    """The Pallas scores kernel; returns (scores,) or (scores, cmax) when ``chunk``."""
     _check(q, kmax, kmin)
     _, b, np_, h, d = kmax.shape
     if d & (d - 1):
         raise ValueError(f"head_dim {d} must be a power of two")
+    if chunk is not None and (chunk < 1 or chunk & (chunk - 1)):
+        raise ValueError(f"chunk {chunk} must be a power of two")
     bh = _common.largest_pow2_divisor(h, h)
     if block_pages is None:
         block_pages = max(1, _BLOCK_ELEMS // (bh * d))
     block_pages = min(block_pages, _common.next_pow2(np_))
-    n_blocks = pl.cdiv(np_, block_pages)
+    if block_pages & (block_pages - 1):
+        raise ValueError(f"block_pages {block_pages} must be a power of two")
+    pp = block_pages if chunk is None else max(block_pages, chunk)  # pages per program
+    n_prog = pl.cdiv(np_, pp)
     qp, qn = _group_q(q, h)
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     kernel = functools.partial(_quest_kernel, page_size=page_size, num_pages=np_,
-                               block_pages=block_pages, block_heads=bh, head_dim=d)
+                               block_pages=block_pages, n_sub=pp // block_pages,
+                               block_heads=bh, head_dim=d, chunk=chunk, unmasked=unmasked,
+                               eviction_policy=eviction_policy)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
+    out_shape = [jax.ShapeDtypeStruct((b, h, n_prog * pp), jnp.float32)]
+    out_specs = [pl.BlockSpec((None, bh, pp), lambda i, j, k: (i, j, k))]
+    if chunk is not None:
+        out_shape.append(jax.ShapeDtypeStruct((b, h, n_prog * pp // chunk), jnp.float32))
+        out_specs.append(pl.BlockSpec((None, bh, pp // chunk), lambda i, j, k: (i, j, k)))
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((b, h, n_blocks * block_pages), jnp.float32),
-        grid=(b, h // bh, n_blocks),
+        out_shape=tuple(out_shape),
+        grid=(b, h // bh, n_prog),
         in_specs=[
             pl.BlockSpec((1,), lambda *_: (0,)),
             pl.BlockSpec((b,), lambda *_: (0,)),
@@ -121,14 +166,79 @@ def quest_scores_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, block_page
             full(kmax),
             full(kmin),
         ],
-        out_specs=pl.BlockSpec((None, bh, block_pages), lambda i, j, k: (i, j, k)),
+        out_specs=tuple(out_specs),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps),
         interpret=_common.interpret_mode() if interpret is None else interpret,
-        name="quest_scores",
+        name="quest_scores" if chunk is None else "quest_scores_cmax",
     )(layer_arr, jnp.asarray(seq_lens, jnp.int32), qp, qn, kmax, kmin)
 
 
+def quest_scores_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, block_pages=None,
+                        num_warps=4, unmasked=None, eviction_policy=None, interpret=None):
+    """Quest scores with the Pallas kernel. Shapes as ``quest_scores_reference`` except the
+    result is [B, H, Np_pad] f32 (Np rounded up to a multiple of ``block_pages``; padding
+    columns are -inf). D must be a power of two. Tuning (static): ``block_pages`` (power of
+    two), ``num_warps``, ``unmasked`` (plain loads for blocks that lie inside the sequence,
+    masked loads only for the block holding its end; default ``UNMASKED_LOADS``),
+    ``eviction_policy`` (Triton load hint, e.g. "evict_first")."""
+    return _scores_call(q, kmax, kmin, layer, seq_lens, page_size=page_size, chunk=None,
+                        block_pages=block_pages, num_warps=num_warps,
+                        unmasked=UNMASKED_LOADS if unmasked is None else unmasked,
+                        eviction_policy=eviction_policy, interpret=interpret)[0]
+
+
 _common.register(OP, "pallas")(quest_scores_pallas)
+
+
+@_common.register(OP_CMAX, "xla")
+def quest_scores_cmax_reference(q, kmax, kmin, layer, seq_lens, *, page_size, chunk):
+    """``quest_scores_reference`` plus chunk maxima. Returns (scores [B, H, Np_pad] f32,
+    cmax [B, H, Np_pad // chunk] f32), ``Np_pad = ceil(Np / chunk) * chunk`` (padding -inf);
+    ``cmax[..., c]`` = max of ``scores[..., c*chunk:(c+1)*chunk]`` with NaN taken as -inf."""
+    s = quest_scores_reference(q, kmax, kmin, layer, seq_lens, page_size=page_size)
+    return _pad_and_chunk_max(s, chunk)
+
+
+def _pad_and_chunk_max(scores, chunk):
+    """scores [..., N] f32 -> (scores padded with -inf to a multiple of ``chunk``, chunk maxima
+    [..., N_pad // chunk] with NaN taken as -inf)."""
+    n = scores.shape[-1]
+    n_pad = -(-n // chunk) * chunk
+    s = jnp.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(0, n_pad - n)],
+                constant_values=-jnp.inf)
+    sc = jnp.where(jnp.isnan(s), -jnp.inf, s)
+    return s, sc.reshape(s.shape[:-1] + (n_pad // chunk, chunk)).max(axis=-1)
+
+
+def quest_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, chunk,
+                             block_pages=None, num_warps=4, unmasked=None, eviction_policy=None,
+                             interpret=None):
+    """The scores kernel writing chunk maxima too (result as ``quest_scores_cmax_reference``,
+    ``Np_pad`` a multiple of ``max(block_pages, chunk)``). A program covers
+    ``max(block_pages, chunk)`` pages (``chunk / block_pages`` blocks in a row when the chunk is
+    larger). Tuning as ``quest_scores_pallas``."""
+    return _scores_call(q, kmax, kmin, layer, seq_lens, page_size=page_size, chunk=chunk,
+                        block_pages=block_pages, num_warps=num_warps,
+                        unmasked=UNMASKED_LOADS if unmasked is None else unmasked,
+                        eviction_policy=eviction_policy, interpret=interpret)
+
+
+_common.register(OP_CMAX, "pallas")(quest_scores_cmax_pallas)
+
+
+def quest_scores_with_chunk_max(q, kmax, kmin, layer, seq_lens, *, page_size, chunk,
+                                implementation=None, **tuning):
+    """Quest scores and their chunk maxima (what ``topk.select_top_pages_pallas(chunk_max=)``
+    takes). q [B, Hq, D]; kmax/kmin [L, B, Np, H, D]; layer int32 scalar; seq_lens [B];
+    ``chunk`` a power of two. Returns (scores [B, H, Np_pad] f32, cmax [B, H, Np_pad // chunk]
+    f32): scores -inf past ``ceil(seq_lens / page_size)`` and in padding; ``cmax[..., c]`` = max
+    of the scores of pages ``c*chunk .. (c+1)*chunk - 1``, NaN taken as -inf. ``tuning`` goes
+    to the Pallas kernel (``quest_scores_cmax_pallas``) and is ignored by the reference."""
+    fn = _common.resolve(OP_CMAX, implementation)
+    if fn is quest_scores_cmax_reference:
+        tuning = {}
+    return fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, page_size=page_size,
+              chunk=chunk, **tuning)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "page_size", "num_sink_pages",
@@ -141,13 +251,30 @@ def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages
     layer: int32 scalar; seq_lens: [B] int32 (tokens incl. the current one).
     Returns [B, H, k] int32 page indices, ascending, -1 padded last; sinks and the last page
     always included (see ``dense_select`` module docstring).
+    ``topk_method``: a ``dense_select.TOPK_METHODS`` name. "pallas_cmax": the scores op writes
+    chunk maxima too (``quest_scores_with_chunk_max``, ``implementation`` picks its kernel or
+    reference) and the Pallas top-k kernel reads only those and the chosen chunks. "auto"
+    takes it for rows of ``>= dense_select.PALLAS_CMAX_MIN_COLUMNS`` pages when the
+    implementation is "pallas" (disabled while that is None), else ``select_top_pages``'s auto.
     """
     np_ = kmax.shape[2]
-    scores = _common.resolve(OP, implementation)(
-        q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, page_size=page_size)
-    return select_top_pages(scores, seq_lens, num_pages=np_, k=k, page_size=page_size,
-                            num_sink_pages=num_sink_pages, method=topk_method,
-                            implementation=implementation)
+    layer = jnp.asarray(layer, jnp.int32)
+    sel_kw = dict(num_pages=np_, k=k, page_size=page_size, num_sink_pages=num_sink_pages)
+    if (topk_method == "auto" and ds.PALLAS_CMAX_MIN_COLUMNS is not None
+            and _common.implementation_name(implementation) == "pallas"
+            and np_ >= ds.PALLAS_CMAX_MIN_COLUMNS):
+        topk_method = "pallas_cmax"
+    if topk_method == "pallas_cmax":
+        chunk = topk.default_cmax_chunk(np_, k)
+        scores, cmax = quest_scores_with_chunk_max(q, kmax, kmin, layer, seq_lens,
+                                                   page_size=page_size, chunk=chunk,
+                                                   implementation=implementation)
+        return topk.select_top_pages_pallas(scores, seq_lens, chunk=chunk, chunk_max=cmax,
+                                            **sel_kw)
+    scores = _common.resolve(OP, implementation)(q, kmax, kmin, layer, seq_lens,
+                                                 page_size=page_size)
+    return select_top_pages(scores, seq_lens, method=topk_method,
+                            implementation=implementation, **sel_kw)
 
 
 def quest_update(kmax, kmin, layer, k_new, positions, *, page_size):

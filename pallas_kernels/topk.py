@@ -25,7 +25,11 @@ value ``> M`` and ``k`` values ``>= M``, so the k-th largest of their ``k * c`` 
 ``key > T`` plus the first ``k - count(key > T)`` ties (one packed forward ``cumsum`` gives
 both counts) and scatters the selected column indices to their ranks; the rest of the
 output row is set to -1. No sort is needed: the ranks are already ascending column order.
-Register use: the row's keys stay live (``N / (32 * num_warps)`` int32 per thread, 32 at
+**Chunk-maxima path** (``chunk_max=``, top-k method "pallas_cmax"; Quest's scores kernel
+writes the maxima): stage 1 reads the ``N / c`` maxima instead of the row, chooses the same
+``k`` chunks, and both the k-th largest and the final selection / compaction run on the
+``k * c`` candidates only (the whole row is never read; proof in
+``select_top_pages_pallas``). Register use (row-reading path): the row's keys stay live (``N / (32 * num_warps)`` int32 per thread, 32 at
 N = 16384 with 16 warps); the largest transient arrays are ``[N / c, 2**radix_bits]`` and
 ``[k, N / c]`` (16384 elements at N = 16384, k = 32, c = 16).
 """
@@ -45,6 +49,7 @@ from pallas_kernels import _common
 OP = "select_top_pages"
 INVALID = -1
 _INT_MIN = -(2**31)
+_KEY_POS_INF = 0x7F800000  # _float_key(+inf)
 
 
 def _n_valid(seq_len, page_size: int, num_pages: int):
@@ -58,15 +63,18 @@ def _keys(x, cols, n_valid, *, num_sink_pages: int, n_cols: int):
 
     x: float scores (any shape), cols: int32 column indices (same shape), n_valid: int32
     scalar or broadcastable. Forced -> key(+inf); invalid / padding -> INT32_MIN."""
-    x = x.astype(jnp.float32)
     valid = (cols < n_valid) & (cols < n_cols)
     forced = valid & ((cols < num_sink_pages) | (cols == n_valid - 1))
+    return jnp.where(valid, _float_key(jnp.where(forced, jnp.inf, x)), jnp.int32(_INT_MIN))
+
+
+def _float_key(x):
+    """Order-preserving int32 image of float ``x`` (NaN as -inf, -0.0 as +0.0)."""
+    x = x.astype(jnp.float32)
     x = jnp.where(x == x, x, -jnp.inf)   # NaN -> -inf
     x = jnp.where(x == 0, 0.0, x)        # -0.0 -> +0.0
-    x = jnp.where(forced, jnp.inf, x)
     bits = lax.bitcast_convert_type(x, jnp.int32)
-    key = bits ^ (lax.shift_right_arithmetic(bits, jnp.int32(31)) & jnp.int32(0x7FFFFFFF))
-    return jnp.where(valid, key, jnp.int32(_INT_MIN))
+    return bits ^ (lax.shift_right_arithmetic(bits, jnp.int32(31)) & jnp.int32(0x7FFFFFFF))
 
 
 def _total(x):
@@ -127,12 +135,41 @@ def _take_first(keys, t, k: int):
     return gt | (tie & (n_tie <= need)), n_gt + jnp.minimum(n_tie, need)
 
 
+def _choose_chunks(ckeys, k: int, radix_bits: int):
+    """Ids [next_pow2(k)] of the ``k`` chunks with the largest keys ``ckeys`` [nc] (ties: lowest
+    id), ascending; ``nc`` marks an unused slot (fewer than ``k`` chunks with a valid page)."""
+    nc = ckeys.shape[0]
+    m = _kth_largest(ckeys, k, radix_bits)
+    _, crank = _take_first(ckeys, m, k)  # inclusive count of chosen chunks
+    j = lax.broadcasted_iota(jnp.int32, (_common.next_pow2(k), nc), 0)
+    return jnp.sum((crank[None, :] <= j).astype(jnp.int32), axis=1)
+
+
+def _load_chunks(scores_ref, row, cid, nc, chunk, n_load, n_valid, key_kw):
+    """(column ids, keys) [len(cid), chunk] of the chunks ``cid`` (unused slots: INT32_MIN)."""
+    ccols = cid[:, None] * chunk + lax.broadcasted_iota(jnp.int32, (cid.shape[0], chunk), 1)
+    ok = (cid < nc)[:, None] & (ccols < n_load)
+    cx = plgpu.load(scores_ref.at[row, ccols], mask=ok, other=-jnp.inf)
+    return ccols, jnp.where(ok, _keys(cx, ccols, n_valid, **key_kw), jnp.int32(_INT_MIN))
+
+
+def _write_selection(out_ref, row, keys, cols, t, k: int):
+    """Select from ``keys`` (row-major = ascending ``cols``) with threshold ``t`` and write the
+    selected ``cols`` compacted in order, then -1, to ``out_ref[row, :k]``."""
+    sel, rank = _take_first(keys, t, k)
+    n_sel = _total(sel.astype(jnp.int32))
+    j = lax.broadcasted_iota(jnp.int32, (_common.next_pow2(k),), 0)
+    plgpu.store(out_ref.at[row, j], jnp.full(j.shape, INVALID, jnp.int32),
+                mask=(j >= n_sel) & (j < k))
+    # Unselected entries aim past the row (dropped in interpret mode, masked on the GPU).
+    plgpu.store(out_ref.at[row, jnp.where(sel, rank - 1, k)], cols, mask=sel)
+
+
 def _topk_kernel(lens_ref, scores_ref, out_ref, *, heads, n_cols, num_pages, k, page_size,
                  num_sink_pages, chunk, n_pad, radix_bits):
     row = pl.program_id(0)
     n_valid = _n_valid(lens_ref[row // heads], page_size, num_pages)
     n_load = jnp.minimum(n_valid, n_cols)  # columns worth reading (the rest is never read)
-    kp = _common.next_pow2(k)
     nc = n_pad // chunk
     cols = (lax.broadcasted_iota(jnp.int32, (nc, chunk), 0) * chunk
             + lax.broadcasted_iota(jnp.int32, (nc, chunk), 1))
@@ -143,24 +180,32 @@ def _topk_kernel(lens_ref, scores_ref, out_ref, *, heads, n_cols, num_pages, k, 
         t = _kth_largest(keys, k, radix_bits)
     else:
         # Stage 1: the k chunks holding the top-k (chunk maxima, ties by lowest chunk index).
-        cmax = jnp.max(keys, axis=1)  # [nc], nc >= 2 * kp >= k
-        m = _kth_largest(cmax, k, radix_bits)
-        _, crank = _take_first(cmax, m, k)  # inclusive count of chosen chunks
-        j = lax.broadcasted_iota(jnp.int32, (kp, nc), 0)
-        cid = jnp.sum((crank[None, :] <= j).astype(jnp.int32), axis=1)  # [kp]; nc = none
+        cid = _choose_chunks(jnp.max(keys, axis=1), k, radix_bits)  # nc >= 2 * kp >= k
         # Stage 2: exact k-th largest of those k * chunk entries (re-read by index).
-        ccols = cid[:, None] * chunk + lax.broadcasted_iota(jnp.int32, (kp, chunk), 1)
-        ok = (cid < nc)[:, None] & (ccols < n_load)
-        cx = plgpu.load(scores_ref.at[row, ccols], mask=ok, other=-jnp.inf)
-        ckeys = jnp.where(ok, _keys(cx, ccols, n_valid, **key_kw), jnp.int32(_INT_MIN))
+        _, ckeys = _load_chunks(scores_ref, row, cid, nc, chunk, n_load, n_valid, key_kw)
         t = _kth_largest(ckeys, k, radix_bits)
-    sel, rank = _take_first(keys, t, k)
-    n_sel = _total(sel.astype(jnp.int32))
-    j = lax.broadcasted_iota(jnp.int32, (kp,), 0)
-    plgpu.store(out_ref.at[row, j], jnp.full((kp,), INVALID, jnp.int32),
-                mask=(j >= n_sel) & (j < k))
-    # Unselected entries aim past the row (dropped in interpret mode, masked on the GPU).
-    plgpu.store(out_ref.at[row, jnp.where(sel, rank - 1, k)], cols, mask=sel)
+    _write_selection(out_ref, row, keys, cols, t, k)
+
+
+def _topk_cmax_kernel(lens_ref, scores_ref, cmax_ref, out_ref, *, heads, n_cols, n_chunks,
+                      num_pages, k, page_size, num_sink_pages, chunk, nc_pad, radix_bits):
+    """Top-k from chunk maxima: reads ``n_chunks`` maxima and ``k * chunk`` scores per row."""
+    row = pl.program_id(0)
+    n_valid = _n_valid(lens_ref[row // heads], page_size, num_pages)
+    n_load = jnp.minimum(n_valid, n_cols)
+    c = lax.broadcasted_iota(jnp.int32, (nc_pad,), 0)
+    start = c * chunk
+    has_valid = start < n_load  # implies c < n_chunks
+    last = n_valid - 1
+    forced = has_valid & ((start < num_sink_pages)
+                          | ((start <= last) & (last < start + chunk) & (last < n_load)))
+    cm = plgpu.load(cmax_ref.at[row, c], mask=has_valid, other=-jnp.inf)
+    ckey = jnp.where(forced, jnp.int32(_KEY_POS_INF),
+                     jnp.where(has_valid, _float_key(cm), jnp.int32(_INT_MIN)))
+    cid = _choose_chunks(ckey, k, radix_bits)
+    key_kw = dict(num_sink_pages=num_sink_pages, n_cols=n_cols)
+    ccols, ckeys = _load_chunks(scores_ref, row, cid, nc_pad, chunk, n_load, n_valid, key_kw)
+    _write_selection(out_ref, row, ckeys, ccols, _kth_largest(ckeys, k, radix_bits), k)
 
 
 def _default_chunk(n_pad: int, k: int) -> int:
@@ -173,17 +218,57 @@ def _default_warps(n_pad: int) -> int:
     return 4 if n_pad <= 1024 else 8 if n_pad <= 4096 else 16
 
 
+def default_cmax_chunk(n: int, k: int) -> int:
+    """Chunk for the chunk-maxima path: largest power of two <= sqrt(next_pow2(n) / next_pow2(k))
+    (balances the ``N / chunk`` maxima and the ``k * chunk`` candidates a row reads; >= 1)."""
+    return _default_chunk(_common.next_pow2(max(n, 1)), k)
+
+
+def chunk_max(scores, seq_lens, *, num_pages: int, page_size: int, chunk: int):
+    """Chunk maxima in XLA, as ``select_top_pages_pallas(chunk_max=)`` takes them.
+
+    scores [B, (H,) N] float; seq_lens [B]. Returns f32 [B, (H,) ceil(N / chunk)]: the max of
+    each chunk of ``chunk`` columns over its pages ``< ceil(seq_len / page_size)`` (and
+    ``< num_pages``), NaN taken as -inf; -inf for a chunk without such a page."""
+    lead, n = scores.shape[:-1], scores.shape[-1]
+    nv = _n_valid(jnp.asarray(seq_lens, jnp.int32), page_size, num_pages)
+    nv = nv.reshape((lead[0],) + (1,) * len(lead))
+    cols = lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
+    x = scores.astype(jnp.float32)
+    x = jnp.where((cols < nv) & (x == x), x, -jnp.inf)
+    n_pad = -(-n // chunk) * chunk
+    x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, n_pad - n)], constant_values=-jnp.inf)
+    return x.reshape(lead + (n_pad // chunk, chunk)).max(axis=-1)
+
+
 @_common.register(OP, "pallas")
 def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_size: int,
                             num_sink_pages: int, chunk: int | None = None, radix_bits: int = 4,
-                            num_warps: int | None = None, interpret: bool | None = None):
+                            num_warps: int | None = None, interpret: bool | None = None,
+                            chunk_max=None):
     """Top-``k`` pages per row with one Pallas kernel (selection rule: module docstring).
 
     scores: [B, N] or [B, H, N] float (any float dtype; column ``p`` = page ``p``, columns
     ``>= num_pages`` and pages past the sequence are never read). seq_lens: [B] int.
     Returns int32 [B, k] or [B, H, k]. Tuning (static): ``chunk`` (power of two; 1 = single
     stage; default ~sqrt(N / k)), ``radix_bits`` (1, 2 or 4), ``num_warps`` (default 4 / 8 / 16
-    for N <= 1024 / <= 4096 / larger).
+    for N <= 1024 / <= 4096 / larger; with ``chunk_max`` by ``k * N / chunk``).
+
+    chunk_max: optional f32 [B, (H,) ceil(N / chunk)], ``chunk_max[..., c]`` = max of the
+    scores of the chunk's pages inside the sequence, NaN as -inf (any value where the chunk
+    has no such page): ``chunk`` then defaults to ``N / chunk_max.shape[-1]`` rounded up to a
+    power of two. The kernel then reads only the maxima and the ``k`` chosen chunks (see
+    ``_topk_cmax_kernel``), with the same result, bit for bit: chunk keys are the maxima's keys,
+    INT32_MIN for a chunk without a valid page, key(+inf) for one holding a forced page, i.e.
+    the max of its entries' keys. Let M be the k-th largest chunk key and T the k-th largest
+    entry key. The k chosen chunks (keys > M, then the lowest ids with key == M) each hold an
+    entry >= M, so T >= M. An entry > T is > M, so its chunk is chosen. If T > M every tie
+    (== T) is in a chosen chunk. If T == M: with c_gt chunks > M, each holding an entry > T,
+    ``need = k - count(> T) <= k - c_gt``; the k - c_gt chosen chunks with key M each hold a
+    tie, and every unchosen chunk with key M has a higher id, so the ``need`` lowest-index ties
+    lie in chosen chunks. Hence the candidates hold every entry > T and the ties the rule takes,
+    T is their k-th largest, and as they are in ascending column order (chosen ids ascending,
+    columns ascending inside), taking ``> T`` then the first ties gives the rule's selection.
     """
     if k < num_sink_pages + 1:
         raise ValueError(f"k={k} must be >= num_sink_pages + 1 = {num_sink_pages + 1}")
@@ -191,28 +276,42 @@ def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_si
         raise ValueError(f"radix_bits must be 1, 2 or 4, got {radix_bits}")
     lead, n = scores.shape[:-1], scores.shape[-1]
     rows = math.prod(lead)
+    lens = jnp.asarray(seq_lens, jnp.int32).reshape(lead[0])
+    params = dict(heads=rows // lead[0], n_cols=n, num_pages=num_pages, k=k,
+                  page_size=page_size, num_sink_pages=num_sink_pages, radix_bits=radix_bits)
+    call = functools.partial(
+        pl.pallas_call, out_shape=jax.ShapeDtypeStruct((rows, k), jnp.int32), grid=(rows,),
+        out_specs=pl.BlockSpec((rows, k), lambda i: (0, 0)),
+        interpret=_common.interpret_mode() if interpret is None else interpret,
+        name="select_top_pages")
+    full = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
+    flat = scores.reshape(rows, n)
+    if chunk_max is not None:
+        ncm = chunk_max.shape[-1]
+        if chunk is None:
+            chunk = _common.next_pow2(-(-n // max(ncm, 1)))
+        if (chunk_max.shape[:-1] != lead or chunk < 1 or chunk & (chunk - 1)
+                or ncm != -(-n // chunk)):
+            raise ValueError(f"chunk_max {chunk_max.shape} must be {lead} + (ceil({n} / chunk),)"
+                             f" with chunk a power of two, got chunk={chunk}")
+        nc_pad = _common.next_pow2(ncm)
+        kernel = functools.partial(_topk_cmax_kernel, n_chunks=ncm, chunk=chunk, nc_pad=nc_pad,
+                                   **params)
+        cm = chunk_max.reshape(rows, ncm).astype(jnp.float32)
+        out = call(kernel, in_specs=[full(lens), full(flat), full(cm)],
+                   compiler_params=plgpu.CompilerParams(
+                       num_warps=num_warps or _default_warps(nc_pad * _common.next_pow2(k) // 8),
+                       num_stages=1))(lens, flat, cm)
+        return out.reshape(lead + (k,))
     n_pad = _common.next_pow2(max(n, 1))
     if chunk is None:
         chunk = _default_chunk(n_pad, k)
     if chunk & (chunk - 1) or chunk < 1 or (chunk > 1 and n_pad // chunk < 2 * k):
         raise ValueError(f"chunk={chunk} must be a power of two with N_pad / chunk >= 2k")
-    kernel = functools.partial(
-        _topk_kernel, heads=rows // lead[0], n_cols=n, num_pages=num_pages, k=k,
-        page_size=page_size, num_sink_pages=num_sink_pages, chunk=chunk, n_pad=n_pad,
-        radix_bits=radix_bits)
-    flat = scores.reshape(rows, n)
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((rows, k), jnp.int32),
-        grid=(rows,),
-        in_specs=[pl.BlockSpec((lead[0],), lambda i: (0,)),
-                  pl.BlockSpec((rows, n), lambda i: (0, 0))],
-        out_specs=pl.BlockSpec((rows, k), lambda i: (0, 0)),
-        compiler_params=plgpu.CompilerParams(
-            num_warps=num_warps or _default_warps(n_pad), num_stages=1),
-        interpret=_common.interpret_mode() if interpret is None else interpret,
-        name="select_top_pages",
-    )(jnp.asarray(seq_lens, jnp.int32).reshape(lead[0]), flat)
+    kernel = functools.partial(_topk_kernel, chunk=chunk, n_pad=n_pad, **params)
+    out = call(kernel, in_specs=[full(lens), full(flat)],
+               compiler_params=plgpu.CompilerParams(
+                   num_warps=num_warps or _default_warps(n_pad), num_stages=1))(lens, flat)
     return out.reshape(lead + (k,))
 
 

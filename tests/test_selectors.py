@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pallas_kernels import dense_select as ds
 from pallas_kernels import indexer, quest, topk
 
-TOPK_METHODS = ("sort", "rounds", "chunked", "pallas")
+TOPK_METHODS = ("sort", "rounds", "chunked", "pallas", "pallas_cmax")
 
 
 def _rng():
@@ -98,15 +98,15 @@ def _quest_scale(q, kmax, kmin, layer):
     return np.einsum("bhd,bphd->bhp", qg, np.nan_to_num(m))
 
 
-QUEST_CASES = [  # G, H, D, dtype, Np, block_pages
-    (1, 2, 16, jnp.float32, 21, 8),
-    (3, 3, 32, jnp.bfloat16, 37, 4),
-    (4, 4, 16, jnp.bfloat16, 16, None),
+QUEST_CASES = [  # G, H, D, dtype, Np, block_pages, unmasked
+    (1, 2, 16, jnp.float32, 21, 8, False),
+    (3, 3, 32, jnp.bfloat16, 37, 4, True),
+    (4, 4, 16, jnp.bfloat16, 16, None, False),
 ]
 
 
-@pytest.mark.parametrize("G,H,D,dtype,Np,bp", QUEST_CASES)
-def test_quest_scores_match_reference(G, H, D, dtype, Np, bp):
+@pytest.mark.parametrize("G,H,D,dtype,Np,bp,unmasked", QUEST_CASES)
+def test_quest_scores_match_reference(G, H, D, dtype, Np, bp, unmasked):
     rng = _rng()
     ps, L, layer = 4, 2, 1
     seq_lens = np.array([1, rng.integers(2, Np * ps), Np * ps], np.int32)
@@ -116,7 +116,7 @@ def test_quest_scores_match_reference(G, H, D, dtype, Np, bp):
                                                   jnp.asarray(seq_lens), page_size=ps))
     got = np.asarray(quest.quest_scores_pallas(q, kmax, kmin, jnp.int32(layer),
                                                jnp.asarray(seq_lens), page_size=ps,
-                                               block_pages=bp))
+                                               block_pages=bp, unmasked=unmasked))
     assert got.shape[:2] == (3, H) and got.shape[2] >= Np
     assert np.all(got[..., Np:] == -np.inf)
     got = got[..., :Np]
@@ -128,7 +128,7 @@ def test_quest_scores_match_reference(G, H, D, dtype, Np, bp):
 
 
 @pytest.mark.parametrize("impl,method", [("pallas", "auto"), ("xla", "sort"), ("xla", "rounds"),
-                                         ("xla", "chunked")])
+                                         ("xla", "chunked"), ("pallas", "pallas_cmax")])
 def test_quest_select_invariants(impl, method):
     rng = _rng()
     L, Np, H, G, D, ps, k, sinks, layer = 2, 24, 2, 3, 16, 4, 6, 2, 0
@@ -146,6 +146,101 @@ def test_quest_select_invariants(impl, method):
     check_selection(sel, seq_lens, k=k, page_size=ps, num_sink_pages=sinks, num_pages=Np,
                     scores=ref, tol=tol)
     assert np.all(np.asarray(sel)[0] == -1)
+
+
+def _chunk_max_np(scores, chunk):
+    """Chunk maxima of [B, H, N] scores (N a multiple of chunk), NaN as -inf."""
+    s = np.where(np.isnan(scores), -np.inf, scores)
+    return s.reshape(s.shape[:-1] + (-1, chunk)).max(-1)
+
+
+# G, H, D, dtype, Np, chunk, block_pages, unmasked
+QUEST_CMAX_CASES = [
+    (2, 2, 16, jnp.float32, 37, 4, 8, False),   # chunk < block, Np not a power of two
+    (3, 3, 32, jnp.bfloat16, 37, 8, 2, True),   # chunk > block: 4 blocks per program
+    (1, 4, 16, jnp.bfloat16, 64, 4, 4, True),   # chunk == block, Np a multiple of it
+]
+
+
+@pytest.mark.parametrize("G,H,D,dtype,Np,chunk,bp,unmasked", QUEST_CMAX_CASES)
+def test_quest_scores_cmax_match_reference(G, H, D, dtype, Np, chunk, bp, unmasked):
+    """Scores as the reference (NaN poison past each sequence never leaks, also with unmasked
+    loads); cmax == chunk max of the kernel's own scores, exactly (NaN in a valid page's
+    summary -> NaN score, ignored by cmax); the XLA op's cmax matches too."""
+    rng = _rng()
+    ps, L, layer, B = 4, 2, 1, 4
+    seq_lens = np.array([0, 1, rng.integers(2, Np * ps), Np * ps], np.int32)
+    q, kmax, kmin = _quest_inputs(rng, L=L, B=B, Np=Np, H=H, G=G, D=D, ps=ps, dtype=dtype,
+                                  seq_lens=seq_lens, layer=layer)
+    kmax = kmax.at[layer, 3, Np // 2, 0, :].set(jnp.nan)  # a valid page with a NaN score
+    args = (q, kmax, kmin, jnp.int32(layer), jnp.asarray(seq_lens))
+    got, cm = quest.quest_scores_with_chunk_max(*args, page_size=ps, chunk=chunk,
+                                                implementation="pallas", block_pages=bp,
+                                                unmasked=unmasked)
+    got, cm = np.asarray(got), np.asarray(cm)
+    ref_s, ref_c = (np.asarray(x) for x in quest.quest_scores_with_chunk_max(
+        *args, page_size=ps, chunk=chunk, implementation="xla"))
+    assert got.shape[:2] == (B, H) and got.shape[2] >= Np and got.shape[2] % max(chunk, bp) == 0
+    assert cm.shape == (B, H, got.shape[2] // chunk)
+    assert ref_s.shape == (B, H, -(-Np // chunk) * chunk) and ref_c.shape[-1] == -(-Np // chunk)
+    assert np.all(got[..., Np:] == -np.inf) and np.all(ref_s[..., Np:] == -np.inf)
+    np.testing.assert_array_equal(cm, _chunk_max_np(got, chunk))
+    n = ref_s.shape[-1]
+    assert np.array_equal(np.isneginf(ref_s), np.isneginf(got[..., :n]))
+    assert np.array_equal(np.isnan(ref_s), np.isnan(got[..., :n]))
+    assert np.isnan(got[3, 0, Np // 2]) and np.isnan(got).sum() == 1
+    fin = np.isfinite(ref_s)
+    assert np.all(np.isfinite(got[..., :n][fin]))
+    scale = _quest_scale(q, kmax, kmin, layer)
+    scale = np.pad(scale, ((0, 0), (0, 0), (0, n - Np)))
+    np.testing.assert_array_less(np.abs(got[..., :n][fin] - ref_s[fin]), (2e-5 * scale + 1e-6)[fin])
+    np.testing.assert_array_equal(ref_c, _chunk_max_np(ref_s, chunk))
+    np.testing.assert_array_equal(np.isneginf(ref_c), np.isneginf(cm[..., :ref_c.shape[-1]]))
+    assert np.all(cm[..., ref_c.shape[-1]:] == -np.inf)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_quest_select_cmax_exact(impl):
+    """quest_select(topk_method="pallas_cmax") == the selection rule on the same scores, bit
+    for bit: integer summaries and queries (many exactly tied scores), NaN poison past each
+    sequence, seq_len 0, rows shorter than k pages, sinks, B > 1 with different lengths."""
+    rng = _rng()
+    L, Np, H, G, D, ps, k, sinks, layer = 2, 200, 2, 2, 16, 4, 6, 2, 1
+    seq_lens = np.array([0, 3 * ps + 1, Np * ps, rng.integers(k * ps, Np * ps)], np.int32)
+    B = len(seq_lens)
+    kmax = rng.integers(-1, 2, size=(L, B, Np, H, D)).astype(np.float32)
+    kmin = kmax - rng.integers(0, 2, size=kmax.shape)
+    q = jnp.asarray(rng.integers(-1, 2, size=(B, H * G, D)), jnp.float32)
+    kmax = jnp.asarray(_poison(kmax, seq_lens, layer, ps), jnp.bfloat16)
+    kmin = jnp.asarray(_poison(kmin, seq_lens, layer, ps), jnp.bfloat16)
+    chunk = topk.default_cmax_chunk(Np, k)
+    assert chunk > 1
+    scores, _ = quest.quest_scores_with_chunk_max(q, kmax, kmin, layer, jnp.asarray(seq_lens),
+                                                  page_size=ps, chunk=chunk,
+                                                  implementation=impl)
+    kw = dict(k=k, page_size=ps, num_sink_pages=sinks)
+    want = select_rule_numpy(np.asarray(scores), seq_lens, num_pages=Np, **kw)
+    got = quest.quest_select(q, kmax, kmin, layer, jnp.asarray(seq_lens), implementation=impl,
+                             topk_method="pallas_cmax", **kw)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert np.all(np.asarray(got)[0] == -1)
+    check_selection(got, seq_lens, num_pages=Np, **kw)
+
+
+def test_quest_select_auto_cmax_switch(monkeypatch):
+    """"auto" takes "pallas_cmax" only once ``PALLAS_CMAX_MIN_COLUMNS`` is set (the one-line
+    switch) and the implementation is "pallas"."""
+    def jaxpr(np_, impl):
+        meta = jnp.zeros((1, 1, np_, 1, 16))
+        return str(jax.make_jaxpr(lambda q, m, l: quest.quest_select(
+            q, m, m, 0, l, k=4, page_size=1, num_sink_pages=1, implementation=impl))(
+                jnp.zeros((1, 1, 16)), meta, jnp.array([np_])))
+    assert ds.PALLAS_CMAX_MIN_COLUMNS is None  # disabled until the GPU timings decide
+    assert "quest_scores_cmax" not in jaxpr(33, "pallas")
+    monkeypatch.setattr(ds, "PALLAS_CMAX_MIN_COLUMNS", 32)
+    assert "quest_scores_cmax" in jaxpr(34, "pallas")
+    assert "quest_scores_cmax" not in jaxpr(31, "pallas")
+    assert "quest_scores_cmax" not in jaxpr(35, "xla")
 
 
 def test_quest_select_k_larger_than_num_pages():
@@ -441,6 +536,51 @@ def test_pallas_topk_matches_rule(shape, np_, k, ps, sinks, chunk, bits, tied):
     assert np.all(np.asarray(got)[0] == -1)  # seq_len 0
 
 
+# shape, num_pages, k, page_size, sinks, chunk
+PALLAS_TOPK_CMAX_CASES = [
+    ((3, 2, 64), 64, 8, 1, 2, 2),     # [B, H, k] form
+    ((4, 37), 35, 4, 4, 1, 4),        # N not a power of two, padding columns, [B, k] form
+    ((3, 2, 200), 200, 8, 2, 0, 8),   # no sinks, 25 chunks (padded to 32)
+    ((4, 24), 24, 6, 4, 2, 16),       # 2 chunks: fewer than k, all chosen
+]
+
+
+@pytest.mark.parametrize("shape,np_,k,ps,sinks,chunk", PALLAS_TOPK_CMAX_CASES)
+def test_pallas_topk_cmax_matches_rule(shape, np_, k, ps, sinks, chunk):
+    """Top-k from chunk maxima == the numpy rule, exactly: small-integer scores (ties), NaN in
+    valid pages' scores, garbage past each sequence (and in the maxima of chunks without a
+    valid page), seq_lens 0 / shorter than k pages / full / random."""
+    rng = _rng()
+    B = shape[0]
+    scores = rng.integers(-2, 3, size=shape).astype(np.float32)
+    scores[rng.random(shape) < 0.1] = np.nan
+    seq_lens = rng.integers(1, np_ * ps + 1, size=B).astype(np.int32)
+    seq_lens[:3] = [0, (k - 2) * ps - 1, np_ * ps]
+    nv = _n_valid(seq_lens, ps, np_)
+    junk = np.arange(shape[-1])[None] >= nv[:, None]
+    junk = junk if len(shape) == 2 else np.broadcast_to(junk[:, None], shape)
+    scores[junk] = rng.choice([np.nan, np.inf, 1e30], size=int(junk.sum()))
+    kw = dict(num_pages=np_, k=k, page_size=ps, num_sink_pages=sinks)
+    cm = np.array(topk.chunk_max(jnp.asarray(scores), jnp.asarray(seq_lens), num_pages=np_,
+                                 page_size=ps, chunk=chunk))
+    assert cm.shape == shape[:-1] + (-(-shape[-1] // chunk),)
+    empty = np.arange(cm.shape[-1])[None] * chunk >= nv[:, None]
+    empty = empty if len(shape) == 2 else np.broadcast_to(empty[:, None], cm.shape)
+    cm[empty] = rng.choice([np.nan, np.inf], size=int(empty.sum()))  # never used
+    want = select_rule_numpy(scores, seq_lens, **kw)
+    got = topk.select_top_pages_pallas(jnp.asarray(scores), jnp.asarray(seq_lens),
+                                       chunk_max=jnp.asarray(cm), **kw)  # chunk inferred
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert np.all(np.asarray(got)[0] == -1)
+
+
+def test_pallas_topk_cmax_rejects_bad_shape():
+    with pytest.raises(ValueError):
+        topk.select_top_pages_pallas(jnp.zeros((1, 64)), jnp.array([64]), num_pages=64, k=4,
+                                     page_size=1, num_sink_pages=1, chunk=4,
+                                     chunk_max=jnp.zeros((1, 8)))
+
+
 def test_pallas_topk_ties_lowest_index_by_hand():
     """All scores equal: sinks, the last page, then the lowest indices; -0.0 ties +0.0."""
     scores = jnp.asarray(np.array([[1.0] * 16, [0.0, -0.0] * 8], np.float32))
@@ -544,6 +684,26 @@ def test_pallas_topk_lowers_for_gpu(shape, k, chunk, bits):
     assert txt.count("__gpu$xla.gpu.triton") == 1
 
 
+@pytest.mark.parametrize("unmasked,chunk,bp", [(False, 16, None), (True, 16, None),
+                                               (True, 8, 16)])
+def test_quest_cmax_lowers_for_gpu(no_interpret, monkeypatch, unmasked, chunk, bp):
+    """pallas_cmax at 16k pages: scores+cmax kernel and top-k kernel, no XLA sort / top-k."""
+    monkeypatch.setattr(quest, "UNMASKED_LOADS", unmasked)
+    meta = S((4, 1, 16384, 8, 128), jnp.bfloat16)
+    args = (S((1, 32, 128), jnp.bfloat16), meta, meta, S((), jnp.int32), S((1,), jnp.int32))
+    if bp is None:
+        fn = functools.partial(quest.quest_select, k=32 + unmasked, page_size=64,
+                               num_sink_pages=1, implementation="pallas",
+                               topk_method="pallas_cmax")
+        txt = _lower_for_h200(fn, *args)
+        assert txt.count("__gpu$xla.gpu.triton") == 2
+        assert "stablehlo.sort" not in txt and "TopK" not in txt
+    else:
+        fn = functools.partial(quest.quest_scores_cmax_pallas, page_size=64, chunk=chunk,
+                               block_pages=bp, unmasked=unmasked, eviction_policy="evict_first")
+        assert _lower_for_h200(fn, *args).count("__gpu$xla.gpu.triton") == 1
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -638,3 +798,43 @@ def test_gpu_pallas_topk(B, H, N):
             np.testing.assert_array_equal(got, want)
             np.testing.assert_array_equal(  # auto: the kernel up to 4096 pages, chunked above
                 np.asarray(ds.select_top_pages(*args, method="auto", **kw)), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 2])
+def test_gpu_quest_cmax_16k(B):
+    """16384 pages (1M tokens), compiled Triton: scores + cmax kernel (every load mode) vs the
+    reference and its own chunk max; quest_select("pallas_cmax") == the rule on those scores;
+    the cmax top-k == the rule on tied scores."""
+    rng = _rng()
+    L, Np, H, G, D, ps, k, layer, sinks = 2, 16384, 8, 4, 128, 64, 32, 1, 1
+    seq_lens = np.array([Np * ps, rng.integers(1, Np * ps)][:B], np.int32)
+    q, kmax, kmin = _quest_inputs(rng, L=L, B=B, Np=Np, H=H, G=G, D=D, ps=ps,
+                                  dtype=jnp.bfloat16, seq_lens=seq_lens, layer=layer)
+    args = (q, kmax, kmin, jnp.int32(layer), jnp.asarray(seq_lens))
+    ref = np.asarray(quest.quest_scores_reference(*args, page_size=ps))
+    scale = _quest_scale(q, kmax, kmin, layer)
+    fin = np.isfinite(ref)
+    chunk = topk.default_cmax_chunk(Np, k)
+    for tuning in ({}, dict(unmasked=True), dict(unmasked=True, block_pages=16),
+                   dict(unmasked=False, block_pages=32, num_warps=8)):
+        s, cm = (np.asarray(x) for x in quest.quest_scores_with_chunk_max(
+            *args, page_size=ps, chunk=chunk, implementation="pallas", **tuning))
+        np.testing.assert_array_equal(cm, _chunk_max_np(s, chunk))
+        s = s[..., :Np]
+        assert np.array_equal(np.isneginf(ref), np.isneginf(s)), tuning
+        np.testing.assert_array_less(np.abs(s[fin] - ref[fin]), (1e-4 * scale + 1e-5)[fin])
+    kw = dict(k=k, page_size=ps, num_sink_pages=sinks)
+    s, _ = quest.quest_scores_with_chunk_max(*args, page_size=ps, chunk=chunk,
+                                             implementation="pallas")
+    got = quest.quest_select(*args, topk_method="pallas_cmax", implementation="pallas", **kw)
+    np.testing.assert_array_equal(np.asarray(got), select_rule_numpy(
+        np.asarray(s), seq_lens, num_pages=Np, **kw))
+    tied = rng.integers(-3, 4, size=(B, H, Np)).astype(np.float32)
+    tied[rng.random(tied.shape) < 0.01] = np.nan
+    lens = jnp.asarray(seq_lens)
+    cm = topk.chunk_max(jnp.asarray(tied), lens, num_pages=Np, page_size=ps, chunk=chunk)
+    got = topk.select_top_pages_pallas(jnp.asarray(tied), lens, num_pages=Np, chunk=chunk,
+                                       chunk_max=cm, **kw)
+    np.testing.assert_array_equal(np.asarray(got),
+                                  select_rule_numpy(tied, seq_lens, num_pages=Np, **kw))
