@@ -50,6 +50,8 @@ FULL = dict(sizes=(1024, 4096, 16384), L=4, B=1, H=8, G=4, D=128, HI=64, DI=128,
             # top-k from chunk maxima (chunk, num_warps) at the sweep size; default (16, 8)
             topk_cmax_variants=((16, 4), (16, 16), (32, 8)),
             slow_topk_from=8192)  # topk "sort" / "rounds" only below this many pages
+# Qwen2.5-1.5B-like decode step at 128k tokens, batch 8: 2 KV heads, 6 query heads per group
+QWEN_B8 = dict(FULL, sizes=(2048,), B=8, H=2, G=6, sweep_at=None)
 QUICK = dict(sizes=(16,), L=2, B=1, H=2, G=2, D=16, HI=16, DI=16, ps=4, k=8, sinks=1,
              iters=2, reps=1, copy_mib=1, sweep_at=16, quest_blocks=(),
              quest_unmasked_blocks=((4, 4),), indexer_blocks=(),
@@ -100,11 +102,11 @@ def _hbm_copy_gbps(mib, iters, reps):
     return best
 
 
-def run(out_dir, quick=False, sizes=None):
+def run(out_dir, quick=False, sizes=None, shape="8x128-b1"):
     """Run the benchmark; write ``bench_select.json`` to ``out_dir``; return the record.
 
     sizes: page counts per sequence (default 1k, 4k, 16k pages of 64 tokens)."""
-    c = dict(QUICK if quick else FULL)
+    c = dict(QUICK if quick else QWEN_B8 if shape == "qwen-b8" else FULL)
     if sizes:
         c["sizes"] = tuple(sizes)
     L, B, H, G, D, ps, k, sinks = (c[x] for x in ("L", "B", "H", "G", "D", "ps", "k", "sinks"))
@@ -195,6 +197,13 @@ def run(out_dir, quick=False, sizes=None):
                     + ("_default" if bp is None else f"_bp{bp}_w{nw}"))
             rec("quest", np_, name, t, meta, block_pages=bp, num_warps=nw, unmasked=um,
                 eviction_policy=ev)
+        # XLA scores: the registered linear form and the literal formula (the tests' oracle)
+        for name, fn in (("scores_xla", quest.quest_scores_xla),
+                         ("scores_xla_literal", quest.quest_scores_reference)):
+            def body(i, acc, q, kmax, kmin, seq_lens, fn=fn):
+                return acc + fn(q, kmax, kmin, i % L, seq_lens, page_size=ps)[:, :, -k:]
+            rec("quest", np_, name,
+                _time_loop(body, jnp.zeros((B, H, k), jnp.float32), iters, reps, qargs), meta)
         # scores + chunk maxima (the "pallas_cmax" top-k's input): Pallas kernel, XLA reference
         chunk = topk.default_cmax_chunk(np_, k)
         cvars = [("pallas", None, 4, False), ("pallas", None, 4, True), ("xla", None, 4, False)]
@@ -272,12 +281,13 @@ def run(out_dir, quick=False, sizes=None):
     dev = jax.devices()[0]
     out = dict(benchmark="bench_select", device=f"{dev.platform}:{dev.device_kind}",
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=_commit(),
-               jax_version=jax.__version__, quick=quick, hbm_copy_gbps=gbps,
+               jax_version=jax.__version__, quick=quick, shape=shape, hbm_copy_gbps=gbps,
                config={x: v for x, v in c.items()}, results=rows,
                note=f"us_per_layer = wall time per selection call, {UNROLL} chained calls per fori_loop iteration, "
                     "including loop overhead (see empty_loop)")
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bench_select.json"), "w") as f:
+    name = "bench_select.json" if shape == "8x128-b1" or quick else f"bench_select_{shape}.json"
+    with open(os.path.join(out_dir, name), "w") as f:
         json.dump(out, f, indent=1, default=str)
     _table(out)
     return out
@@ -309,8 +319,11 @@ def main():
     ap.add_argument("--out", required=True, help="output directory for bench_select.json")
     ap.add_argument("--quick", action="store_true", help="tiny smoke test (also runs on CPU)")
     ap.add_argument("--sizes", default="", help="comma-separated page counts, e.g. 1024,16384")
+    ap.add_argument("--shape", default="8x128-b1", choices=("8x128-b1", "qwen-b8"),
+                    help="8x128-b1: B=1, 8 KV heads, G=4 (default); qwen-b8: B=8, 2 KV heads, "
+                         "G=6, 2048 pages (the Qwen-like 128k decode step)")
     a = ap.parse_args()
-    run(a.out, quick=a.quick, sizes=[int(x) for x in a.sizes.split(",") if x])
+    run(a.out, quick=a.quick, sizes=[int(x) for x in a.sizes.split(",") if x], shape=a.shape)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ Every op in this package is one public function with two registered implementati
 * ``"xla"``:    the pure-jnp reference in the same module (also the fallback).
 
 ``resolve(op, implementation)`` picks one: an explicit argument wins, then the
-``JAXKV_IMPL`` environment variable (``pallas`` / ``xla``), then the default: Pallas on GPU,
-the XLA reference on other backends (interpret mode is for tests, not for speed).
+``JAXKV_IMPL_<OP>`` environment variable (one op, e.g. ``JAXKV_IMPL_QUEST_SCORES=xla``), then
+``JAXKV_IMPL`` (``pallas`` / ``xla``), then the default: Pallas on GPU
+(unless the op's module measured XLA faster there and said so with ``prefer_on_gpu``), the
+XLA reference on other backends (interpret mode is for tests, not for speed).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import jax
 
 Implementation = Literal["pallas", "xla"]
 _REGISTRY: dict[str, dict[str, Callable]] = {}
+_GPU_DEFAULT: dict[str, str] = {}
 
 
 def backend() -> str:
@@ -55,12 +58,21 @@ def implementation_name(implementation: str | None = None) -> str:
     return implementation or os.environ.get("JAXKV_IMPL") or ("pallas" if on_gpu() else "xla")
 
 
+def prefer_on_gpu(op: str, implementation: str) -> None:
+    """Make ``implementation`` the GPU default of ``op`` (where it measured faster than the
+    kernel); an explicit argument or ``JAXKV_IMPL`` still wins."""
+    _GPU_DEFAULT[op] = implementation
+
+
 def resolve(op: str, implementation: str | None = None) -> Callable:
     """Return the registered implementation of ``op`` (see module docstring for the rule)."""
     impls = _REGISTRY.get(op)
     if not impls:
         raise KeyError(f"no implementations registered for op {op!r}")
-    name = implementation_name(implementation)
+    per_op = os.environ.get(f"JAXKV_IMPL_{op.upper()}")  # e.g. JAXKV_IMPL_QUEST_SCORES=xla
+    name = implementation_name(implementation or per_op)
+    if implementation is None and not per_op and not os.environ.get("JAXKV_IMPL") and on_gpu():
+        name = _GPU_DEFAULT.get(op, name)
     if name not in impls:
         raise ValueError(f"op {op!r} has no implementation {name!r}; choose one of {sorted(impls)}")
     return impls[name]

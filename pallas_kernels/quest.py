@@ -58,9 +58,9 @@ def _group_q(q: jax.Array, num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
     return jnp.maximum(qg, 0.0).sum(axis=2), jnp.minimum(qg, 0.0).sum(axis=2)
 
 
-@_common.register(OP, "xla")
 def quest_scores_reference(q, kmax, kmin, layer, seq_lens, *, page_size):
-    """Literal Quest scores. q [B, Hq, D]; kmax/kmin [L, B, Np, H, D]; layer int32 scalar;
+    """Literal Quest scores (the tests' oracle; the registered "xla" implementation is the
+    linear form, :func:`quest_scores_xla`). q [B, Hq, D]; kmax/kmin [L, B, Np, H, D]; layer int32 scalar;
     seq_lens [B]. Returns [B, H, Np] f32, -inf on pages ``>= ceil(seq_lens / page_size)``."""
     _check(q, kmax, kmin)
     _, b, np_, h, d = kmax.shape
@@ -69,6 +69,22 @@ def quest_scores_reference(q, kmax, kmin, layer, seq_lens, *, page_size):
     mn = lax.dynamic_index_in_dim(kmin, layer, 0, keepdims=False).astype(jnp.float32)
     prod = jnp.maximum(qg[:, None] * mx[:, :, :, None], qg[:, None] * mn[:, :, :, None])
     s = prod.sum(axis=(3, 4)).transpose(0, 2, 1)  # [B, H, Np]
+    n_valid = num_valid_pages(seq_lens, page_size, np_)
+    pages = lax.broadcasted_iota(jnp.int32, s.shape, 2)
+    return jnp.where(pages < n_valid[:, None, None], s, -jnp.inf)
+
+
+@_common.register(OP, "xla")
+def quest_scores_xla(q, kmax, kmin, layer, seq_lens, *, page_size):
+    """Quest scores in XLA, linear form ``U = Qp . M + Qn . m`` (module docstring): one
+    multiply-reduce over D per summary array, which XLA fuses into one pass over the
+    summaries whatever the group size. Shapes and result as :func:`quest_scores_reference`."""
+    _check(q, kmax, kmin)
+    _, b, np_, h, d = kmax.shape
+    qp, qn = _group_q(q, h)  # [B, H, D] f32
+    mx = lax.dynamic_index_in_dim(kmax, layer, 0, keepdims=False).astype(jnp.float32)
+    mn = lax.dynamic_index_in_dim(kmin, layer, 0, keepdims=False).astype(jnp.float32)
+    s = (mx * qp[:, None] + mn * qn[:, None]).sum(axis=-1).transpose(0, 2, 1)  # [B, H, Np]
     n_valid = num_valid_pages(seq_lens, page_size, np_)
     pages = lax.broadcasted_iota(jnp.int32, s.shape, 2)
     return jnp.where(pages < n_valid[:, None, None], s, -jnp.inf)
@@ -190,12 +206,21 @@ def quest_scores_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, block_page
 _common.register(OP, "pallas")(quest_scores_pallas)
 
 
-@_common.register(OP_CMAX, "xla")
 def quest_scores_cmax_reference(q, kmax, kmin, layer, seq_lens, *, page_size, chunk):
-    """``quest_scores_reference`` plus chunk maxima. Returns (scores [B, H, Np_pad] f32,
-    cmax [B, H, Np_pad // chunk] f32), ``Np_pad = ceil(Np / chunk) * chunk`` (padding -inf);
-    ``cmax[..., c]`` = max of ``scores[..., c*chunk:(c+1)*chunk]`` with NaN taken as -inf."""
+    """``quest_scores_reference`` plus chunk maxima (the tests' oracle). Returns (scores
+    [B, H, Np_pad] f32, cmax [B, H, Np_pad // chunk] f32), ``Np_pad = ceil(Np / chunk) * chunk``
+    (padding -inf); ``cmax[..., c]`` = max of ``scores[..., c*chunk:(c+1)*chunk]`` with NaN
+    taken as -inf."""
     s = quest_scores_reference(q, kmax, kmin, layer, seq_lens, page_size=page_size)
+    return _pad_and_chunk_max(s, chunk)
+
+
+@_common.register(OP_CMAX, "xla")
+def quest_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, **tuning):
+    """:func:`quest_scores_xla` plus chunk maxima (tuning arguments are ignored); result as
+    :func:`quest_scores_cmax_reference`."""
+    del tuning
+    s = quest_scores_xla(q, kmax, kmin, layer, seq_lens, page_size=page_size)
     return _pad_and_chunk_max(s, chunk)
 
 
@@ -235,8 +260,6 @@ def quest_scores_with_chunk_max(q, kmax, kmin, layer, seq_lens, *, page_size, ch
     of the scores of pages ``c*chunk .. (c+1)*chunk - 1``, NaN taken as -inf. ``tuning`` goes
     to the Pallas kernel (``quest_scores_cmax_pallas``) and is ignored by the reference."""
     fn = _common.resolve(OP_CMAX, implementation)
-    if fn is quest_scores_cmax_reference:
-        tuning = {}
     return fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, page_size=page_size,
               chunk=chunk, **tuning)
 

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pallas_kernels import _common
 from pallas_kernels import dense_select as ds
 from pallas_kernels import indexer, quest, topk
 
@@ -123,6 +124,24 @@ def test_quest_scores_match_reference(G, H, D, dtype, Np, bp, unmasked):
     assert np.array_equal(np.isneginf(ref), np.isneginf(got))
     fin = np.isfinite(ref)
     assert fin.any() and np.all(np.isfinite(got[fin]))
+    scale = _quest_scale(q, kmax, kmin, layer)
+    np.testing.assert_array_less(np.abs(got[fin] - ref[fin]), (2e-5 * scale + 1e-6)[fin])
+
+
+@pytest.mark.parametrize("G,H,D,dtype,Np", [c[:5] for c in QUEST_CASES])
+def test_quest_scores_xla_linear_form_matches_literal(G, H, D, dtype, Np):
+    """The registered "xla" scores (linear group form) vs the literal formula."""
+    rng = _rng()
+    ps, L, layer = 4, 2, 0
+    seq_lens = np.array([1, rng.integers(2, Np * ps), Np * ps], np.int32)
+    q, kmax, kmin = _quest_inputs(rng, L=L, B=3, Np=Np, H=H, G=G, D=D, ps=ps, dtype=dtype,
+                                  seq_lens=seq_lens, layer=layer)
+    args = (q, kmax, kmin, jnp.int32(layer), jnp.asarray(seq_lens))
+    ref = np.asarray(quest.quest_scores_reference(*args, page_size=ps))
+    got = np.asarray(_common.resolve(quest.OP, "xla")(*args, page_size=ps))
+    assert got.shape == ref.shape
+    assert np.array_equal(np.isneginf(ref), np.isneginf(got))
+    fin = np.isfinite(ref)
     scale = _quest_scale(q, kmax, kmin, layer)
     np.testing.assert_array_less(np.abs(got[fin] - ref[fin]), (2e-5 * scale + 1e-6)[fin])
 
@@ -788,12 +807,12 @@ def test_gpu_pallas_topk(B, H, N):
     junk = np.broadcast_to((np.arange(N)[None] >= nv[:, None])[:, None], (B, H, N))
     distinct = rng.permutation(B * H * N).reshape(B, H, N).astype(np.float32)
     tied = rng.integers(-3, 4, size=(B, H, N)).astype(np.float32)
-    for scores in (distinct, tied):
+    for has_ties, scores in ((False, distinct), (True, tied)):
         scores = np.where(junk, np.nan, scores)
         args = (jnp.asarray(scores), jnp.asarray(seq_lens))
         got = np.asarray(ds.select_top_pages(*args, method="pallas", **kw))
         np.testing.assert_array_equal(got, select_rule_numpy(scores, seq_lens, **kw))
-        if scores is not tied:  # XLA's methods break ties their own way
+        if not has_ties:  # XLA's methods break ties their own way
             want = np.asarray(ds.select_top_pages(*args, method="sort", **kw))
             np.testing.assert_array_equal(got, want)
             np.testing.assert_array_equal(  # auto: the kernel up to 4096 pages, chunked above
