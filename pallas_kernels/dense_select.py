@@ -47,8 +47,11 @@ TOPK_METHODS = ("auto", "sort", "rounds", "chunked", "pallas", "pallas_cmax")
 PALLAS_TOPK_MAX_COLUMNS = 4096
 # "auto" in quest.quest_select takes "pallas_cmax" (scores kernel writes chunk maxima, top-k
 # kernel reads only those and the chosen chunks) for rows of at least this many pages with the
-# "pallas" implementation. None = disabled; enabling it is this one line (e.g. 8192).
-PALLAS_CMAX_MIN_COLUMNS = None
+# "pallas" implementation (None = never). H200, k = 32 (bench_select, 2026-11-29, ef65d14):
+# whole Quest selection at 2048 pages, B=8, 2 KV heads 19.5 us vs 21.8 us (scores kernel +
+# full-row top-k kernel); at 16384 pages, B=1, 8 KV heads 34.7 vs 52.1 us (top-k alone 13.3
+# vs 25.0 us). Below 2048 pages not measured.
+PALLAS_CMAX_MIN_COLUMNS = 2048
 
 
 def num_valid_pages(seq_lens: jax.Array, page_size: int, num_pages: int) -> jax.Array:

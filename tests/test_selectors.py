@@ -247,14 +247,14 @@ def test_quest_select_cmax_exact(impl):
 
 
 def test_quest_select_auto_cmax_switch(monkeypatch):
-    """"auto" takes "pallas_cmax" only once ``PALLAS_CMAX_MIN_COLUMNS`` is set (the one-line
-    switch) and the implementation is "pallas"."""
+    """"auto" takes "pallas_cmax" from ``PALLAS_CMAX_MIN_COLUMNS`` pages on (None: never) and
+    only with the "pallas" implementation."""
     def jaxpr(np_, impl):
         meta = jnp.zeros((1, 1, np_, 1, 16))
         return str(jax.make_jaxpr(lambda q, m, l: quest.quest_select(
             q, m, m, 0, l, k=4, page_size=1, num_sink_pages=1, implementation=impl))(
                 jnp.zeros((1, 1, 16)), meta, jnp.array([np_])))
-    assert ds.PALLAS_CMAX_MIN_COLUMNS is None  # disabled until the GPU timings decide
+    monkeypatch.setattr(ds, "PALLAS_CMAX_MIN_COLUMNS", None)
     assert "quest_scores_cmax" not in jaxpr(33, "pallas")
     monkeypatch.setattr(ds, "PALLAS_CMAX_MIN_COLUMNS", 32)
     assert "quest_scores_cmax" in jaxpr(34, "pallas")
