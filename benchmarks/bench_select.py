@@ -289,6 +289,13 @@ def run(out_dir, quick=False, sizes=None, shape="8x128-b1"):
     name = "bench_select.json" if shape == "8x128-b1" or quick else f"bench_select_{shape}.json"
     with open(os.path.join(out_dir, name), "w") as f:
         json.dump(out, f, indent=1, default=str)
+    try:  # the plot is a convenience: the JSON is the record
+        import sys
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from plot_select import plot
+        print(plot([(out, out["commit"])], os.path.join(out_dir, name[:-5] + ".png")))
+    except Exception as e:  # noqa: BLE001
+        print(f"(no plot: {type(e).__name__}: {e})")
     _table(out)
     return out
 
