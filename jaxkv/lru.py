@@ -12,7 +12,7 @@ implementations, identical outputs (every field, fetch entries in the same order
 * ``method="pallas"``: "dense" as ONE Pallas kernel for all layers (grid over layers,
   compare matrices in registers; ``pallas_kernels.lru_ensure``). R, S, Q <= ``PALLAS_MAX``
   (256). Interpret mode (slow) off the GPU.
-* ``method="auto"`` (default): where R*R + S*S + R*S + Q*S <= ``DENSE_MAX_ELEMS`` (2**16
+* ``method="auto"`` (default): where R*R + S*S + R*S + Q*S <= ``DENSE_MAX_ELEMS`` (2**20
   compare elements per layer): "pallas" on the GPU (or with ``JAXKV_IMPL=pallas``) when
   R, S, Q <= ``PALLAS_MAX``, else "dense"; bigger shapes: "sort".
 
