@@ -38,8 +38,10 @@ OP_CMAX = "quest_scores_cmax"  # scores + chunk maxima (top-k method "pallas_cma
 # query head, the kernel once per group.
 # Elements of each summary array one program reads (block_pages * block_heads * D).
 _BLOCK_ELEMS = 8192
-# Default of the kernels' ``unmasked`` option (plain block loads inside the sequence); the
-# GPU timings (bench_select: scores_pallas_* vs scores_pallas_unmasked_*) decide.
+# Default of the kernels' ``unmasked`` option (plain block loads inside the sequence). H200
+# (bench_select, ef65d14): scores 25.0 vs 26.1 us at 16k pages B=1, 9.4 vs 11.6 us at the
+# Qwen-like B=8 shape (whole selection 17.3 vs 19.5 us there, unchanged at 16k). Off until it
+# is measured inside the decode step.
 UNMASKED_LOADS = False
 
 
