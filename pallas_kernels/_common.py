@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 Implementation = Literal["pallas", "xla"]
 _REGISTRY: dict[str, dict[str, Callable]] = {}
@@ -76,6 +77,13 @@ def resolve(op: str, implementation: str | None = None) -> Callable:
     if name not in impls:
         raise ValueError(f"op {op!r} has no implementation {name!r}; choose one of {sorted(impls)}")
     return impls[name]
+
+
+def num_valid_pages(seq_lens, page_size: int, num_pages: int):
+    """Pages holding at least one token: ``min(ceil(max(seq_lens, 0) / page_size), num_pages)``
+    (int32 in, same shape out; also inside kernels, on a scalar loaded from a ref)."""
+    seq_lens = jnp.maximum(seq_lens, 0)
+    return jnp.minimum((seq_lens + page_size - 1) // page_size, num_pages)
 
 
 def next_pow2(n: int) -> int:

@@ -59,8 +59,8 @@ def num_valid_pages(seq_lens: jax.Array, page_size: int, num_pages: int) -> jax.
 
     seq_lens: [B] int (negative counts as 0). Returns [B] int32.
     """
-    seq_lens = jnp.maximum(jnp.asarray(seq_lens).astype(jnp.int32), 0)
-    return jnp.minimum((seq_lens + page_size - 1) // page_size, num_pages)
+    return _common.num_valid_pages(jnp.asarray(seq_lens).astype(jnp.int32), page_size,
+                                   num_pages)
 
 
 @functools.partial(jax.jit, static_argnames=("num_pages", "num_kv_heads", "page_size"))

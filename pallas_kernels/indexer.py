@@ -71,7 +71,7 @@ def _indexer_kernel(layer_ref, lens_ref, q_ref, w_ref, keys_ref, out_ref, *, pag
     p0 = pl.program_id(1) * block_pages
     layer = layer_ref[0]
     seq_len = jnp.maximum(lens_ref[b], 0)
-    n_valid = jnp.minimum((seq_len + page_size - 1) // page_size, num_pages)
+    n_valid = _common.num_valid_pages(seq_len, page_size, num_pages)
     pages = p0 + lax.broadcasted_iota(jnp.int32, (block_pages,), 0)
     valid = pages < n_valid
     mask = jnp.broadcast_to(valid[:, None], (block_pages, d_idx))

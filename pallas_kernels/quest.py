@@ -101,8 +101,7 @@ def _quest_kernel(layer_ref, lens_ref, qp_ref, qn_ref, kmax_ref, kmin_ref, out_r
     h0 = pl.program_id(1) * block_heads
     base = pl.program_id(2) * (block_pages * n_sub)
     layer = layer_ref[0]
-    seq_len = jnp.maximum(lens_ref[b], 0)
-    n_valid = jnp.minimum((seq_len + page_size - 1) // page_size, num_pages)
+    n_valid = _common.num_valid_pages(lens_ref[b], page_size, num_pages)
     qp = qp_ref[...][None]
     qn = qn_ref[...][None]
     shape = (block_pages, block_heads, head_dim)
@@ -214,7 +213,7 @@ def quest_scores_cmax_reference(q, kmax, kmin, layer, seq_lens, *, page_size, ch
     (padding -inf); ``cmax[..., c]`` = max of ``scores[..., c*chunk:(c+1)*chunk]`` with NaN
     taken as -inf."""
     s = quest_scores_reference(q, kmax, kmin, layer, seq_lens, page_size=page_size)
-    return _pad_and_chunk_max(s, chunk)
+    return topk.pad_and_chunk_max(s, chunk)
 
 
 @_common.register(OP_CMAX, "xla")
@@ -223,18 +222,7 @@ def quest_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, *
     :func:`quest_scores_cmax_reference`."""
     del tuning
     s = quest_scores_xla(q, kmax, kmin, layer, seq_lens, page_size=page_size)
-    return _pad_and_chunk_max(s, chunk)
-
-
-def _pad_and_chunk_max(scores, chunk):
-    """scores [..., N] f32 -> (scores padded with -inf to a multiple of ``chunk``, chunk maxima
-    [..., N_pad // chunk] with NaN taken as -inf)."""
-    n = scores.shape[-1]
-    n_pad = -(-n // chunk) * chunk
-    s = jnp.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(0, n_pad - n)],
-                constant_values=-jnp.inf)
-    sc = jnp.where(jnp.isnan(s), -jnp.inf, s)
-    return s, sc.reshape(s.shape[:-1] + (n_pad // chunk, chunk)).max(axis=-1)
+    return topk.pad_and_chunk_max(s, chunk)
 
 
 def quest_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, chunk,

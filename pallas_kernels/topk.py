@@ -52,12 +52,6 @@ _INT_MIN = -(2**31)
 _KEY_POS_INF = 0x7F800000  # _float_key(+inf)
 
 
-def _n_valid(seq_len, page_size: int, num_pages: int):
-    """Pages holding a token: ``min(ceil(max(seq_len, 0) / page_size), num_pages)``."""
-    seq_len = jnp.maximum(seq_len, 0)
-    return jnp.minimum((seq_len + page_size - 1) // page_size, num_pages)
-
-
 def _keys(x, cols, n_valid, *, num_sink_pages: int, n_cols: int):
     """Order-preserving int32 keys of the masked values (selection rule in the module doc).
 
@@ -168,7 +162,7 @@ def _write_selection(out_ref, row, keys, cols, t, k: int):
 def _topk_kernel(lens_ref, scores_ref, out_ref, *, heads, n_cols, num_pages, k, page_size,
                  num_sink_pages, chunk, n_pad, radix_bits):
     row = pl.program_id(0)
-    n_valid = _n_valid(lens_ref[row // heads], page_size, num_pages)
+    n_valid = _common.num_valid_pages(lens_ref[row // heads], page_size, num_pages)
     n_load = jnp.minimum(n_valid, n_cols)  # columns worth reading (the rest is never read)
     nc = n_pad // chunk
     cols = (lax.broadcasted_iota(jnp.int32, (nc, chunk), 0) * chunk
@@ -191,7 +185,7 @@ def _topk_cmax_kernel(lens_ref, scores_ref, cmax_ref, out_ref, *, heads, n_cols,
                       num_pages, k, page_size, num_sink_pages, chunk, nc_pad, radix_bits):
     """Top-k from chunk maxima: reads ``n_chunks`` maxima and ``k * chunk`` scores per row."""
     row = pl.program_id(0)
-    n_valid = _n_valid(lens_ref[row // heads], page_size, num_pages)
+    n_valid = _common.num_valid_pages(lens_ref[row // heads], page_size, num_pages)
     n_load = jnp.minimum(n_valid, n_cols)
     c = lax.broadcasted_iota(jnp.int32, (nc_pad,), 0)
     start = c * chunk
@@ -230,15 +224,22 @@ def chunk_max(scores, seq_lens, *, num_pages: int, page_size: int, chunk: int):
     scores [B, (H,) N] float; seq_lens [B]. Returns f32 [B, (H,) ceil(N / chunk)]: the max of
     each chunk of ``chunk`` columns over its pages ``< ceil(seq_len / page_size)`` (and
     ``< num_pages``), NaN taken as -inf; -inf for a chunk without such a page."""
-    lead, n = scores.shape[:-1], scores.shape[-1]
-    nv = _n_valid(jnp.asarray(seq_lens, jnp.int32), page_size, num_pages)
+    lead = scores.shape[:-1]
+    nv = _common.num_valid_pages(jnp.asarray(seq_lens, jnp.int32), page_size, num_pages)
     nv = nv.reshape((lead[0],) + (1,) * len(lead))
     cols = lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
-    x = scores.astype(jnp.float32)
-    x = jnp.where((cols < nv) & (x == x), x, -jnp.inf)
+    return pad_and_chunk_max(jnp.where(cols < nv, scores.astype(jnp.float32), -jnp.inf),
+                             chunk)[1]
+
+
+def pad_and_chunk_max(x, chunk: int):
+    """x [..., N] f32 -> (x padded with -inf to a multiple of ``chunk``, its chunk maxima
+    [..., N_pad // chunk] with NaN taken as -inf)."""
+    n = x.shape[-1]
     n_pad = -(-n // chunk) * chunk
-    x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, n_pad - n)], constant_values=-jnp.inf)
-    return x.reshape(lead + (n_pad // chunk, chunk)).max(axis=-1)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n_pad - n)], constant_values=-jnp.inf)
+    xm = jnp.where(x == x, x, -jnp.inf)
+    return x, xm.reshape(x.shape[:-1] + (n_pad // chunk, chunk)).max(axis=-1)
 
 
 @_common.register(OP, "pallas")
@@ -324,7 +325,7 @@ def select_top_pages_reference(scores, seq_lens, *, num_pages: int, k: int, page
     if k < num_sink_pages + 1:
         raise ValueError(f"k={k} must be >= num_sink_pages + 1 = {num_sink_pages + 1}")
     lead, n = scores.shape[:-1], scores.shape[-1]
-    nv = _n_valid(jnp.asarray(seq_lens, jnp.int32), page_size, num_pages)
+    nv = _common.num_valid_pages(jnp.asarray(seq_lens, jnp.int32), page_size, num_pages)
     nv = nv.reshape((lead[0],) + (1,) * len(lead))
     cols = lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
     keys = _keys(scores, cols, nv, num_sink_pages=num_sink_pages, n_cols=n)
