@@ -134,6 +134,7 @@ class Settings:
     host_mem_gb: float = 96.0
     implementation: str | None = None
     devices: int = 1              # tensor parallelism over KV heads on this many devices
+    trace: str = ""               # if set: profile one more round per config into this dir
 
     @property
     def k(self) -> int:
@@ -704,6 +705,15 @@ def run_decode(name, plan, params, state, st: Settings, *, rounds: int, flush: b
                    device_bytes_in_use_per_device=[
                        _bytes_in_use(d) for d in tp.mesh.devices.reshape(-1)])
     rec["h2d_gbps_over_step"] = rec["h2d_bytes_per_step"] / (rec["step_ms"] / 1e3) / 1e9
+    if st.trace:  # one more round under the profiler: device time per kernel, per step
+        import trace_summary
+        tdir = os.path.join(st.trace, f"{name}_b{plan.batch}_{time.time_ns()}")
+        with jax.profiler.trace(tdir, create_perfetto_trace=True):
+            state, _, s = one(state)
+            jax.block_until_ready(state)
+        rec["kernels"] = trace_summary.summarise(tdir, steps=int(s), top=40)
+        print(f"--- trace {name}:", flush=True)
+        trace_summary.print_summary(rec["kernels"])
     print(f"    {name:3s} {rec['tokens_per_s']:10.1f} tok/s  step {rec['step_ms']:8.3f} ms  "
           f"hit {rec['hit_rate'] if rec['hit_rate'] is not None else float('nan'):.3f}  "
           f"compile {rec['compile_s']:.1f} s ({rec['num_compilations']})", flush=True)
@@ -1259,6 +1269,8 @@ def main():
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-decode", action="store_true", help="prefill section only")
     ap.add_argument("--tag", default="", help="write bench_decode_<tag>.json / .png")
+    ap.add_argument("--trace", default="", help="profile one more round per config into this "
+                    "dir; the per-kernel table goes into the JSON ('kernels')")
     ap.add_argument("--measure-overlap", action="store_true",
                     help="measure the real-text overlap (SmolLM2) into --out and exit")
     a = ap.parse_args()
@@ -1279,7 +1291,8 @@ def main():
                      if c in cfgs or (c[0] == "c" and ("c" in cfgs or c in cfgs)))
     st = Settings(page_size=a.page_size, selected_tokens=a.selected_tokens, selector=a.selector,
                   budget_s=a.budget, probe_steps=a.probe_steps, host_mem_gb=a.host_mem_gb,
-                  pools=pools, configs=expanded, devices=a.devices)
+                  pools=pools, configs=expanded, devices=a.devices,
+                  trace=a.trace)
     shapes = ("8b", "qwen1.5b") if a.shape == "all" else (a.shape,)
     contexts = [_parse_tokens(x) for x in a.contexts.split(",") if x.strip()] or None
     batches = [int(x) for x in a.batches.split(",") if x.strip()] or None
