@@ -26,7 +26,7 @@ from jaxkv.sampling import sample
 from jaxkv.spec import INVALID, CacheSpec
 from models import llama
 from models.configs import ModelConfig
-from pallas_kernels import dense_select, page_fetch, page_write
+from pallas_kernels import dense_select, layer_lookup, page_fetch, page_write
 from pallas_kernels.sparse_attention import sparse_paged_attention
 
 
@@ -368,30 +368,26 @@ def _first_occurrence(sel):
     return is_dup.reshape(B, H, k), leader.astype(jnp.int32)
 
 
-def lookup_in_place(plan: Plan, kv, layer, sel, logical, offset, tok_kv):
-    """Per-step scheduling "step", one layer: write the new token through (host tier and, if
-    its page is resident, its pool row), then map the selection to rows.
-    Resident pages are read from their slots, missed pages in place from the host tier by
-    the attention kernel. One page-table gather serves both.
+def lookup_in_place(plan: Plan, kv, layer, pages, active, logical, offset, tok_kv, record):
+    """Per-step scheduling "step", one layer: map the selection to rows, record it for the next
+    step's install and write the new token through (its pool row if its page is resident, in
+    the same launch, then the host tier). Resident pages are read from their slots, missed
+    pages in place from the host tier by the attention kernel.
 
-    sel [B, H, k] logical pages (-1 pad); logical [B] the new token's logical page (-1 =
-    inactive), offset [B] its offset; tok_kv [B, 2, H, D]. Returns (kv, rows [B, H, k] pool
-    rows or -1, host_rows [B, H, k] host rows or -1). Hit/miss counters are added once per
-    step by :func:`count_in_place` (the page table does not change within a step)."""
-    spec = plan.spec
-    S, P = spec.num_slots, spec.num_logical_pages
-    B = logical.shape[0]
-    wanted = jnp.concatenate([sel.reshape(-1), logical])
-    slot = jnp.where(wanted >= 0, kv.page_table[layer, jnp.clip(wanted, 0, P - 1)], INVALID)
-    if not plan.cache.reuse:
-        slot = jnp.full_like(slot, INVALID)
-    cur = slot[-B:]
-    slot = slot[:-B].reshape(sel.shape)
-    kv = kvcache.write_token_rows(spec, kv, layer, logical, cur, offset, tok_kv,
-                                  implementation=plan.cache.implementation)
-    rows = jnp.where(slot >= 0, layer * S + slot, INVALID)
-    host_rows = jnp.where((sel >= 0) & (slot < 0), layer * P + sel, INVALID)
-    return kv, rows, host_rows
+    pages [B, H, k] the selector's pages (-1 pad; inactive requests are masked here); active
+    [B]; logical [B] the new token's logical page (-1 = inactive), offset [B] its offset;
+    tok_kv [B, 2, H, D]; record [L, R] the step's selections. Returns (kv, rows [B, H, k] pool
+    rows or -1, host_rows [B, H, k] host rows or -1, record). Hit/miss counters are added once
+    per step by :func:`count_in_place` (the page table does not change within a step)."""
+    impl = plan.cache.implementation
+    pool, record, rows, host_rows, tok_host_rows = layer_lookup.layer_lookup(
+        pages, active, logical, offset, tok_kv, kv.page_table, layer, kv.pool, record,
+        pages_per_seq=plan.pages_per_seq, page_size=plan.page_size, reuse=plan.cache.reuse,
+        implementation=impl)
+    host_kv = page_write.write_tokens(kv.host_kv, tok_host_rows, offset, tok_kv,
+                                      page_size=plan.page_size, implementation=impl)
+    kv = dataclasses.replace(kv, pool=pool, host_kv=page_write.keep_on_host(host_kv))
+    return kv, rows, host_rows, record
 
 
 def count_in_place(plan: Plan, kv, sel_all, n_active):
@@ -490,7 +486,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
         tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)       # [B, 2, H, D]
         if plan.in_place:
-            pass  # written by lookup_in_place, after the selection (one page-table gather)
+            pass  # written by lookup_in_place, after the selection
         elif plan.cache.mode == "host":
             kv = kvcache.write_through(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
         else:
@@ -498,22 +494,24 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         summ, pages = selection.update_and_select(
             plan.cache.selector, summ, layer, lp, cfg, h, q1, k1, positions, num_pages=Np,
             k=plan.k, page_size=ps, num_sink_pages=plan.cache.sink_pages, implementation=impl)
-        pages = jnp.where(active[:, None, None], pages, INVALID)
-        sel = jnp.where(pages >= 0, b_idx[:, None, None] * Np + pages, INVALID)
         host = {}
-        if plan.in_place:
-            kv, rows, host_rows = lookup_in_place(plan, kv, layer, sel, logical, offset, tok_kv)
-            look = (look[0].at[layer].set(sel.reshape(-1)),)
+        if plan.in_place:  # inactive requests get no rows, so none of their pages is read
+            kv, rows, host_rows, record = lookup_in_place(plan, kv, layer, pages, active, logical,
+                                                          offset, tok_kv, look[0])
+            look = (record,)
             host = dict(host=kv.host_kv, host_rows=host_rows)
-        elif plan.per_step:
-            kv, rows, scr = lookup_and_fetch(plan, kv, layer, sel)
-            look = (look[0].at[layer].set(sel.reshape(-1)), look[1].at[layer].set(scr))
-        elif plan.cache.mode == "host":
-            kv, rows = kvcache.ensure_resident(spec, kv, sel.reshape(1, -1), protect,
-                                               layers=layer[None], implementation=impl)
-            rows = rows.reshape(sel.shape)
         else:
-            rows = jnp.where(sel >= 0, layer * P + sel, INVALID)
+            pages = jnp.where(active[:, None, None], pages, INVALID)
+            sel = jnp.where(pages >= 0, b_idx[:, None, None] * Np + pages, INVALID)
+            if plan.per_step:
+                kv, rows, scr = lookup_and_fetch(plan, kv, layer, sel)
+                look = (look[0].at[layer].set(sel.reshape(-1)), look[1].at[layer].set(scr))
+            elif plan.cache.mode == "host":
+                kv, rows = kvcache.ensure_resident(spec, kv, sel.reshape(1, -1), protect,
+                                                   layers=layer[None], implementation=impl)
+                rows = rows.reshape(sel.shape)
+            else:
+                rows = jnp.where(sel >= 0, layer * P + sel, INVALID)
         out, _ = sparse_paged_attention(q1, kv.pool, rows, pages, jnp.where(active, pos + 1, 1),
                                         page_size=ps, num_kv_heads=H, implementation=impl, **host)
         if host:  # order the next in-place host write after this read (no host-array copy)
