@@ -99,48 +99,59 @@ def layer_lookup_reference(pages, active, tok_page, tok_offset, tok_kv, page_tab
 
 
 def _kernel(layer_ref, pages_ref, act_ref, tpage_ref, toff_ref, kv_ref, pt_ref, pool_in, rec_in,
-            pool_ref, rec_ref, rows_ref, hrows_ref, thr_ref, *, B, HK, HKp, Np, L, P, S, ps, H, D,
+            pool_ref, rec_ref, rows_ref, hrows_ref, thr_ref, *, B, HK, CH, C, Np, P, S, ps, H, D,
             reuse):
+    """Program (b, j): entries [j * CH, (j + 1) * CH) of request b for j < C, its token for
+    j == C (independent chains of dependent loads, run side by side)."""
     del pool_in, rec_in  # aliased with pool_ref / rec_ref
-    b = pl.program_id(0)
+    b, j = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
-    # Lanes past H*K (the power-of-two padding) repeat the last entry: duplicate stores of
-    # equal values, so no masks are needed (interpret mode resolves masked duplicates badly).
-    flat = b * HK + jnp.minimum(jax.lax.broadcasted_iota(jnp.int32, (HKp,), 0), HK - 1)
-    pg = pages_ref[flat]
-    ok = (pg >= 0) & (act_ref[b] != 0)
-    logical = jnp.where(ok, b * Np + pg, INVALID)
-    if reuse:
-        slot = pltriton.load(pt_ref.at[layer * P + jnp.clip(logical, 0, P - 1)], mask=ok,
-                             other=INVALID)
-        slot = jnp.where(ok, slot, INVALID)
-    else:
-        slot = jnp.full((HKp,), INVALID, jnp.int32)
-    rows_ref[flat] = jnp.where(slot >= 0, layer * S + slot, INVALID)
-    hrows_ref[flat] = jnp.where(ok & (slot < 0), layer * P + logical, INVALID)
-    rec_ref[layer * (B * HK) + flat] = logical
-    # The new token.
-    tp = tpage_ref[b]
-    t_ok = (tp >= 0) & (tp < P)
-    thr_ref[b] = jnp.where(t_ok, layer * P + tp, INVALID)
-    if reuse:
-        ts = pt_ref[layer * P + jnp.where(t_ok, tp, 0)]
-        o = toff_ref[b]
-        w_ok = t_ok & (ts >= 0) & (o >= 0) & (o < ps)
-        r = jnp.where(w_ok, layer * S + ts, 0)
-        o = jnp.where(w_ok, o, 0)
-        mask = jnp.full((D,), w_ok)
-        for seg in range(2 * H):  # segment = (K or V, head): a [ps, D] block of the row
-            v = kv_ref[b, pl.ds(seg * D, D)]
-            pltriton.store(pool_ref.at[r, pl.ds((seg * ps + o) * D, D)], v, mask=mask)
+
+    @pl.when(j < C)
+    def _entries():
+        # Lanes past H*K (the power-of-two padding) repeat the last entry: duplicate stores of
+        # equal values, so no masks are needed (interpret mode resolves masked duplicates badly).
+        flat = b * HK + jnp.minimum(j * CH + jax.lax.broadcasted_iota(jnp.int32, (CH,), 0), HK - 1)
+        pg = pages_ref[flat]
+        ok = (pg >= 0) & (act_ref[b] != 0)
+        logical = jnp.where(ok, b * Np + pg, INVALID)
+        if reuse:
+            slot = pltriton.load(pt_ref.at[layer * P + jnp.clip(logical, 0, P - 1)], mask=ok,
+                                 other=INVALID)
+            slot = jnp.where(ok, slot, INVALID)
+        else:
+            slot = jnp.full((CH,), INVALID, jnp.int32)
+        rows_ref[flat] = jnp.where(slot >= 0, layer * S + slot, INVALID)
+        hrows_ref[flat] = jnp.where(ok & (slot < 0), layer * P + logical, INVALID)
+        rec_ref[layer * (B * HK) + flat] = logical
+
+    @pl.when(j == C)
+    def _token():
+        tp = tpage_ref[b]
+        t_ok = (tp >= 0) & (tp < P)
+        thr_ref[b] = jnp.where(t_ok, layer * P + tp, INVALID)
+        if reuse:
+            ts = pt_ref[layer * P + jnp.where(t_ok, tp, 0)]
+            o = toff_ref[b]
+            w_ok = t_ok & (ts >= 0) & (o >= 0) & (o < ps)
+            r = jnp.where(w_ok, layer * S + ts, 0)
+            o = jnp.where(w_ok, o, 0)
+            mask = jnp.full((D,), w_ok)
+            for seg in range(2 * H):  # segment = (K or V, head): a [ps, D] block of the row
+                v = kv_ref[b, pl.ds(seg * D, D)]
+                pltriton.store(pool_ref.at[r, pl.ds((seg * ps + o) * D, D)], v, mask=mask)
+
+
+ENTRIES_PER_PROGRAM = 64
 
 
 @_common.register(OP, "pallas")
 @functools.partial(jax.jit, static_argnames=("pages_per_seq", "page_size", "reuse"))
 def layer_lookup_pallas(pages, active, tok_page, tok_offset, tok_kv, page_table, layer, pool,
                         record, *, pages_per_seq, page_size, reuse=True):
-    """Pallas (Triton) kernel of :func:`layer_lookup`: grid (B,), program b handles request b's
-    H*K entries (a power-of-two vector, masked) and its token."""
+    """Pallas (Triton) kernel of :func:`layer_lookup`: grid (B, C + 1); programs (b, j < C) map
+    request b's entries in power-of-two chunks of at most ENTRIES_PER_PROGRAM, program (b, C)
+    writes its token."""
     _check(pages, active, tok_page, tok_offset, tok_kv, page_table, pool, record, page_size)
     L, P = page_table.shape
     S = pool.shape[0] // L
@@ -149,16 +160,18 @@ def layer_lookup_pallas(pages, active, tok_page, tok_offset, tok_kv, page_table,
     if D & (D - 1):
         raise ValueError(f"head_dim {D} must be a power of two (Triton blocks)")
     HK = H * K
-    kernel = functools.partial(_kernel, B=B, HK=HK, HKp=_common.next_pow2(HK), Np=pages_per_seq,
-                               L=L, P=P, S=S, ps=page_size, H=H, D=D, reuse=reuse)
+    CH = min(_common.next_pow2(HK), ENTRIES_PER_PROGRAM)
+    C = -(-HK // CH)
+    kernel = functools.partial(_kernel, B=B, HK=HK, CH=CH, C=C, Np=pages_per_seq, P=P, S=S,
+                               ps=page_size, H=H, D=D, reuse=reuse)
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), pages.astype(jnp.int32).reshape(-1),
                 active.astype(jnp.int32), tok_page.astype(jnp.int32), tok_offset.astype(jnp.int32),
                 tok_kv.astype(pool.dtype).reshape(B, 2 * H * D), page_table.reshape(-1), pool,
                 record.reshape(-1)]
-    full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+    full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
     pool, rec, rows, hrows, thr = pl.pallas_call(
         kernel,
-        grid=(B,),
+        grid=(B, C + 1),
         in_specs=[full(x.shape) for x in operands],
         out_specs=[full(pool.shape), full((L * B * HK,)), full((B * HK,)), full((B * HK,)),
                    full((B,))],

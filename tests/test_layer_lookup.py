@@ -74,6 +74,7 @@ def oracle(c, layer, *, Np, S, ps, reuse, pool):
     (3, 2, 4, 32, 2, 6, 7, "bfloat16", True),
     (1, 4, 8, 16, 8, 20, 12, "bfloat16", True),
     (2, 2, 3, 16, 4, 8, 5, "float32", False),     # no cache: everything from the host tier
+    (2, 5, 15, 16, 4, 40, 30, "float32", True),   # H*K = 75: two entry programs per request
 ])
 def test_layer_lookup_matches_oracle(rng, B, H, K, D, ps, Np, S, dtype, reuse):
     L = 3
