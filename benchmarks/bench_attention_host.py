@@ -29,7 +29,7 @@ from pallas_kernels.sparse_attention import AttentionTuning  # noqa: E402
 
 SHAPES = {"8b-b1": dict(B=1, H=8, G=4), "qwen-b8": dict(B=8, H=2, G=6)}
 FULL = dict(D=128, ps=64, K=32, pool_rows=2048, host_gib=2.0, n_sets=16, iters=64, reps=3,
-            unroll=16, misses=(0, 1, 2, 4), warps=(None, 8))
+            unroll=16, misses=(0, 1, 4), warps=(None,))
 QUICK = dict(D=16, ps=16, K=4, pool_rows=32, host_gib=2 ** -12, n_sets=2, iters=2, reps=1,
              unroll=2, misses=(0, 1), warps=(None,))
 
