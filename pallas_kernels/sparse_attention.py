@@ -219,25 +219,30 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter
         ok = (sel < K) & (pidx >= 0) & (pidx * ps + tok_off < seq_len)  # [T]
         in_pool = ok & (rows >= 0)
         # Every index is a full [T, D] int array (interpret mode cannot mix gathers and slices).
-        rows2 = jnp.broadcast_to(jnp.where(in_pool, rows, 0)[:, None], (T, D))
-        mask = jnp.broadcast_to(in_pool[:, None], (T, D))
-        k = pltriton.load(pool_ref.at[rows2, 0, h, off2, dim2], mask=mask, other=0)  # [T, D]
-        v = pltriton.load(pool_ref.at[rows2, 1, h, off2, dim2], mask=mask, other=0)
+        def load_from(ref, r, sel_mask):
+            # Every index is a full [T, D] int array (interpret mode cannot mix gathers and slices).
+            r2 = jnp.broadcast_to(jnp.where(sel_mask, r, 0)[:, None], (T, D))
+            mask = jnp.broadcast_to(sel_mask[:, None], (T, D))
+            return (pltriton.load(ref.at[r2, 0, h, off2, dim2], mask=mask, other=0),  # [T, D]
+                    pltriton.load(ref.at[r2, 1, h, off2, dim2], mask=mask, other=0))
+
         if has_host:  # entries missing from the pool: read the pinned host rows in place
             hrows = hrows_ref[b, h, sel_c]
             in_host = ok & (rows < 0) & (hrows >= 0)
-
-            def add_host(kv):
-                hrows2 = jnp.broadcast_to(jnp.where(in_host, hrows, 0)[:, None], (T, D))
-                hmask = jnp.broadcast_to(in_host[:, None], (T, D))
-                return (kv[0] + pltriton.load(host_ref.at[hrows2, 0, h, off2, dim2], mask=hmask, other=0),
-                        kv[1] + pltriton.load(host_ref.at[hrows2, 1, h, off2, dim2], mask=hmask, other=0))
-
-            # Most tiles have no missed page: skip the host loads' code there (a branch per
-            # tile; the masked loads alone cost 1-4 us per layer, bench_attention_host.json).
-            k, v = lax.cond(jnp.max(in_host.astype(jnp.int32)) > 0, add_host, lambda kv: kv, (k, v))
+            any_host = jnp.max(in_host.astype(jnp.int32)) > 0
+            # Most tiles have no missed page, so the host loads sit in a branch of their own
+            # (compiled in line, masked, they cost 0.5-4 us per layer: bench_attention_host.json).
+            if ppi == 1:  # a tile is one page: from the pool or from the host tier, never both
+                k, v = lax.cond(any_host, lambda: load_from(host_ref, hrows, in_host),
+                                lambda: load_from(pool_ref, rows, in_pool))
+            else:
+                k, v = load_from(pool_ref, rows, in_pool)
+                k, v = lax.cond(any_host,
+                                lambda kv: tuple(a + c for a, c in zip(kv, load_from(host_ref, hrows, in_host))),
+                                lambda kv: kv, (k, v))
             ok = in_pool | in_host
         else:
+            k, v = load_from(pool_ref, rows, in_pool)
             ok = in_pool
         s = pltriton.dot(q, k, trans_b=True, precision=precision) * scale2  # [G_pad, T] f32, log2 units
         s = jnp.where(ok[None, :], s, -jnp.inf)

@@ -327,13 +327,14 @@ def test_gpu_kernel_matches_reference(dtype, B, H, G, D, ps, K, num_splits, tuni
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_host_rows_read_from_pinned_host(dtype):
-    """On the GPU the host rows come from a real pinned_host array, read by the kernel in place."""
+@pytest.mark.parametrize("dtype,ps", [(jnp.float32, 64), (jnp.bfloat16, 64), (jnp.bfloat16, 8)])
+def test_gpu_host_rows_read_from_pinned_host(dtype, ps):
+    """On the GPU the host rows come from a real pinned_host array, read by the kernel in place
+    (64-token pages: a tile is one page, from the pool or the host; 8-token pages: mixed tiles)."""
     from jax.sharding import SingleDeviceSharding
     pinned = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
     seed = fresh_seed()
-    case, static = make_case(seed, B=3, H=8, G=4, D=128, ps=64, K=16, dtype=dtype, max_pages=12)
+    case, static = make_case(seed, B=3, H=8, G=4, D=128, ps=ps, K=16, dtype=dtype, max_pages=12)
     ref_o, ref_l = sparse_paged_attention(**case, **static, implementation="xla")
     split, _ = split_to_host(case, seed, on_host=lambda a: jax.device_put(a, pinned))
     assert split["host"].sharding.memory_kind == "pinned_host"
