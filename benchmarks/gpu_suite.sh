@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU checks and benchmarks on a CUDA machine (the H200 through the device tool):
 #   bash benchmarks/gpu_suite.sh OUTDIR [stage ...]
-# stages: env tests fetch attention select decode quality tp (default: env tests fetch attention)
+# stages: env tests fetch attention attnhost select decode quality tp (default: env tests fetch attention)
 # tp: tensor parallelism on every visible GPU (issue 8; run on the nvidia-h200-x2 kind)
 # Every stage writes its log and JSON under OUTDIR; a short summary is printed last.
 set -uo pipefail
@@ -28,6 +28,7 @@ for s in $STAGES; do
     tests) run tests ${TESTS_LIMIT:-300} $PY -m pytest -q -m gpu -p no:cacheprovider tests/ --continue-on-collection-errors --timeout=200 -o addopts="-ra" ;;
     fetch) run fetch 300 $PY benchmarks/bench_fetch.py --out "$OUT" ;;
     attention) run attention 300 $PY benchmarks/bench_attention.py --out "$OUT" ;;
+    attnhost) run attnhost 150 $PY benchmarks/bench_attention_host.py --out "$OUT" ;;
     select) run select 200 $PY benchmarks/bench_select.py --out "$OUT" ;;
     decode) run decode 560 $PY benchmarks/bench_decode.py --out "$OUT" ;;
     quality) run quality 400 $PY benchmarks/bench_quality.py --out "$OUT" ;;
