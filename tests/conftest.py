@@ -10,3 +10,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def no_interpret(monkeypatch):
+    """Lower the real Triton kernels (not interpret mode) although JAX runs on the CPU."""
+    from pallas_kernels import _common
+    monkeypatch.setattr(_common, "interpret_mode", lambda: False)

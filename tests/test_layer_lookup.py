@@ -6,10 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _common, layer_lookup as ll
+from pallas_kernels import layer_lookup as ll
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
+from lowering import lower_for_h200  # noqa: E402
 from page_kernel_util import as_f32, rng  # noqa: F401,E402
 
 
@@ -132,21 +133,12 @@ def test_layer_lookup_rejects_bad_shapes():
                             implementation="xla")
 
 
-def _lower_for_h200(fn, *avals):
-    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
-    with use_abstract_mesh(mesh):
-        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
-
-
 @pytest.mark.parametrize("B,H,K,D,L,P,S", [(1, 8, 32, 128, 32, 2052, 516),   # 8B-like 128k B=1
                                            (8, 2, 32, 128, 28, 16416, 1056)])  # Qwen-like B=8
-def test_layer_lookup_lowers_to_triton(monkeypatch, B, H, K, D, L, P, S):
-    monkeypatch.setattr(_common, "interpret_mode", lambda: False)
+def test_layer_lookup_lowers_to_triton(no_interpret, B, H, K, D, L, P, S):
     sds = jax.ShapeDtypeStruct
     ps = 64
-    txt = _lower_for_h200(
+    txt = lower_for_h200(
         lambda *a: ll.layer_lookup(*a, pages_per_seq=P // B, page_size=ps, implementation="pallas"),
         sds((B, H, K), jnp.int32), sds((B,), jnp.bool_), sds((B,), jnp.int32), sds((B,), jnp.int32),
         sds((B, 2, H, D), jnp.bfloat16), sds((L, P), jnp.int32), sds((), jnp.int32),

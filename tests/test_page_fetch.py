@@ -16,6 +16,7 @@ from pallas_kernels import _common, page_fetch, page_write
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
+from lowering import lower_for_h200  # noqa: E402
 from page_kernel_util import (DEV0, DEVICE, DTYPES, HEADS, HOST, SHAPES, as_f32,  # noqa: F401,E402
                               host_zeros, rng)
 
@@ -143,27 +144,12 @@ def test_resolve_tuning():
 
 
 # ---------------------------------------------------------------- Triton lowering (no GPU)
-def _lower_for_h200(fn, *avals):
-    """Lower ``fn`` for CUDA with an abstract H200: runs the Pallas -> Triton lowering,
-    which enforces the Triton constraints (power-of-two blocks, supported primitives)."""
-    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
-    with use_abstract_mesh(mesh):
-        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
-
-
-@pytest.fixture
-def no_interpret(monkeypatch):
-    monkeypatch.setattr(_common, "interpret_mode", lambda: False)
-
-
 @pytest.mark.parametrize("row,n_host", [(6144, 1 << 20), (32768, 1 << 17), (2048, 1 << 10)],
                          ids=["3x64ps16_12GiB", "8x128ps16_8GiB", "8x128ps1_4MiB"])
 def test_fetch_lowers_to_triton(no_interpret, row, n_host):
     sds = jax.ShapeDtypeStruct
     for tuning in TUNINGS + [dict(pages_per_program=8, chunk_elems=1 << 14, chunks_per_program=4)]:
-        txt = _lower_for_h200(
+        txt = lower_for_h200(
             lambda h, p, s, d: page_fetch.fetch_pages(h, p, s, d, implementation="pallas", **tuning),
             sds((n_host, row), jnp.bfloat16, sharding=HOST), sds((64, row), jnp.bfloat16),
             sds((37,), jnp.int32), sds((37,), jnp.int32))
@@ -182,7 +168,7 @@ def test_fetch_benchmark_variants_lower_to_triton(no_interpret):
     for ps, m in [(1, 2048), (2, 256), (128, 64)]:
         row = 2 * 8 * ps * 128
         for tuning in variants:
-            txt = _lower_for_h200(
+            txt = lower_for_h200(
                 lambda h, p, s, d: page_fetch.fetch_pages(h, p, s, d, implementation="pallas",
                                                           **tuning),
                 sds((2**31 // row, row), jnp.bfloat16, sharding=HOST),
@@ -426,7 +412,7 @@ def test_fetch_layer_pages_lowers_to_triton(no_interpret):
     engine's 8B-like shape (32 layers, 260 requests, 256 KiB rows) and a small one."""
     sds = jax.ShapeDtypeStruct
     for L, P, S, R, row in [(32, 2048, 520, 260, 2 * 8 * 64 * 128), (4, 64, 8, 5, 384)]:
-        txt = _lower_for_h200(
+        txt = lower_for_h200(
             lambda h, p, s, d: page_fetch.fetch_layer_pages(
                 h, p, s, d, src_stride=P, dst_stride=S, implementation="pallas"),
             sds((L * P, row), jnp.bfloat16, sharding=HOST), sds((L * S, row), jnp.bfloat16),

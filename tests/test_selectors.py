@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lowering import lower_for_h200
 from pallas_kernels import _common
 from pallas_kernels import dense_select as ds
 from pallas_kernels import indexer, quest, topk
@@ -638,21 +639,6 @@ def test_auto_resolution(monkeypatch, env):
 # ----------------------------------------------------------------------------- GPU lowering
 
 
-@pytest.fixture
-def no_interpret(monkeypatch):
-    """Lower the real Triton kernels (not interpret mode) although JAX runs on the CPU."""
-    from pallas_kernels import _common
-    monkeypatch.setattr(_common, "interpret_mode", lambda: False)
-
-
-def _lower_for_h200(fn, *args):
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
-    dev = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=dev)
-    with use_abstract_mesh(mesh):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 S = jax.ShapeDtypeStruct
 
 
@@ -666,13 +652,13 @@ def test_quest_lowers_for_gpu(no_interpret, L, B, Np, H, G, D):
             return acc + sel.sum()
         return jax.lax.fori_loop(0, 2 * L, body, jnp.int32(0))
     meta = S((L, B, Np, H, D), jnp.bfloat16)
-    txt = _lower_for_h200(loop, S((B, H * G, D), jnp.bfloat16), meta, meta, S((B,), jnp.int32))
+    txt = lower_for_h200(loop, S((B, H * G, D), jnp.bfloat16), meta, meta, S((B,), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.while" in txt
 
 
 @pytest.mark.parametrize("L,B,Np,HI,dI", [(4, 1, 16384, 64, 128), (2, 3, 37, 6, 16)])
 def test_indexer_lowers_for_gpu(no_interpret, L, B, Np, HI, dI):
-    txts = [_lower_for_h200(
+    txts = [lower_for_h200(
         functools.partial(indexer.indexer_select, k=8, page_size=64, num_sink_pages=1,
                           implementation="pallas", topk_method=method),
         S((B, HI, dI), jnp.bfloat16), S((B, HI), jnp.float32), S((L, B, Np, dI), jnp.float32),
@@ -686,7 +672,7 @@ def test_quest_pallas_topk_lowers_for_gpu(no_interpret, L, B, Np, H, G, D):
     fn = functools.partial(quest.quest_select, k=32, page_size=64, num_sink_pages=1,
                            implementation="pallas", topk_method="pallas")
     meta = S((L, B, Np, H, D), jnp.bfloat16)
-    txt = _lower_for_h200(fn, S((B, H * G, D), jnp.bfloat16), meta, meta, S((), jnp.int32),
+    txt = lower_for_h200(fn, S((B, H * G, D), jnp.bfloat16), meta, meta, S((), jnp.int32),
                           S((B,), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 2
     assert "stablehlo.sort" not in txt and "TopK" not in txt
@@ -699,7 +685,7 @@ def test_pallas_topk_lowers_for_gpu(shape, k, chunk, bits):
     fn = functools.partial(topk.select_top_pages_pallas, num_pages=shape[-1] - 1, k=k,
                            page_size=64, num_sink_pages=1, chunk=chunk, radix_bits=bits,
                            interpret=False)
-    txt = _lower_for_h200(fn, S(shape, jnp.float32), S((shape[0],), jnp.int32))
+    txt = lower_for_h200(fn, S(shape, jnp.float32), S((shape[0],), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 1
 
 
@@ -714,13 +700,13 @@ def test_quest_cmax_lowers_for_gpu(no_interpret, monkeypatch, unmasked, chunk, b
         fn = functools.partial(quest.quest_select, k=32 + unmasked, page_size=64,
                                num_sink_pages=1, implementation="pallas",
                                topk_method="pallas_cmax")
-        txt = _lower_for_h200(fn, *args)
+        txt = lower_for_h200(fn, *args)
         assert txt.count("__gpu$xla.gpu.triton") == 2
         assert "stablehlo.sort" not in txt and "TopK" not in txt
     else:
         fn = functools.partial(quest.quest_scores_cmax_pallas, page_size=64, chunk=chunk,
                                block_pages=bp, unmasked=unmasked, eviction_policy="evict_first")
-        assert _lower_for_h200(fn, *args).count("__gpu$xla.gpu.triton") == 1
+        assert lower_for_h200(fn, *args).count("__gpu$xla.gpu.triton") == 1
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -289,20 +289,16 @@ def test_lowers_to_triton(B, H, G, D, ps, K, N, dtype, kw):
 @pytest.mark.parametrize("B,H,G,K", [(1, 8, 4, 32), (8, 2, 6, 32)])
 def test_host_path_lowers_to_triton(B, H, G, K):
     """With a pinned-host tier operand (the branch that skips tiles without missed pages)."""
-    from jax._src import mesh as mesh_lib
+    from lowering import lower_for_h200
     D, ps = 128, 64
     f = lambda q, pool, r, p, l, host, hr: sa._pallas_impl(
         q, pool, r, p, l, page_size=ps, num_kv_heads=H, sm_scale=None, num_splits=None,
         tuning=None, interpret=False, host=host, host_rows=hr)
-    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
     S = jax.ShapeDtypeStruct
     R = 2 * H * ps * D
-    args = (S((B, H * G, D), jnp.bfloat16), S((512, R), jnp.bfloat16), S((B, H, K), jnp.int32),
-            S((B, H, K), jnp.int32), S((B,), jnp.int32), S((4096, R), jnp.bfloat16),
-            S((B, H, K), jnp.int32))
-    with jax.sharding.use_abstract_mesh(mesh):
-        txt = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    txt = lower_for_h200(f, S((B, H * G, D), jnp.bfloat16), S((512, R), jnp.bfloat16),
+                         S((B, H, K), jnp.int32), S((B, H, K), jnp.int32), S((B,), jnp.int32),
+                         S((4096, R), jnp.bfloat16), S((B, H, K), jnp.int32))
     assert "__gpu$xla.gpu.triton" in txt
 
 
