@@ -3,6 +3,8 @@
 #   bash benchmarks/gpu_suite.sh OUTDIR [stage ...]
 # stages: env tests fetch attention attnhost select decode quality tp (default: env tests fetch attention)
 # tp: tensor parallelism on every visible GPU (issue 8; run on the nvidia-h200-x2 kind)
+# grid-a .. grid-e: the decode grid points not yet measured on the current code (issue 6), one
+#   device call each (a, b, c1/c2/c4, d; 64-token pages; the JSON is saved after every point)
 # Every stage writes its log and JSON under OUTDIR; a short summary is printed last.
 set -uo pipefail
 OUT=${1:?usage: gpu_suite.sh OUTDIR [stage ...]}; shift
@@ -31,6 +33,16 @@ for s in $STAGES; do
     attnhost) run attnhost 150 $PY benchmarks/bench_attention_host.py --out "$OUT" ;;
     select) run select 200 $PY benchmarks/bench_select.py --out "$OUT" ;;
     decode) run decode 560 $PY benchmarks/bench_decode.py --out "$OUT" ;;
+    grid-a|grid-b|grid-c|grid-d|grid-e)
+        case $s in
+          grid-a) args="--shape 8b --contexts 32k --batches 1,8" ;;
+          grid-b) args="--shape 8b --contexts 512k --batches 1" ;;
+          grid-c) args="--shape qwen1.5b --contexts 32k,128k,512k --batches 1" ;;
+          grid-d) args="--shape qwen1.5b --contexts 32k --batches 8" ;;
+          grid-e) args="--shape 8b --contexts 128k --batches 8" ;;
+        esac
+        run "$s" 570 $PY benchmarks/bench_decode.py $args --configs a,b,c,d --pools 1,2,4 \
+          --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 530 --tag "$s" --out "$OUT" ;;
     quality) run quality 400 $PY benchmarks/bench_quality.py --out "$OUT" ;;
     tp) run tp_tests 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_parallel.py -o addopts="-ra"
         n=$($PY -c 'import jax; print(jax.device_count())')
