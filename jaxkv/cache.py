@@ -194,24 +194,15 @@ def write_through(spec: CacheSpec, cache: HostTierCache, layer, logical_pages, o
     layer = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), logical_pages.shape)
     slot = cache.page_table[layer, jnp.clip(logical_pages, 0, spec.num_logical_pages - 1)]
     slot = jnp.where(logical_pages >= 0, slot, INVALID)
-    cache = write_token_rows(spec, cache, layer, logical_pages, slot, offsets, kv,
-                             implementation=implementation)
+    host_kv, pool = page_write.write_tokens_pair(
+        cache.host_kv, _global_rows(logical_pages, layer, spec.num_logical_pages), cache.pool,
+        _global_rows(slot, layer, spec.num_slots), offsets, kv, page_size=spec.page_size,
+        implementation=implementation)
     written = jnp.sum(logical_pages >= 0).astype(jnp.int32)
     counters = dataclasses.replace(cache.counters,
                                    tokens_written=cache.counters.tokens_written + written)
-    return dataclasses.replace(cache, counters=counters)
-
-
-def write_token_rows(spec: CacheSpec, cache: HostTierCache, layer, logical_pages, slots, offsets,
-                     kv, *, implementation=None) -> HostTierCache:
-    """The writes of :func:`write_through` for entries whose pool slots the caller already
-    looked up: host row of ``logical_pages``, pool row of ``slots`` (-1 = not resident). No
-    counters. layer: int32 scalar or [M]; logical_pages, slots, offsets: [M]; kv [M, 2, H, D]."""
-    host_kv, pool = page_write.write_tokens_pair(
-        cache.host_kv, _global_rows(logical_pages, layer, spec.num_logical_pages), cache.pool,
-        _global_rows(slots, layer, spec.num_slots), offsets, kv, page_size=spec.page_size,
-        implementation=implementation)
-    return dataclasses.replace(cache, host_kv=page_write.keep_on_host(host_kv), pool=pool)
+    return dataclasses.replace(cache, host_kv=page_write.keep_on_host(host_kv), pool=pool,
+                               counters=counters)
 
 
 def tick(cache: HostTierCache) -> HostTierCache:
