@@ -137,8 +137,10 @@ def _kernel(layer_ref, pages_ref, act_ref, tpage_ref, toff_ref, kv_ref, pt_ref, 
             r = jnp.where(w_ok, layer * S + ts, 0)
             o = jnp.where(w_ok, o, 0)
             mask = jnp.full((D,), w_ok)
-            for seg in range(2 * H):  # segment = (K or V, head): a [ps, D] block of the row
-                v = kv_ref[b, pl.ds(seg * D, D)]
+            # All loads first, then the stores: the loads are in flight together (interleaved,
+            # each store would wait for its own load).
+            vals = [kv_ref[b, pl.ds(seg * D, D)] for seg in range(2 * H)]
+            for seg, v in enumerate(vals):  # segment = (K or V, head): a [ps, D] block of the row
                 pltriton.store(pool_ref.at[r, pl.ds((seg * ps + o) * D, D)], v, mask=mask)
 
 

@@ -1,4 +1,4 @@
-"""The sampler: greedy, plain temperature sampling and the top-k / top-p filters,
+"""The sampler: greedy, plain temperature sampling (no sort) and the top-k / top-p filters,
 checked against their definitions on random logits (fresh seeds)."""
 import os
 
