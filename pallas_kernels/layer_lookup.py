@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _common
+from pallas_kernels import _common, page_write
 
 OP = "layer_lookup"
 INVALID = -1
@@ -134,14 +134,8 @@ def _kernel(layer_ref, pages_ref, act_ref, tpage_ref, toff_ref, kv_ref, pt_ref, 
             ts = pt_ref[layer * P + jnp.where(t_ok, tp, 0)]
             o = toff_ref[b]
             w_ok = t_ok & (ts >= 0) & (o >= 0) & (o < ps)
-            r = jnp.where(w_ok, layer * S + ts, 0)
-            o = jnp.where(w_ok, o, 0)
-            mask = jnp.full((D,), w_ok)
-            # All loads first, then the stores: the loads are in flight together (interleaved,
-            # each store would wait for its own load).
-            vals = [kv_ref[b, pl.ds(seg * D, D)] for seg in range(2 * H)]
-            for seg, v in enumerate(vals):  # segment = (K or V, head): a [ps, D] block of the row
-                pltriton.store(pool_ref.at[r, pl.ds((seg * ps + o) * D, D)], v, mask=mask)
+            page_write.store_token(pool_ref, layer * S + ts, o, w_ok, kv_ref, b, page_size=ps,
+                                   head_dim=D)
 
 
 ENTRIES_PER_PROGRAM = 64

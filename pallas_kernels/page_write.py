@@ -67,6 +67,20 @@ def _check_tokens(dst, rows, offsets, kv, page_size):
         raise ValueError(f"rows {rows.shape} and offsets {offsets.shape} must be [{M}]")
 
 
+def store_token(dst_ref, row, offset, ok, kv_ref, kv_row, *, page_size: int, head_dim: int):
+    """Kernel helper (Triton): write the token ``kv_ref[kv_row]`` (``[2 * H * D]``: segment
+    ``s`` = (K or V, head), ``D`` elements each) into row ``row`` of ``dst_ref`` (row layout
+    ``[2, H, page_size, D]``) at token ``offset``; nothing where ``ok`` is False. The loads
+    are issued before the stores."""
+    D = head_dim
+    r = jnp.where(ok, row, 0)
+    o = jnp.where(ok, offset, 0)
+    mask = jnp.full((D,), ok)
+    vals = [kv_ref[kv_row, pl.ds(seg * D, D)] for seg in range(kv_ref.shape[1] // D)]
+    for seg, v in enumerate(vals):  # segment = (K or V, head): a [page_size, D] block
+        plgpu.store(dst_ref.at[r, pl.ds((seg * page_size + o) * D, D)], v, mask=mask)
+
+
 def _write_tokens_pallas(dst, rows, offsets, kv, *, page_size: int, num_warps: int = 4):
     """Pallas: grid (M,); program m stores the 2*H head vectors of entry m (D elements each)."""
     _check_tokens(dst, rows, offsets, kv, page_size)
@@ -85,12 +99,7 @@ def _write_tokens_pallas(dst, rows, offsets, kv, *, page_size: int, num_warps: i
         r = rows_ref[m]
         o = offs_ref[m]
         ok = (r >= 0) & (r < N) & (o >= 0) & (o < ps)
-        r = jnp.where(ok, r, 0)
-        o = jnp.where(ok, o, 0)
-        mask = jnp.full((D,), ok)
-        vals = [kv_ref[m, pl.ds(seg * D, D)] for seg in range(2 * H)]
-        for seg, v in enumerate(vals):  # segment seg = (k_or_v, head): [ps, D] block
-            plgpu.store(dst_ref.at[r, pl.ds((seg * ps + o) * D, D)], v, mask=mask)
+        store_token(dst_ref, r, o, ok, kv_ref, m, page_size=ps, head_dim=D)
 
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
     return pl.pallas_call(
