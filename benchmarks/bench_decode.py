@@ -293,7 +293,7 @@ def _tp_fill_fn(tp, lay, dst_sharding, summ_shardings):
 
     def local(dst, summ, layer, b, j0, length, key, sal):
         key = key ^ (jax.lax.axis_index(parallel.AXIS).astype(jnp.uint32) * jnp.uint32(0x9E3779B1))
-        dst, summ = synthetic._fill_chunk(lay, False, dst[0], tuple(a[0] for a in summ), layer, b, j0,
+        dst, summ = synthetic._fill_chunk(lay, dst[0], tuple(a[0] for a in summ), layer, b, j0,
                                           length, key, sal)
         return dst[None], tuple(a[None] for a in summ)
 

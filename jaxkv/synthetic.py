@@ -150,13 +150,8 @@ def _index_summary(ikeys, valid, model_dtype):
 # --------------------------------------------------------------------------------------
 # fill
 # --------------------------------------------------------------------------------------
-def _fill_chunk(lay: _Layout, whole: bool, dst, summaries, layer, b, j0, length, key, salience):
-    """Generate pages ``[j0, j0 + chunk)`` of (layer, b), write the used ones, update summaries.
-
-    ``whole`` (static): every page of the chunk is used (and inside the request's range), so
-    the chunk is one contiguous run of rows, written with one dynamic-update-slice: into the
-    pinned host tier that is a device -> host copy by the copy engine, where ``write_pages``
-    stores row by row from the SMs (0.6-1.6 GB/s on the H200)."""
+def _fill_chunk(lay: _Layout, dst, summaries, layer, b, j0, length, key, salience):
+    """Generate pages ``[j0, j0 + chunk)`` of (layer, b), write the used ones, update summaries."""
     H, D, ps, C = lay.num_kv_heads, lay.head_dim, lay.page_size, lay.chunk_pages
     kv_dt, m_dt = jnp.dtype(lay.kv_dtype), jnp.dtype(lay.model_dtype)
     pages = j0 + jnp.arange(C, dtype=jnp.int32)
@@ -178,16 +173,9 @@ def _fill_chunk(lay: _Layout, whole: bool, dst, summaries, layer, b, j0, length,
         return out
 
     out = jax.vmap(one)(pages)
-    row0 = layer * lay.num_logical_pages + b * lay.pages_per_seq + j0
-    if whole:
-        chunk = out["row"].astype(dst.dtype)
-        if lay.host:
-            chunk = jax.device_put(chunk, jax.memory.Space.Host)
-        dst = jax.lax.dynamic_update_slice_in_dim(dst, chunk, row0, 0)
-    else:
-        used = (pages * ps < length) & (pages < lay.pages_per_seq)
-        rows = jnp.where(used, row0 + jnp.arange(C, dtype=jnp.int32), INVALID)
-        dst = page_write.write_pages(dst, rows, out["row"], implementation=lay.implementation)
+    used = (pages * ps < length) & (pages < lay.pages_per_seq)
+    rows = jnp.where(used, layer * lay.num_logical_pages + b * lay.pages_per_seq + pages, INVALID)
+    dst = page_write.write_pages(dst, rows, out["row"], implementation=lay.implementation)
     if lay.host:
         dst = page_write.keep_on_host(dst)
     if lay.selector == "quest":
@@ -200,20 +188,9 @@ def _fill_chunk(lay: _Layout, whole: bool, dst, summaries, layer, b, j0, length,
 
 
 @functools.lru_cache(maxsize=32)
-def _fill_fn(lay: _Layout, whole: bool, dst_sharding, summ_shardings):
-    return jax.jit(functools.partial(_fill_chunk, lay, whole), donate_argnums=(0, 1),
+def _fill_fn(lay: _Layout, dst_sharding, summ_shardings):
+    return jax.jit(functools.partial(_fill_chunk, lay), donate_argnums=(0, 1),
                    out_shardings=(dst_sharding, summ_shardings))
-
-
-def _fill(lay: _Layout, dst, summaries, layer: int, b: int, n_pages: int, length: int, key, sal):
-    """Every used page (``< n_pages``) of (layer, request b), chunk by chunk."""
-    shard = (dst.sharding, tuple(a.sharding for a in summaries))
-    C = lay.chunk_pages
-    for j0 in range(0, n_pages, C):
-        whole = lay.host and j0 + C <= n_pages
-        dst, summaries = _fill_fn(lay, whole, *shard)(
-            dst, summaries, np.int32(layer), np.int32(b), np.int32(j0), np.int32(length), key, sal)
-    return dst, summaries
 
 
 def _chunk_pages(plan: engine.Plan, chunk_bytes: int) -> int:
@@ -268,12 +245,16 @@ def build_state(plan: engine.Plan, lengths, *, synth: Synthetic = Synthetic(), s
     kv = engine.init_kv(plan, poison=poison)
     summaries = engine.init_summaries(plan)
     dst = kv.host_kv if lay.host else kv.pool
+    fn = _fill_fn(lay, dst.sharding, tuple(s.sharding for s in summaries))
     key = np.uint32(seed % 2**32)
     sal = jnp.float32(synth.salience)
+    C, ps = lay.chunk_pages, plan.page_size
     for layer in range(plan.model.num_layers):
         for b in range(plan.batch):
-            n = -(-int(lengths[b]) // plan.page_size)
-            dst, summaries = _fill(lay, dst, summaries, layer, b, n, int(lengths[b]), key, sal)
+            n = -(-int(lengths[b]) // ps)
+            for j0 in range(0, n, C):
+                dst, summaries = fn(dst, summaries, np.int32(layer), np.int32(b), np.int32(j0),
+                                    np.int32(lengths[b]), key, sal)
     kv = dataclasses.replace(kv, host_kv=dst) if lay.host else dataclasses.replace(kv, pool=dst)
     return _fresh(plan, kv, tuple(summaries), lengths, seed)
 
