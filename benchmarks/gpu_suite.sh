@@ -40,9 +40,13 @@ for s in $STAGES; do
           grid-b) args="--shape 8b --contexts 512k --batches 1" ;;
           grid-c) args="--shape qwen1.5b --contexts 32k,128k,512k --batches 1" ;;
           grid-d) args="--shape qwen1.5b --contexts 32k --batches 8" ;;
-          grid-e) args="--shape 8b --contexts 128k --batches 8" ;;
+          grid-e) args="--shape 8b --contexts 128k --batches 8 --host-mem-gb 135" ;;
         esac
-        run "$s" 570 $PY benchmarks/bench_decode.py $args --configs a,b,c,d --pools 1,2,4 \
+        # grid-e's host tier is 128.2 GiB: XLA's pinned-host allocator needs a limit above it
+        # but not far above (it grows its regions by doubling: a 190 GB limit made it ask for
+        # one 128 GiB region after a 64 GiB one, and the process was killed)
+        lim=${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-100}; [ $s = grid-e ] && lim=140
+        XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$lim run "$s" 570 $PY benchmarks/bench_decode.py $args --configs a,b,c,d --pools 1,2,4 \
           --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 530 --tag "$s" --out "$OUT" ;;
     abc-8b) run abc-8b 300 $PY benchmarks/bench_decode.py --shape 8b --contexts 128k --batches 1 \
           --configs a,b,c --pools 2 --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 260 \
@@ -55,7 +59,12 @@ for s in $STAGES; do
         n=$($PY -c 'import jax; print(jax.device_count())')
         run tp_decode 400 $PY benchmarks/bench_decode.py --devices "$n" --shape 8b --contexts 128k \
           --batches 1 --configs a,b,c --pools 2 --page-size 64 --prefill none --no-plot --budget 360 \
-          --tag 8b_128k_b1_tp$n --out "$OUT" ;;
+          --tag 8b_128k_b1_tp$n --out "$OUT"
+        # B=8 at 128k (128.2 GiB of KV) does not fit one GPU's memory; split over the GPUs it does.
+        # Pinned-host limit: see grid-e (2 x 64.1 GiB here, one allocator for the process).
+        XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=140 run tp_decode_b8 400 $PY benchmarks/bench_decode.py \
+          --devices "$n" --shape 8b --contexts 128k --batches 8 --configs a,b,c --pools 2 --page-size 64 \
+          --prefill none --no-plot --budget 360 --host-mem-gb 135 --tag 8b_128k_b8_tp$n --out "$OUT" ;;
     *) echo "unknown stage $s" ;;
   esac
 done
