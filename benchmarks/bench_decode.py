@@ -308,14 +308,7 @@ def build_state(tp, plan, lengths, *, synth, seed, chunk_bytes):
     if tp is None:
         return synthetic.build_state(plan, lengths, synth=synth, seed=seed, chunk_bytes=chunk_bytes)
     lengths = synthetic._check_lengths(plan, lengths)
-    lay = synthetic._Layout(
-        num_kv_heads=plan.model.num_kv_heads, head_dim=plan.model.head_dim,
-        page_size=plan.page_size, pages_per_seq=plan.pages_per_seq,
-        num_logical_pages=plan.spec.num_logical_pages, kv_dtype=plan.kv_dtype,
-        model_dtype=plan.model.dtype, selector=plan.cache.selector,
-        index_dim=plan.model.indexer_dim, chunk_pages=synthetic._chunk_pages(plan, chunk_bytes),
-        center_scale=float(synth.center_scale), value_scale=float(synth.value_scale),
-        host=plan.cache.mode == "host", implementation=plan.cache.implementation)
+    lay = synthetic.layout(plan, synth, chunk_bytes)
     kv, summaries = tp.init_kv(plan), tuple(tp.init_summaries(plan))
     dst = kv.host_kv if lay.host else kv.pool
     fn = _tp_fill_fn(tp, lay, dst.sharding, tuple(a.sharding for a in summaries))

@@ -5,6 +5,7 @@
 # tp: tensor parallelism on every visible GPU (issue 8; run on the nvidia-h200-x2 kind)
 # grid-a .. grid-e: the decode grid points not yet measured on the current code (issue 6), one
 #   device call each (a, b, c1/c2/c4, d; 64-token pages; the JSON is saved after every point)
+# capacity: a host tier larger than the free device memory (probe_host_capacity.py; 28 vs 16 GiB)
 # abc-8b, abc-qwen: the issue-6 headline ratios (128k; a, b, c2 in one run; 8B-like B=1, Qwen-like B=8)
 # Every stage writes its log and JSON under OUTDIR; a short summary is printed last.
 set -uo pipefail
@@ -54,6 +55,7 @@ for s in $STAGES; do
     abc-qwen) run abc-qwen 300 $PY benchmarks/bench_decode.py --shape qwen1.5b --contexts 128k --batches 8 \
           --configs a,b,c --pools 2 --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 260 \
           --tag qwen_128k_b8_abc_$JAXKV_COMMIT --out "$OUT" ;;
+    capacity) run capacity 300 $PY benchmarks/probe_host_capacity.py --tier-gb 28 --free-gb 16 --out "$OUT" ;;
     quality) run quality 400 $PY benchmarks/bench_quality.py --out "$OUT" ;;
     tp) run tp_tests 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_parallel.py -o addopts="-ra"
         n=$($PY -c 'import jax; print(jax.device_count())')

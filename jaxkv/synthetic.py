@@ -193,6 +193,29 @@ def _fill_fn(lay: _Layout, dst_sharding, summ_shardings):
                    out_shardings=(dst_sharding, summ_shardings))
 
 
+def layout(plan: engine.Plan, synth: Synthetic, chunk_bytes: int) -> _Layout:
+    """The static fill layout of ``plan`` (the fill chunk's compile key)."""
+    return _Layout(
+        num_kv_heads=plan.model.num_kv_heads, head_dim=plan.model.head_dim,
+        page_size=plan.page_size, pages_per_seq=plan.pages_per_seq,
+        num_logical_pages=plan.spec.num_logical_pages, kv_dtype=plan.kv_dtype,
+        model_dtype=plan.model.dtype, selector=plan.cache.selector,
+        index_dim=plan.model.indexer_dim, chunk_pages=_chunk_pages(plan, chunk_bytes),
+        center_scale=float(synth.center_scale), value_scale=float(synth.value_scale),
+        host=plan.cache.mode == "host", implementation=plan.cache.implementation)
+
+
+def lower_fill_chunk(plan: engine.Plan, kv, summaries, *, synth: Synthetic = Synthetic(),
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    """The lowered fill chunk of ``build_state`` for ``kv`` / ``summaries`` (as
+    ``engine.init_kv`` / ``init_summaries`` make them; not consumed). For memory analysis."""
+    lay = layout(plan, synth, chunk_bytes)
+    dst = kv.host_kv if lay.host else kv.pool
+    fn = _fill_fn(lay, dst.sharding, tuple(s.sharding for s in summaries))
+    i = np.int32(0)
+    return fn.lower(dst, tuple(summaries), i, i, i, i, np.uint32(0), jnp.float32(synth.salience))
+
+
 def _chunk_pages(plan: engine.Plan, chunk_bytes: int) -> int:
     n = max(1, int(chunk_bytes) // plan.spec.page_bytes)
     n = 1 << (n.bit_length() - 1)
@@ -234,14 +257,7 @@ def build_state(plan: engine.Plan, lengths, *, synth: Synthetic = Synthetic(), s
       valid tokens only, ``done`` False, ``n_generated`` 0, an empty LRU (host mode).
     """
     lengths = _check_lengths(plan, lengths)
-    lay = _Layout(
-        num_kv_heads=plan.model.num_kv_heads, head_dim=plan.model.head_dim,
-        page_size=plan.page_size, pages_per_seq=plan.pages_per_seq,
-        num_logical_pages=plan.spec.num_logical_pages, kv_dtype=plan.kv_dtype,
-        model_dtype=plan.model.dtype, selector=plan.cache.selector,
-        index_dim=plan.model.indexer_dim, chunk_pages=_chunk_pages(plan, chunk_bytes),
-        center_scale=float(synth.center_scale), value_scale=float(synth.value_scale),
-        host=plan.cache.mode == "host", implementation=plan.cache.implementation)
+    lay = layout(plan, synth, chunk_bytes)
     kv = engine.init_kv(plan, poison=poison)
     summaries = engine.init_summaries(plan)
     dst = kv.host_kv if lay.host else kv.pool

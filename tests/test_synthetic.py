@@ -272,3 +272,18 @@ def test_gpu_bench_decode_quick(tmp_path):
     got = {r["config"] for r in res["cases"][0]["results"]}
     assert got == {"a", "b", "c1", "c2", "c4", "d"}
     assert res["targets"]["no_recompilation_within_bucket"] is True
+
+
+def test_probe_host_capacity_runs_tiny(tmp_path):
+    """benchmarks/probe_host_capacity.py (the GPU probe for host tiers larger than the free
+    device memory) runs its stages on the tiny model, so the script stays working off the GPU."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import probe_host_capacity
+
+    rec = probe_host_capacity.main(["--tiny", "--out", str(tmp_path)])
+    assert [r["stage"] for r in rec["stages"]] == ["fill_prog", "fill", "decode", "generate"]
+    assert all(r["ok"] for r in rec["stages"]), rec["stages"]
+    assert "temp_size_in_bytes" in rec["stages"][0]["memory_analysis"]
+    assert (tmp_path / "probe_host_capacity_tiny.json").exists()
