@@ -12,6 +12,9 @@ bytes, and the compiled memory analysis (device temp / argument / output bytes; 
 size of the tier means a device copy):
 
   fill_prog the fill chunk's compiled memory analysis (nothing run)
+  variants  compile-only memory analysis of the smallest programs writing into a donated
+            pinned-host array of the tier's shape (Pallas write_pages with and without the
+            host re-annotation, dynamic-update-slice, a fori_loop of writes)
   fill     synthetic.build_state (the fill chunk, one jit call per chunk)
   decode   one engine.decode_round on the filled state
   generate jaxkv.generate with a short prompt and max_context sized to the tier (prefill_layer)
@@ -40,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_decode as bd  # noqa: E402
 from jaxkv import CacheConfig, Sampling, engine, generate, synthetic  # noqa: E402
+from pallas_kernels import page_write  # noqa: E402
 
 GiB = 1 << 30
 INVALID = -1
@@ -121,6 +125,37 @@ def main(argv=None) -> dict:
         return None, extra
 
     _stage("fill_prog", fill_program, rows)
+
+    def variants():
+        """Compile-only: the smallest programs that write into a donated pinned-host array of the
+        tier's shape, to tell which construct holds a tier-sized device buffer."""
+        dst = engine.init_kv(plan).host_kv          # lowered against, never run
+        host = dst.sharding
+        M = 64
+        rows = jnp.arange(M, dtype=jnp.int32)
+        pages = jnp.zeros((M, dst.shape[1]), dst.dtype)
+        progs = {
+            "write_pages": lambda d, r, p: page_write.write_pages(d, r, p),
+            "write_pages+keep_on_host": lambda d, r, p: page_write.keep_on_host(
+                page_write.write_pages(d, r, p)),
+            "dynamic_update_slice": lambda d, r, p: jax.lax.dynamic_update_slice_in_dim(
+                d, jax.device_put(p, jax.memory.Space.Host), r[0], 0),
+            "fori_loop(write_pages)": lambda d, r, p: jax.lax.fori_loop(
+                0, 4, lambda i, x: page_write.keep_on_host(page_write.write_pages(x, r + i * M, p)),
+                d),
+        }
+        out = {}
+        for name, f in progs.items():
+            try:
+                jf = jax.jit(f, donate_argnums=(0,), out_shardings=host)
+                out[name] = _analysis(jf.lower(dst, rows, pages).compile())
+            except Exception as e:  # noqa: BLE001
+                out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            print(f"    {name:26s} {out[name]}", flush=True)
+        del dst
+        return None, {"variants": out}
+
+    _stage("variants", variants, rows)
 
     def fill():
         st = synthetic.build_state(plan, lengths, seed=0)
