@@ -747,7 +747,9 @@ def feasibility(cfg, B, ctx, st: Settings, host_limit, dev_limit, params_bytes):
 
 
 def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float, probe: bool,
-             limits) -> dict:
+             limits, on_result=lambda case: None) -> dict:
+    """One (shape, batch, context) point over the configurations; ``on_result(case so far)``
+    after each configuration's record."""
     cfg = model_config(shape)
     tp = tensor_parallel(cfg, st)
     if tp is not None:  # one device's share of the model; single-device-only parts skipped
@@ -834,6 +836,7 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
                     att = time_attention(plan_b, state.kv.pool, lengths, st, rng, where="resident")
                     _split(rec, selector=sel, ensure=0.0, fetch=0.0, attention=att)
                 out["results"].append(rec)
+                on_result(out)
                 state = reuse_state(tp, plan_b, state, lengths, seed=st.seed)
                 if not _bucket_done(out):
                     state = _bucket_check(out, plan_b, params, state, ctx, st, tp)
@@ -847,6 +850,7 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
                     _split(rec, selector=0.0, ensure=0.0, fetch=0.0, attention=att)
                     rec["split_note"] = "dense: no selector (an iota), attention over every valid page"
                 out["results"].append(rec)
+                on_result(out)
             del state
 
     # --- host tier: (c) pools 1x/2x/4x, (d) no cache ---------------------------------------------
@@ -898,6 +902,7 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
                     rec["_lru_s"] = time_ensure(plan, lengths, st, rng) if reuse else 0.0
                     host_recs.append((rec, plan))
                 out["results"].append(rec)
+                on_result(out)
                 if not _bucket_done(out):
                     state = _bucket_check(out, plan, params, state, ctx, st, tp)
             if host_recs:
@@ -1135,8 +1140,11 @@ def run(out_dir, *, quick=False, shapes=("8b", "qwen1.5b"), contexts=None, batch
                notes=notes)
     path = os.path.join(out_dir, name + ".json")
 
-    def save():  # after every point: a run cut short by a timeout still leaves its figures
-        res["targets"] = targets(cases)
+    def save(partial=None):
+        """After every configuration (``partial``: the case still running, marked
+        ``incomplete``): a run cut short by a timeout or a crash still leaves its figures."""
+        res["cases"] = cases + ([dict(partial, incomplete=True)] if partial is not None else [])
+        res["targets"] = targets(res["cases"])
         res["elapsed_s"] = budget.elapsed()
         with open(path, "w") as f:
             json.dump(res, f, indent=1, default=str)
@@ -1150,7 +1158,8 @@ def run(out_dir, *, quick=False, shapes=("8b", "qwen1.5b"), contexts=None, batch
             continue
         try:
             params = get_params(shape, st.seed)
-            c = run_case(shape, B, ctx, params, st, budget, target, shape not in probed, limits)
+            c = run_case(shape, B, ctx, params, st, budget, target, shape not in probed, limits,
+                         on_result=save)
             if "probe" in c.get("synthetic", {}):
                 probed.add(shape)
         except Exception as e:  # noqa: BLE001 - record and go on with the next point
