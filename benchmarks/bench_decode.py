@@ -1156,15 +1156,22 @@ def run(out_dir, *, quick=False, shapes=("8b", "qwen1.5b"), contexts=None, batch
     for shape, B, ctx in (grid if decode else []):
         if not budget.ok(f"case {shape} B={B} context={ctx}", 90):
             continue
+        so_far = {}
+
+        def on_result(case):
+            so_far["case"] = case
+            save(case)
+
         try:
             params = get_params(shape, st.seed)
             c = run_case(shape, B, ctx, params, st, budget, target, shape not in probed, limits,
-                         on_result=save)
+                         on_result=on_result)
             if "probe" in c.get("synthetic", {}):
                 probed.add(shape)
-        except Exception as e:  # noqa: BLE001 - record and go on with the next point
+        except Exception as e:  # noqa: BLE001 - record (keeping finished configs), go on
             traceback.print_exc()
-            c = dict(shape=shape, batch=B, context=ctx, error=f"{type(e).__name__}: {e}")
+            c = dict(so_far.get("case") or dict(shape=shape, batch=B, context=ctx),
+                     error=f"{type(e).__name__}: {e}")
         cases.append(c)
         save()
     # ---- prefill
