@@ -44,8 +44,8 @@ for s in $STAGES; do
           grid-e) args="--shape 8b --contexts 128k --batches 8 --host-mem-gb 135" ;;
         esac
         # grid-e's host tier is 128.2 GiB: XLA's pinned-host allocator needs a limit above it
-        # but not far above (it grows its regions by doubling: a 190 GB limit made it ask for
-        # one 128 GiB region after a 64 GiB one, and the process was killed)
+        # but not far above (it grows its regions by doubling: in the two-GPU B=8 run a 190 GB
+        # limit made it ask for one 128 GiB region after a 64 GiB one, and the process was killed)
         lim=${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-100}; [ $s = grid-e ] && lim=140
         XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$lim run "$s" 570 $PY benchmarks/bench_decode.py $args --configs a,b,c,d --pools 1,2,4 \
           --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 530 --tag "$s" --out "$OUT" ;;
