@@ -49,12 +49,13 @@ for s in $STAGES; do
         lim=${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-100}; [ $s = grid-e ] && lim=140
         XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$lim run "$s" 570 $PY benchmarks/bench_decode.py $args --configs a,b,c,d --pools 1,2,4 \
           --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 530 --tag "$s" --out "$OUT" ;;
-    abc-8b) run abc-8b 300 $PY benchmarks/bench_decode.py --shape 8b --contexts 128k --batches 1 \
-          --configs a,b,c --pools 2 --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 260 \
-          --tag 8b_128k_b1_abc_$JAXKV_COMMIT --out "$OUT" ;;
-    abc-qwen) run abc-qwen 300 $PY benchmarks/bench_decode.py --shape qwen1.5b --contexts 128k --batches 8 \
-          --configs a,b,c --pools 2 --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 260 \
-          --tag qwen_128k_b8_abc_$JAXKV_COMMIT --out "$OUT" ;;
+    abc-8b|abc-qwen)
+        case $s in
+          abc-8b) args="--shape 8b --batches 1 --tag 8b_128k_b1_abc_$JAXKV_COMMIT" ;;
+          abc-qwen) args="--shape qwen1.5b --batches 8 --tag qwen_128k_b8_abc_$JAXKV_COMMIT" ;;
+        esac
+        run "$s" 300 $PY benchmarks/bench_decode.py $args --contexts 128k --configs a,b,c --pools 2 \
+          --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 260 --out "$OUT" ;;
     capacity) run capacity 300 $PY benchmarks/probe_host_capacity.py --tier-gb 28 --free-gb 16 --out "$OUT" ;;
     quality) run quality 400 $PY benchmarks/bench_quality.py --out "$OUT" ;;
     tp) run tp_tests 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_parallel.py -o addopts="-ra"

@@ -218,7 +218,6 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter
         pidx = pidx_ref[b, h, sel_c]
         ok = (sel < K) & (pidx >= 0) & (pidx * ps + tok_off < seq_len)  # [T]
         in_pool = ok & (rows >= 0)
-        # Every index is a full [T, D] int array (interpret mode cannot mix gathers and slices).
         def load_from(ref, r, sel_mask):
             # Every index is a full [T, D] int array (interpret mode cannot mix gathers and slices).
             r2 = jnp.broadcast_to(jnp.where(sel_mask, r, 0)[:, None], (T, D))
@@ -236,10 +235,12 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter
                 k, v = lax.cond(any_host, lambda: load_from(host_ref, hrows, in_host),
                                 lambda: load_from(pool_ref, rows, in_pool))
             else:
-                k, v = load_from(pool_ref, rows, in_pool)
-                k, v = lax.cond(any_host,
-                                lambda kv: tuple(a + c for a, c in zip(kv, load_from(host_ref, hrows, in_host))),
-                                lambda kv: kv, (k, v))
+                def add_host(kv):  # masked-out lanes load 0: pool + host = the tile
+                    hk, hv = load_from(host_ref, hrows, in_host)
+                    return kv[0] + hk, kv[1] + hv
+
+                k, v = lax.cond(any_host, add_host, lambda kv: kv,
+                                load_from(pool_ref, rows, in_pool))
             ok = in_pool | in_host
         else:
             k, v = load_from(pool_ref, rows, in_pool)

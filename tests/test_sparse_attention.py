@@ -255,19 +255,13 @@ def test_default_num_splits():
 # Triton lowering without a GPU: lower for an abstract H200 and check the custom call appears.
 # --------------------------------------------------------------------------------------------
 def _lower_for_h200(B, H, G, D, ps, K, N, dtype, **kw):
-    from jax._src import mesh as mesh_lib
+    from lowering import lower_for_h200
 
     kw = dict(dict(sm_scale=None, num_splits=None, tuning=None), **kw)
     f = lambda q, pool, r, p, l: sa._pallas_impl(q, pool, r, p, l, page_size=ps, num_kv_heads=H, interpret=False, **kw)
-    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
     S = jax.ShapeDtypeStruct
-    args = (S((B, H * G, D), dtype), S((N, 2 * H * ps * D), dtype), S((B, H, K), jnp.int32),
-            S((B, H, K), jnp.int32), S((B,), jnp.int32))
-    with jax.sharding.use_abstract_mesh(mesh):
-        exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[
-            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    return exp.mlir_module()
+    return lower_for_h200(f, S((B, H * G, D), dtype), S((N, 2 * H * ps * D), dtype),
+                          S((B, H, K), jnp.int32), S((B, H, K), jnp.int32), S((B,), jnp.int32))
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
