@@ -56,7 +56,9 @@ for s in $STAGES; do
         esac
         run "$s" 300 $PY benchmarks/bench_decode.py $args --contexts 128k --configs a,b,c --pools 2 \
           --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 260 --out "$OUT" ;;
-    capacity) run capacity 300 $PY benchmarks/probe_host_capacity.py --tier-gb 28 --free-gb 16 --out "$OUT" ;;
+    capacity) run capacity 300 $PY benchmarks/probe_host_capacity.py --tier-gb 28 --free-gb 16 --out "$OUT"
+        # the optimized HLO of each probed program, as one file (the device returns few files)
+        [ -d "$OUT/hlo" ] && tar -czf "$OUT/capacity_hlo.tgz" -C "$OUT" hlo && rm -rf "$OUT/hlo" ;;
     quality) run quality 400 $PY benchmarks/bench_quality.py --out "$OUT" ;;
     tp) run tp_tests 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_parallel.py -o addopts="-ra"
         n=$($PY -c 'import jax; print(jax.device_count())')

@@ -11,6 +11,7 @@ touches the whole tier and records, per stage: ok / the error, the device alloca
 bytes, and the compiled memory analysis (device temp / argument / output bytes; a temp the
 size of the tier means a device copy):
 
+  alloc_prog the zeroed tier's allocator (init_kv), compiled memory analysis (nothing run)
   fill_prog the fill chunk's compiled memory analysis (nothing run)
   variants  compile-only memory analysis of the smallest programs writing into a donated
             pinned-host array of the tier's shape (Pallas write_pages with and without the
@@ -43,6 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_decode as bd  # noqa: E402
 from jaxkv import CacheConfig, Sampling, engine, generate, synthetic  # noqa: E402
+from jaxkv import cache as kvcache  # noqa: E402
 from pallas_kernels import page_write  # noqa: E402
 
 GiB = 1 << 30
@@ -53,7 +55,18 @@ def _peak() -> int:
     return int(bd.memory_stats().get("device_peak_bytes_in_use", 0))
 
 
-def _analysis(compiled) -> dict:
+_HLO_DIR: Path | None = None
+
+
+def _analysis(compiled, name: str | None = None) -> dict:
+    """The compiled memory analysis; with ``name``, the optimized HLO goes to hlo/<name>.txt
+    under --out (which buffers live in S(5), where a copy of the tier appears)."""
+    if name and _HLO_DIR is not None:
+        try:
+            _HLO_DIR.mkdir(parents=True, exist_ok=True)
+            (_HLO_DIR / f"{name}.txt").write_text(compiled.as_text())
+        except Exception as e:  # noqa: BLE001 - the analysis still counts
+            print(f"    no HLO text for {name}: {e!r}", flush=True)
     try:
         m = compiled.memory_analysis()
     except Exception as e:  # noqa: BLE001 - backends without it
@@ -89,6 +102,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--tiny", action="store_true", help="tiny model, no ballast (CPU check)")
     ap.add_argument("--out", default="benchmarks/results")
     a = ap.parse_args(argv)
+    global _HLO_DIR
+    _HLO_DIR = Path(a.out) / "hlo"
     gpu = jax.default_backend() == "gpu"
     shape = "qwen1.5b" if gpu and not a.tiny else "tiny"
     cfg = bd.model_config(shape)
@@ -118,9 +133,17 @@ def main(argv=None) -> dict:
     rows = rec["stages"]
     lengths = [ctx - 2 * ps]
 
+    def alloc_program():
+        """Compile-only: the allocator of the zeroed host tier (cache._filler, as init_kv)."""
+        spec = plan.spec
+        fn = kvcache._filler(spec.host_shape, spec.dtype, "0", kvcache.host_sharding(), False)
+        return None, {"memory_analysis": _analysis(fn.lower().compile(), "alloc_tier")}
+
+    _stage("alloc_prog", alloc_program, rows)
+
     def fill_program():
         kv, summ = engine.init_kv(plan), engine.init_summaries(plan)
-        extra = {"memory_analysis": _analysis(synthetic.lower_fill_chunk(plan, kv, summ).compile())}
+        extra = {"memory_analysis": _analysis(synthetic.lower_fill_chunk(plan, kv, summ).compile(), "fill_chunk")}
         del kv, summ
         return None, extra
 
@@ -148,7 +171,8 @@ def main(argv=None) -> dict:
         for name, f in progs.items():
             try:
                 jf = jax.jit(f, donate_argnums=(0,), out_shardings=host)
-                out[name] = _analysis(jf.lower(dst, rows, pages).compile())
+                out[name] = _analysis(jf.lower(dst, rows, pages).compile(),
+                                      "variant_" + "".join(c if c.isalnum() else "_" for c in name))
             except Exception as e:  # noqa: BLE001
                 out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             print(f"    {name:26s} {out[name]}", flush=True)
@@ -167,7 +191,7 @@ def main(argv=None) -> dict:
     def decode():
         sampling, stop = Sampling.make(temperature=0.0), jnp.full((4,), INVALID, jnp.int32)
         lowered = engine.lower_decode_round(plan, params, state, sampling, stop, jnp.int32(8))
-        extra = {"memory_analysis": _analysis(lowered.compile())}
+        extra = {"memory_analysis": _analysis(lowered.compile(), "decode_round")}
         out = engine.decode_round(plan, params, state, sampling, stop, jnp.int32(8))
         jax.block_until_ready(out)
         return out, extra

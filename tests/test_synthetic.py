@@ -283,7 +283,9 @@ def test_probe_host_capacity_runs_tiny(tmp_path):
     from benchmarks import probe_host_capacity
 
     rec = probe_host_capacity.main(["--tiny", "--out", str(tmp_path)])
-    assert [r["stage"] for r in rec["stages"]] == ["fill_prog", "variants", "fill", "decode", "generate"]
+    assert [r["stage"] for r in rec["stages"]] == ["alloc_prog", "fill_prog", "variants", "fill",
+                                                  "decode", "generate"]
     assert all(r["ok"] for r in rec["stages"]), rec["stages"]
-    assert "temp_size_in_bytes" in rec["stages"][0]["memory_analysis"]
+    assert "temp_size_in_bytes" in rec["stages"][1]["memory_analysis"]
+    assert (tmp_path / "hlo" / "fill_chunk.txt").exists()
     assert (tmp_path / "probe_host_capacity_tiny.json").exists()
