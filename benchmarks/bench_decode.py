@@ -79,11 +79,15 @@ from jaxkv.config import CacheConfig, Sampling  # noqa: E402
 from jaxkv.spec import INVALID  # noqa: E402
 from models import configs, llama  # noqa: E402
 from pallas_kernels import page_fetch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _numa  # noqa: E402
 from pallas_kernels.sparse_attention import sparse_paged_attention  # noqa: E402
 
 GiB = 2**30
 RESULTS = Path(__file__).resolve().parent / "results"
 OVERLAP_FILE = "selection_overlap.json"
+NUMA: dict = {}  # the GPU's NUMA node / local CPUs and this process's affinity (main sets it)
 DEFAULT_OVERLAP = 0.8  # used (and flagged) when no real-text measurement is available
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
 # (d) no cache: the engine's own switch if it has one, else one-step rounds with the LRU flushed.
@@ -1131,7 +1135,9 @@ def run(out_dir, *, quick=False, shapes=("8b", "qwen1.5b"), contexts=None, batch
                jax_version=jax.__version__, python=sys.version.split()[0], quick=quick,
                platform=dev.platform, devices=st.devices, complete=False,
                env={k: os.environ.get(k) for k in ("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
-                                                   "XLA_PYTHON_CLIENT_MEM_FRACTION", "JAXKV_IMPL")},
+                                                   "XLA_PYTHON_CLIENT_MEM_FRACTION", "JAXKV_IMPL",
+                                                   "CUDA_VISIBLE_DEVICES")},
+               numa=NUMA,
                settings={k: (list(v) if isinstance(v, tuple) else v)
                          for k, v in dataclasses.asdict(st).items()},
                bulk_h2d_gbps={}, selection=dict(target_overlap=target, source=src, real_text=real,
@@ -1280,9 +1286,15 @@ def main():
     ap.add_argument("--tag", default="", help="write bench_decode_<tag>.json / .png")
     ap.add_argument("--trace", default="", help="profile one more round per config into this "
                     "dir; the per-kernel table goes into the JSON ('kernels')")
+    ap.add_argument("--timed-rounds", type=int, default=2,
+                    help="timed decode rounds per configuration (round_steps steps each)")
+    ap.add_argument("--bind-numa", action="store_true",
+                    help="run on the GPU's local CPUs (its NUMA node; before JAX allocates)")
     ap.add_argument("--measure-overlap", action="store_true",
                     help="measure the real-text overlap (SmolLM2) into --out and exit")
     a = ap.parse_args()
+    global NUMA
+    NUMA = _numa.bind_to_gpu() if a.bind_numa else _numa.gpu_numa()
     if a.measure_overlap:
         r = measure_overlap(page_size=a.page_size, selected_tokens=a.selected_tokens)
         r.update(device=_device_str(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -1301,7 +1313,7 @@ def main():
     st = Settings(page_size=a.page_size, selected_tokens=a.selected_tokens, selector=a.selector,
                   budget_s=a.budget, probe_steps=a.probe_steps, host_mem_gb=a.host_mem_gb,
                   pools=pools, configs=expanded, devices=a.devices,
-                  trace=a.trace)
+                  trace=a.trace, timed_rounds=a.timed_rounds)
     shapes = ("8b", "qwen1.5b") if a.shape == "all" else (a.shape,)
     contexts = [_parse_tokens(x) for x in a.contexts.split(",") if x.strip()] or None
     batches = [int(x) for x in a.batches.split(",") if x.strip()] or None

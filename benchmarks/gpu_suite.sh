@@ -6,7 +6,9 @@
 # grid-a .. grid-e: the decode grid points not yet measured on the current code (issue 6), one
 #   device call each (a, b, c1/c2/c4, d; 64-token pages; the JSON is saved after every point)
 # capacity: a host tier larger than the free device memory (probe_host_capacity.py; 28 vs 16 GiB)
-# abc-8b, abc-qwen: the issue-6 headline ratios (128k; a, b, c2 in one run; 8B-like B=1, Qwen-like B=8)
+# abc-8b, abc-qwen: the issue-6 headline ratios (128k; a, b, c2 in one run; 8B-like B=1, Qwen-like B=8;
+#   8 timed rounds of 32 steps); abc-8b-numa, abc-qwen-numa: the same on the GPU's local CPUs (--bind-numa)
+# topo: the GPUs' PCIe / NUMA topology
 # Every stage writes its log and JSON under OUTDIR; a short summary is printed last.
 set -uo pipefail
 OUT=${1:?usage: gpu_suite.sh OUTDIR [stage ...]}; shift
@@ -49,13 +51,18 @@ for s in $STAGES; do
         lim=${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-100}; [ $s = grid-e ] && lim=140
         XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$lim run "$s" 570 $PY benchmarks/bench_decode.py $args --configs a,b,c,d --pools 1,2,4 \
           --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 530 --tag "$s" --out "$OUT" ;;
-    abc-8b|abc-qwen)
+    abc-8b|abc-qwen|abc-8b-numa|abc-qwen-numa)
         case $s in
-          abc-8b) args="--shape 8b --batches 1 --tag 8b_128k_b1_abc_$JAXKV_COMMIT" ;;
-          abc-qwen) args="--shape qwen1.5b --batches 8 --tag qwen_128k_b8_abc_$JAXKV_COMMIT" ;;
+          abc-8b*) args="--shape 8b --batches 1" ;;
+          abc-qwen*) args="--shape qwen1.5b --batches 8" ;;
         esac
+        tag=${s#abc-}; tag=${tag%-numa}_128k_b$([ "${s#abc-8b}" = "$s" ] && echo 8 || echo 1)_abc
+        case $s in *-numa) args="$args --bind-numa"; tag=${tag}_numa ;; esac
         run "$s" 300 $PY benchmarks/bench_decode.py $args --contexts 128k --configs a,b,c --pools 2 \
-          --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 260 --out "$OUT" ;;
+          --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 260 --timed-rounds 8 \
+          --tag ${tag}_$JAXKV_COMMIT --out "$OUT" ;;
+    topo) run topo 60 bash -c "nvidia-smi topo -m; lscpu | grep -i -E 'numa|socket|model name'; \
+        $PY -c 'import sys; sys.path.insert(0, \"benchmarks\"); import _numa, json; print(json.dumps(_numa.gpu_numa()))'" ;;
     capacity) run capacity 300 $PY benchmarks/probe_host_capacity.py --tier-gb 28 --free-gb 16 --out "$OUT"
         # the optimized HLO of each probed program, as one file (the device returns few files)
         [ -d "$OUT/hlo" ] && tar -czf "$OUT/capacity_hlo.tgz" -C "$OUT" hlo && rm -rf "$OUT/hlo" ;;

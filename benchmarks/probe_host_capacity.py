@@ -11,7 +11,8 @@ touches the whole tier and records, per stage: ok / the error, the device alloca
 bytes, and the compiled memory analysis (device temp / argument / output bytes; a temp the
 size of the tier means a device copy):
 
-  alloc_prog the zeroed tier's allocator (init_kv), compiled memory analysis (nothing run)
+  alloc_prog the zeroed tier: the old in-program allocator's memory analysis (compile only),
+            then kvcache.host_zeros (run: seconds, host RSS)
   fill_prog the fill chunk's compiled memory analysis (nothing run)
   variants  compile-only memory analysis of the smallest programs writing into a donated
             pinned-host array of the tier's shape (Pallas write_pages with and without the
@@ -134,10 +135,21 @@ def main(argv=None) -> dict:
     lengths = [ctx - 2 * ps]
 
     def alloc_program():
-        """Compile-only: the allocator of the zeroed host tier (cache._filler, as init_kv)."""
-        spec = plan.spec
-        fn = kvcache._filler(spec.host_shape, spec.dtype, "0", kvcache.host_sharding(), False)
-        return None, {"memory_analysis": _analysis(fn.lower().compile(), "alloc_tier")}
+        """The zeroed tier: the in-program allocator (jnp.zeros typed to host, as init_kv did
+        before 2026-11-29: compile-only) and kvcache.host_zeros (run: seconds, host RSS)."""
+        spec, host = plan.spec, kvcache.host_sharding()
+        old = jax.jit(lambda: jax.device_put(jnp.zeros(spec.host_shape, spec.dtype),
+                                             jax.memory.Space.Host), out_shardings=host)
+        extra = {"memory_analysis": _analysis(old.lower().compile(), "alloc_in_program")}
+        m0, t0 = bd.memory_stats(), time.perf_counter()
+        x = kvcache.host_zeros(spec.host_shape, spec.dtype, host)
+        x.block_until_ready()
+        m1 = bd.memory_stats()
+        extra.update(host_zeros_s=time.perf_counter() - t0, host_zeros_kind=x.sharding.memory_kind,
+                     host_zeros_typed=str(jax.typeof(x).memory_space),
+                     rss_before=m0.get("host_rss_bytes"), rss_after=m1.get("host_rss_bytes"))
+        del x
+        return None, extra
 
     _stage("alloc_prog", alloc_program, rows)
 

@@ -17,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv import lru
 from jaxkv.spec import INVALID, CacheSpec
@@ -96,34 +97,52 @@ def cache_shardings(device=None) -> HostTierCache:
         counters=CacheCounters(*([dev] * len(dataclasses.fields(CacheCounters)))))
 
 
+def host_zeros(shape: tuple, dtype, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A zeroed array of ``shape`` / ``dtype`` in ``sharding``'s pinned_host memory, built on
+    the host: no device buffer of its size at any point.
+
+    A jitted ``jnp.zeros`` with a pinned_host output is computed on the device and then
+    copied out (its compiled temp is the whole array): a host tier larger than the free
+    device memory then fails with a device out-of-memory error (H200, 2026-11-29, 28 GiB tier
+    with 16 GiB free). Here the source is ``np.zeros`` (calloc: pages that are only read stay
+    the kernel's shared zero page, so it costs no RAM beside the pinned buffer), placed with
+    ``jax.device_put``, which also types the result as host memory (a loop carry keeps it).
+    ``sharding``: any sharding with ``memory_kind="pinned_host"`` (one device or a mesh).
+    """
+    if getattr(sharding, "memory_kind", None) != "pinned_host":
+        raise ValueError(f"host_zeros needs a pinned_host sharding, got {sharding}")
+    dt = jnp.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    src = np.zeros(n * dt.itemsize, np.uint8).view(dt).reshape(shape)
+    return jax.device_put(src, sharding)
+
+
 @functools.lru_cache(maxsize=None)
 def _filler(shape: tuple, dtype: str, fill: str, sharding, traced: bool = False) -> callable:
-    """A cached jitted allocator, so repeated cache construction never recompiles.
-
-    A pinned_host result is also *typed* as host memory (device_put to Space.Host as the
-    last op), so it can be a loop carry next to the aliased writes that keep it there.
-    ``traced``: the plain function (no jit, no placement), for use inside a jit or
-    shard_map whose output shardings place the result (jaxkv.parallel).
-    """
-    host = sharding.memory_kind == "pinned_host"
+    """A cached jitted allocator of a device array, so repeated cache construction never
+    recompiles. ``traced``: the plain function (no jit, no placement), for use inside a jit
+    or shard_map whose output shardings place the result (jaxkv.parallel). Host arrays are
+    made by :func:`host_zeros` instead (a program would build them in device memory)."""
+    if sharding.memory_kind != "device":
+        raise ValueError(f"_filler makes device arrays; use host_zeros for {sharding}")
 
     def alloc():
-        x = jnp.full(shape, float(fill), dtype)
-        return jax.device_put(x, jax.memory.Space.Host) if host else x
+        return jnp.full(shape, float(fill), dtype)
 
     return alloc if traced else jax.jit(alloc, out_shardings=sharding)
 
 
 def init_cache(spec: CacheSpec, *, device=None, poison: bool = False,
                traced: bool = False) -> HostTierCache:
-    """Empty cache: host tier zeroed in pinned_host memory, pool empty.
+    """Empty cache: host tier zeroed in pinned_host memory (:func:`host_zeros`), pool empty.
 
     ``poison=True`` fills the pool with NaN (tests: an unwritten slot must never be read).
     ``traced=True``: plain jnp ops, to call inside a jit / shard_map (one device's shard of
-    a multi-device cache, jaxkv.parallel); the host tier is still typed as host memory.
+    a multi-device cache, jaxkv.parallel); ``host_kv`` is then ``None``: the caller places
+    a :func:`host_zeros` tier (built in a program, it would pass through device memory).
     """
     fill = "nan" if poison else "0"
-    host_kv = _filler(spec.host_shape, spec.dtype, "0", host_sharding(device), traced)()
+    host_kv = None if traced else host_zeros(spec.host_shape, spec.dtype, host_sharding(device))
     pool = _filler(spec.pool_shape, spec.dtype, fill, device_sharding(device), traced)()
     L, P, S = spec.num_layers, spec.num_logical_pages, spec.num_slots
     return HostTierCache(

@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxkv import cache as kvcache
 from jaxkv import engine, validation
 from models.configs import ModelConfig
 
@@ -171,7 +172,13 @@ class TensorParallel:
     # ------------------------------------------------------------------ state
     def _alloc(self, plan, what: str, poison: bool = False):
         fn = _alloc_fn(self, plan, what, poison)
-        return () if fn is None else fn()
+        out = () if fn is None else fn()
+        if what == "kv" and plan.cache.mode == "host":
+            # the host tier is built on the host, never in a program (kvcache.host_zeros)
+            spec = plan.spec
+            out = dataclasses.replace(out, host_kv=kvcache.host_zeros(
+                (self.size,) + spec.host_shape, spec.dtype, self._sharding(P(AXIS), "pinned_host")))
+        return out
 
     def init_kv(self, plan, *, poison: bool = False):
         return self._alloc(plan, "kv", poison)
