@@ -7,7 +7,9 @@
 #   device call each (a, b, c1/c2/c4, d; 64-token pages; the JSON is saved after every point)
 # capacity: a host tier larger than the free device memory (probe_host_capacity.py; 28 vs 16 GiB)
 # abc-8b, abc-qwen: the issue-6 headline ratios (128k; a, b, c2 in one run; 8B-like B=1, Qwen-like B=8;
-#   8 timed rounds of 32 steps); abc-8b-numa, abc-qwen-numa: the same on the GPU's local CPUs (--bind-numa)
+#   then b and c2 re-measured alternately $PAIRS times (default 8): the target is the median pair ratio)
+# tp-b8: only the tensor-parallel 8B-like B=8 128k part of tp
+# grid-*: GRID_CONFIGS / GRID_POOLS override the configurations (default a,b,c,d / 1,2,4)
 # topo: the GPUs' PCIe / NUMA topology
 # Every stage writes its log and JSON under OUTDIR; a short summary is printed last.
 set -uo pipefail
@@ -49,18 +51,17 @@ for s in $STAGES; do
         # but not far above (it grows its regions by doubling: in the two-GPU B=8 run a 190 GB
         # limit made it ask for one 128 GiB region after a 64 GiB one, and the process was killed)
         lim=${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-100}; [ $s = grid-e ] && lim=140
-        XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$lim run "$s" 570 $PY benchmarks/bench_decode.py $args --configs a,b,c,d --pools 1,2,4 \
+        XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$lim run "$s" 570 $PY benchmarks/bench_decode.py $args \
+          --configs ${GRID_CONFIGS:-a,b,c,d} --pools ${GRID_POOLS:-1,2,4} \
           --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 530 --tag "$s" --out "$OUT" ;;
-    abc-8b|abc-qwen|abc-8b-numa|abc-qwen-numa)
+    abc-8b|abc-qwen)
         case $s in
-          abc-8b*) args="--shape 8b --batches 1" ;;
-          abc-qwen*) args="--shape qwen1.5b --batches 8" ;;
+          abc-8b) args="--shape 8b --batches 1 --tag 8b_128k_b1_abc_$JAXKV_COMMIT" ;;
+          abc-qwen) args="--shape qwen1.5b --batches 8 --tag qwen_128k_b8_abc_$JAXKV_COMMIT" ;;
         esac
-        tag=${s#abc-}; tag=${tag%-numa}_128k_b$([ "${s#abc-8b}" = "$s" ] && echo 8 || echo 1)_abc
-        case $s in *-numa) args="$args --bind-numa"; tag=${tag}_numa ;; esac
         run "$s" 300 $PY benchmarks/bench_decode.py $args --contexts 128k --configs a,b,c --pools 2 \
-          --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 260 --timed-rounds 8 \
-          --tag ${tag}_$JAXKV_COMMIT --out "$OUT" ;;
+          --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 260 --timed-rounds 6 \
+          --pairs ${PAIRS:-8} --out "$OUT" ;;
     topo) run topo 60 bash -c "nvidia-smi topo -m; lscpu | grep -i -E 'numa|socket|model name'; \
         $PY -c 'import sys; sys.path.insert(0, \"benchmarks\"); import _numa, json; print(json.dumps(_numa.gpu_numa()))'" ;;
     capacity) run capacity 300 $PY benchmarks/probe_host_capacity.py --tier-gb 28 --free-gb 16 --out "$OUT"
@@ -72,11 +73,15 @@ for s in $STAGES; do
         run tp_decode 400 $PY benchmarks/bench_decode.py --devices "$n" --shape 8b --contexts 128k \
           --batches 1 --configs a,b,c --pools 2 --page-size 64 --prefill none --no-plot --budget 360 \
           --tag 8b_128k_b1_tp$n --out "$OUT"
+        ;&
+    tp-b8)
+        n=$($PY -c 'import jax; print(jax.device_count())')
         # B=8 at 128k (128.2 GiB of KV) does not fit one GPU's memory; split over the GPUs it does.
         # Pinned-host limit: see grid-e (2 x 64.1 GiB here, one allocator for the process).
         XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=140 run tp_decode_b8 400 $PY benchmarks/bench_decode.py \
           --devices "$n" --shape 8b --contexts 128k --batches 8 --configs a,b,c --pools 2 --page-size 64 \
-          --prefill none --no-plot --budget 360 --host-mem-gb 135 --tag 8b_128k_b8_tp$n --out "$OUT" ;;
+          --prefill none --no-plot --budget 360 --host-mem-gb 135 --tag 8b_128k_b8_tp${n}_$JAXKV_COMMIT \
+          --out "$OUT" ;;
     *) echo "unknown stage $s" ;;
   esac
 done

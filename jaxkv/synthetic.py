@@ -296,6 +296,9 @@ def reuse_state(plan: engine.Plan, state: engine.DecodeState, lengths, *, seed: 
             raise ValueError("reuse_state: the state's host tier does not match the plan")
         pool = kv.pool
         if pool.shape != spec.pool_shape:
+            # free the old pool first: both at once may not fit (8B-like B=8: 32 + 64 GiB)
+            if not isinstance(pool, jax.core.Tracer):
+                pool.delete()
             fill = jnp.nan if poison else 0
             pool = jnp.full(spec.pool_shape, fill, spec.jnp_dtype)
         L, P, S = spec.num_layers, spec.num_logical_pages, spec.num_slots

@@ -28,3 +28,16 @@ def test_failed_configuration_keeps_the_finished_ones(tmp_path, monkeypatch):
     assert "simulated out of memory" in first["error"]
     assert "incomplete" not in first and disk["complete"] and res["complete"]
     assert first["results"][0]["tokens_per_s"] > 0
+
+
+def test_paired_measurement_alternates_b_and_c2(tmp_path):
+    """--pairs: b and c2 re-measured alternately (ABBA) in one process, without recompiling;
+    the per-pair ratios and their median land in the case's JSON."""
+    st = bench_decode.Settings(configs=("b", "c2"), pools=(2,), probe_steps=0, pairs=3)
+    res = bench_decode.run(str(tmp_path), quick=True, batches=[1], settings=st, prefill=(),
+                           plot=False)
+    pr = res["cases"][0]["paired"]
+    assert pr["pairs"] == 3 and len(pr["ratios"]) == 3 and pr["compilations"] == 0
+    assert pr["min_ratio"] <= pr["median_ratio"] <= pr["max_ratio"]
+    assert all(b > 0 for b in pr["b_step_ms"]) and all(c > 0 for c in pr["c2_step_ms"])
+    assert [r["config"] for r in res["cases"][0]["results"]] == ["b", "c2"]

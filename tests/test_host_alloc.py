@@ -58,12 +58,14 @@ def test_init_cache_host_tier_from_host_zeros():
 
 @pytest.mark.gpu
 def test_gpu_host_zeros_leaves_device_memory_alone():
-    """A 4 GiB zeroed tier raises the device allocator's peak by far less than its size."""
+    """A 2 GiB zeroed tier raises the device allocator's peak by far less than its size.
+    (Read back whole: an eager strided slice of a pinned_host array fails inside XLA 0.11.2,
+    "Expected instruction to have shape equal to bf16[4096,524288]".)"""
     dev = jax.devices()[0]
     before = dev.memory_stats()["peak_bytes_in_use"]
-    x = kvcache.host_zeros((4 * 1024, GiB // 1024 // 2), "bfloat16", kvcache.host_sharding())
+    x = kvcache.host_zeros((2 * 1024, GiB // 1024 // 2), "bfloat16", kvcache.host_sharding())
     x.block_until_ready()
     grew = dev.memory_stats()["peak_bytes_in_use"] - before
-    assert grew < GiB // 4, f"device peak grew by {grew / GiB:.2f} GiB for a 4 GiB host tier"
+    assert grew < GiB // 4, f"device peak grew by {grew / GiB:.2f} GiB for a 2 GiB host tier"
     assert x.sharding.memory_kind == "pinned_host"
-    assert not np.asarray(x[::512]).astype(np.float32).any()
+    assert not np.asarray(x).view(np.uint16).any()
