@@ -77,9 +77,11 @@ for s in $STAGES; do
     tp-b8)
         n=$($PY -c 'import jax; print(jax.device_count())')
         # B=8 at 128k (128.2 GiB of KV) does not fit one GPU's memory; split over the GPUs it does.
-        # Pinned-host limit: see grid-e (2 x 64.1 GiB here, one allocator for the process).
-        XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=140 run tp_decode_b8 400 $PY benchmarks/bench_decode.py \
-          --devices "$n" --shape 8b --contexts 128k --batches 8 --configs a,b,c --pools 2 --page-size 64 \
+        # Pinned-host limit: each GPU has its own pinned-host allocator with this limit, and it
+        # grows by doubling: a 64.1 GiB shard makes it ask for a 128 GiB region unless the limit
+        # caps it (with 140, two 128 GiB requests: the process was killed, 2026-11-29).
+        XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${TP_HOST_LIMIT_GB:-70} run tp_decode_b8 400 $PY benchmarks/bench_decode.py \
+          --devices "$n" --shape 8b --contexts 128k --batches 8 --configs ${TP_CONFIGS:-a,b,c} --pools 2 --page-size 64 \
           --prefill none --no-plot --budget 360 --host-mem-gb 135 --tag 8b_128k_b8_tp${n}_$JAXKV_COMMIT \
           --out "$OUT" ;;
     *) echo "unknown stage $s" ;;
