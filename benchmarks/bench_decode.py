@@ -769,7 +769,10 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
     tp = tensor_parallel(cfg, st)
     if tp is not None:  # one device's share of the model; single-device-only parts skipped
         params, probe = tp_params(tp, shape, params), False
-        limits = (limits[0] / tp.size, limits[1])   # the host tiers share one host's RAM
+        # each device's tier: its own pinned-host allocator (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
+        # each), and together they share the host's RAM (--host-mem-gb)
+        xla = float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", 64)) * GiB
+        limits = (min(xla, st.host_mem_gb * GiB / tp.size), limits[1])
     run_cfg = cfg if tp is None else tp.local_model(cfg)
     ps, k = st.page_size, st.k
     max_ctx = -(-(ctx + st.room) // ps) * ps
