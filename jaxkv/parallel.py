@@ -124,9 +124,10 @@ class TensorParallel:
 
     def plan(self, plan: engine.Plan) -> engine.Plan:
         """A plan made for :meth:`local_model` -> the plan that runs inside shard_map. Checks
-        the pinned host memory of all devices' host tiers together (one host's RAM)."""
+        the pinned host memory: each device's tier against the cap (every GPU has its own
+        pinned-host allocator), all of them together against the host's RAM."""
         if plan.cache.mode == "host":
-            validation.check_host_capacity(self.size * plan.spec.host_bytes,
+            validation.check_host_capacity(plan.spec.host_bytes, devices=self.size,
                                            fix="lower batch / max_context")
         return dataclasses.replace(plan, axis_name=AXIS)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import jax
 import numpy as np
@@ -58,15 +59,80 @@ def host_limit_bytes(backend: str | None = None) -> int | None:
     return int(min(caps) * 2**30) if caps else None
 
 
-def check_host_capacity(host_bytes: int, *, limit_bytes=_UNSET,
+def host_ram_bytes() -> int | None:
+    """The machine's RAM in bytes, capped by this process's cgroup limit (``memory.max``)
+    where one is set; None when unknown."""
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+        except OSError:
+            continue
+        if raw.isdigit():
+            ram = min(ram, int(raw))
+    return int(ram)
+
+
+_REGION0 = 2 << 20  # the pinned-host BFC allocator's first region (2 MiB), doubled as it grows
+
+
+def pinned_reservation_bytes(tier_bytes: int, limit_bytes: int) -> int:
+    """Pinned host memory XLA's GPU host allocator reserves for one tier of ``tier_bytes``.
+
+    It is a BFC allocator with growth: a request larger than its current region size doubles
+    that size (from 2 MiB) until the request fits, and the new region takes that size, capped
+    by what is left under the limit. So a 64.1 GiB tier reserves a 128 GiB region under a
+    140 GiB limit, but 70 GiB under a 70 GiB one (H200, 2026-11-29: with the 140 GiB limit two
+    such tiers, one per GPU, got the process killed on a 256 GiB machine).
+    """
+    region = _REGION0
+    while region < tier_bytes:
+        region *= 2
+    return int(min(region, limit_bytes))
+
+
+def check_host_capacity(host_bytes: int, *, limit_bytes=_UNSET, devices: int = 1,
+                        ram_bytes=_UNSET, backend: str | None = None,
                         fix: str = "lower batch / max_context") -> None:
-    """Raise if a pinned-host tier of ``host_bytes`` exceeds the cap (``host_limit_bytes()``)."""
-    limit = host_limit_bytes() if limit_bytes is _UNSET else limit_bytes
+    """Check a pinned-host tier of ``host_bytes`` per device on ``devices`` devices.
+
+    Raises if one device's tier exceeds the cap (``host_limit_bytes()``: each GPU has its own
+    pinned-host allocator under it) or all tiers together exceed the RAM
+    (``host_ram_bytes()``). Warns (``RuntimeWarning``) on the GPU when the allocator's
+    doubling would reserve more than the RAM (:func:`pinned_reservation_bytes`), naming a
+    limit that avoids it.
+    """
+    limit = host_limit_bytes(backend) if limit_bytes is _UNSET else limit_bytes
     if limit is not None and host_bytes > limit:
         raise ValueError(
             f"the host tier needs {host_bytes / 2**30:.2f} GiB of pinned host memory, over the cap "
             f"of {limit / 2**30:.2f} GiB: set {HOST_LIMIT_ENV} (in GB, before JAX starts; the "
             f"machine's RAM bounds it) or {fix}")
+    ram = host_ram_bytes() if ram_bytes is _UNSET else ram_bytes
+    if ram is None:
+        return
+    if devices * host_bytes > ram:
+        raise ValueError(
+            f"the host tier{'s' if devices > 1 else ''} need{'' if devices > 1 else 's'} "
+            f"{devices * host_bytes / 2**30:.2f} GiB of pinned host memory"
+            f"{f' ({devices} devices)' if devices > 1 else ''}, more than the machine's "
+            f"{ram / 2**30:.2f} GiB of RAM: {fix}")
+    if limit is None or (backend or jax.default_backend()) != "gpu":
+        return
+    reserve = devices * pinned_reservation_bytes(host_bytes, limit)
+    if reserve > ram:
+        suggest = math.ceil(host_bytes * 1.02 / 2**30) + 1
+        warnings.warn(
+            f"XLA's pinned-host allocator grows by doubling: under {HOST_LIMIT_ENV}="
+            f"{limit / 2**30:g} a {host_bytes / 2**30:.1f} GiB host tier reserves "
+            f"{reserve / devices / 2**30:.0f} GiB per device ({reserve / 2**30:.0f} GiB in all), "
+            f"more than the {ram / 2**30:.0f} GiB of RAM, and the process may be killed: set "
+            f"{HOST_LIMIT_ENV}={suggest} (the tier and a margin) before JAX starts",
+            RuntimeWarning, stacklevel=3)
 
 
 def device_free_bytes(device=None) -> int | None:

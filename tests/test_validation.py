@@ -156,6 +156,36 @@ def test_host_limit_rules(monkeypatch):
         validation.check_host_capacity(2**30, limit_bytes=2**30 - 1)
 
 
+def test_pinned_reservation_follows_the_allocators_doubling():
+    GiB = 2**30
+    # a 64.1 GiB tier: a 128 GiB region under a 140 GiB limit, the limit itself under 70
+    assert validation.pinned_reservation_bytes(int(64.1 * GiB), 140 * GiB) == 128 * GiB
+    assert validation.pinned_reservation_bytes(int(64.1 * GiB), 70 * GiB) == 70 * GiB
+    assert validation.pinned_reservation_bytes(64 * GiB, 140 * GiB) == 64 * GiB
+    assert validation.pinned_reservation_bytes(1, 140 * GiB) == 2 << 20
+
+
+def test_host_tiers_over_ram_and_the_doubling_warning():
+    GiB = 2**30
+    tier = int(64.1 * GiB)
+    with pytest.raises(ValueError, match=r"host tiers need 128.20 GiB .*\(2 devices\), more than "
+                                         r"the machine's 100.00 GiB of RAM: lower batch"):
+        validation.check_host_capacity(tier, limit_bytes=140 * GiB, devices=2, ram_bytes=100 * GiB,
+                                       backend="gpu")
+    # fits the RAM, but two doubled regions (2 x 128 GiB) do not: warn, naming a limit
+    with pytest.warns(RuntimeWarning, match=r"reserves 128 GiB per device \(256 GiB in all\).*"
+                                            r"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=67 "):
+        validation.check_host_capacity(tier, limit_bytes=140 * GiB, devices=2, ram_bytes=200 * GiB,
+                                       backend="gpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validation.check_host_capacity(tier, limit_bytes=70 * GiB, devices=2, ram_bytes=200 * GiB,
+                                       backend="gpu")          # the suggested kind of limit
+        validation.check_host_capacity(tier, limit_bytes=140 * GiB, devices=2, ram_bytes=200 * GiB,
+                                       backend="cpu")          # no XLA GPU allocator
+    assert validation.host_ram_bytes() is None or validation.host_ram_bytes() > 2**30
+
+
 def test_device_memory_too_small(monkeypatch):
     assert validation.device_free_bytes() is None or jax.default_backend() == "gpu"
     monkeypatch.setattr(validation, "device_free_bytes", lambda device=None: 1000)
