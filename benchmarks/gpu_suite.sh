@@ -3,8 +3,9 @@
 #   bash benchmarks/gpu_suite.sh OUTDIR [stage ...]
 # stages: env tests fetch attention attnhost select decode quality tp (default: env tests fetch attention)
 # tp: tensor parallelism on every visible GPU (issue 8; run on the nvidia-h200-x2 kind)
-# grid-a .. grid-e: the decode grid points not yet measured on the current code (issue 6), one
-#   device call each (a, b, c1/c2/c4, d; 64-token pages; the JSON is saved after every point)
+# grid-a .. grid-f: the decode grid points not yet measured on the current code (issue 6), one
+#   device call each (a, b, c1/c2/c4, d; 64-token pages; the JSON is saved after every point);
+#   grid-e (8B-like B=8 128k) and grid-f (8B-like B=1 1M) have 128 GiB tiers: two-GPU kind (RAM)
 # capacity: a host tier larger than the free device memory (probe_host_capacity.py; 28 vs 16 GiB)
 # abc-8b, abc-qwen: the issue-6 headline ratios (128k; a, b, c2 in one run; 8B-like B=1, Qwen-like B=8;
 #   then b and c2 re-measured alternately $PAIRS times (default 8): the target is the median pair ratio)
@@ -39,18 +40,19 @@ for s in $STAGES; do
     attnhost) run attnhost 150 $PY benchmarks/bench_attention_host.py --out "$OUT" ;;
     select) run select 200 $PY benchmarks/bench_select.py --out "$OUT" ;;
     decode) run decode 560 $PY benchmarks/bench_decode.py --out "$OUT" ;;
-    grid-a|grid-b|grid-c|grid-d|grid-e)
+    grid-a|grid-b|grid-c|grid-d|grid-e|grid-f)
         case $s in
           grid-a) args="--shape 8b --contexts 32k --batches 1,8" ;;
           grid-b) args="--shape 8b --contexts 512k --batches 1" ;;
           grid-c) args="--shape qwen1.5b --contexts 32k,128k,512k --batches 1" ;;
           grid-d) args="--shape qwen1.5b --contexts 32k --batches 8" ;;
           grid-e) args="--shape 8b --contexts 128k --batches 8 --host-mem-gb 135" ;;
+          grid-f) args="--shape 8b --contexts 1M --batches 1 --host-mem-gb 135" ;;
         esac
         # grid-e's host tier is 128.2 GiB: XLA's pinned-host allocator needs a limit above it
         # but not far above (it grows its regions by doubling: in the two-GPU B=8 run a 190 GB
         # limit made it ask for one 128 GiB region after a 64 GiB one, and the process was killed)
-        lim=${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-100}; [ $s = grid-e ] && lim=140
+        lim=${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-100}; case $s in grid-e|grid-f) lim=140 ;; esac
         XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$lim run "$s" 570 $PY benchmarks/bench_decode.py $args \
           --configs ${GRID_CONFIGS:-a,b,c,d} --pools ${GRID_POOLS:-1,2,4} \
           --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 530 --tag "$s" --out "$OUT" ;;
