@@ -1,8 +1,10 @@
 """Where the benchmark's GPU sits on the host: its NUMA node and local CPUs (Linux sysfs).
 
 The host tier is read over PCIe from pinned pages; pages on the other socket's memory cross
-the inter-socket link first. ``cudaHostAlloc`` places pages where the allocating thread
-runs, so binding the process to the GPU's local CPUs before JAX starts also places the tier.
+the inter-socket link first. Under Linux's default first-touch policy the pinned pages land
+on the node of the thread that allocates them, so binding the process to the GPU's local CPUs
+before JAX starts should also place the tier (not verified: the H200 machines seen so far
+have one NUMA node, where binding changes nothing).
 """
 from __future__ import annotations
 

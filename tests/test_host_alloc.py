@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv import CacheSpec
+from jaxkv import CacheSpec, compile_stats
 from jaxkv import cache as kvcache
 from pallas_kernels import page_write
 
@@ -32,6 +32,15 @@ def test_host_zeros_is_zero_pinned_and_typed_host(dtype):
         h, jnp.array([2], jnp.int32), jnp.ones((1, 40), dtype))),
         donate_argnums=0, out_shardings=kvcache.host_sharding())(x)
     np.testing.assert_array_equal(np.asarray(out, np.float32).sum(axis=1), [0, 0, 40, 0, 0, 0])
+
+
+def test_host_zeros_runs_no_program():
+    """The guard against a return of the in-program allocator: making the tier compiles
+    nothing (a jitted zeros would, and on the GPU it would stage the tier in device memory)."""
+    snap = compile_stats.snapshot()
+    for rows in (5, 11):  # a new shape each time: a program would compile again
+        kvcache.host_zeros((rows, 24), "bfloat16", kvcache.host_sharding()).block_until_ready()
+    assert compile_stats.since(snap)["count"] == 0
 
 
 def test_host_zeros_over_a_mesh():
