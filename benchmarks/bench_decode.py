@@ -769,10 +769,6 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
     tp = tensor_parallel(cfg, st)
     if tp is not None:  # one device's share of the model; single-device-only parts skipped
         params, probe = tp_params(tp, shape, params), False
-        # each device's tier: its own pinned-host allocator (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
-        # each), and together they share the host's RAM (--host-mem-gb)
-        xla = float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", 64)) * GiB
-        limits = (min(xla, st.host_mem_gb * GiB / tp.size), limits[1])
     run_cfg = cfg if tp is None else tp.local_model(cfg)
     ps, k = st.page_size, st.k
     max_ctx = -(-(ctx + st.room) // ps) * ps
@@ -1094,9 +1090,13 @@ def get_params(shape: str, seed: int):
 
 
 def _limits(st: Settings):
+    """(host, device) bytes for one device's share: each GPU's tier has its own pinned-host
+    allocator (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB each), and the tiers of ``st.devices``
+    GPUs share the host's RAM (``--host-mem-gb``)."""
     if jax.default_backend() != "gpu":
         return float("inf"), float("inf")
-    host = min(float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", 64)), st.host_mem_gb) * GiB
+    host = min(float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", 64)),
+               st.host_mem_gb / max(1, st.devices)) * GiB
     dev = memory_stats().get("device_bytes_limit", float("inf"))
     return host, dev
 
