@@ -1,0 +1,187 @@
+"""Decode-shaped weight matmuls: how fast does one layer's set of projections read its weights?
+
+    PYTHONPATH=. python3 benchmarks/bench_matmul.py --out DIR [--quick]
+
+A decode step at small batch is a chain of matrix-vector-like products (M = batch rows) whose
+cost is reading the weights. The per-kernel trace of the Qwen-like B=8 step showed XLA's
+Triton GEMM fusions at ~3.0 TB/s against the ~4 TB/s a large copy reaches
+(``bench_decode_qwen_128k_b8_trace_7fdd4b1.json``: 113 GEMMs, 1.03 ms of a 2.6 ms step).
+This script times a chain of ``layers`` layers, each ``x @ wqkv``, ``@ wo``, ``@ w_gate_up``,
+``@ w_down`` with the model's shapes (distinct weights per layer, so nothing stays in L2),
+plus the ``lm_head`` alone, under several compilations:
+
+* ``xla``: the default (Triton GEMM fusions, autotuned);
+* ``cublas``: ``xla_gpu_enable_triton_gemm=False`` (cuBLAS / cuBLASLt);
+* ``pallas``: ``pallas_kernels.skinny_matmul`` (split-K Pallas kernel for few rows), when
+  ``--pallas`` is given.
+
+Reports microseconds per layer and the weight-read bandwidth (weight bytes / time).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _meta  # noqa: E402
+
+# (d_model, q_dim + 2 * kv_dim, q_dim, ffn, vocab) of the two benchmark shapes (models/configs.py)
+SHAPES = {
+    "qwen1.5b": dict(d=1536, qkv=1536 + 2 * 256, q=1536, f=8960, v=151936, layers=28),
+    "8b": dict(d=4096, qkv=4096 + 2 * 1024, q=4096, f=14336, v=128256, layers=32),
+}
+QUICK = dict(d=64, qkv=128, q=64, f=128, v=256, layers=2)
+VARIANTS = {
+    "xla": {},
+    "cublas": {"xla_gpu_enable_triton_gemm": False},
+}
+
+
+def layer_weights(key, s, layers, dtype=jnp.bfloat16):
+    """Per-layer weight dicts with the model's fused shapes (input-major, y = x @ W)."""
+    out = []
+    for i in range(layers):
+        ks = jax.random.split(jax.random.fold_in(key, i), 4)
+        out.append(dict(
+            wqkv=jax.random.normal(ks[0], (s["d"], s["qkv"]), dtype) * 0.02,
+            wo=jax.random.normal(ks[1], (s["q"], s["d"]), dtype) * 0.02,
+            w_gate_up=jax.random.normal(ks[2], (s["d"], 2 * s["f"]), dtype) * 0.02,
+            w_down=jax.random.normal(ks[3], (s["f"], s["d"]), dtype) * 0.02,
+        ))
+    return out
+
+
+def chain_fn(mm, s, steps):
+    """steps x (all layers) of the four projections, chained through x [M, d] bf16."""
+    def run(x, ws):
+        def body(_, x):
+            for w in ws:
+                qkv = mm(x, w["wqkv"])
+                o = mm(qkv[:, : s["q"]].astype(x.dtype), w["wo"])
+                x = (x.astype(jnp.float32) + o).astype(x.dtype)
+                gu = mm(x, w["w_gate_up"])
+                a = jax.nn.silu(gu[:, : s["f"]]) * gu[:, s["f"]:]
+                x = (x.astype(jnp.float32) + mm(a.astype(x.dtype), w["w_down"])).astype(x.dtype)
+            return x
+        return jax.lax.fori_loop(0, steps, body, x)
+    return run
+
+
+def head_fn(mm, steps):
+    def run(x, w):
+        def body(_, x):
+            y = mm(x, w)
+            return x + (y[:, : x.shape[1]] * 1e-6).astype(x.dtype)
+        return jax.lax.fori_loop(0, steps, body, x)
+    return run
+
+
+def xla_mm(x, w):
+    """The model's own product (models.llama._matmul): bf16 result, upcast to f32."""
+    return jnp.einsum("mi,io->mo", x, w).astype(jnp.float32)
+
+
+def timed(fn, args, options, reps):
+    import time
+    c = jax.jit(fn).lower(*args).compile(options or None)
+    jax.block_until_ready(c(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(c(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)), c
+
+
+def check(c_out, ref):
+    err = float(jnp.max(jnp.abs(c_out.astype(jnp.float32) - ref.astype(jnp.float32))))
+    scale = float(jnp.max(jnp.abs(ref.astype(jnp.float32)))) + 1e-6
+    return err / scale
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", default="qwen1.5b,8b")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--pallas", action="store_true", help="also time pallas_kernels.skinny_matmul")
+    ap.add_argument("--tilings", default="",
+                    help="extra Pallas tilings, ';'-separated 'block_n,block_k,target_programs,warps,stages'")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    gpu = jax.default_backend() == "gpu"
+    variants = dict(VARIANTS) if gpu else {"xla": {}}
+    mms = {"xla": xla_mm, "cublas": xla_mm}
+    if a.pallas:
+        from pallas_kernels import skinny_matmul
+        variants["pallas"] = {}
+        mms["pallas"] = lambda x, w: skinny_matmul.skinny_matmul(x, w, implementation="pallas")
+        for spec in filter(None, a.tilings.split(";")):
+            bn, bk, tp, nw, ns = (int(v) for v in spec.split(","))
+            t = skinny_matmul.Tiling(block_n=bn, block_k=bk, target_programs=tp, num_warps=nw, num_stages=ns)
+            name = f"pallas_{bn}_{bk}_{tp}_{nw}_{ns}"
+            variants[name] = {}
+            mms[name] = functools.partial(skinny_matmul.skinny_matmul, tiling=t, implementation="pallas")
+    rows = []
+    for shape in a.shapes.split(","):
+        s = QUICK if a.quick else SHAPES[shape]
+        L = s["layers"]
+        ws = layer_weights(jax.random.key(0), s, L)
+        head = jax.random.normal(jax.random.key(1), (s["d"], s["v"]), jnp.bfloat16) * 0.02
+        wbytes = sum(int(w.size) * w.dtype.itemsize for lw in ws for w in lw.values())
+        hbytes = int(head.size) * head.dtype.itemsize
+        for m in [int(b) for b in a.batches.split(",")]:
+            x = (jax.random.normal(jax.random.key(2), (m, s["d"]), jnp.float32) * 0.1).astype(jnp.bfloat16)
+            ref_layers = ref_head = None
+            for name, opts in variants.items():
+                mm = mms[name]
+                try:
+                    t_l, c_l = timed(chain_fn(mm, s, a.steps), (x, ws), opts, a.reps)
+                except Exception as e:  # noqa: BLE001 - a tiling the kernel cannot take
+                    print(f"{shape} M={m} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                t_h, c_h = timed(head_fn(mm, a.steps), (x, head), opts, a.reps)
+                out_l, out_h = c_l(x, ws), c_h(x, head)
+                if ref_layers is None:
+                    ref_layers, ref_head = out_l, out_h
+                us_layer = t_l / a.steps / L * 1e6
+                us_head = t_h / a.steps * 1e6
+                row = dict(shape=shape, batch=m, variant=name, options={k: str(v) for k, v in opts.items()},
+                           us_per_layer=us_layer, layer_weight_bytes=wbytes // L,
+                           layer_tbps=wbytes / L / (us_layer * 1e-6) / 1e12,
+                           us_lm_head=us_head, lm_head_tbps=hbytes / (us_head * 1e-6) / 1e12,
+                           us_per_step=us_layer * L + us_head,
+                           rel_err_vs_xla=max(check(out_l, ref_layers), check(out_h, ref_head)))
+                rows.append(row)
+                print(f"{shape:9s} M={m:<2d} {name:7s} layer {us_layer:7.2f} us "
+                      f"({row['layer_tbps']:.2f} TB/s)  lm_head {us_head:7.2f} us "
+                      f"({row['lm_head_tbps']:.2f} TB/s)  step {row['us_per_step']:8.1f} us  "
+                      f"err {row['rel_err_vs_xla']:.1e}", flush=True)
+    out = dict(benchmark="bench_matmul", device=str(jax.devices()[0].device_kind),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               commit=_meta.commit(), jax_version=jax.__version__, steps=a.steps, reps=a.reps,
+               quick=a.quick, rows=rows,
+               notes=["chain: per layer x@wqkv, @wo, @w_gate_up, @w_down (bf16, distinct weights per "
+                      "layer) in a jitted fori_loop; TB/s = weight bytes / time"])
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "bench_matmul.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    print("\nshape     M  variant  us/layer  TB/s  lm_head us  TB/s  step us")
+    for r in rows:
+        print(f"{r['shape']:9s} {r['batch']:<2d} {r['variant']:8s} {r['us_per_layer']:8.2f} "
+              f"{r['layer_tbps']:5.2f} {r['us_lm_head']:10.2f} {r['lm_head_tbps']:5.2f} {r['us_per_step']:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
