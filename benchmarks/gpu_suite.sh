@@ -12,8 +12,7 @@
 # tp-b8: only the tensor-parallel 8B-like B=8 128k part of tp
 # grid-*: GRID_CONFIGS / GRID_POOLS override the configurations (default a,b,c,d / 1,2,4)
 # topo: the GPUs' PCIe / NUMA topology
-# matmul: decode-shaped weight products, XLA vs cuBLAS vs the Pallas skinny kernel (bench_matmul.py);
-#   MATMUL_TILINGS adds a tiling sweep at the Qwen-like B=8 shape
+# matmul: decode-shaped weight products, XLA's default vs cuBLAS (bench_matmul.py)
 # Every stage writes its log and JSON under OUTDIR; a short summary is printed last.
 set -uo pipefail
 OUT=${1:?usage: gpu_suite.sh OUTDIR [stage ...]}; shift
@@ -71,10 +70,7 @@ for s in $STAGES; do
     capacity) run capacity 300 $PY benchmarks/probe_host_capacity.py --tier-gb 28 --free-gb 16 --out "$OUT"
         # the optimized HLO of each probed program, as one file (the device returns few files)
         [ -d "$OUT/hlo" ] && tar -czf "$OUT/capacity_hlo.tgz" -C "$OUT" hlo && rm -rf "$OUT/hlo" ;;
-    matmul) run matmul 200 $PY benchmarks/bench_matmul.py --pallas --out "$OUT"
-        # tiling sweep of the Pallas kernel at the Qwen-like B=8 shape only
-        [ -n "${MATMUL_TILINGS:-}" ] && run matmul_sweep 200 $PY benchmarks/bench_matmul.py --pallas \
-          --shapes qwen1.5b --batches 8 --tilings "$MATMUL_TILINGS" --out "$OUT/sweep" ;;
+    matmul) run matmul 200 $PY benchmarks/bench_matmul.py --out "$OUT" ;;
     quality) run quality 400 $PY benchmarks/bench_quality.py --out "$OUT" ;;
     tp) run tp_tests 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_parallel.py -o addopts="-ra"
         n=$($PY -c 'import jax; print(jax.device_count())')

@@ -51,10 +51,9 @@ def update_and_select(selector: str, summaries, layer, lp, cfg, h, q, k_new, pos
     seq_lens = jnp.maximum(positions + 1, 1)
     H = k_new.shape[1]
     if selector == "quest":
-        kmax, kmin = quest.quest_update(summaries[0], summaries[1], layer, k_new, positions,
-                                        page_size=page_size)
-        pages = quest.quest_select(q, kmax, kmin, layer, seq_lens, k=k, page_size=page_size,
-                                   num_sink_pages=num_sink_pages, implementation=implementation)
+        kmax, kmin, pages = quest.quest_update_select(
+            q, summaries[0], summaries[1], layer, seq_lens, k_new, positions, k=k,
+            page_size=page_size, num_sink_pages=num_sink_pages, implementation=implementation)
         return (kmax, kmin), pages
     if selector == "indexer":
         pos2 = jnp.maximum(positions, 0)[:, None]

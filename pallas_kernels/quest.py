@@ -12,8 +12,9 @@ linear: ``U = Qp . M + Qn . m`` with ``Qp = sum_g relu(q_g)``, ``Qn = sum_g min(
 The Pallas kernel uses that form (one pass over the summaries, fp32 accumulation); the
 reference computes the literal formula.
 
-Public: ``quest_select`` (scores + top-k), ``quest_update`` (decode write), ``quest_summarize``
-(prefill). Selection order and padding: see ``dense_select`` module docstring.
+Public: ``quest_select`` (scores + top-k), ``quest_update`` (decode write),
+``quest_update_select`` (both, one kernel for update + scores with the "pallas_cmax" top-k),
+``quest_summarize`` (prefill). Selection order and padding: see ``dense_select`` module docstring.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from pallas_kernels.dense_select import num_valid_pages, select_top_pages
 
 OP = "quest_scores"
 OP_CMAX = "quest_scores_cmax"  # scores + chunk maxima (top-k method "pallas_cmax")
+OP_UPDATE_CMAX = "quest_update_scores_cmax"  # decode-step summary update + OP_CMAX, one launch
 # No per-op default: the backend's (Pallas on the GPU). At B=1 with 8 KV heads (G=4) XLA's
 # fusion of the literal formula was faster on the H200 (bench_select 2026-11-29, scores alone:
 # 16k pages 15.7 vs 24.1 us); in the decode step at Qwen-like B=8 (G=6) it made the step
@@ -92,11 +94,24 @@ def quest_scores_xla(q, kmax, kmin, layer, seq_lens, *, page_size):
     return jnp.where(pages < n_valid[:, None, None], s, -jnp.inf)
 
 
-def _quest_kernel(layer_ref, lens_ref, qp_ref, qn_ref, kmax_ref, kmin_ref, out_ref, *cmax_ref,
-                  page_size, num_pages, block_pages, n_sub, block_heads, head_dim, chunk,
-                  unmasked, eviction_policy):
+def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, head_dim, chunk,
+                  unmasked, eviction_policy, update):
     """One program: ``n_sub`` blocks of ``block_pages`` pages x ``block_heads`` heads; writes
-    their scores and, when ``cmax_ref`` is given, the chunk maxima of those scores."""
+    their scores and, when ``chunk`` is given, the chunk maxima of those scores.
+
+    refs: layer, lens, qp, qn, kmax, kmin, [k_new, positions when ``update``], then the
+    outputs scores, [cmax], [kmax, kmin aliased to the inputs when ``update``]. With
+    ``update`` the new token's key is folded into its page's summary first (as
+    :func:`quest_update`): the program whose block holds that page scores the updated summary
+    and writes that one row back."""
+    layer_ref, lens_ref, qp_ref, qn_ref, kmax_ref, kmin_ref = refs[:6]
+    refs = refs[6:]
+    if update:
+        kn_ref, pos_ref, refs = refs[0], refs[1], refs[2:]
+    out_ref, refs = refs[0], refs[1:]
+    cmax_ref = refs[:1] if chunk is not None else ()
+    if update:
+        kmax_out, kmin_out = refs[-2:]
     b = pl.program_id(0)
     h0 = pl.program_id(1) * block_heads
     base = pl.program_id(2) * (block_pages * n_sub)
@@ -105,18 +120,33 @@ def _quest_kernel(layer_ref, lens_ref, qp_ref, qn_ref, kmax_ref, kmin_ref, out_r
     qp = qp_ref[...][None]
     qn = qn_ref[...][None]
     shape = (block_pages, block_heads, head_dim)
+    if update:
+        pos = pos_ref[b]
+        cur = jnp.where((pos >= 0) & (pos // page_size < num_pages), pos // page_size, -1)
+        first = pos % page_size == 0
+        kn = kn_ref[...].astype(kmax_ref.dtype).astype(jnp.float32)[None]  # [1, Hb, D]
     run_max = None
     for i in range(n_sub):
         p0 = base + i * block_pages
         valid = p0 + lax.broadcasted_iota(jnp.int32, (block_pages,), 0) < n_valid
         idx = (layer, b, pl.ds(p0, block_pages), pl.ds(h0, block_heads), slice(None))
 
-        def block_scores(masked, idx=idx, valid=valid):
+        def block_scores(masked, idx=idx, valid=valid, p0=p0):
             kw = dict(eviction_policy=eviction_policy)
             if masked:  # pages past the sequence (or past Np) are never read
                 kw.update(mask=jnp.broadcast_to(valid[:, None, None], shape), other=0.0)
             mx = plgpu.load(kmax_ref.at[idx], **kw).astype(jnp.float32)
             mn = plgpu.load(kmin_ref.at[idx], **kw).astype(jnp.float32)
+            if update:
+                page = p0 + lax.broadcasted_iota(jnp.int32, shape, 0)
+                is_cur = page == cur
+                mx = jnp.where(is_cur, jnp.where(first, kn, jnp.maximum(mx, kn)), mx)
+                mn = jnp.where(is_cur, jnp.where(first, kn, jnp.minimum(mn, kn)), mn)
+
+                @pl.when((cur >= p0) & (cur < p0 + block_pages))
+                def _():
+                    plgpu.store(kmax_out.at[idx], mx.astype(kmax_out.dtype), mask=is_cur)
+                    plgpu.store(kmin_out.at[idx], mn.astype(kmin_out.dtype), mask=is_cur)
             return jnp.sum(mx * qp + mn * qn, axis=-1)  # [BP, Hb]
 
         if unmasked:  # plain loads for blocks inside the sequence, masked ones at its end
@@ -143,8 +173,9 @@ def _quest_kernel(layer_ref, lens_ref, qp_ref, qn_ref, kmax_ref, kmin_ref, out_r
 
 
 def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_pages, num_warps,
-                 unmasked, eviction_policy, interpret):
-    """The Pallas scores kernel; returns (scores,) or (scores, cmax) when ``chunk``."""
+                 unmasked, eviction_policy, interpret, update=None):
+    """The Pallas scores kernel; returns (scores,) or (scores, cmax) when ``chunk``, followed
+    by the updated (kmax, kmin) when ``update = (k_new [B, H, D], positions [B])``."""
     _check(q, kmax, kmin)
     _, b, np_, h, d = kmax.shape
     if d & (d - 1):
@@ -164,30 +195,38 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
     kernel = functools.partial(_quest_kernel, page_size=page_size, num_pages=np_,
                                block_pages=block_pages, n_sub=pp // block_pages,
                                block_heads=bh, head_dim=d, chunk=chunk, unmasked=unmasked,
-                               eviction_policy=eviction_policy)
+                               eviction_policy=eviction_policy, update=update is not None)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
+    head_block = pl.BlockSpec((None, bh, d), lambda i, j, k: (i, j, 0))
     out_shape = [jax.ShapeDtypeStruct((b, h, n_prog * pp), jnp.float32)]
     out_specs = [pl.BlockSpec((None, bh, pp), lambda i, j, k: (i, j, k))]
     if chunk is not None:
         out_shape.append(jax.ShapeDtypeStruct((b, h, n_prog * pp // chunk), jnp.float32))
         out_specs.append(pl.BlockSpec((None, bh, pp // chunk), lambda i, j, k: (i, j, k)))
+    in_specs = [pl.BlockSpec((1,), lambda *_: (0,)), pl.BlockSpec((b,), lambda *_: (0,)),
+                head_block, head_block, full(kmax), full(kmin)]
+    operands = [layer_arr, jnp.asarray(seq_lens, jnp.int32), qp, qn, kmax, kmin]
+    aliases = {}
+    if update is not None:
+        k_new, positions = update
+        in_specs += [head_block, pl.BlockSpec((b,), lambda *_: (0,))]
+        operands += [k_new, jnp.asarray(positions, jnp.int32)]
+        aliases = {4: len(out_shape), 5: len(out_shape) + 1}
+        out_shape += [jax.ShapeDtypeStruct(kmax.shape, kmax.dtype),
+                      jax.ShapeDtypeStruct(kmin.shape, kmin.dtype)]
+        out_specs += [full(kmax), full(kmin)]
+    name = "quest_scores" if chunk is None else "quest_scores_cmax"
     return pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
         grid=(b, h // bh, n_prog),
-        in_specs=[
-            pl.BlockSpec((1,), lambda *_: (0,)),
-            pl.BlockSpec((b,), lambda *_: (0,)),
-            pl.BlockSpec((None, bh, d), lambda i, j, k: (i, j, 0)),
-            pl.BlockSpec((None, bh, d), lambda i, j, k: (i, j, 0)),
-            full(kmax),
-            full(kmin),
-        ],
+        in_specs=in_specs,
         out_specs=tuple(out_specs),
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps),
         interpret=_common.interpret_mode() if interpret is None else interpret,
-        name="quest_scores" if chunk is None else "quest_scores_cmax",
-    )(layer_arr, jnp.asarray(seq_lens, jnp.int32), qp, qn, kmax, kmin)
+        name=name if update is None else "quest_update_" + name,
+    )(*operands)
 
 
 def quest_scores_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, block_pages=None,
@@ -254,6 +293,67 @@ def quest_scores_with_chunk_max(q, kmax, kmin, layer, seq_lens, *, page_size, ch
               chunk=chunk, **tuning)
 
 
+@_common.register(OP_UPDATE_CMAX, "xla")
+def quest_update_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, k_new, positions, *, page_size,
+                                 chunk, **tuning):
+    """:func:`quest_update` then :func:`quest_scores_cmax_xla` on the updated summaries.
+    Returns (scores, cmax, kmax, kmin)."""
+    kmax, kmin = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size)
+    return (*quest_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, page_size=page_size,
+                                   chunk=chunk, **tuning), kmax, kmin)
+
+
+@_common.register(OP_UPDATE_CMAX, "pallas")
+def quest_update_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, k_new, positions, *,
+                                    page_size, chunk, block_pages=None, num_warps=4,
+                                    unmasked=None, eviction_policy=None, interpret=None):
+    """The scores + chunk-maxima kernel folding the new token into its page's summary first
+    (kmax / kmin aliased in place: one launch instead of two scatters and the scores).
+    Result as :func:`quest_update_scores_cmax_xla` (scores padded as
+    ``quest_scores_cmax_pallas``)."""
+    return _scores_call(q, kmax, kmin, layer, seq_lens, page_size=page_size, chunk=chunk,
+                        block_pages=block_pages, num_warps=num_warps,
+                        unmasked=UNMASKED_LOADS if unmasked is None else unmasked,
+                        eviction_policy=eviction_policy, interpret=interpret,
+                        update=(k_new, positions))
+
+
+def _topk_method(np_: int, implementation, topk_method: str) -> str:
+    """"auto" -> "pallas_cmax" for rows of ``>= dense_select.PALLAS_CMAX_MIN_COLUMNS`` pages
+    when the implementation is "pallas" (the rule of :func:`quest_select`)."""
+    if (topk_method == "auto" and ds.PALLAS_CMAX_MIN_COLUMNS is not None
+            and _common.implementation_name(implementation) == "pallas"
+            and np_ >= ds.PALLAS_CMAX_MIN_COLUMNS):
+        return "pallas_cmax"
+    return topk_method
+
+
+def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, page_size,
+                        num_sink_pages, implementation=None, topk_method="auto"):
+    """One decode step of Quest for one layer: :func:`quest_update` then :func:`quest_select`.
+
+    q [B, Hq, D]; kmax, kmin [L, B, Np, H, D]; layer int32 scalar; seq_lens [B] int32 (tokens
+    incl. the new one); k_new [B, H, D]; positions [B] int32 (-1 = inactive). Returns (kmax,
+    kmin, pages [B, H, k] int32). With the "pallas_cmax" top-k the update runs inside the
+    scores kernel (op ``quest_update_scores_cmax``: one launch; summaries updated in place when
+    they are donated or loop-carried)."""
+    np_ = kmax.shape[2]
+    method = _topk_method(np_, implementation, topk_method)
+    if method != "pallas_cmax":
+        kmax, kmin = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size)
+        return kmax, kmin, quest_select(q, kmax, kmin, layer, seq_lens, k=k, page_size=page_size,
+                                        num_sink_pages=num_sink_pages,
+                                        implementation=implementation, topk_method=method)
+    chunk = topk.default_cmax_chunk(np_, k)
+    fn = _common.resolve(OP_UPDATE_CMAX, implementation)
+    scores, cmax, kmax, kmin = fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, k_new,
+                                  positions, page_size=page_size, chunk=chunk)
+    pages = topk.select_top_pages_pallas(scores, seq_lens, chunk=chunk, chunk_max=cmax,
+                                         num_pages=np_, k=k, page_size=page_size,
+                                         num_sink_pages=num_sink_pages)
+    return kmax, kmin, pages
+
+
 @functools.partial(jax.jit, static_argnames=("k", "page_size", "num_sink_pages",
                                              "implementation", "topk_method"))
 def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages,
@@ -273,10 +373,7 @@ def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages
     np_ = kmax.shape[2]
     layer = jnp.asarray(layer, jnp.int32)
     sel_kw = dict(num_pages=np_, k=k, page_size=page_size, num_sink_pages=num_sink_pages)
-    if (topk_method == "auto" and ds.PALLAS_CMAX_MIN_COLUMNS is not None
-            and _common.implementation_name(implementation) == "pallas"
-            and np_ >= ds.PALLAS_CMAX_MIN_COLUMNS):
-        topk_method = "pallas_cmax"
+    topk_method = _topk_method(np_, implementation, topk_method)
     if topk_method == "pallas_cmax":
         chunk = topk.default_cmax_chunk(np_, k)
         scores, cmax = quest_scores_with_chunk_max(q, kmax, kmin, layer, seq_lens,

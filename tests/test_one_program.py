@@ -56,3 +56,22 @@ def test_decode_round_is_one_program_gpu(impl):
     _check(plan, hlo)
     dims = ",".join(str(d) for d in plan.spec.host_shape)
     assert re.search(r"\[" + dims + r"\][^\n]*S\(5\)", hlo)
+
+
+@pytest.mark.gpu
+def test_fused_quest_update_copies_no_summaries_gpu(monkeypatch):
+    """With the chunk-maxima top-k (forced here at a small size) the Quest summaries are
+    updated inside the scores kernel through an input/output alias: the compiled round must
+    not copy the summaries (nor the host tier) to make that alias."""
+    from pallas_kernels import dense_select
+    monkeypatch.setattr(dense_select, "PALLAS_CMAX_MIN_COLUMNS", 1)
+    engine._round_fn.cache_clear()
+    cfg = configs.tiny(dtype="bfloat16", head_dim=64, num_kv_heads=2, num_heads=8)
+    plan, hlo = _compiled_round(cfg, CacheConfig(mode="host", selector="quest", page_size=16,
+                                                 selected_pages=4, implementation="pallas"),
+                                [300, 170])
+    _check(plan, hlo)
+    summ = engine.init_summaries(plan)[0].shape
+    assert "quest_update_quest_scores_cmax" in hlo
+    assert not _host_copies(hlo, summ), _host_copies(hlo, summ)[:3]
+    engine._round_fn.cache_clear()

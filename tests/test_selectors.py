@@ -343,6 +343,77 @@ def test_quest_update_reset_and_drop():
     np.testing.assert_array_equal(np.asarray(kmin[0, 1:]), -5.0)
 
 
+UPDATE_CASES = [  # G, H, D, dtype, Np, chunk, block_pages, unmasked
+    (2, 2, 16, jnp.bfloat16, 40, 4, None, False),
+    (3, 3, 32, jnp.bfloat16, 37, 8, 2, True),   # several blocks per program
+    (1, 4, 16, jnp.float32, 64, 4, 4, True),
+]
+
+
+@pytest.mark.parametrize("G,H,D,dtype,Np,chunk,bp,unmasked", UPDATE_CASES)
+def test_quest_update_scores_cmax_kernel_matches_reference(G, H, D, dtype, Np, chunk, bp, unmasked):
+    """The fused op (summary update inside the scores kernel) == quest_update then the scores:
+    summaries bit for bit (only the new token's row changes: NaN poison elsewhere stays),
+    scores to f32 rounding, cmax of its own scores. Positions: a page's first token (reset),
+    mid-page, inactive (-1) and one past the last page (dropped)."""
+    rng = _rng()
+    ps, L, layer = 4, 2, 1
+    positions = np.array([rng.integers(1, Np) * ps, rng.integers(0, Np * ps - 1) | 1, -1,
+                          Np * ps], np.int32)
+    B = len(positions)
+    seq_lens = np.maximum(positions + 1, 1)
+    q, kmax, kmin = _quest_inputs(rng, L=L, B=B, Np=Np, H=H, G=G, D=D, ps=ps, dtype=dtype,
+                                  seq_lens=seq_lens, layer=layer)
+    k_new = jnp.asarray(rng.normal(size=(B, H, D)), dtype)
+    args = (q, kmax, kmin, jnp.int32(layer), jnp.asarray(seq_lens), k_new, jnp.asarray(positions))
+    s, cm, mx, mn = quest.quest_update_scores_cmax_pallas(
+        *args, page_size=ps, chunk=chunk, block_pages=bp, unmasked=unmasked)
+    rs, rc, rmx, rmn = quest.quest_update_scores_cmax_xla(*args, page_size=ps, chunk=chunk)
+    for got, want in ((mx, rmx), (mn, rmn)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not np.array_equal(np.asarray(mx, np.float32), np.asarray(kmax, np.float32),
+                              equal_nan=True)  # something was written
+    s, cm, rs = np.asarray(s), np.asarray(cm), np.asarray(rs)
+    n = rs.shape[-1]
+    assert np.array_equal(np.isneginf(rs), np.isneginf(s[..., :n]))
+    fin = np.isfinite(rs)
+    scale = _quest_scale(q, rmx, rmn, layer)
+    scale = np.pad(scale, ((0, 0), (0, 0), (0, n - Np)))
+    np.testing.assert_array_less(np.abs(s[..., :n][fin] - rs[fin]), (2e-5 * scale + 1e-6)[fin])
+    np.testing.assert_array_equal(cm, _chunk_max_np(s, chunk))
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_quest_update_select_equals_update_then_select(impl):
+    """quest_update_select (fused with "pallas_cmax") == quest_update + quest_select, bit for
+    bit, over several decode steps (integer keys and queries: exact scores, many ties)."""
+    rng = _rng()
+    L, Np, H, G, D, ps, k, sinks, layer = 2, 64, 2, 3, 16, 4, 6, 1, 1
+    lengths = np.array([0, 5 * ps, Np * ps - 3, rng.integers(k * ps, Np * ps - 3)], np.int32)
+    B = len(lengths)
+    kmax = rng.integers(-2, 3, size=(L, B, Np, H, D)).astype(np.float32)
+    kmin = kmax - rng.integers(0, 2, size=kmax.shape)
+    kmax = jnp.asarray(_poison(kmax, lengths, layer, ps), jnp.bfloat16)
+    kmin = jnp.asarray(_poison(kmin, lengths, layer, ps), jnp.bfloat16)
+    fused, plain = (kmax, kmin), (kmax, kmin)
+    kw = dict(k=k, page_size=ps, num_sink_pages=sinks)
+    for step in range(3):
+        pos = np.where(np.arange(B) == 0, -1, lengths + step).astype(np.int32)
+        seq = jnp.asarray(np.maximum(pos + 1, 1))
+        q = jnp.asarray(rng.integers(-1, 2, size=(B, H * G, D)), jnp.bfloat16)
+        k_new = jnp.asarray(rng.integers(-2, 3, size=(B, H, D)), jnp.bfloat16)
+        *fused, got = quest.quest_update_select(q, *fused, jnp.int32(layer), seq, k_new,
+                                                jnp.asarray(pos), implementation=impl,
+                                                topk_method="pallas_cmax", **kw)
+        plain = quest.quest_update(*plain, jnp.int32(layer), k_new, jnp.asarray(pos), page_size=ps)
+        want = quest.quest_select(q, *plain, jnp.int32(layer), seq, implementation="xla",
+                                  topk_method="sort", **kw)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        for a, b in zip(fused, plain):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        check_selection(got, np.asarray(seq), num_pages=Np, **kw)
+
+
 # ----------------------------------------------------------------------------- indexer
 
 
@@ -707,6 +778,21 @@ def test_quest_cmax_lowers_for_gpu(no_interpret, monkeypatch, unmasked, chunk, b
         fn = functools.partial(quest.quest_scores_cmax_pallas, page_size=64, chunk=chunk,
                                block_pages=bp, unmasked=unmasked, eviction_policy="evict_first")
         assert lower_for_h200(fn, *args).count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("L,B,Np,H,G,D,unmasked", [(4, 8, 2058, 2, 6, 128, False),
+                                                   (4, 1, 16384, 8, 4, 128, True)])
+def test_quest_update_select_lowers_for_gpu(no_interpret, monkeypatch, L, B, Np, H, G, D, unmasked):
+    """The fused update + scores kernel and the top-k kernel: two Triton calls, no scatter,
+    sort or top-k left in XLA (Qwen-like 128k B=8 and 8B-like 1M B=1 shapes)."""
+    monkeypatch.setattr(quest, "UNMASKED_LOADS", unmasked)
+    fn = functools.partial(quest.quest_update_select, k=32, page_size=64, num_sink_pages=1,
+                           implementation="pallas")
+    meta = S((L, B, Np, H, D), jnp.bfloat16)
+    txt = lower_for_h200(fn, S((B, H * G, D), jnp.bfloat16), meta, meta, S((), jnp.int32),
+                         S((B,), jnp.int32), S((B, H, D), jnp.bfloat16), S((B,), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 2
+    assert "stablehlo.sort" not in txt and "TopK" not in txt and "scatter" not in txt
 
 
 # ----------------------------------------------------------------------------- GPU
