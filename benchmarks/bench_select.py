@@ -11,8 +11,10 @@ tunings ``topk_pallas_cmax_c<chunk>_w<warps>`` at the sweep size; ``topk_pallas_
 scores kernel + Pallas top-k kernel, the GPU default; ``select_pallas_chunked`` = XLA top-k;
 ``select_xla_auto`` = the XLA scores reference + the default top-k; ``select_pallas_cmax`` /
 ``select_xla_cmax`` = Quest's top-k method "pallas_cmax" with the scores kernel / reference
-writing the chunk maxima; ``select_pallas_cmax_unmasked`` the same with unmasked loads), and
-an almost empty loop (overhead).
+writing the chunk maxima; ``select_pallas_cmax_unmasked`` the same with unmasked loads), the
+decode step's Quest work per layer (``update_select_separate`` = ``quest_update``'s XLA
+scatters, then "pallas_cmax"; ``update_select_fused`` = ``quest_update_select``, the update
+inside the scores kernel), and an almost empty loop (overhead).
 The metadata read time at HBM speed comes from a device copy bandwidth measured in the same
 run (one elementwise pass over 1 GiB per loop iteration, read + write).
 
@@ -243,6 +245,25 @@ def run(out_dir, quick=False, sizes=None, shape="8x128-b1"):
                                                       **top_kw)
         rec("quest", np_, "select_pallas_cmax_unmasked",
             _time_loop(body, jnp.zeros((B, H, k), jnp.int32), iters, reps, qargs), meta)
+        # the decode step's whole Quest layer: summary update + selection, the update as XLA
+        # scatters before the kernels ("separate") or inside the scores kernel ("fused")
+        k_new = jax.random.normal(jax.random.fold_in(key, 7), (B, H, D), jnp.bfloat16)
+        for name, fused in (("update_select_separate", False), ("update_select_fused", True)):
+            def body(i, c, q, k_new, seq_lens, fused=fused):
+                mx, mn, acc = c
+                pos = seq_lens - 1
+                if fused:
+                    mx, mn, sel = quest.quest_update_select(
+                        q, mx, mn, i % L, seq_lens, k_new, pos, implementation="pallas",
+                        topk_method="pallas_cmax", **sel_kw)
+                else:
+                    mx, mn = quest.quest_update(mx, mn, i % L, k_new, pos, page_size=ps)
+                    sel = quest.quest_select(q, mx, mn, i % L, seq_lens, implementation="pallas",
+                                             topk_method="pallas_cmax", **sel_kw)
+                return mx, mn, acc + sel
+            rec("quest", np_, name,
+                _time_loop(body, (kmax, kmin, jnp.zeros((B, H, k), jnp.int32)), iters, reps,
+                           (q, k_new, seq_lens)), meta)
         del kmax, kmin, scores
         # ---------------------------------------------------------------- indexer
         k1, k2, k3, key = jax.random.split(key, 4)
