@@ -45,6 +45,10 @@ _BLOCK_ELEMS = 8192
 # Qwen-like B=8 shape (whole selection 17.3 vs 19.5 us there, unchanged at 16k). Off until it
 # is measured inside the decode step.
 UNMASKED_LOADS = False
+# quest_update_select with the "pallas_cmax" top-k folds the summary update into the scores
+# kernel (one launch instead of the update's two XLA scatters and the kernel). False: the
+# separate path (benchmarks/ab_quest_update.py measures both in one process).
+FUSE_UPDATE = True
 
 
 def _check(q, kmax, kmin):
@@ -339,7 +343,7 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
     they are donated or loop-carried)."""
     np_ = kmax.shape[2]
     method = _topk_method(np_, implementation, topk_method)
-    if method != "pallas_cmax":
+    if method != "pallas_cmax" or not FUSE_UPDATE:
         kmax, kmin = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size)
         return kmax, kmin, quest_select(q, kmax, kmin, layer, seq_lens, k=k, page_size=page_size,
                                         num_sink_pages=num_sink_pages,

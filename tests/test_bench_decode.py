@@ -1,6 +1,8 @@
 """benchmarks/bench_decode.py off the GPU: the quick run, and what its JSON keeps when a
 configuration fails part-way through a point (the figures already measured stay)."""
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,3 +43,15 @@ def test_paired_measurement_alternates_b_and_c2(tmp_path):
     assert pr["min_ratio"] <= pr["median_ratio"] <= pr["max_ratio"]
     assert all(b > 0 for b in pr["b_step_ms"]) and all(c > 0 for c in pr["c2_step_ms"])
     assert [r["config"] for r in res["cases"][0]["results"]] == ["b", "c2"]
+
+
+def test_ab_quest_update_traces_each_variant_once(tmp_path):
+    """ab_quest_update --quick: the fused variant's round uses the fused kernel, the separate
+    variant's does not, and the JSON holds both step-time series."""
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "benchmarks" / "ab_quest_update.py"), "--quick",
+                    "--pairs", "1", "--out", str(tmp_path)], check=True, cwd=root,
+                   env={**os.environ, "PYTHONPATH": str(root)})
+    out = json.loads((tmp_path / "ab_quest_update.json").read_text())
+    assert out["fused_kernel_traced"]["separate"] == 0 < out["fused_kernel_traced"]["fused"]
+    assert len(out["fused_step_ms"]) == len(out["separate_step_ms"]) == 1
