@@ -136,6 +136,9 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
         mn_cur = jnp.where(first, kn, jnp.minimum(kmin_ref[row].astype(jnp.float32), kn))
         s_cur = jnp.sum(mx_cur * qp[0] + mn_cur * qn[0], axis=-1)
 
+        # kmax_out aliases kmax_ref: another program may read this row before or after the
+        # write (or torn between); max / min with kn (or the reset to kn) is idempotent per
+        # element, so every program computes the same row either way.
         @pl.when((cur >= base) & (cur < base + block_pages * n_sub))
         def _():
             kmax_out[row] = mx_cur.astype(kmax_out.dtype)

@@ -25,8 +25,8 @@ def _compiled_round(cfg, cache_cfg, prompt_lens, max_new=8):
     return plan, lowered.compile().as_text()
 
 
-def _host_copies(hlo: str, host_shape) -> list[str]:
-    dims = ",".join(str(d) for d in host_shape)
+def _copies_of(hlo: str, shape) -> list[str]:
+    dims = ",".join(str(d) for d in shape)
     pat = re.compile(r"\[" + re.escape(dims) + r"\]")
     return [l.strip()[:200] for l in hlo.splitlines()
             if pat.search(l) and re.search(r"\b(copy|copy-start|copy-done)\(", l)]
@@ -34,7 +34,7 @@ def _host_copies(hlo: str, host_shape) -> list[str]:
 
 def _check(plan, hlo):
     assert " while(" in hlo or "while (" in hlo or re.search(r"\bwhile\b", hlo)
-    assert not _host_copies(hlo, plan.spec.host_shape), _host_copies(hlo, plan.spec.host_shape)[:3]
+    assert not _copies_of(hlo, plan.spec.host_shape), _copies_of(hlo, plan.spec.host_shape)[:3]
 
 
 def test_decode_round_is_one_program_cpu():
@@ -73,5 +73,5 @@ def test_fused_quest_update_copies_no_summaries_gpu(monkeypatch):
     _check(plan, hlo)
     summ = engine.init_summaries(plan)[0].shape
     assert "quest_update_quest_scores_cmax" in hlo
-    assert not _host_copies(hlo, summ), _host_copies(hlo, summ)[:3]
+    assert not _copies_of(hlo, summ), _copies_of(hlo, summ)[:3]
     engine._round_fn.cache_clear()
