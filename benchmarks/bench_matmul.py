@@ -29,10 +29,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # noqa: E402
+from micro_step import time_fn  # noqa: E402
 
 # (d_model, q_dim + 2 * kv_dim, q_dim, ffn, vocab) of the two benchmark shapes (models/configs.py)
 SHAPES = {
@@ -91,15 +91,9 @@ def xla_mm(x, w):
 
 
 def timed(fn, args, options, reps):
-    import time
-    c = jax.jit(fn).lower(*args).compile(options or None)
-    jax.block_until_ready(c(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(c(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+    """Median seconds of ``fn(*args)`` compiled with the XLA ``options`` (after a warm-up)."""
+    compiled = jax.jit(fn).lower(*args).compile(options or None)
+    return time_fn(compiled, *args, reps=reps)
 
 
 def rel_err(x, mats, options):
