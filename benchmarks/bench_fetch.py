@@ -169,13 +169,27 @@ def big_copies(f, *args, min_bytes=MiB):
     return out
 
 
+def source_rows(rng, n_src, M, steps, mode="random", span=None):
+    """[steps, M] distinct source rows per step.
+
+    mode: "random" (uniform over the first ``span`` rows, default all, in random order),
+    "sorted" (the same draw in ascending order) or "contiguous" (M consecutive rows from a
+    random start, in random order)."""
+    n = n_src if span is None else min(int(span), n_src)
+    if mode == "contiguous":
+        starts = rng.integers(0, n - M + 1, steps)
+        return np.stack([s + rng.permutation(M) for s in starts])
+    tab = np.stack([rng.choice(n, M, replace=False) for _ in range(steps)])
+    return np.sort(tab, axis=1) if mode == "sorted" else tab
+
+
 def fetch_point(src_arr, M, *, steps, reps, rng, tuning=None, impl="pallas", empty=False,
-                check=True, check_copies=False):
-    """Time ``steps`` fetches of M random distinct rows; returns a result dict."""
+                check=True, check_copies=False, src_mode="random", span=None):
+    """Time ``steps`` fetches of M distinct rows (``source_rows``); returns a result dict."""
     n_src, row = src_arr.shape
     itemsize = jnp.dtype(src_arr.dtype).itemsize
     tuning = dict(tuning or {})
-    src_tab = np.stack([rng.choice(n_src, M, replace=False) for _ in range(steps)])
+    src_tab = source_rows(rng, n_src, M, steps, src_mode, span)
     dst_tab = np.stack([rng.permutation(M) for _ in range(steps)])
     if empty:
         src_tab[:] = -1
@@ -529,6 +543,33 @@ def section_grid(cfg, bulk_gbps, budget, rng, variant):
     return out
 
 
+def section_locality(cfg, bulk_gbps, budget, rng):
+    """Does the fetch rate depend on where the pages lie in the host tier? The target steps
+    (default tuning) with sources drawn uniformly over the whole tier, over its first 32 MiB,
+    sorted, or as one contiguous run. A GPU that pays per host page translation (TLB reach)
+    reads clustered or contiguous sources faster than scattered ones."""
+    H, D = HEADS["8x128"]
+    out = []
+    for name, ps, M, frac in cfg.targets:
+        row = 2 * H * ps * D
+        host = make_array(max(cfg.host_bytes // (row * 2), 2 * M), row, jnp.bfloat16, HOST)
+        steps = steps_for(M * row * 2, cfg.quick)
+        span32 = max(M, 32 * MiB // (row * 2))
+        for mode, span in (("random", None), ("random", span32), ("sorted", None),
+                           ("contiguous", None), ("random", None)):
+            label = mode if span is None else f"{mode}_32MiB"
+            if not budget.ok(f"locality {name} {label}"):
+                continue
+            r = fetch_point(host, M, steps=steps, reps=cfg.reps, rng=rng, src_mode=mode, span=span)
+            r.update(point=name, mode=label, frac_of_bulk=r["GBps"] / bulk_gbps,
+                     host_rows=host.shape[0])
+            print(f"locality {name:>10} {label:>17}: {r['GBps']:6.2f} GB/s "
+                  f"({r['frac_of_bulk']:.3f} of bulk) correct={r['correct']}", flush=True)
+            out.append(r)
+        host.delete()
+    return out
+
+
 # ------------------------------------------------------------------------------ main
 def config(args):
     c = argparse.Namespace(quick=args.quick)
@@ -559,6 +600,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only-ensure", action="store_true",
                     help="run only the zero-miss ensure section; writes bench_fetch_ensure.json")
+    ap.add_argument("--only-locality", action="store_true",
+                    help="run only bulk + the source-locality section; writes "
+                         "bench_fetch_locality.json")
     args = ap.parse_args(argv)
     cfg = config(args)
     rng = np.random.default_rng(args.seed)
@@ -578,6 +622,15 @@ def main(argv=None):
         return res
     bulk0 = bench_bulk(cfg.bulk_bytes, cfg.reps)
     print(f"bulk device_put: {bulk0['GBps']:.1f} GB/s", flush=True)
+    if args.only_locality:
+        res["locality"] = section_locality(cfg, bulk0["GBps"], budget, rng)
+        res["bulk"] = dict(before=bulk0, after=bench_bulk(cfg.bulk_bytes, cfg.reps))
+        print(f"bulk after: {res['bulk']['after']['GBps']:.1f} GB/s")
+        path = os.path.join(args.out, "bench_fetch_locality.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        print(f"wrote {path}")
+        return res
     targets = section_targets(cfg, bulk0["GBps"], budget, rng)
     print(f"[{budget.elapsed():.0f}s] targets done", flush=True)
     res["write_through"] = section_write_through(cfg, budget, rng)

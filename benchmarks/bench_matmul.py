@@ -11,7 +11,9 @@ This script times a chain of ``layers`` layers, each ``x @ wqkv``, ``@ wo``, ``@
 plus the ``lm_head`` alone, under several compilations:
 
 * ``xla``: the default (Triton GEMM fusions, autotuned);
-* ``cublas``: ``xla_gpu_enable_triton_gemm=False`` (cuBLAS / cuBLASLt).
+* ``cublas``: ``xla_gpu_enable_triton_gemm=False`` (cuBLAS / cuBLASLt);
+* ``exhaustive``, ``tma``, ``exhaustive_tma``: XLA's exhaustive tiling search and/or TMA loads
+  in its Triton GEMMs (``--variants``).
 
 A split-K Pallas kernel for few rows was measured too (commit 716615a,
 ``benchmarks/results/bench_matmul_716615a.json``): slower than XLA's default at every shape
@@ -26,6 +28,7 @@ import datetime
 import json
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +46,14 @@ QUICK = dict(d=64, qkv=128, q=64, f=128, v=256, layers=2)
 VARIANTS = {
     "xla": {},
     "cublas": {"xla_gpu_enable_triton_gemm": False},
+    # the autotuner over XLA's full Triton tiling space instead of its default shortlist
+    "exhaustive": {"xla_gpu_exhaustive_tiling_search": True},
+    # Triton GEMMs that load their tiles with Hopper's TMA engine
+    "tma": {"xla_gpu_experimental_enable_triton_tma": True},
+    "exhaustive_tma": {"xla_gpu_exhaustive_tiling_search": True,
+                       "xla_gpu_experimental_enable_triton_tma": True},
 }
+DEFAULT_VARIANTS = "xla,cublas"
 
 
 def layer_weights(key, s, layers, dtype=jnp.bfloat16):
@@ -118,9 +128,10 @@ def main():
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {sorted(VARIANTS)}")
     a = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
-    variants = dict(VARIANTS) if gpu else {"xla": {}}
+    variants = {v: VARIANTS[v] for v in a.variants.split(",")} if gpu else {"xla": {}}
     rows = []
     for shape in a.shapes.split(","):
         s = QUICK if a.quick else SHAPES[shape]
@@ -132,6 +143,7 @@ def main():
         for m in [int(b) for b in a.batches.split(",")]:
             x = (jax.random.normal(jax.random.key(2), (m, s["d"]), jnp.float32) * 0.1).astype(jnp.bfloat16)
             for name, opts in variants.items():
+                t_c = time.perf_counter()
                 t_l = timed(chain_fn(xla_mm, s, a.steps), (x, ws), opts, a.reps)
                 t_h = timed(head_fn(xla_mm, a.steps), (x, head), opts, a.reps)
                 us_layer = t_l / a.steps / L * 1e6
@@ -141,7 +153,8 @@ def main():
                            layer_tbps=wbytes / L / (us_layer * 1e-6) / 1e12,
                            us_lm_head=us_head, lm_head_tbps=hbytes / (us_head * 1e-6) / 1e12,
                            us_per_step=us_layer * L + us_head,
-                           rel_err_vs_xla=rel_err(x, list(ws[0].values()) + [head], opts))
+                           rel_err_vs_xla=rel_err(x, list(ws[0].values()) + [head], opts),
+                           wall_s=time.perf_counter() - t_c)
                 rows.append(row)
                 print(f"{shape:9s} M={m:<2d} {name:7s} layer {us_layer:7.2f} us "
                       f"({row['layer_tbps']:.2f} TB/s)  lm_head {us_head:7.2f} us "

@@ -16,7 +16,7 @@ decode step's Quest work per layer (``update_select_separate`` = ``quest_update`
 scatters, then "pallas_cmax"; ``update_select_fused`` = ``quest_update_select``, the update
 inside the scores kernel; in this loop XLA copies the summaries after the scatters, which
 the decode step does not, so "separate" overstates the step's cost: benchmarks/
-ab_quest_update.py measures the step), and an almost empty loop (overhead).
+ab_step.py measures the step), and an almost empty loop (overhead).
 The metadata read time at HBM speed comes from a device copy bandwidth measured in the same
 run (one elementwise pass over 1 GiB per loop iteration, read + write).
 

@@ -13,6 +13,10 @@
 # grid-*: GRID_CONFIGS / GRID_POOLS override the configurations (default a,b,c,d / 1,2,4)
 # topo: the GPUs' PCIe / NUMA topology
 # matmul: decode-shaped weight products, XLA's default vs cuBLAS (bench_matmul.py)
+# matmul-opts: the Qwen-like B=8 products under XLA option variants ($MATMUL_VARIANTS)
+# locality: fetch rate by where the fetched pages lie in the host tier (bench_fetch --only-locality)
+# ab: same-process A/B of decode-step variants (ab_step.py; $AB_VARIANTS, $AB_CONFIG b|c2,
+#   $AB_PAIRS; AB_DUMP=1 also returns the optimized HLO of every compiled round as ab_hlo.tgz)
 # Every stage writes its log and JSON under OUTDIR; a short summary is printed last.
 set -uo pipefail
 OUT=${1:?usage: gpu_suite.sh OUTDIR [stage ...]}; shift
@@ -71,6 +75,14 @@ for s in $STAGES; do
         # the optimized HLO of each probed program, as one file (the device returns few files)
         [ -d "$OUT/hlo" ] && tar -czf "$OUT/capacity_hlo.tgz" -C "$OUT" hlo && rm -rf "$OUT/hlo" ;;
     matmul) run matmul 200 $PY benchmarks/bench_matmul.py --out "$OUT" ;;
+    matmul-opts) run matmul_opts 300 $PY benchmarks/bench_matmul.py --shapes qwen1.5b --batches 8 \
+        --variants ${MATMUL_VARIANTS:-xla,exhaustive,tma,exhaustive_tma} --out "$OUT" ;;
+    locality) run locality 200 $PY benchmarks/bench_fetch.py --only-locality --out "$OUT" ;;
+    ab) flags=${XLA_FLAGS:-}
+        [ "${AB_DUMP:-0}" = 1 ] && flags="$flags --xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_round.*"
+        XLA_FLAGS=$flags run ab ${AB_LIMIT:-500} $PY benchmarks/ab_step.py --variants ${AB_VARIANTS:-fused_update,separate_update} \
+          --config ${AB_CONFIG:-b} --pairs ${AB_PAIRS:-6} --tag "${AB_TAG:-$JAXKV_COMMIT}" --out "$OUT"
+        [ -d "$OUT/hlo" ] && tar -czf "$OUT/ab_hlo.tgz" -C "$OUT" hlo && rm -rf "$OUT/hlo" ;;
     quality) run quality 400 $PY benchmarks/bench_quality.py --out "$OUT" ;;
     tp) run tp_tests 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_parallel.py -o addopts="-ra"
         n=$($PY -c 'import jax; print(jax.device_count())')

@@ -43,6 +43,9 @@ class Plan:
     # Tensor parallelism (jaxkv.parallel): the mesh axis this plan's functions run over
     # inside shard_map; ``model`` is then one device's share (its KV heads, MLP block).
     axis_name: str | None = None
+    # XLA compiler options of the compiled decode round, as (name, value) pairs (hashable),
+    # e.g. (("xla_gpu_exhaustive_tiling_search", True),); () = XLA's defaults.
+    compiler_options: tuple = ()
 
     @property
     def page_size(self) -> int:
@@ -570,7 +573,8 @@ def _decode_round(plan: Plan, params, state: DecodeState, sampling: Sampling, st
 def _round_fn(plan: Plan, shardings_key):
     shardings = _SHARDINGS[shardings_key]
     return jax.jit(functools.partial(_decode_round, plan), donate_argnames=("state",),
-                   out_shardings=(shardings, None, None))
+                   out_shardings=(shardings, None, None),
+                   compiler_options=dict(plan.compiler_options) or None)
 
 
 _SHARDINGS: dict = {}

@@ -367,4 +367,5 @@ def _round_fn(tp: TensorParallel, plan, treedef, shardings_key):
                          in_specs=(_param_specs(treedef), _STATE_SPECS, P(), P(), P()),
                          out_specs=(_STATE_SPECS, P(), P()), check_vma=False)
     rep = tp._sharding(P())
-    return jax.jit(smap, donate_argnums=(1,), out_shardings=(state_sh, rep, rep))
+    return jax.jit(smap, donate_argnums=(1,), out_shardings=(state_sh, rep, rep),
+                   compiler_options=dict(plan.compiler_options) or None)

@@ -47,7 +47,7 @@ _BLOCK_ELEMS = 8192
 UNMASKED_LOADS = False
 # quest_update_select with the "pallas_cmax" top-k folds the summary update into the scores
 # kernel (one launch instead of the update's two XLA scatters and the kernel). False: the
-# separate path (benchmarks/ab_quest_update.py measures both in one process).
+# separate path (benchmarks/ab_step.py measures both in one process).
 FUSE_UPDATE = True
 
 

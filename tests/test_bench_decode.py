@@ -45,13 +45,18 @@ def test_paired_measurement_alternates_b_and_c2(tmp_path):
     assert [r["config"] for r in res["cases"][0]["results"]] == ["b", "c2"]
 
 
-def test_ab_quest_update_traces_each_variant_once(tmp_path):
-    """ab_quest_update --quick: the fused variant's round uses the fused kernel, the separate
-    variant's does not, and the JSON holds both step-time series."""
+def test_ab_step_traces_each_variant_once(tmp_path):
+    """ab_step --quick: the fused variant's round uses the fused kernel, the separate
+    variant's does not, a compiler-options variant compiles its own round, and nothing
+    recompiles after the warm-up."""
     root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, str(root / "benchmarks" / "ab_quest_update.py"), "--quick",
+    subprocess.run([sys.executable, str(root / "benchmarks" / "ab_step.py"), "--quick",
+                    "--variants", "fused_update,separate_update,exhaustive",
                     "--pairs", "1", "--out", str(tmp_path)], check=True, cwd=root,
                    env={**os.environ, "PYTHONPATH": str(root)})
-    out = json.loads((tmp_path / "ab_quest_update.json").read_text())
-    assert out["fused_kernel_traced"]["separate"] == 0 < out["fused_kernel_traced"]["fused"]
-    assert len(out["fused_step_ms"]) == len(out["separate_step_ms"]) == 1
+    out = json.loads((tmp_path / "ab_step.json").read_text())
+    t = out["fused_kernel_traced"]
+    assert t["separate_update"] == 0 < t["fused_update"] and t["exhaustive"] > 0
+    assert out["variants"]["exhaustive"]["compiler_options"]
+    assert all(len(out["results"][n]["step_ms"]) == 1 for n in t)
+    assert out["compiles_after_warmup"] == {n: 0 for n in t}

@@ -16,3 +16,29 @@ def test_bench_matmul_quick(tmp_path):
     rows = json.loads((tmp_path / "bench_matmul.json").read_text())["rows"]
     assert [(r["variant"], r["batch"]) for r in rows] == [("xla", 1)]
     assert rows[0]["us_per_layer"] > 0 and rows[0]["rel_err_vs_xla"] == 0.0
+
+
+def test_bench_fetch_locality_quick(tmp_path):
+    """bench_fetch --only-locality: every source layout moves the right rows."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_fetch.py"), "--quick",
+                    "--only-locality", "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    rows = json.loads((tmp_path / "bench_fetch_locality.json").read_text())["locality"]
+    assert {r["mode"] for r in rows} == {"random", "random_32MiB", "sorted", "contiguous"}
+    assert all(r["correct"] for r in rows)
+
+
+def test_source_rows_layouts():
+    import numpy as np
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_fetch import source_rows
+    rng = np.random.default_rng(0)
+    for mode, span in (("random", None), ("random", 40), ("sorted", None), ("contiguous", None)):
+        tab = source_rows(rng, 1000, 32, 5, mode, span)
+        assert tab.shape == (5, 32)
+        assert all(len(set(r)) == 32 for r in tab.tolist())
+        assert tab.max() < (span or 1000) and tab.min() >= 0
+        if mode == "sorted":
+            assert (np.diff(tab, axis=1) > 0).all()
+        if mode == "contiguous":
+            assert (np.sort(tab, axis=1) == np.sort(tab, axis=1)[:, :1] + np.arange(32)).all()

@@ -1,0 +1,173 @@
+"""Same-process A/B of variants of the whole decode step.
+
+    PYTHONPATH=. python3 benchmarks/ab_step.py --out DIR --variants fused_update,separate_update
+    PYTHONPATH=. python3 benchmarks/ab_step.py --out DIR --variants default,exhaustive [--config c2]
+
+Run-to-run noise of a decode step on the H200 is a few percent, more than most single changes
+gain, so a change is measured against its baseline in one process: each variant gets its own
+plan and state (Qwen-like B=8 at 128k, resident sparse "b" or host tier with a 2x pool "c2"),
+one warm-up (compile) round, then ``--pairs`` turns in which every variant runs two rounds, the
+order reversed every other turn (ABBA for two variants). The figure is, per variant, the median
+over turns of its step time divided by the first variant's.
+
+Variants (``VARIANTS``):
+* ``default``: the engine as it is;
+* ``fused_update`` / ``separate_update``: the Quest summary update inside the scores kernel, or
+  XLA scatters before it (``quest.FUSE_UPDATE``, read when the round is traced);
+* ``exhaustive``, ``tma``, ``exhaustive_tma``: XLA compiler options of the decode round
+  (``Plan.compiler_options``: the Triton GEMM autotuner's full tiling space, TMA loads).
+
+Writes ``ab_step.json`` (with ``--tag``: ``ab_step_<tag>.json``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _meta  # noqa: E402
+import bench_decode as bd  # noqa: E402
+from jaxkv import CacheConfig, engine, synthetic  # noqa: E402
+from pallas_kernels import _common, quest  # noqa: E402
+from pallas_kernels import dense_select as ds  # noqa: E402
+
+_EXH = ("xla_gpu_exhaustive_tiling_search", True)
+_TMA = ("xla_gpu_experimental_enable_triton_tma", True)
+# name -> (Quest update fused into the scores kernel?, XLA compiler options)
+VARIANTS = {
+    "default": (True, ()),
+    "fused_update": (True, ()),
+    "separate_update": (False, ()),
+    "exhaustive": (True, (_EXH,)),
+    "tma": (True, (_TMA,)),
+    "exhaustive_tma": (True, (_EXH, _TMA)),
+}
+
+
+def _traced_calls(op, fn):
+    """Run ``fn()`` counting the calls of the registered op ``op`` while it traces."""
+    reg = _common._REGISTRY[op]
+    calls, orig = [], dict(reg)
+    for key, f in orig.items():
+        reg[key] = (lambda *x, f=f, **kw: calls.append(1) or f(*x, **kw))
+    try:
+        out = fn()
+    finally:
+        reg.update(orig)
+    return out, len(calls)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", default="fused_update,separate_update",
+                    help=f"comma-separated, the first is the baseline; of {sorted(VARIANTS)}")
+    ap.add_argument("--config", default="b", choices=("b", "c2"))
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
+    ap.add_argument("--pairs", type=int, default=6)
+    ap.add_argument("--tag", default="")
+    a = ap.parse_args()
+    names = a.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or len(names) < 2 or len(set(names)) != len(names):
+        ap.error(f"--variants needs two or more distinct names of {sorted(VARIANTS)}, got {names}")
+    gpu = jax.default_backend() == "gpu"
+    if a.quick:  # tiny model; the chunk-maxima top-k (and so the fused kernel) at any size
+        shape, B, ctx, st = "tiny", 2, 256, bd.Settings(**bd.QUICK)
+        cfg = bd.configs.tiny()
+        ds.PALLAS_CMAX_MIN_COLUMNS = 1
+    else:
+        shape, B, ctx, st = "qwen1.5b", 8, 131072, bd.Settings(page_size=64)
+        cfg = bd.model_config(shape)
+    ps, k = st.page_size, st.k
+    max_ctx = -(-(ctx + st.round_steps * (2 * a.pairs + 4)) // ps) * ps
+    params = bd.llama.init_params(cfg, st.seed) if a.quick else bd.get_params(shape, st.seed)
+    real = bd.load_overlap(bd.RESULTS / bd.OVERLAP_FILE)
+    target = float(real["mean"]) if real else bd.DEFAULT_OVERLAP
+    sal, sim = synthetic.calibrate_salience(target, model=cfg, page_size=ps, num_pages=ctx // ps,
+                                            k=k, selector="quest", sink_pages=1, steps=16,
+                                            seed=st.seed)
+    synth = synthetic.Synthetic(salience=float(sal))
+    lengths = [ctx] * B
+    impl = None if gpu else "pallas"  # the Pallas kernels (interpret mode off the GPU)
+    cache = CacheConfig(mode="resident", selector="quest", page_size=ps, selected_pages=k,
+                        round_steps=st.round_steps, max_context=max_ctx, implementation=impl)
+    if a.config == "c2":
+        one_x = engine.Plan(model=cfg, cache=dataclasses.replace(cache, mode="host"), batch=B,
+                            prompt_len=max_ctx, max_context=max_ctx, num_stop=4).pool_pages
+        cache = dataclasses.replace(cache, mode="host",
+                                    pool_pages=min(B * (max_ctx // ps), 2 * one_x))
+    plans, states, runs, traced = {}, {}, {}, {}
+    for i, name in enumerate(names):
+        # distinct plans (stop-list length) so variants that differ only in what is read at
+        # trace time (FUSE_UPDATE) still compile their own round
+        plans[name] = engine.Plan(model=cfg, cache=cache, batch=B, prompt_len=max_ctx,
+                                  max_context=max_ctx, num_stop=4 + i,
+                                  compiler_options=VARIANTS[name][1])
+        states[name] = bd.build_state(None, plans[name], lengths, synth=synth, seed=st.seed,
+                                      chunk_bytes=st.chunk_bytes)
+        runs[name] = []
+    warm = {}
+    for name in names:  # warm-up: trace (with this variant's FUSE_UPDATE) and compile
+        quest.FUSE_UPDATE = VARIANTS[name][0]
+        try:
+            (rec, states[name]), traced[name] = _traced_calls(
+                quest.OP_UPDATE_CMAX,
+                lambda: bd.run_decode(name, plans[name], params, states[name], st, rounds=1))
+        finally:
+            quest.FUSE_UPDATE = True
+        warm[name] = dict(compile_s=rec["compile_s"], warmup_round_s=rec["warmup_round_s"])
+        print(f"  {name:16s} warm-up {rec['warmup_round_s']:.1f} s "
+              f"(compile {rec['compile_s']:.1f} s)", flush=True)
+    compiles = {n: 0 for n in names}
+    for i in range(a.pairs):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            rec, states[name] = bd.run_decode(name, plans[name], params, states[name], st,
+                                              rounds=2, warmup=False)
+            runs[name].append(rec["step_ms"])
+            compiles[name] += rec["num_compilations"]
+            print(f"  {name:16s} {rec['step_ms']:.3f} ms/step ({rec['num_compilations']} compiles)",
+                  flush=True)
+    base = names[0]
+    ratios = {n: [x / b for x, b in zip(runs[n], runs[base])] for n in names[1:]}
+    summary = {n: dict(median_step_ms=statistics.median(runs[n]), step_ms=runs[n],
+                       **({} if n == base else dict(
+                           ratios_over_base=ratios[n], median_ratio=statistics.median(ratios[n]),
+                           min_ratio=min(ratios[n]), max_ratio=max(ratios[n]))))
+               for n in names}
+    out = dict(benchmark="ab_step", device=bd._device_str(),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               commit=_meta.commit(), jax_version=jax.__version__, quick=a.quick,
+               shape=shape, batch=B, context=ctx, page_size=ps, selected_pages=k,
+               config=a.config, pool_pages=plans[base].pool_pages if a.config == "c2" else None,
+               salience=float(sal), simulated_overlap=float(sim), pairs=a.pairs,
+               variants={n: dict(fuse_update=VARIANTS[n][0],
+                                 compiler_options={k_: str(v) for k_, v in VARIANTS[n][1]})
+                         for n in names},
+               baseline=base, results=summary, warmup=warm, compiles_after_warmup=compiles,
+               fused_kernel_traced=traced,
+               note="ratio = variant step / baseline step per turn (turns alternate the order); "
+                    "fused_kernel_traced = calls of the fused Quest op while tracing each round")
+    os.makedirs(a.out, exist_ok=True)
+    fname = f"ab_step_{a.tag}.json" if a.tag else "ab_step.json"
+    Path(a.out, fname).write_text(json.dumps(out, indent=1))
+    print(f"\nA/B decode step ({shape} B={B} ctx={ctx}, config {a.config}, {a.pairs} turns), "
+          f"ms per step and ratio to {base}:")
+    for n in names:
+        r = summary[n]
+        extra = "" if n == base else (f"  ratio {r['median_ratio']:.3f} "
+                                      f"({r['min_ratio']:.3f}-{r['max_ratio']:.3f})")
+        print(f"  {n:16s} {r['median_step_ms']:.3f}{extra}  compile {warm[n]['compile_s']:.1f} s"
+              f"  fused op traced {traced[n]}  compiles after warm-up {compiles[n]}")
+
+
+if __name__ == "__main__":
+    main()
