@@ -14,8 +14,9 @@ Variants (``VARIANTS``):
 * ``default``: the engine as it is;
 * ``fused_update`` / ``separate_update``: the Quest summary update inside the scores kernel, or
   XLA scatters before it (``quest.FUSE_UPDATE``, read when the round is traced);
-* ``exhaustive``, ``tma``, ``exhaustive_tma``: XLA compiler options of the decode round
-  (``Plan.compiler_options``: the Triton GEMM autotuner's full tiling space, TMA loads).
+* ``exhaustive``: an XLA compiler option of the decode round (``Plan.compiler_options``): the
+  Triton GEMM autotuner searches its full tiling space. (``xla_gpu_experimental_enable_triton_tma``
+  is not accepted as a compile option by jax 0.11.2's GPU client.)
 
 Writes ``ab_step.json`` (with ``--tag``: ``ab_step_<tag>.json``).
 """
@@ -40,15 +41,12 @@ from pallas_kernels import _common, quest  # noqa: E402
 from pallas_kernels import dense_select as ds  # noqa: E402
 
 _EXH = ("xla_gpu_exhaustive_tiling_search", True)
-_TMA = ("xla_gpu_experimental_enable_triton_tma", True)
 # name -> (Quest update fused into the scores kernel?, XLA compiler options)
 VARIANTS = {
     "default": (True, ()),
     "fused_update": (True, ()),
     "separate_update": (False, ()),
     "exhaustive": (True, (_EXH,)),
-    "tma": (True, (_TMA,)),
-    "exhaustive_tma": (True, (_EXH, _TMA)),
 }
 
 

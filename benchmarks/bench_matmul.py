@@ -12,8 +12,7 @@ plus the ``lm_head`` alone, under several compilations:
 
 * ``xla``: the default (Triton GEMM fusions, autotuned);
 * ``cublas``: ``xla_gpu_enable_triton_gemm=False`` (cuBLAS / cuBLASLt);
-* ``exhaustive``, ``tma``, ``exhaustive_tma``: XLA's exhaustive tiling search and/or TMA loads
-  in its Triton GEMMs (``--variants``).
+* ``exhaustive``: XLA's exhaustive Triton tiling search (``--variants``).
 
 A split-K Pallas kernel for few rows was measured too (commit 716615a,
 ``benchmarks/results/bench_matmul_716615a.json``): slower than XLA's default at every shape
@@ -48,10 +47,6 @@ VARIANTS = {
     "cublas": {"xla_gpu_enable_triton_gemm": False},
     # the autotuner over XLA's full Triton tiling space instead of its default shortlist
     "exhaustive": {"xla_gpu_exhaustive_tiling_search": True},
-    # Triton GEMMs that load their tiles with Hopper's TMA engine
-    "tma": {"xla_gpu_experimental_enable_triton_tma": True},
-    "exhaustive_tma": {"xla_gpu_exhaustive_tiling_search": True,
-                       "xla_gpu_experimental_enable_triton_tma": True},
 }
 DEFAULT_VARIANTS = "xla,cublas"
 

@@ -76,7 +76,7 @@ for s in $STAGES; do
         [ -d "$OUT/hlo" ] && tar -czf "$OUT/capacity_hlo.tgz" -C "$OUT" hlo && rm -rf "$OUT/hlo" ;;
     matmul) run matmul 200 $PY benchmarks/bench_matmul.py --out "$OUT" ;;
     matmul-opts) run matmul_opts 300 $PY benchmarks/bench_matmul.py --shapes qwen1.5b --batches 8 \
-        --variants ${MATMUL_VARIANTS:-xla,exhaustive,tma,exhaustive_tma} --out "$OUT" ;;
+        --variants ${MATMUL_VARIANTS:-xla,cublas,exhaustive} --out "$OUT" ;;
     locality) run locality 200 $PY benchmarks/bench_fetch.py --only-locality --out "$OUT" ;;
     ab) flags=${XLA_FLAGS:-}
         [ "${AB_DUMP:-0}" = 1 ] && flags="$flags --xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_round.*"
