@@ -14,6 +14,10 @@ Variants (``VARIANTS``):
 * ``default``: the engine as it is;
 * ``fused_update`` / ``separate_update``: the Quest summary update inside the scores kernel, or
   XLA scatters before it (``quest.FUSE_UPDATE``, read when the round is traced);
+* ``merge_xla``: attention splits merged by XLA (three kernels) instead of the Pallas merge
+  kernel (``sparse_attention.MERGE``); ``group_q_xla``: the Quest query groups summed by an
+  XLA reduction instead of inside the scores kernel (``quest.GROUP_Q_IN_KERNEL``);
+  ``session8``: both (the engine as the eighth session left it);
 * ``exhaustive``: an XLA compiler option of the decode round (``Plan.compiler_options``): the
   Triton GEMM autotuner searches its full tiling space. (``xla_gpu_experimental_enable_triton_tma``
   is not accepted as a compile option by jax 0.11.2's GPU client.)
@@ -38,16 +42,40 @@ import _meta  # noqa: E402
 import bench_decode as bd  # noqa: E402
 from jaxkv import CacheConfig, engine, synthetic  # noqa: E402
 from pallas_kernels import _common, quest  # noqa: E402
+from pallas_kernels import sparse_attention as sa  # noqa: E402
 from pallas_kernels import dense_select as ds  # noqa: E402
 
 _EXH = ("xla_gpu_exhaustive_tiling_search", True)
-# name -> (Quest update fused into the scores kernel?, XLA compiler options)
-VARIANTS = {
-    "default": (True, ()),
-    "fused_update": (True, ()),
-    "separate_update": (False, ()),
-    "exhaustive": (True, (_EXH,)),
+# Trace-time switches a variant may set: name -> (module, attribute). A variant lists the
+# switches it changes from the engine's defaults.
+SWITCHES = {
+    "fuse_update": (quest, "FUSE_UPDATE"),
+    "group_q_in_kernel": (quest, "GROUP_Q_IN_KERNEL"),
+    "merge": (sa, "MERGE"),
 }
+# name -> (switch values, XLA compiler options)
+VARIANTS = {
+    "default": ({}, ()),
+    "fused_update": ({"fuse_update": True}, ()),
+    "separate_update": ({"fuse_update": False}, ()),
+    "exhaustive": ({}, (_EXH,)),
+    "merge_xla": ({"merge": "xla"}, ()),
+    "group_q_xla": ({"group_q_in_kernel": False}, ()),
+    # the ninth session's start: split merge in XLA, query groups summed by XLA
+    "session8": ({"merge": "xla", "group_q_in_kernel": False}, ()),
+}
+
+
+def _with_switches(values: dict, fn):
+    """Run ``fn()`` with the named switches set (restored afterwards)."""
+    saved = {k: getattr(*SWITCHES[k]) for k in values}
+    try:
+        for k, v in values.items():
+            setattr(*SWITCHES[k], v)
+        return fn()
+    finally:
+        for k, v in saved.items():
+            setattr(*SWITCHES[k], v)
 
 
 def _traced_calls(op, fn):
@@ -114,14 +142,10 @@ def main():
                                       chunk_bytes=st.chunk_bytes)
         runs[name] = []
     warm = {}
-    for name in names:  # warm-up: trace (with this variant's FUSE_UPDATE) and compile
-        quest.FUSE_UPDATE = VARIANTS[name][0]
-        try:
-            (rec, states[name]), traced[name] = _traced_calls(
-                quest.OP_UPDATE_CMAX,
-                lambda: bd.run_decode(name, plans[name], params, states[name], st, rounds=1))
-        finally:
-            quest.FUSE_UPDATE = True
+    for name in names:  # warm-up: trace (with this variant's switches) and compile
+        (rec, states[name]), traced[name] = _with_switches(VARIANTS[name][0], lambda: _traced_calls(
+            quest.OP_UPDATE_CMAX,
+            lambda: bd.run_decode(name, plans[name], params, states[name], st, rounds=1)))
         warm[name] = dict(compile_s=rec["compile_s"], warmup_round_s=rec["warmup_round_s"])
         print(f"  {name:16s} warm-up {rec['warmup_round_s']:.1f} s "
               f"(compile {rec['compile_s']:.1f} s)", flush=True)
@@ -147,7 +171,7 @@ def main():
                shape=shape, batch=B, context=ctx, page_size=ps, selected_pages=k,
                config=a.config, pool_pages=plans[base].pool_pages if a.config == "c2" else None,
                salience=float(sal), simulated_overlap=float(sim), pairs=a.pairs,
-               variants={n: dict(fuse_update=VARIANTS[n][0],
+               variants={n: dict(switches=VARIANTS[n][0],
                                  compiler_options={k_: str(v) for k_, v in VARIANTS[n][1]})
                          for n in names},
                baseline=base, results=summary, warmup=warm, compiles_after_warmup=compiles,

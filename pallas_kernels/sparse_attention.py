@@ -23,7 +23,10 @@ runs an online softmax (f32) over its share of the K entries, ``pages_per_iter``
 loaded as ``[pages_per_iter * ps, D]`` K and V tiles straight from the pool rows (masked loads:
 invalid pages and tokens are not fetched). Small pages are grouped so a tile holds >= 16 tokens
 (the ``tl.dot`` minimum), so no multiply+sum fallback is needed. Each split writes a normalised
-partial ``[G, D]`` and its log-sum-exp; an XLA fusion merges the splits.
+partial ``[G, D]`` and its log-sum-exp. A second Pallas kernel (``MERGE = "pallas"``, one
+program per (b, kv head, block of D)) merges the splits and writes ``[B, Hq, D]`` in q's dtype:
+one launch where XLA's merge took three (exp, weighted sum, convert); ``MERGE = "xla"`` keeps
+the XLA fusion (``_merge_lse``).
 """
 from __future__ import annotations
 
@@ -45,6 +48,11 @@ _LN2 = math.log(2.0)
 # Default split heuristic: aim for about this many programs (a few per SM on an H200's 132 SMs).
 TARGET_PROGRAMS = 512
 MIN_CHUNKS_PER_SPLIT = 1  # H200 sweep (bench_attention.json): one chunk per split is best at B=1
+# How the Pallas path merges its splits: "pallas" (the merge kernel) or "xla" (_merge_lse).
+# Read when a call is traced.
+MERGE = "pallas"
+_MERGE_SPLITS_PER_ITER = 8   # splits loaded per step of the merge kernel's loop
+_MERGE_DIM_BLOCK = 32        # head-dim elements per merge program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +133,86 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     return o.astype(out_a.dtype), l
 
 
+def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, S, SC, G, G8, DB):
+    """Program (b, h, j): merge the S partials of (b, h) for head dims [j*DB, (j+1)*DB).
+
+    o_ref [B, H, S, G_pad, D] f32 and lse_ref [B, H, S, G_pad] f32 (natural log, -inf = empty
+    split; rows >= G unused); writes out_ref[b, h*G + g, j*DB:(j+1)*DB] (q's dtype) and, from
+    the j == 0 programs, lse_out_ref[b, h*G + g] f32. The G8 = next_pow2(G) lanes of a block
+    read and write row min(g, G - 1): the extra lanes repeat the last row's values exactly,
+    so their stores are duplicates of the same value (no mask needed, none lands on another
+    head's rows).
+    """
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    s_i = lax.broadcasted_iota(jnp.int32, (SC, G8), 0)
+    g_i = jnp.minimum(lax.broadcasted_iota(jnp.int32, (SC, G8), 1), G - 1)
+    n_iter = -(-S // SC)
+
+    def lse_chunk(c):
+        s_c = c * SC + s_i
+        return pltriton.load(lse_ref.at[b, h, jnp.minimum(s_c, S - 1), g_i], mask=s_c < S,
+                             other=-jnp.inf)  # [SC, G8]
+
+    m = lax.fori_loop(0, n_iter, lambda c, m: jnp.maximum(m, jnp.max(lse_chunk(c), axis=0)),
+                      jnp.full((G8,), -jnp.inf, jnp.float32))
+    m_use = jnp.where(m == -jnp.inf, 0.0, m)
+    s3 = lax.broadcasted_iota(jnp.int32, (SC, G8, DB), 0)
+    g3 = jnp.minimum(lax.broadcasted_iota(jnp.int32, (SC, G8, DB), 1), G - 1)
+    d3 = j * DB + lax.broadcasted_iota(jnp.int32, (SC, G8, DB), 2)
+
+    def body(c, carry):
+        den, acc = carry
+        w = jnp.exp(lse_chunk(c) - m_use[None, :])  # [SC, G8]; 0 for empty or padded splits
+        s_c = c * SC + s3
+        o = pltriton.load(o_ref.at[b, h, jnp.minimum(s_c, S - 1), g3, d3], mask=s_c < S,
+                          other=0.0)  # [SC, G8, DB]
+        return den + jnp.sum(w, axis=0), acc + jnp.sum(w[:, :, None] * o, axis=0)
+
+    den, acc = lax.fori_loop(0, n_iter, body, (jnp.zeros((G8,), jnp.float32),
+                                               jnp.zeros((G8, DB), jnp.float32)))
+    safe = jnp.where(den > 0, den, 1.0)
+    out = acc / safe[:, None]
+    g2 = jnp.minimum(lax.broadcasted_iota(jnp.int32, (G8, DB), 0), G - 1)
+    d2 = j * DB + lax.broadcasted_iota(jnp.int32, (G8, DB), 1)
+    pltriton.store(out_ref.at[b, h * G + g2, d2], out.astype(out_ref.dtype))
+
+    @pl.when(j == 0)
+    def _():
+        g1 = jnp.minimum(lax.broadcasted_iota(jnp.int32, (G8,), 0), G - 1)
+        pltriton.store(lse_out_ref.at[b, h * G + g1], jnp.where(den > 0, m_use + jnp.log(safe),
+                                                                 -jnp.inf))
+
+
+def merge_splits_pallas(o_part, lse_part, *, num_q_heads, out_dtype, interpret=None):
+    """Merge split-K partial attention results with one Pallas launch.
+
+    o_part [B, H, S, G_pad, D] f32 (normalised partials; rows >= G = Hq // H unused, may hold
+    garbage), lse_part [B, H, S, G_pad] f32 (natural log, -inf = empty split).
+    Returns (out [B, Hq, D] out_dtype, lse [B, Hq] f32), as ``_merge_lse`` over the S axis.
+    """
+    B, H, S, G_pad, D = o_part.shape
+    G = num_q_heads // H
+    G8 = next_pow2(G)
+    DB = min(D, _MERGE_DIM_BLOCK)
+    if D % DB:
+        raise ValueError(f"head_dim {D} must be a multiple of {DB} or smaller")
+    SC = min(_MERGE_SPLITS_PER_ITER, next_pow2(S))
+    kernel = functools.partial(_merge_kernel, S=S, SC=SC, G=G, G8=G8, DB=DB)
+    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))  # noqa: E731
+    return pl.pallas_call(
+        kernel,
+        grid=(B, H, D // DB),
+        in_specs=[full(o_part), full(lse_part)],
+        out_specs=[pl.BlockSpec((B, num_q_heads, D), lambda *_: (0, 0, 0)),
+                   pl.BlockSpec((B, num_q_heads), lambda *_: (0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, num_q_heads, D), out_dtype),
+                   jax.ShapeDtypeStruct((B, num_q_heads), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=4),
+        interpret=interpret_mode() if interpret is None else interpret,
+        name="merge_attention_splits",
+    )(o_part, lse_part)
+
+
 def _gather_rows(arr, rows):
     """arr[rows] as a device array [N, R]; a host-memory ``arr`` (the pinned host tier) is read
     one row at a time with a device_put (XLA computes on device memory only)."""
@@ -142,13 +230,16 @@ def _gather_rows(arr, rows):
 # Reference (pure jnp): gather + masked softmax in f32.
 # --------------------------------------------------------------------------------------------
 @register(OP, "xla")
-@functools.partial(jax.jit, static_argnames=("page_size", "num_kv_heads", "sm_scale", "num_splits", "tuning"))
+@functools.partial(jax.jit, static_argnames=("page_size", "num_kv_heads", "sm_scale", "num_splits",
+                                             "tuning", "merge"))
 def sparse_paged_attention_xla(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads,
-                               sm_scale=None, num_splits=None, tuning=None, host=None, host_rows=None):
-    """Reference. Shapes as in :func:`sparse_paged_attention`; ``num_splits``/``tuning`` ignored.
+                               sm_scale=None, num_splits=None, tuning=None, host=None, host_rows=None,
+                               merge=None):
+    """Reference. Shapes as in :func:`sparse_paged_attention`; ``num_splits``/``tuning``/``merge``
+    ignored.
     With a host tier it gathers from ``host`` like from the pool (fine on the CPU; on a GPU only
     the kernel can read pinned host memory)."""
-    del num_splits, tuning
+    del num_splits, tuning, merge
     _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads, host, host_rows)
     if block_rows.shape[-1] == 0:
         return _empty(q)
@@ -267,18 +358,21 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter
 
 
 @register(OP, "pallas")
-@functools.partial(jax.jit, static_argnames=("page_size", "num_kv_heads", "sm_scale", "num_splits", "tuning"))
+@functools.partial(jax.jit, static_argnames=("page_size", "num_kv_heads", "sm_scale", "num_splits",
+                                             "tuning", "merge"))
 def sparse_paged_attention_pallas(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads,
                                   sm_scale=None, num_splits=None, tuning=None, host=None,
-                                  host_rows=None):
-    """Pallas (Triton) kernel. Shapes as in :func:`sparse_paged_attention`."""
+                                  host_rows=None, merge=None):
+    """Pallas (Triton) kernel. Shapes as in :func:`sparse_paged_attention`; ``merge``: how the
+    splits are merged, "pallas" or "xla" (None: ``MERGE``)."""
     return _pallas_impl(q, pool, block_rows, page_index, seq_lens, page_size=page_size,
                         num_kv_heads=num_kv_heads, sm_scale=sm_scale, num_splits=num_splits,
-                        tuning=tuning, interpret=interpret_mode(), host=host, host_rows=host_rows)
+                        tuning=tuning, interpret=interpret_mode(), host=host, host_rows=host_rows,
+                        merge=merge)
 
 
 def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads, sm_scale,
-                 num_splits, tuning, interpret, host=None, host_rows=None):
+                 num_splits, tuning, interpret, host=None, host_rows=None, merge=None):
     _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads, host, host_rows)
     if block_rows.shape[-1] == 0:
         return _empty(q)
@@ -328,6 +422,9 @@ def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv
         interpret=interpret,
         name="sparse_paged_attention",
     )(*operands)
+    if S > 1 and (merge or MERGE) == "pallas":
+        return merge_splits_pallas(o_part, lse_part, num_q_heads=Hq, out_dtype=q.dtype,
+                                   interpret=interpret)
     o_part, lse_part = o_part[:, :, :, :G], lse_part[:, :, :, :G]
     if S == 1:
         out, lse = o_part[:, :, 0], lse_part[:, :, 0]
@@ -353,5 +450,6 @@ def sparse_paged_attention(q, pool, block_rows, page_index, seq_lens, *, page_si
     """
     fn = resolve(OP, implementation)
     extra = {} if host is None else dict(host=host, host_rows=host_rows)
+    # MERGE read here, outside the jit, so that changing it retraces (a static argument)
     return fn(q, pool, block_rows, page_index, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads,
-              sm_scale=sm_scale, num_splits=num_splits, tuning=tuning, **extra)
+              sm_scale=sm_scale, num_splits=num_splits, tuning=tuning, merge=MERGE, **extra)

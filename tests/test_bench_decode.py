@@ -51,12 +51,13 @@ def test_ab_step_traces_each_variant_once(tmp_path):
     recompiles after the warm-up."""
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, str(root / "benchmarks" / "ab_step.py"), "--quick",
-                    "--variants", "fused_update,separate_update,exhaustive",
+                    "--variants", "separate_update,session8,exhaustive",
                     "--pairs", "1", "--out", str(tmp_path)], check=True, cwd=root,
                    env={**os.environ, "PYTHONPATH": str(root)})
     out = json.loads((tmp_path / "ab_step.json").read_text())
     t = out["fused_kernel_traced"]
-    assert t["separate_update"] == 0 < t["fused_update"] and t["exhaustive"] > 0
+    assert t["separate_update"] == 0 < t["session8"] and t["exhaustive"] > 0
     assert out["variants"]["exhaustive"]["compiler_options"]
+    assert out["variants"]["session8"]["switches"] == {"merge": "xla", "group_q_in_kernel": False}
     assert all(len(out["results"][n]["step_ms"]) == 1 for n in t)
     assert out["compiles_after_warmup"] == {n: 0 for n in t}

@@ -331,3 +331,43 @@ def test_gpu_host_rows_read_from_pinned_host(dtype, ps):
     out, lse = jax.jit(lambda c: sparse_paged_attention(**c, **static, implementation="pallas"))(split)
     check(out, ref_o, dtype, seed, "out")
     check(lse, ref_l, dtype, seed, "lse", LSE_TOL)
+
+
+@pytest.mark.parametrize("B,H,S,G,D,dtype", [
+    (2, 2, 11, 6, 64, jnp.bfloat16),   # Qwen-like group of 6, splits not a multiple of 8
+    (1, 3, 4, 3, 32, jnp.float32),
+    (2, 1, 32, 8, 128, jnp.float32),
+    (1, 2, 2, 1, 16, jnp.float32),     # G = 1, D below the merge's dim block
+])
+def test_merge_kernel_matches_xla_merge(B, H, S, G, D, dtype):
+    """The Pallas split merge equals _merge_lse; unused rows (g >= G) hold NaN and are never
+    read; some splits are empty (lse -inf) and one (b, h) has no split at all."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    G_pad = max(16, 1 << (G - 1).bit_length())
+    o = rng.standard_normal((B, H, S, G_pad, D)).astype(np.float32)
+    lse = (rng.standard_normal((B, H, S, G_pad)) * 3).astype(np.float32)
+    lse[rng.random((B, H, S, G_pad)) < 0.3] = -np.inf
+    lse[0, 0] = -np.inf                      # (0, 0): every split empty
+    o[lse == -np.inf] = 0.0                  # an empty split's partial is zero
+    o[..., G:, :] = np.nan
+    lse[..., G:] = np.nan
+    out, l = sa.merge_splits_pallas(jnp.asarray(o), jnp.asarray(lse), num_q_heads=H * G,
+                                    out_dtype=dtype)
+    ref_o, ref_l = sa._merge_lse(jnp.asarray(o[..., :G, :]), jnp.asarray(lse[..., :G]), axis=2)
+    assert out.shape == (B, H * G, D) and out.dtype == dtype and l.shape == (B, H * G)
+    check(out, ref_o.reshape(B, H * G, D).astype(dtype), dtype, seed, "merged out")
+    check(l, ref_l.reshape(B, H * G), jnp.float32, seed, "merged lse")
+    assert np.all(np.asarray(out, np.float32)[0, :G] == 0) and np.all(np.asarray(l)[0, :G] == -np.inf)
+
+
+@pytest.mark.parametrize("merge", ["pallas", "xla"])
+def test_kernel_merge_paths_agree(monkeypatch, merge):
+    """Both merge paths of the Pallas kernel match the reference (Qwen-like G = 6)."""
+    monkeypatch.setattr(sa, "MERGE", merge)
+    seed = fresh_seed()
+    case, static = make_case(seed, B=2, H=2, G=6, D=32, ps=16, K=6, dtype=jnp.bfloat16, max_pages=3)
+    ref_o, ref_l = sparse_paged_attention(**case, **static, implementation="xla")
+    out, lse = sparse_paged_attention(**case, **static, num_splits=3, implementation="pallas")
+    check(out, ref_o, jnp.bfloat16, seed, f"out ({merge} merge)")
+    check(lse, ref_l, jnp.bfloat16, seed, f"lse ({merge} merge)", LSE_TOL)
