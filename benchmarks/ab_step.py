@@ -15,9 +15,11 @@ Variants (``VARIANTS``):
 * ``fused_update`` / ``separate_update``: the Quest summary update inside the scores kernel, or
   XLA scatters before it (``quest.FUSE_UPDATE``, read when the round is traced);
 * ``merge_xla``: attention splits merged by XLA (three kernels) instead of the Pallas merge
-  kernel (``sparse_attention.MERGE``); ``group_q_xla``: the Quest query groups summed by an
-  XLA reduction instead of inside the scores kernel (``quest.GROUP_Q_IN_KERNEL``);
-  ``session8``: both (the engine as the eighth session left it);
+  kernel (``sparse_attention.MERGE``); ``group_q_kernel``: the Quest query groups summed
+  inside the scores kernel instead of by an XLA reduction (``quest.GROUP_Q_IN_KERNEL``);
+  ``k_copy``: Quest takes K from its own copy, not from the stacked K/V written to the cache
+  (``engine.SELECTOR_READS_STACKED_KV``); ``session8``: the engine as the eighth session left
+  it (XLA merge, XLA group sums, K copy);
 * ``exhaustive``: an XLA compiler option of the decode round (``Plan.compiler_options``): the
   Triton GEMM autotuner searches its full tiling space. (``xla_gpu_experimental_enable_triton_tma``
   is not accepted as a compile option by jax 0.11.2's GPU client.)
@@ -52,6 +54,7 @@ SWITCHES = {
     "fuse_update": (quest, "FUSE_UPDATE"),
     "group_q_in_kernel": (quest, "GROUP_Q_IN_KERNEL"),
     "merge": (sa, "MERGE"),
+    "stacked_kv": (engine, "SELECTOR_READS_STACKED_KV"),
 }
 # name -> (switch values, XLA compiler options)
 VARIANTS = {
@@ -60,9 +63,11 @@ VARIANTS = {
     "separate_update": ({"fuse_update": False}, ()),
     "exhaustive": ({}, (_EXH,)),
     "merge_xla": ({"merge": "xla"}, ()),
-    "group_q_xla": ({"group_q_in_kernel": False}, ()),
-    # the ninth session's start: split merge in XLA, query groups summed by XLA
-    "session8": ({"merge": "xla", "group_q_in_kernel": False}, ()),
+    "group_q_kernel": ({"group_q_in_kernel": True}, ()),
+    "k_copy": ({"stacked_kv": False}, ()),
+    # the engine as the eighth session left it: split merge in XLA, query groups summed by
+    # XLA, Quest's K from its own copy
+    "session8": ({"merge": "xla", "group_q_in_kernel": False, "stacked_kv": False}, ()),
 }
 
 

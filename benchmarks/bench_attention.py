@@ -40,6 +40,11 @@ FULL = dict(batches=(1, 8, 32), pages=(32, 64), H=8, G=4, D=128, ps=64, pool_gib
 QUICK = dict(batches=(1,), pages=(2,), H=2, G=2, D=16, ps=16, pool_gib=2 ** -10,
              copy_mib=1, target_s=0.0, min_iters=2, max_iters=2, reps=1, unroll=2,
              l2_mib=0, split_factors=(1, 2), tunings=((1, 8, 2),), xla_reference=True)
+# The Qwen-like decode shape (2 KV heads x 128, 12 query heads: groups of 6), B=8, 32 pages:
+# the attention of the issue-6 headline step, its layers chained as in the step (28).
+QWEN = dict(FULL, batches=(8,), pages=(32,), H=2, G=6, unroll=28,
+            split_factors=(0.125, 0.25, 0.5, 1),
+            tunings=((1, 4, 2), (1, 8, 2), (2, 4, 2), (2, 4, 3), (2, 8, 3), (1, 2, 2), (1, 4, 4)))
 TARGETS = dict(min_roofline_frac_at_batch_ge_8=0.70, max_us_batch1_32pages=10.0)
 
 
@@ -80,9 +85,10 @@ def _variants(c, B, K):
     return default, out
 
 
-def run(out_dir, quick=False, with_select=True):
-    """Run the benchmark; write ``bench_attention.json`` (and a plot) to ``out_dir``."""
-    c = QUICK if quick else FULL
+def run(out_dir, quick=False, with_select=True, shape="8b"):
+    """Run the benchmark; write ``bench_attention.json`` (``bench_attention_qwen.json`` for the
+    Qwen-like shape) and a plot to ``out_dir``."""
+    c = QUICK if quick else (QWEN if shape == "qwen" else FULL)
     H, G, D, ps = c["H"], c["G"], c["D"], c["ps"]
     impl = "pallas"
     R = 2 * H * ps * D
@@ -150,6 +156,14 @@ def run(out_dir, quick=False, with_select=True):
                     rec(name, best_S, tuning, time_variant(best_S, tuning))
                 except Exception as e:  # noqa: BLE001
                     print(f"  B={B} K={K} {name} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            if best_S > 1:  # the same best split count with the splits merged by XLA
+                saved, sa.MERGE = sa.MERGE, "xla"
+                try:
+                    rec(f"S{best_S}_merge_xla", best_S, None, time_variant(best_S, None))
+                except Exception as e:  # noqa: BLE001
+                    print(f"  B={B} K={K} merge_xla FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                finally:
+                    sa.MERGE = saved
             xla_us = None
             if c["xla_reference"]:
                 try:
@@ -178,7 +192,8 @@ def run(out_dir, quick=False, with_select=True):
                                            best=p["best"]["us"] <= 10.0)
     out = dict(benchmark="bench_attention", device=f"{dev.platform}:{dev.device_kind}",
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=_commit(),
-               jax_version=jax.__version__, quick=quick, hbm_copy_gbps=gbps,
+               jax_version=jax.__version__, quick=quick, shape=shape, merge=sa.MERGE,
+               hbm_copy_gbps=gbps,
                pool_rows=n_rows, pool_gib=n_rows * R * 2 / 2**30, implementation=impl,
                config={k: v for k, v in c.items()}, targets=TARGETS, checks=checks, points=points,
                note="us = wall time per layer: each fori_loop iteration runs `unroll` chained layers "
@@ -186,9 +201,10 @@ def run(out_dir, quick=False, with_select=True):
                     "(loop_overhead_us: a one-kernel body); roofline_frac = selected K/V bytes at "
                     "the HBM copy bandwidth / us")
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bench_attention.json"), "w") as f:
+    stem = "bench_attention" + ("_qwen" if shape == "qwen" else "")
+    with open(os.path.join(out_dir, stem + ".json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
-    _plot(out, os.path.join(out_dir, "bench_attention.png"))
+    _plot(out, os.path.join(out_dir, stem + ".png"))
     if with_select:
         _run_select(out_dir, quick)
     _table(out)
@@ -259,8 +275,11 @@ def main():
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--quick", action="store_true", help="tiny smoke test (also runs on CPU)")
     ap.add_argument("--no-select", action="store_true", help="skip benchmarks/bench_select.py")
+    ap.add_argument("--shape", default="8b", choices=("8b", "qwen"),
+                    help="8b: 8 KV heads x 128, B 1/8/32, 32/64 pages; qwen: 2 KV heads, groups "
+                         "of 6, B=8, 32 pages (the Qwen-like decode step)")
     a = ap.parse_args()
-    run(a.out, quick=a.quick, with_select=not a.no_select)
+    run(a.out, quick=a.quick, with_select=not a.no_select, shape=a.shape)
 
 
 if __name__ == "__main__":

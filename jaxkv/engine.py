@@ -446,6 +446,12 @@ def lookup_and_fetch(plan: Plan, kv, layer, sel):
     return dataclasses.replace(kv, pool=pool, counters=counters), rows, dst
 
 
+# The selector takes the new token's K from the stacked K/V that is written to the cache
+# (Quest's kernel reads it in place) rather than from its own copy of K: one XLA fusion less
+# per layer. Read when a step is traced (benchmarks/ab_step.py compares both).
+SELECTOR_READS_STACKED_KV = True
+
+
 def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_ids, max_new):
     """One token for every active request. Returns (state, tokens [B] (-1 if inactive))."""
     cfg, spec, ps = plan.model, plan.spec, plan.page_size
@@ -495,7 +501,8 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         else:
             kv = kvcache.write_resident(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
         summ, pages = selection.update_and_select(
-            plan.cache.selector, summ, layer, lp, cfg, h, q1, k1, positions, num_pages=Np,
+            plan.cache.selector, summ, layer, lp, cfg, h, q1,
+            tok_kv if SELECTOR_READS_STACKED_KV else k1, positions, num_pages=Np,
             k=plan.k, page_size=ps, num_sink_pages=plan.cache.sink_pages, implementation=impl)
         host = {}
         if plan.in_place:  # inactive requests get no rows, so none of their pages is read

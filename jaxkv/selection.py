@@ -44,12 +44,13 @@ def update_and_select(selector: str, summaries, layer, lp, cfg, h, q, k_new, pos
                       num_pages, k, page_size, num_sink_pages, implementation=None):
     """Decode step for one layer: fold the new token into the summaries, then select pages.
 
-    h [B, 1, d] normed hidden state, q [B, Hq, D], k_new [B, H, D], positions [B] (position
+    h [B, 1, d] normed hidden state, q [B, Hq, D], k_new [B, H, D] or the new token's stacked
+    K/V [B, 2, H, D] (Quest reads its K in place), positions [B] (position
     of the new token, -1 = inactive request). Returns (summaries, pages [B, H, k'] int32),
     within-sequence page indices, -1 padded (k' = num_pages for dense).
     """
     seq_lens = jnp.maximum(positions + 1, 1)
-    H = k_new.shape[1]
+    H = k_new.shape[-2]
     if selector == "quest":
         kmax, kmin, pages = quest.quest_update_select(
             q, summaries[0], summaries[1], layer, seq_lens, k_new, positions, k=k,

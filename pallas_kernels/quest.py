@@ -52,7 +52,9 @@ FUSE_UPDATE = True
 # The scores kernel sums each KV head's query group (Qp, Qn of ``_group_q``) itself from q,
 # instead of taking them from an XLA reduction launched before it. Read when traced (a jitted
 # caller such as quest_select keeps the value of its first trace for the same shapes).
-GROUP_Q_IN_KERNEL = True
+# Off: measured slower in the Qwen-like B=8 step (every program reloads and sums its group:
+# +25 us per step against the 28 reductions it saves; ab_step_ec1582e.json).
+GROUP_Q_IN_KERNEL = False
 
 
 def _check(q, kmax, kmin):
@@ -214,7 +216,8 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
 def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_pages, num_warps,
                  unmasked, eviction_policy, interpret, update=None):
     """The Pallas scores kernel; returns (scores,) or (scores, cmax) when ``chunk``, followed
-    by the updated (kmax, kmin) when ``update = (k_new [B, H, D], positions [B])``."""
+    by the updated (kmax, kmin) when ``update = (k_new, positions [B])``, k_new [B, H, D] or
+    the token's stacked K/V [B, 2, H, D] (its K read in place)."""
     _check(q, kmax, kmin)
     _, b, np_, h, d = kmax.shape
     if d & (d - 1):
@@ -256,7 +259,9 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
     aliases = {}
     if update is not None:
         k_new, positions = update
-        in_specs += [head_block, pl.BlockSpec((b,), lambda *_: (0,))]
+        kn_block = head_block if k_new.ndim == 3 else pl.BlockSpec(
+            (None, None, bh, d), lambda i, j, k: (i, 0, j, 0))  # [B, 2, H, D]: K at index 0
+        in_specs += [kn_block, pl.BlockSpec((b,), lambda *_: (0,))]
         operands += [k_new, jnp.asarray(positions, jnp.int32)]
         n_in = len(operands) - 4  # kmax, kmin sit before k_new, positions
         aliases = {n_in: len(out_shape), n_in + 1: len(out_shape) + 1}
@@ -381,7 +386,8 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
     """One decode step of Quest for one layer: :func:`quest_update` then :func:`quest_select`.
 
     q [B, Hq, D]; kmax, kmin [L, B, Np, H, D]; layer int32 scalar; seq_lens [B] int32 (tokens
-    incl. the new one); k_new [B, H, D]; positions [B] int32 (-1 = inactive). Returns (kmax,
+    incl. the new one); k_new [B, H, D], or the token's stacked K/V [B, 2, H, D] (the kernel
+    then reads its K in place: no slice kernel); positions [B] int32 (-1 = inactive). Returns (kmax,
     kmin, pages [B, H, k] int32). With the "pallas_cmax" top-k the update runs inside the
     scores kernel (op ``quest_update_scores_cmax``: one launch; summaries updated in place when
     they are donated or loop-carried)."""
@@ -438,7 +444,8 @@ def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages
 def quest_update(kmax, kmin, layer, k_new, positions, *, page_size):
     """Fold one decode token's keys into the summaries of its page.
 
-    kmax, kmin: [L, B, Np, H, D]; layer: int32 scalar; k_new: [B, H, D] (post-RoPE);
+    kmax, kmin: [L, B, Np, H, D]; layer: int32 scalar; k_new: [B, H, D] (post-RoPE), or the
+    stacked K/V [B, 2, H, D] (K used);
     positions: [B] int32 token position (page ``pos // page_size``). Offset 0 (a page's first
     token) resets the page summary to ``k_new``; other offsets take the elementwise max / min.
     ``positions < 0`` (inactive request) or pages ``>= Np`` change nothing. Returns
@@ -453,7 +460,7 @@ def quest_update(kmax, kmin, layer, k_new, positions, *, page_size):
     rows = jnp.arange(b)
     layer = jnp.asarray(layer, jnp.int32)
     pc = jnp.minimum(page, np_ - 1)
-    kn = k_new.astype(kmax.dtype)
+    kn = (k_new if k_new.ndim == 3 else k_new[:, 0]).astype(kmax.dtype)
     new_max = jnp.where(first, kn, jnp.maximum(kmax[layer, rows, pc], kn))
     new_min = jnp.where(first, kn, jnp.minimum(kmin[layer, rows, pc], kn))
     kmax = kmax.at[layer, rows, page].set(new_max, mode="drop")

@@ -51,7 +51,7 @@ MIN_CHUNKS_PER_SPLIT = 1  # H200 sweep (bench_attention.json): one chunk per spl
 # How the Pallas path merges its splits: "pallas" (the merge kernel) or "xla" (_merge_lse).
 # Read when a call is traced.
 MERGE = "pallas"
-_MERGE_SPLITS_PER_ITER = 8   # splits loaded per step of the merge kernel's loop
+_MERGE_SPLITS_PER_ITER = 32  # splits loaded per step of the merge kernel's loop
 _MERGE_DIM_BLOCK = 32        # head-dim elements per merge program
 
 

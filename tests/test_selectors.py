@@ -409,6 +409,29 @@ def test_quest_kernel_groups_q_itself(monkeypatch, G, H):
 
 
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_quest_update_takes_stacked_kv(impl):
+    """k_new given as the token's stacked K/V [B, 2, H, D] (V poisoned with NaN) gives the
+    results of k_new = K [B, H, D], bit for bit."""
+    rng = _rng()
+    ps, L, layer, Np, H, G, D = 4, 2, 1, 40, 2, 3, 16
+    positions = np.array([rng.integers(1, Np) * ps, rng.integers(0, Np * ps - 1) | 1, -1], np.int32)
+    seq_lens = np.maximum(positions + 1, 1)
+    q, kmax, kmin = _quest_inputs(rng, L=L, B=3, Np=Np, H=H, G=G, D=D, ps=ps,
+                                  dtype=jnp.bfloat16, seq_lens=seq_lens, layer=layer)
+    k_new = jnp.asarray(rng.normal(size=(3, H, D)), jnp.bfloat16)
+    kv = jnp.stack([k_new, jnp.full_like(k_new, jnp.nan)], axis=1)
+    fn = _common.resolve(quest.OP_UPDATE_CMAX, impl)
+    args = (q, kmax, kmin, jnp.int32(layer), jnp.asarray(seq_lens))
+    a = fn(*args, k_new, jnp.asarray(positions), page_size=ps, chunk=8)
+    b = fn(*args, kv, jnp.asarray(positions), page_size=ps, chunk=8)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    sep = quest.quest_update(kmax, kmin, layer, kv, jnp.asarray(positions), page_size=ps)
+    for x, y in zip(a[2:], sep):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_quest_update_select_equals_update_then_select(impl):
     """quest_update_select (fused with "pallas_cmax") == quest_update + quest_select, bit for
     bit, over several decode steps (integer keys and queries: exact scores, many ties)."""
