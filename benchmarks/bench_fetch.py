@@ -37,6 +37,7 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
@@ -543,11 +544,43 @@ def section_grid(cfg, bulk_gbps, budget, rng, variant):
     return out
 
 
+def dma_in_program(host, step_rows, steps, reps):
+    """GB/s of XLA's own host->device copies (the DMA engine) inside one jitted loop: each
+    iteration copies ``step_rows`` contiguous rows of the pinned ``host`` array (a different
+    block each time) into a donated device buffer. The same sizes as a fetch step, without
+    the kernel: what PCIe gives a copy of that size inside a compiled program."""
+    n_blocks = host.shape[0] // step_rows
+
+    def run(host, dst):
+        def body(i, dst):
+            blk = lax.dynamic_slice_in_dim(host, (i % n_blocks) * step_rows, step_rows, 0)
+            return lax.dynamic_update_slice(dst, jax.device_put(blk, jax.memory.Space.Device),
+                                            (0, 0))
+        return lax.fori_loop(0, steps, body, dst)
+
+    f = jax.jit(run, donate_argnums=1)
+    box = [jnp.zeros((step_rows, host.shape[1]), host.dtype, device=DEVICE)]
+    box[0] = f(host, box[0])
+    box[0].block_until_ready()
+
+    def call():
+        box[0] = f(host, box[0])
+        return box[0]
+
+    t = median_time(call, reps) / steps
+    ok = bool(np.array_equal(np.asarray(box[0][:1].astype(jnp.float32)),
+                             pattern_rows([((steps - 1) % n_blocks) * step_rows], host.shape[1])))
+    box[0].delete()
+    return dict(step_bytes=step_rows * host.shape[1] * host.dtype.itemsize, us_per_step=t * 1e6,
+                GBps=step_rows * host.shape[1] * host.dtype.itemsize / t / 1e9, correct=ok)
+
+
 def section_locality(cfg, bulk_gbps, budget, rng):
     """Does the fetch rate depend on where the pages lie in the host tier? The target steps
     (default tuning) with sources drawn uniformly over the whole tier, over its first 32 MiB,
     sorted, or as one contiguous run. A GPU that pays per host page translation (TLB reach)
-    reads clustered or contiguous sources faster than scattered ones."""
+    reads clustered or contiguous sources faster than scattered ones. Last, XLA's own DMA copy
+    of a step's bytes inside a compiled loop (``dma_in_program``), for comparison."""
     H, D = HEADS["8x128"]
     out = []
     for name, ps, M, frac in cfg.targets:
@@ -565,6 +598,16 @@ def section_locality(cfg, bulk_gbps, budget, rng):
                      host_rows=host.shape[0])
             print(f"locality {name:>10} {label:>17}: {r['GBps']:6.2f} GB/s "
                   f"({r['frac_of_bulk']:.3f} of bulk) correct={r['correct']}", flush=True)
+            out.append(r)
+        if budget.ok(f"locality {name} dma"):
+            try:
+                r = dma_in_program(host, M, steps=steps, reps=cfg.reps)
+                r.update(point=name, mode="dma_in_program", frac_of_bulk=r["GBps"] / bulk_gbps)
+                print(f"locality {name:>10} {'dma_in_program':>17}: {r['GBps']:6.2f} GB/s "
+                      f"({r['frac_of_bulk']:.3f} of bulk) correct={r['correct']}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                r = dict(point=name, mode="dma_in_program", error=f"{type(e).__name__}: {str(e)[:300]}")
+                print(f"locality {name} dma_in_program FAILED: {r['error']}", flush=True)
             out.append(r)
         host.delete()
     return out

@@ -24,7 +24,8 @@ def test_bench_fetch_locality_quick(tmp_path):
                     "--only-locality", "--out", str(tmp_path)], check=True, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
     rows = json.loads((tmp_path / "bench_fetch_locality.json").read_text())["locality"]
-    assert {r["mode"] for r in rows} == {"random", "random_32MiB", "sorted", "contiguous"}
+    assert {r["mode"] for r in rows} == {"random", "random_32MiB", "sorted", "contiguous",
+                                         "dma_in_program"}
     assert all(r["correct"] for r in rows)
 
 
