@@ -2,6 +2,7 @@
 # Runs the GPU checks and benchmarks on a CUDA machine (the H200 through the device tool):
 #   bash benchmarks/gpu_suite.sh OUTDIR [stage ...]
 # stages: env tests fetch attention attnhost select decode quality tp (default: env tests fetch attention)
+# tests-files: the GPU tests of $TEST_FILES only
 # tp: tensor parallelism on every visible GPU (issue 8; run on the nvidia-h200-x2 kind)
 # grid-a .. grid-f: the decode grid points not yet measured on the current code (issue 6), one
 #   device call each (a, b, c1/c2/c4, d; 64-token pages; the JSON is saved after every point);
@@ -40,6 +41,8 @@ for s in $STAGES; do
   case $s in
     env) run env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -c 'import jax; print(jax.__version__, jax.devices())'" ;;
     tests) run tests ${TESTS_LIMIT:-300} $PY -m pytest -q -m gpu -p no:cacheprovider tests/ --continue-on-collection-errors --timeout=200 -o addopts="-ra" ;;
+    tests-files) run tests_files ${TESTS_LIMIT:-300} $PY -m pytest -q -m gpu -p no:cacheprovider ${TEST_FILES:?set TEST_FILES} \
+        -o addopts="-ra" --tb=short ;;
     fetch) run fetch 300 $PY benchmarks/bench_fetch.py --out "$OUT" ;;
     attention) run attention 300 $PY benchmarks/bench_attention.py --out "$OUT" ;;
     attnhost) run attnhost 150 $PY benchmarks/bench_attention_host.py --out "$OUT" ;;
