@@ -18,10 +18,8 @@ Variants (``VARIANTS``):
   kernel (``sparse_attention.MERGE``); ``group_q_kernel``: the Quest query groups summed
   inside the scores kernel instead of by an XLA reduction (``quest.GROUP_Q_IN_KERNEL``);
   ``k_copy``: Quest takes K from its own copy, not from the stacked K/V written to the cache
-  (``engine.SELECTOR_READS_STACKED_KV``, with ``inputs_xla``); ``inputs_xla``: RoPE, the K/V
-  row and the query-group sums as XLA fusions instead of the ``rope_qkv`` op
-  (``engine.DECODE_INPUTS_OP``); ``session8``: the engine as the eighth session left it (all
-  of these off);
+  (``engine.SELECTOR_READS_STACKED_KV``); ``session8``: the engine as the eighth session left
+  it (XLA merge, XLA group sums, K copy);
 * ``exhaustive``: an XLA compiler option of the decode round (``Plan.compiler_options``): the
   Triton GEMM autotuner searches its full tiling space. (``xla_gpu_experimental_enable_triton_tma``
   is not accepted as a compile option by jax 0.11.2's GPU client.)
@@ -57,7 +55,6 @@ SWITCHES = {
     "group_q_in_kernel": (quest, "GROUP_Q_IN_KERNEL"),
     "merge": (sa, "MERGE"),
     "stacked_kv": (engine, "SELECTOR_READS_STACKED_KV"),
-    "decode_inputs_op": (engine, "DECODE_INPUTS_OP"),
 }
 # name -> (switch values, XLA compiler options)
 VARIANTS = {
@@ -67,12 +64,10 @@ VARIANTS = {
     "exhaustive": ({}, (_EXH,)),
     "merge_xla": ({"merge": "xla"}, ()),
     "group_q_kernel": ({"group_q_in_kernel": True}, ()),
-    "k_copy": ({"stacked_kv": False, "decode_inputs_op": False}, ()),
-    "inputs_xla": ({"decode_inputs_op": False}, ()),
+    "k_copy": ({"stacked_kv": False}, ()),
     # the engine as the eighth session left it: split merge in XLA, query groups summed by
-    # XLA, Quest's K from its own copy, RoPE / K/V row / group sums as XLA fusions
-    "session8": ({"merge": "xla", "group_q_in_kernel": False, "stacked_kv": False,
-                  "decode_inputs_op": False}, ()),
+    # XLA, Quest's K from its own copy
+    "session8": ({"merge": "xla", "group_q_in_kernel": False, "stacked_kv": False}, ()),
 }
 
 

@@ -26,7 +26,7 @@ from jaxkv.sampling import sample
 from jaxkv.spec import INVALID, CacheSpec
 from models import llama
 from models.configs import ModelConfig
-from pallas_kernels import _common, dense_select, layer_lookup, page_fetch, page_write
+from pallas_kernels import dense_select, layer_lookup, page_fetch, page_write
 from pallas_kernels.sparse_attention import sparse_paged_attention
 
 
@@ -452,12 +452,6 @@ def lookup_and_fetch(plan: Plan, kv, layer, sel):
 SELECTOR_READS_STACKED_KV = True
 
 
-# Decode layers take q, the K/V row and Quest's query-group sums from one op
-# (models.llama.decode_inputs -> pallas_kernels.rope_qkv: one kernel on the GPU instead of
-# three XLA fusions). Read when a step is traced (benchmarks/ab_step.py compares both).
-DECODE_INPUTS_OP = True
-
-
 def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_ids, max_new):
     """One token for every active request. Returns (state, tokens [B] (-1 if inactive))."""
     cfg, spec, ps = plan.model, plan.spec, plan.page_size
@@ -475,23 +469,11 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     if plan.per_step and plan.cache.reuse:
         kv0 = install_previous(plan, kv0, st.lookahead, protect)
 
-    # the kernel needs D // 2 a power of two (the XLA reference takes any D)
-    half = cfg.head_dim // 2
-    fused_inputs = DECODE_INPUTS_OP and (
-        _common.implementation_name(impl) != "pallas" or half & (half - 1) == 0)
-
-    def token_inputs(q, k, v):
-        """(q1 [B, Hq, D], tok_kv [B, 2, H, D] cache dtype, K for the selector, q_groups)."""
-        if fused_inputs:  # decode_inputs: q [B, Hq, D], k = the K/V row, v = (Qp, Qn)
-            return q, k, k, v
-        q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
-        tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)       # [B, 2, H, D]
-        return q1, tok_kv, tok_kv if SELECTOR_READS_STACKED_KV else k1, None
-
     def attend_dense(layer, lp, h, q, k, v, carry):
         """The first plan.num_dense layers: every valid page, read from device memory."""
         kv, summ, look, dense = carry
-        q1, tok_kv, _, _ = token_inputs(q, k, v)
+        q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
+        tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)
         if plan.cache.mode == "host":
             kv = kvcache.write_through(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
             dense = kvcache.write_resident(spec, dense, layer, logical, offset, tok_kv,
@@ -510,7 +492,8 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
 
     def attend(layer, lp, h, q, k, v, carry):
         kv, summ, look, dense = carry
-        q1, tok_kv, k_sel, q_groups = token_inputs(q, k, v)
+        q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
+        tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)       # [B, 2, H, D]
         if plan.in_place:
             pass  # written by lookup_in_place, after the selection
         elif plan.cache.mode == "host":
@@ -518,9 +501,9 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         else:
             kv = kvcache.write_resident(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
         summ, pages = selection.update_and_select(
-            plan.cache.selector, summ, layer, lp, cfg, h, q1, k_sel, positions, num_pages=Np,
-            k=plan.k, page_size=ps, num_sink_pages=plan.cache.sink_pages, implementation=impl,
-            q_groups=q_groups)
+            plan.cache.selector, summ, layer, lp, cfg, h, q1,
+            tok_kv if SELECTOR_READS_STACKED_KV else k1, positions, num_pages=Np,
+            k=plan.k, page_size=ps, num_sink_pages=plan.cache.sink_pages, implementation=impl)
         host = {}
         if plan.in_place:  # inactive requests get no rows, so none of their pages is read
             kv, rows, host_rows, record = lookup_in_place(plan, kv, layer, pages, active, logical,
@@ -550,12 +533,10 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     tpos = jnp.maximum(pos, 0)[:, None]
     carry = (kv0, st.summaries, st.lookahead, st.dense)
     nd = plan.num_dense
-    inputs = (functools.partial(llama.decode_inputs, kv_dtype=spec.jnp_dtype,
-                                implementation=impl) if fused_inputs else None)
     x, carry = llama.run_layers(params, cfg, x, tpos, attend_dense, carry, start=0, stop=nd,
-                                unroll=plan.layer_unroll, axis_name=plan.axis_name, inputs=inputs)
+                                unroll=plan.layer_unroll, axis_name=plan.axis_name)
     x, carry = llama.run_layers(params, cfg, x, tpos, attend, carry, start=nd,
-                                unroll=plan.layer_unroll, axis_name=plan.axis_name, inputs=inputs)
+                                unroll=plan.layer_unroll, axis_name=plan.axis_name)
     kv, summ, look, dense = carry
     if plan.in_place:
         kv = count_in_place(plan, kv, look[0], jnp.sum(active).astype(jnp.int32))

@@ -41,13 +41,11 @@ def summarize_prefill(selector: str, summaries, layer, lp, cfg, h, k, positions,
 
 
 def update_and_select(selector: str, summaries, layer, lp, cfg, h, q, k_new, positions, *,
-                      num_pages, k, page_size, num_sink_pages, implementation=None,
-                      q_groups=None):
+                      num_pages, k, page_size, num_sink_pages, implementation=None):
     """Decode step for one layer: fold the new token into the summaries, then select pages.
 
     h [B, 1, d] normed hidden state, q [B, Hq, D], k_new [B, H, D] or the new token's stacked
-    K/V [B, 2, H, D] (Quest reads its K in place), q_groups: Quest's query-group sums
-    (Qp, Qn) [B, H, D] f32 if already made (``rope_qkv``), positions [B] (position
+    K/V [B, 2, H, D] (Quest reads its K in place), positions [B] (position
     of the new token, -1 = inactive request). Returns (summaries, pages [B, H, k'] int32),
     within-sequence page indices, -1 padded (k' = num_pages for dense).
     """
@@ -56,8 +54,7 @@ def update_and_select(selector: str, summaries, layer, lp, cfg, h, q, k_new, pos
     if selector == "quest":
         kmax, kmin, pages = quest.quest_update_select(
             q, summaries[0], summaries[1], layer, seq_lens, k_new, positions, k=k,
-            page_size=page_size, num_sink_pages=num_sink_pages, implementation=implementation,
-            q_groups=q_groups)
+            page_size=page_size, num_sink_pages=num_sink_pages, implementation=implementation)
         return (kmax, kmin), pages
     if selector == "indexer":
         pos2 = jnp.maximum(positions, 0)[:, None]

@@ -313,31 +313,6 @@ def attention_inputs(layer_params: Params, cfg: ModelConfig, x, positions):
     return h, q.astype(dt), k.astype(dt), v.astype(dt)
 
 
-def decode_inputs(layer_params: Params, cfg: ModelConfig, x, positions, *, kv_dtype=None,
-                  implementation=None):
-    """``attention_inputs`` for one decode token, with RoPE, the K/V row and Quest's query-group
-    sums made by one op (``pallas_kernels.rope_qkv``: one kernel on the GPU where XLA makes
-    three). x [B, 1, d], positions [B, 1] int32.
-
-    Returns (h [B, 1, d] cfg.dtype, q [B, Hq, D] cfg.dtype, kv [B, 2, H, D] kv_dtype (default
-    cfg.dtype; K and V rounded to cfg.dtype first), (qp, qn) [B, H, D] f32); with the XLA
-    reference q, K and V equal ``attention_inputs``' bit for bit, with the kernel to one
-    rounding step.
-    """
-    from pallas_kernels import rope_qkv  # models stay importable without the kernels package
-    dt = _dtype(cfg)
-    lp = layer_params
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_eps).astype(dt)
-    # the projection in the model's dtype, as _matmul (bf16 result; the op upcasts it)
-    qkv = jnp.einsum("btd,dw->btw", h, lp["wqkv"].astype(dt))
-    ang = rope_angles(positions, cfg.head_dim, cfg.rope_theta)[:, 0]  # [B, D // 2]
-    q, kv, qp, qn = rope_qkv.rope_qkv(
-        qkv[:, 0], lp.get("bqkv"), jnp.cos(ang), jnp.sin(ang), num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, q_dtype=dt,
-        kv_dtype=dt if kv_dtype is None else kv_dtype, implementation=implementation)
-    return h, q, kv, (qp, qn)
-
-
 def indexer_inputs(layer_params: Params, cfg: ModelConfig, h, positions, *, rope_dims: int = 0):
     """Lightning-indexer projections (DSA-style) of the normed hidden state `h` [B, T, d].
 
@@ -440,19 +415,15 @@ def dense_attend(layer, layer_params, h, q, k, v, carry):
 
 
 def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn, carry, *,
-               start: int = 0, stop: int | None = None, unroll: int = 1, axis_name=None,
-               inputs=None):
+               start: int = 0, stop: int | None = None, unroll: int = 1, axis_name=None):
     """Layers ``[start, stop)`` (static) of the model: x [B, T, d] -> (x, carry).
 
     ``params["layers"]`` is the per-layer tuple (then ``unroll >= stop - start`` runs a Python
     loop over the layers, each reading its own weight arrays, and a smaller ``unroll`` stacks
     them for a `lax.scan`: a copy, see ``stack_layer_tree``) or already stacked (a dict of
     [L, ...] arrays: always a `lax.scan`). `attend` gets the global layer index (int32).
-    ``axis_name``: tensor-parallel mesh axis (see :func:`layer_output`). ``inputs``: the
-    per-layer ``(lp, cfg, x, positions) -> (h, q, k, v)`` (default :func:`attention_inputs`;
-    ``attend`` gets whatever it returns, e.g. :func:`decode_inputs`' K/V row as ``k``).
+    ``axis_name``: tensor-parallel mesh axis (see :func:`layer_output`).
     """
-    inputs = attention_inputs if inputs is None else inputs
     stop = cfg.num_layers if stop is None else stop
     if stop <= start:
         return x, carry
@@ -460,7 +431,7 @@ def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn,
     def body(c, xs):
         x, ac = c
         layer, lp = xs
-        h, q, k, v = inputs(lp, cfg, x, positions)
+        h, q, k, v = attention_inputs(lp, cfg, x, positions)
         attn, ac = attend(layer, lp, h, q, k, v, ac)
         return (layer_output(lp, cfg, x, attn, axis_name=axis_name), ac), None
 

@@ -214,11 +214,10 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
 
 
 def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_pages, num_warps,
-                 unmasked, eviction_policy, interpret, update=None, q_groups=None):
+                 unmasked, eviction_policy, interpret, update=None):
     """The Pallas scores kernel; returns (scores,) or (scores, cmax) when ``chunk``, followed
     by the updated (kmax, kmin) when ``update = (k_new, positions [B])``, k_new [B, H, D] or
-    the token's stacked K/V [B, 2, H, D] (its K read in place). ``q_groups``: ``_group_q(q)``
-    computed already (e.g. by ``rope_qkv``), used as given."""
+    the token's stacked K/V [B, 2, H, D] (its K read in place)."""
     _check(q, kmax, kmin)
     _, b, np_, h, d = kmax.shape
     if d & (d - 1):
@@ -233,7 +232,7 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
         raise ValueError(f"block_pages {block_pages} must be a power of two")
     pp = block_pages if chunk is None else max(block_pages, chunk)  # pages per program
     n_prog = pl.cdiv(np_, pp)
-    group = q.shape[1] // h if GROUP_Q_IN_KERNEL and q_groups is None else 0
+    group = q.shape[1] // h if GROUP_Q_IN_KERNEL else 0
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     kernel = functools.partial(_quest_kernel, page_size=page_size, num_pages=np_,
                                block_pages=block_pages, n_sub=pp // block_pages,
@@ -254,7 +253,7 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
         operands.append(q)
     else:
         in_specs += [head_block, head_block]
-        operands += list(_group_q(q, h) if q_groups is None else q_groups)
+        operands += list(_group_q(q, h))
     in_specs += [full(kmax), full(kmin)]
     operands += [kmax, kmin]
     aliases = {}
@@ -349,10 +348,9 @@ def quest_scores_with_chunk_max(q, kmax, kmin, layer, seq_lens, *, page_size, ch
 
 @_common.register(OP_UPDATE_CMAX, "xla")
 def quest_update_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, k_new, positions, *, page_size,
-                                 chunk, q_groups=None, **tuning):
+                                 chunk, **tuning):
     """:func:`quest_update` then :func:`quest_scores_cmax_xla` on the updated summaries.
-    Returns (scores, cmax, kmax, kmin). ``q_groups`` is ignored (the sums are made from q)."""
-    del q_groups
+    Returns (scores, cmax, kmax, kmin)."""
     kmax, kmin = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size)
     return (*quest_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, page_size=page_size,
                                    chunk=chunk, **tuning), kmax, kmin)
@@ -361,8 +359,7 @@ def quest_update_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, k_new, position
 @_common.register(OP_UPDATE_CMAX, "pallas")
 def quest_update_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, k_new, positions, *,
                                     page_size, chunk, block_pages=None, num_warps=4,
-                                    unmasked=None, eviction_policy=None, interpret=None,
-                                    q_groups=None):
+                                    unmasked=None, eviction_policy=None, interpret=None):
     """The scores + chunk-maxima kernel folding the new token into its page's summary first
     (kmax / kmin aliased in place: one launch instead of two scatters and the scores).
     Result as :func:`quest_update_scores_cmax_xla` (scores padded as
@@ -371,7 +368,7 @@ def quest_update_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, k_new, posit
                         block_pages=block_pages, num_warps=num_warps,
                         unmasked=UNMASKED_LOADS if unmasked is None else unmasked,
                         eviction_policy=eviction_policy, interpret=interpret,
-                        update=(k_new, positions), q_groups=q_groups)
+                        update=(k_new, positions))
 
 
 def _topk_method(np_: int, implementation, topk_method: str) -> str:
@@ -385,15 +382,13 @@ def _topk_method(np_: int, implementation, topk_method: str) -> str:
 
 
 def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, page_size,
-                        num_sink_pages, implementation=None, topk_method="auto", q_groups=None):
+                        num_sink_pages, implementation=None, topk_method="auto"):
     """One decode step of Quest for one layer: :func:`quest_update` then :func:`quest_select`.
 
     q [B, Hq, D]; kmax, kmin [L, B, Np, H, D]; layer int32 scalar; seq_lens [B] int32 (tokens
     incl. the new one); k_new [B, H, D], or the token's stacked K/V [B, 2, H, D] (the kernel
     then reads its K in place: no slice kernel); positions [B] int32 (-1 = inactive). Returns (kmax,
-    kmin, pages [B, H, k] int32). ``q_groups``: (Qp, Qn) [B, H, D] f32 of ``_group_q(q)`` if
-    already computed (``rope_qkv`` makes them; the fused kernel then skips that reduction).
-    With the "pallas_cmax" top-k the update runs inside the
+    kmin, pages [B, H, k] int32). With the "pallas_cmax" top-k the update runs inside the
     scores kernel (op ``quest_update_scores_cmax``: one launch; summaries updated in place when
     they are donated or loop-carried)."""
     np_ = kmax.shape[2]
@@ -406,7 +401,7 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
     chunk = topk.default_cmax_chunk(np_, k)
     fn = _common.resolve(OP_UPDATE_CMAX, implementation)
     scores, cmax, kmax, kmin = fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, k_new,
-                                  positions, page_size=page_size, chunk=chunk, q_groups=q_groups)
+                                  positions, page_size=page_size, chunk=chunk)
     pages = topk.select_top_pages_pallas(scores, seq_lens, chunk=chunk, chunk_max=cmax,
                                          num_pages=np_, k=k, page_size=page_size,
                                          num_sink_pages=num_sink_pages)

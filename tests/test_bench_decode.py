@@ -59,7 +59,6 @@ def test_ab_step_traces_each_variant_once(tmp_path):
     assert t["separate_update"] == 0 < t["session8"] and t["exhaustive"] > 0
     assert out["variants"]["exhaustive"]["compiler_options"]
     assert out["variants"]["session8"]["switches"] == {"merge": "xla", "group_q_in_kernel": False,
-                                                   "stacked_kv": False,
-                                                   "decode_inputs_op": False}
+                                                   "stacked_kv": False}
     assert all(len(out["results"][n]["step_ms"]) == 1 for n in t)
     assert out["compiles_after_warmup"] == {n: 0 for n in t}
