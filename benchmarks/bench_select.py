@@ -56,6 +56,10 @@ FULL = dict(sizes=(1024, 4096, 16384), L=4, B=1, H=8, G=4, D=128, HI=64, DI=128,
             slow_topk_from=8192)  # topk "sort" / "rounds" only below this many pages
 # Qwen2.5-1.5B-like decode step at 128k tokens, batch 8: 2 KV heads, 6 query heads per group
 QWEN_B8 = dict(FULL, sizes=(2048,), B=8, H=2, G=6, sweep_at=None)
+# the same, sweeping the chunk-maxima top-k's (chunk, num_warps) at 2048 pages (default (8, 8))
+QWEN_B8_TOPK = dict(QWEN_B8, sweep_at=2048,
+                    topk_cmax_variants=((4, 4), (4, 8), (8, 2), (8, 4), (16, 4), (16, 8),
+                                        (32, 4), (32, 8)))
 QUICK = dict(sizes=(16,), L=2, B=1, H=2, G=2, D=16, HI=16, DI=16, ps=4, k=8, sinks=1,
              iters=2, reps=1, copy_mib=1, sweep_at=16, quest_blocks=(),
              quest_unmasked_blocks=((4, 4),), indexer_blocks=(),
@@ -110,7 +114,7 @@ def run(out_dir, quick=False, sizes=None, shape="8x128-b1"):
     """Run the benchmark; write ``bench_select.json`` to ``out_dir``; return the record.
 
     sizes: page counts per sequence (default 1k, 4k, 16k pages of 64 tokens)."""
-    c = dict(QUICK if quick else QWEN_B8 if shape == "qwen-b8" else FULL)
+    c = dict(QUICK if quick else {"qwen-b8": QWEN_B8, "qwen-b8-topk": QWEN_B8_TOPK}.get(shape, FULL))
     if sizes:
         c["sizes"] = tuple(sizes)
     L, B, H, G, D, ps, k, sinks = (c[x] for x in ("L", "B", "H", "G", "D", "ps", "k", "sinks"))
@@ -349,9 +353,10 @@ def main():
     ap.add_argument("--out", required=True, help="output directory for bench_select.json")
     ap.add_argument("--quick", action="store_true", help="tiny smoke test (also runs on CPU)")
     ap.add_argument("--sizes", default="", help="comma-separated page counts, e.g. 1024,16384")
-    ap.add_argument("--shape", default="8x128-b1", choices=("8x128-b1", "qwen-b8"),
+    ap.add_argument("--shape", default="8x128-b1", choices=("8x128-b1", "qwen-b8", "qwen-b8-topk"),
                     help="8x128-b1: B=1, 8 KV heads, G=4 (default); qwen-b8: B=8, 2 KV heads, "
-                         "G=6, 2048 pages (the Qwen-like 128k decode step)")
+                         "G=6, 2048 pages (the Qwen-like 128k decode step); qwen-b8-topk: the "
+                         "same with the sweeps (top-k chunk / warps, scores blocks) at 2048")
     a = ap.parse_args()
     run(a.out, quick=a.quick, sizes=[int(x) for x in a.sizes.split(",") if x], shape=a.shape)
 
