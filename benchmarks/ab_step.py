@@ -19,7 +19,8 @@ Variants (``VARIANTS``):
   inside the scores kernel instead of by an XLA reduction (``quest.GROUP_Q_IN_KERNEL``);
   ``k_copy``: Quest takes K from its own copy, not from the stacked K/V written to the cache
   (``engine.SELECTOR_READS_STACKED_KV``); ``session8``: the engine as the eighth session left
-  it (XLA merge, XLA group sums, K copy);
+  it (XLA merge, XLA group sums, K copy); ``scores_xla``: Quest's update + scores + chunk
+  maxima by the XLA reference (scatters, then one fusion) instead of the fused kernel;
 * ``exhaustive``: an XLA compiler option of the decode round (``Plan.compiler_options``): the
   Triton GEMM autotuner searches its full tiling space. (``xla_gpu_experimental_enable_triton_tma``
   is not accepted as a compile option by jax 0.11.2's GPU client.)
@@ -55,6 +56,8 @@ SWITCHES = {
     "group_q_in_kernel": (quest, "GROUP_Q_IN_KERNEL"),
     "merge": (sa, "MERGE"),
     "stacked_kv": (engine, "SELECTOR_READS_STACKED_KV"),
+    # the implementation of Quest's update + scores + chunk maxima op (env var; None = unset)
+    "update_scores_impl": (os.environ, "JAXKV_IMPL_" + quest.OP_UPDATE_CMAX.upper()),
 }
 # name -> (switch values, XLA compiler options)
 VARIANTS = {
@@ -65,22 +68,36 @@ VARIANTS = {
     "merge_xla": ({"merge": "xla"}, ()),
     "group_q_kernel": ({"group_q_in_kernel": True}, ()),
     "k_copy": ({"stacked_kv": False}, ()),
+    "scores_xla": ({"update_scores_impl": "xla"}, ()),
     # the engine as the eighth session left it: split merge in XLA, query groups summed by
     # XLA, Quest's K from its own copy
     "session8": ({"merge": "xla", "group_q_in_kernel": False, "stacked_kv": False}, ()),
 }
 
 
+def _get(obj, key):
+    return obj.get(key) if obj is os.environ else getattr(obj, key)
+
+
+def _set(obj, key, value):
+    if obj is not os.environ:
+        setattr(obj, key, value)
+    elif value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
+
+
 def _with_switches(values: dict, fn):
     """Run ``fn()`` with the named switches set (restored afterwards)."""
-    saved = {k: getattr(*SWITCHES[k]) for k in values}
+    saved = {k: _get(*SWITCHES[k]) for k in values}
     try:
         for k, v in values.items():
-            setattr(*SWITCHES[k], v)
+            _set(*SWITCHES[k], v)
         return fn()
     finally:
         for k, v in saved.items():
-            setattr(*SWITCHES[k], v)
+            _set(*SWITCHES[k], v)
 
 
 def _traced_calls(op, fn):
