@@ -122,10 +122,10 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
     """One program: ``n_sub`` blocks of ``block_pages`` pages x ``block_heads`` heads; writes
     their scores and, when ``chunk`` is given, the chunk maxima of those scores.
 
-    refs: layer, lens, qp, qn, kmax, kmin, [k_new, positions when ``update``], then the
-    outputs; with ``group`` (G query heads per KV head) ``q`` [B, Hq, D] replaces qp, qn and
-    the program sums its group itself (one XLA reduction less per layer). Then the
-    outputs scores, [cmax], [kmax, kmin aliased to the inputs when ``update``]. With
+    refs: layer, lens, qp, qn (or, with ``group`` = G query heads per KV head, ``q``
+    [B, Hq, D]: the program sums its group itself), kmax, kmin, [k_new, positions when
+    ``update``], then the outputs scores, [cmax], [kmax, kmin aliased to the inputs when
+    ``update``]. With
     ``update`` the new token's key is folded into its page's summary first (as
     :func:`quest_update`): every program computes that page's updated row and its score (one
     [Hb, D] row), uses that score for the page, and the program whose pages hold it writes

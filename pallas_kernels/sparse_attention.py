@@ -53,6 +53,7 @@ MIN_CHUNKS_PER_SPLIT = 1  # H200 sweep (bench_attention.json): one chunk per spl
 MERGE = "pallas"
 _MERGE_SPLITS_PER_ITER = 32  # splits loaded per step of the merge kernel's loop
 _MERGE_DIM_BLOCK = 32        # head-dim elements per merge program
+_MERGE_TILE_ELEMS = 8192     # largest [splits, group rows, dims] tile loaded at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +197,9 @@ def merge_splits_pallas(o_part, lse_part, *, num_q_heads, out_dtype, interpret=N
     DB = min(D, _MERGE_DIM_BLOCK)
     if D % DB:
         raise ValueError(f"head_dim {D} must be a multiple of {DB} or smaller")
-    SC = min(_MERGE_SPLITS_PER_ITER, next_pow2(S))
+    # splits per loop step: all of them up to 32, fewer for large groups (a [SC, G8, DB] f32
+    # tile of at most _MERGE_TILE_ELEMS elements stays in registers)
+    SC = max(1, min(_MERGE_SPLITS_PER_ITER, next_pow2(S), _MERGE_TILE_ELEMS // (G8 * DB)))
     kernel = functools.partial(_merge_kernel, S=S, SC=SC, G=G, G8=G8, DB=DB)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))  # noqa: E731
     return pl.pallas_call(

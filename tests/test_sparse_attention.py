@@ -338,6 +338,7 @@ def test_gpu_host_rows_read_from_pinned_host(dtype, ps):
     (1, 3, 4, 3, 32, jnp.float32),
     (2, 1, 32, 8, 128, jnp.float32),
     (1, 2, 2, 1, 16, jnp.float32),     # G = 1, D below the merge's dim block
+    (1, 1, 40, 32, 64, jnp.float32),   # G = 32 (MQA-like): fewer splits per loop step
 ])
 def test_merge_kernel_matches_xla_merge(B, H, S, G, D, dtype):
     """The Pallas split merge equals _merge_lse; unused rows (g >= G) hold NaN and are never
