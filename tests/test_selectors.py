@@ -383,7 +383,7 @@ def test_quest_update_scores_cmax_kernel_matches_reference(G, H, D, dtype, Np, c
     np.testing.assert_array_equal(cm, _chunk_max_np(s, chunk))
 
 
-@pytest.mark.parametrize("G,H", [(6, 2), (3, 3), (1, 4)])
+@pytest.mark.parametrize("G,H", [(6, 2)])
 def test_quest_kernel_groups_q_itself(monkeypatch, G, H):
     """GROUP_Q_IN_KERNEL: the scores kernel summing each group's queries itself gives the
     scores of the XLA grouping (to f32 rounding) and the same summaries."""
