@@ -15,11 +15,9 @@ Variants (``VARIANTS``):
 * ``fused_update`` / ``separate_update``: the Quest summary update inside the scores kernel, or
   XLA scatters before it (``quest.FUSE_UPDATE``, read when the round is traced);
 * ``merge_xla``: attention splits merged by XLA (three kernels) instead of the Pallas merge
-  kernel (``sparse_attention.MERGE``); ``group_q_kernel``: the Quest query groups summed
-  inside the scores kernel instead of by an XLA reduction (``quest.GROUP_Q_IN_KERNEL``);
-  ``k_copy``: Quest takes K from its own copy, not from the stacked K/V written to the cache
+  kernel (``sparse_attention.MERGE``); ``k_copy``: Quest takes K from its own copy, not from the stacked K/V written to the cache
   (``engine.SELECTOR_READS_STACKED_KV``); ``session8``: the engine as the eighth session left
-  it (XLA merge, XLA group sums, K copy); ``scores_xla``: Quest's update + scores + chunk
+  it (XLA merge, K copy); ``scores_xla``: Quest's update + scores + chunk
   maxima by the XLA reference (scatters, then one fusion) instead of the fused kernel;
 * ``exhaustive``: an XLA compiler option of the decode round (``Plan.compiler_options``): the
   Triton GEMM autotuner searches its full tiling space. (``xla_gpu_experimental_enable_triton_tma``
@@ -53,7 +51,6 @@ _EXH = ("xla_gpu_exhaustive_tiling_search", True)
 # switches it changes from the engine's defaults.
 SWITCHES = {
     "fuse_update": (quest, "FUSE_UPDATE"),
-    "group_q_in_kernel": (quest, "GROUP_Q_IN_KERNEL"),
     "merge": (sa, "MERGE"),
     "stacked_kv": (engine, "SELECTOR_READS_STACKED_KV"),
     # the implementation of Quest's update + scores + chunk maxima op (env var; None = unset)
@@ -66,12 +63,10 @@ VARIANTS = {
     "separate_update": ({"fuse_update": False}, ()),
     "exhaustive": ({}, (_EXH,)),
     "merge_xla": ({"merge": "xla"}, ()),
-    "group_q_kernel": ({"group_q_in_kernel": True}, ()),
     "k_copy": ({"stacked_kv": False}, ()),
     "scores_xla": ({"update_scores_impl": "xla"}, ()),
-    # the engine as the eighth session left it: split merge in XLA, query groups summed by
-    # XLA, Quest's K from its own copy
-    "session8": ({"merge": "xla", "group_q_in_kernel": False, "stacked_kv": False}, ()),
+    # the engine as the eighth session left it: split merge in XLA, Quest's K from its own copy
+    "session8": ({"merge": "xla", "stacked_kv": False}, ()),
 }
 
 

@@ -49,12 +49,9 @@ UNMASKED_LOADS = False
 # kernel (one launch instead of the update's two XLA scatters and the kernel). False: the
 # separate path (benchmarks/ab_step.py measures both in one process).
 FUSE_UPDATE = True
-# The scores kernel sums each KV head's query group (Qp, Qn of ``_group_q``) itself from q,
-# instead of taking them from an XLA reduction launched before it. Read when traced (a jitted
-# caller such as quest_select keeps the value of its first trace for the same shapes).
-# Off: measured slower in the Qwen-like B=8 step (every program reloads and sums its group:
-# +25 us per step against the 28 reductions it saves; ab_step_ec1582e.json).
-GROUP_Q_IN_KERNEL = False
+# The query-group sums (Qp, Qn of ``_group_q``) stay one XLA reduction per layer: summing
+# them inside the scores kernel (every program reloading its group) measured 25 us per step
+# slower at the Qwen-like B=8 shape (benchmarks/results/ab_step_ec1582e.json; removed).
 
 
 def _check(q, kmax, kmin):
@@ -104,39 +101,20 @@ def quest_scores_xla(q, kmax, kmin, layer, seq_lens, *, page_size):
     return jnp.where(pages < n_valid[:, None, None], s, -jnp.inf)
 
 
-def _group_q_block(q_ref, b, h0, block_heads, group, head_dim):
-    """In-kernel ``_group_q`` for heads [h0, h0 + block_heads) of request b: q_ref [B, Hq, D]
-    -> (Qp, Qn) [Hb, D] f32 (the group's G query heads as G8 = next_pow2(G) masked rows)."""
-    g8 = _common.next_pow2(group)
-    shape = (block_heads, g8, head_dim)
-    hh = lax.broadcasted_iota(jnp.int32, shape, 0)
-    g = lax.broadcasted_iota(jnp.int32, shape, 1)
-    dd = lax.broadcasted_iota(jnp.int32, shape, 2)
-    qv = plgpu.load(q_ref.at[b, (h0 + hh) * group + jnp.minimum(g, group - 1), dd],
-                    mask=g < group, other=0.0).astype(jnp.float32)
-    return jnp.sum(jnp.maximum(qv, 0.0), axis=1), jnp.sum(jnp.minimum(qv, 0.0), axis=1)
-
-
 def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, head_dim, chunk,
-                  unmasked, eviction_policy, update, group):
+                  unmasked, eviction_policy, update):
     """One program: ``n_sub`` blocks of ``block_pages`` pages x ``block_heads`` heads; writes
     their scores and, when ``chunk`` is given, the chunk maxima of those scores.
 
-    refs: layer, lens, qp, qn (or, with ``group`` = G query heads per KV head, ``q``
-    [B, Hq, D]: the program sums its group itself), kmax, kmin, [k_new, positions when
-    ``update``], then the outputs scores, [cmax], [kmax, kmin aliased to the inputs when
-    ``update``]. With
+    refs: layer, lens, qp, qn, kmax, kmin, [k_new, positions when ``update``], then the
+    outputs scores, [cmax], [kmax, kmin aliased to the inputs when ``update``]. With
     ``update`` the new token's key is folded into its page's summary first (as
     :func:`quest_update`): every program computes that page's updated row and its score (one
     [Hb, D] row), uses that score for the page, and the program whose pages hold it writes
     the row back (a per-element select over whole blocks cost registers: 240 per thread,
     9.8 us against 7.7 us for the scores alone at the Qwen-like B=8 shape)."""
-    if group:
-        layer_ref, lens_ref, q_ref, kmax_ref, kmin_ref = refs[:5]
-        refs = refs[5:]
-    else:
-        layer_ref, lens_ref, qp_ref, qn_ref, kmax_ref, kmin_ref = refs[:6]
-        refs = refs[6:]
+    layer_ref, lens_ref, qp_ref, qn_ref, kmax_ref, kmin_ref = refs[:6]
+    refs = refs[6:]
     if update:
         kn_ref, pos_ref, refs = refs[0], refs[1], refs[2:]
     out_ref, refs = refs[0], refs[1:]
@@ -148,12 +126,8 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
     base = pl.program_id(2) * (block_pages * n_sub)
     layer = layer_ref[0]
     n_valid = _common.num_valid_pages(lens_ref[b], page_size, num_pages)
-    if group:
-        qp, qn = _group_q_block(q_ref, b, h0, block_heads, group, head_dim)
-        qp, qn = qp[None], qn[None]
-    else:
-        qp = qp_ref[...][None]
-        qn = qn_ref[...][None]
+    qp = qp_ref[...][None]
+    qn = qn_ref[...][None]
     shape = (block_pages, block_heads, head_dim)
     if update:  # the new token's page: its updated summary row and score, [Hb, D] / [Hb]
         pos = pos_ref[b]
@@ -232,13 +206,12 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
         raise ValueError(f"block_pages {block_pages} must be a power of two")
     pp = block_pages if chunk is None else max(block_pages, chunk)  # pages per program
     n_prog = pl.cdiv(np_, pp)
-    group = q.shape[1] // h if GROUP_Q_IN_KERNEL else 0
+    qp, qn = _group_q(q, h)
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     kernel = functools.partial(_quest_kernel, page_size=page_size, num_pages=np_,
                                block_pages=block_pages, n_sub=pp // block_pages,
                                block_heads=bh, head_dim=d, chunk=chunk, unmasked=unmasked,
-                               eviction_policy=eviction_policy, update=update is not None,
-                               group=group)
+                               eviction_policy=eviction_policy, update=update is not None)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     head_block = pl.BlockSpec((None, bh, d), lambda i, j, k: (i, j, 0))
     out_shape = [jax.ShapeDtypeStruct((b, h, n_prog * pp), jnp.float32)]
@@ -246,16 +219,9 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
     if chunk is not None:
         out_shape.append(jax.ShapeDtypeStruct((b, h, n_prog * pp // chunk), jnp.float32))
         out_specs.append(pl.BlockSpec((None, bh, pp // chunk), lambda i, j, k: (i, j, k)))
-    in_specs = [pl.BlockSpec((1,), lambda *_: (0,)), pl.BlockSpec((b,), lambda *_: (0,))]
-    operands = [layer_arr, jnp.asarray(seq_lens, jnp.int32)]
-    if group:
-        in_specs.append(full(q))
-        operands.append(q)
-    else:
-        in_specs += [head_block, head_block]
-        operands += list(_group_q(q, h))
-    in_specs += [full(kmax), full(kmin)]
-    operands += [kmax, kmin]
+    in_specs = [pl.BlockSpec((1,), lambda *_: (0,)), pl.BlockSpec((b,), lambda *_: (0,)),
+                head_block, head_block, full(kmax), full(kmin)]
+    operands = [layer_arr, jnp.asarray(seq_lens, jnp.int32), qp, qn, kmax, kmin]
     aliases = {}
     if update is not None:
         k_new, positions = update
@@ -263,8 +229,7 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
             (None, None, bh, d), lambda i, j, k: (i, 0, j, 0))  # [B, 2, H, D]: K at index 0
         in_specs += [kn_block, pl.BlockSpec((b,), lambda *_: (0,))]
         operands += [k_new, jnp.asarray(positions, jnp.int32)]
-        n_in = len(operands) - 4  # kmax, kmin sit before k_new, positions
-        aliases = {n_in: len(out_shape), n_in + 1: len(out_shape) + 1}
+        aliases = {4: len(out_shape), 5: len(out_shape) + 1}
         out_shape += [jax.ShapeDtypeStruct(kmax.shape, kmax.dtype),
                       jax.ShapeDtypeStruct(kmin.shape, kmin.dtype)]
         out_specs += [full(kmax), full(kmin)]

@@ -383,31 +383,6 @@ def test_quest_update_scores_cmax_kernel_matches_reference(G, H, D, dtype, Np, c
     np.testing.assert_array_equal(cm, _chunk_max_np(s, chunk))
 
 
-@pytest.mark.parametrize("G,H", [(6, 2)])
-def test_quest_kernel_groups_q_itself(monkeypatch, G, H):
-    """GROUP_Q_IN_KERNEL: the scores kernel summing each group's queries itself gives the
-    scores of the XLA grouping (to f32 rounding) and the same summaries."""
-    rng = _rng()
-    ps, L, layer, Np, D = 4, 2, 1, 40, 16
-    positions = np.array([rng.integers(1, Np) * ps, rng.integers(0, Np * ps - 1) | 1, -1], np.int32)
-    seq_lens = np.maximum(positions + 1, 1)
-    q, kmax, kmin = _quest_inputs(rng, L=L, B=3, Np=Np, H=H, G=G, D=D, ps=ps,
-                                  dtype=jnp.bfloat16, seq_lens=seq_lens, layer=layer)
-    k_new = jnp.asarray(rng.normal(size=(3, H, D)), jnp.bfloat16)
-    args = (q, kmax, kmin, jnp.int32(layer), jnp.asarray(seq_lens), k_new, jnp.asarray(positions))
-    got = {}
-    for inside in (True, False):
-        monkeypatch.setattr(quest, "GROUP_Q_IN_KERNEL", inside)
-        got[inside] = [np.asarray(x, np.float32) for x in quest.quest_update_scores_cmax_pallas(
-            *args, page_size=ps, chunk=8)]
-    for a, b in zip(got[True][2:], got[False][2:]):
-        np.testing.assert_array_equal(a, b)
-    s1, s0 = got[True][0], got[False][0]
-    assert np.array_equal(np.isneginf(s1), np.isneginf(s0))
-    fin = np.isfinite(s0)
-    np.testing.assert_allclose(s1[fin], s0[fin], rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_quest_update_takes_stacked_kv(impl):
     """k_new given as the token's stacked K/V [B, 2, H, D] (V poisoned with NaN) gives the
