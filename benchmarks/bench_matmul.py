@@ -51,17 +51,17 @@ VARIANTS = {
 DEFAULT_VARIANTS = "xla,cublas"
 
 
-def layer_weights(key, s, layers, dtype=jnp.bfloat16):
-    """Per-layer weight dicts with the model's fused shapes (input-major, y = x @ W)."""
+def layer_weights(key, s, layers, dtype=jnp.bfloat16, layout="io"):
+    """Per-layer weight dicts with the model's fused shapes: ``layout`` "io" stores W
+    input-major [in, out] (y = x @ W, the model's layout), "oi" output-major [out, in]
+    (y = x @ W.T, each output's weights contiguous)."""
     out = []
     for i in range(layers):
         ks = jax.random.split(jax.random.fold_in(key, i), 4)
-        out.append(dict(
-            wqkv=jax.random.normal(ks[0], (s["d"], s["qkv"]), dtype) * 0.02,
-            wo=jax.random.normal(ks[1], (s["q"], s["d"]), dtype) * 0.02,
-            w_gate_up=jax.random.normal(ks[2], (s["d"], 2 * s["f"]), dtype) * 0.02,
-            w_down=jax.random.normal(ks[3], (s["f"], s["d"]), dtype) * 0.02,
-        ))
+        shapes = dict(wqkv=(s["d"], s["qkv"]), wo=(s["q"], s["d"]),
+                      w_gate_up=(s["d"], 2 * s["f"]), w_down=(s["f"], s["d"]))
+        out.append({n: jax.random.normal(k, sh if layout == "io" else sh[::-1], dtype) * 0.02
+                    for k, (n, sh) in zip(ks, shapes.items())})
     return out
 
 
@@ -95,24 +95,55 @@ def xla_mm(x, w):
     return jnp.einsum("mi,io->mo", x, w).astype(jnp.float32)
 
 
+def xla_mm_oi(x, w):
+    """The same product with output-major weights [out, in]."""
+    return jnp.einsum("mi,oi->mo", x, w).astype(jnp.float32)
+
+
+MATMULS = {"io": xla_mm, "oi": xla_mm_oi}
+
+
 def timed(fn, args, options, reps):
     """Median seconds of ``fn(*args)`` compiled with the XLA ``options`` (after a warm-up)."""
     compiled = jax.jit(fn).lower(*args).compile(options or None)
     return time_fn(compiled, *args, reps=reps)
 
 
-def rel_err(x, mats, options):
+def rel_err(mm, x, mats, options):
     """Largest error of the single products ``x @ w`` (w in ``mats``) compiled with
     ``options``, relative to the default compilation's, scaled by the largest |result|
     (the chained benchmark itself overflows: random weights over 28-32 residual layers)."""
     worst = 0.0
     for w in mats:
-        xi = x if x.shape[1] == w.shape[0] else jnp.ones((x.shape[0], w.shape[0]), x.dtype) * 0.1
-        ref = jax.jit(xla_mm)(xi, w)
-        got = jax.jit(xla_mm).lower(xi, w).compile(options or None)(xi, w)
+        k_in = w.shape[0] if mm is xla_mm else w.shape[1]
+        xi = x if x.shape[1] == k_in else jnp.ones((x.shape[0], k_in), x.dtype) * 0.1
+        ref = jax.jit(mm)(xi, w)
+        got = jax.jit(mm).lower(xi, w).compile(options or None)(xi, w)
         scale = float(jnp.max(jnp.abs(ref))) + 1e-6
         worst = max(worst, float(jnp.max(jnp.abs(got - ref))) / scale)
     return worst
+
+
+def measure(s, layout, m, opts, steps, reps):
+    """One row: the layer chain and the lm_head of shape ``s`` at batch ``m``, weights in
+    ``layout``, compiled with the XLA ``opts``."""
+    t_c = time.perf_counter()
+    mm = MATMULS[layout]
+    L = s["layers"]
+    ws = layer_weights(jax.random.key(0), s, L, layout=layout)
+    hshape = (s["d"], s["v"]) if layout == "io" else (s["v"], s["d"])
+    head = jax.random.normal(jax.random.key(1), hshape, jnp.bfloat16) * 0.02
+    wbytes = sum(int(w.size) * w.dtype.itemsize for lw in ws for w in lw.values())
+    hbytes = int(head.size) * head.dtype.itemsize
+    x = (jax.random.normal(jax.random.key(2), (m, s["d"]), jnp.float32) * 0.1).astype(jnp.bfloat16)
+    us_layer = timed(chain_fn(mm, s, steps), (x, ws), opts, reps) / steps / L * 1e6
+    us_head = timed(head_fn(mm, steps), (x, head), opts, reps) / steps * 1e6
+    return dict(batch=m, layout=layout, us_per_layer=us_layer, layer_weight_bytes=wbytes // L,
+                layer_tbps=wbytes / L / (us_layer * 1e-6) / 1e12,
+                us_lm_head=us_head, lm_head_tbps=hbytes / (us_head * 1e-6) / 1e12,
+                us_per_step=us_layer * L + us_head,
+                rel_err_vs_xla=rel_err(mm, x, list(ws[0].values()) + [head], opts),
+                wall_s=time.perf_counter() - t_c)
 
 
 def main():
@@ -124,37 +155,25 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {sorted(VARIANTS)}")
+    ap.add_argument("--layouts", default="io", help="weight layouts: io (the model's, [in, out]) "
+                    "and/or oi ([out, in])")
     a = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     variants = {v: VARIANTS[v] for v in a.variants.split(",")} if gpu else {"xla": {}}
     rows = []
     for shape in a.shapes.split(","):
         s = QUICK if a.quick else SHAPES[shape]
-        L = s["layers"]
-        ws = layer_weights(jax.random.key(0), s, L)
-        head = jax.random.normal(jax.random.key(1), (s["d"], s["v"]), jnp.bfloat16) * 0.02
-        wbytes = sum(int(w.size) * w.dtype.itemsize for lw in ws for w in lw.values())
-        hbytes = int(head.size) * head.dtype.itemsize
-        for m in [int(b) for b in a.batches.split(",")]:
-            x = (jax.random.normal(jax.random.key(2), (m, s["d"]), jnp.float32) * 0.1).astype(jnp.bfloat16)
-            for name, opts in variants.items():
-                t_c = time.perf_counter()
-                t_l = timed(chain_fn(xla_mm, s, a.steps), (x, ws), opts, a.reps)
-                t_h = timed(head_fn(xla_mm, a.steps), (x, head), opts, a.reps)
-                us_layer = t_l / a.steps / L * 1e6
-                us_head = t_h / a.steps * 1e6
-                row = dict(shape=shape, batch=m, variant=name, options={k: str(v) for k, v in opts.items()},
-                           us_per_layer=us_layer, layer_weight_bytes=wbytes // L,
-                           layer_tbps=wbytes / L / (us_layer * 1e-6) / 1e12,
-                           us_lm_head=us_head, lm_head_tbps=hbytes / (us_head * 1e-6) / 1e12,
-                           us_per_step=us_layer * L + us_head,
-                           rel_err_vs_xla=rel_err(x, list(ws[0].values()) + [head], opts),
-                           wall_s=time.perf_counter() - t_c)
-                rows.append(row)
-                print(f"{shape:9s} M={m:<2d} {name:7s} layer {us_layer:7.2f} us "
-                      f"({row['layer_tbps']:.2f} TB/s)  lm_head {us_head:7.2f} us "
-                      f"({row['lm_head_tbps']:.2f} TB/s)  step {row['us_per_step']:8.1f} us  "
-                      f"err {row['rel_err_vs_xla']:.1e}", flush=True)
+        for layout in a.layouts.split(","):
+            for m in [int(b) for b in a.batches.split(",")]:
+                for name, opts in variants.items():
+                    row = measure(s, layout, m, opts, a.steps, a.reps)
+                    row.update(shape=shape, variant=name,
+                               options={k: str(v) for k, v in opts.items()})
+                    rows.append(row)
+                    print(f"{shape:9s} {layout} M={m:<2d} {name:7s} layer {row['us_per_layer']:7.2f} us "
+                          f"({row['layer_tbps']:.2f} TB/s)  lm_head {row['us_lm_head']:7.2f} us "
+                          f"({row['lm_head_tbps']:.2f} TB/s)  step {row['us_per_step']:8.1f} us  "
+                          f"err {row['rel_err_vs_xla']:.1e}", flush=True)
     out = dict(benchmark="bench_matmul", device=str(jax.devices()[0].device_kind),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                commit=_meta.commit(), jax_version=jax.__version__, steps=a.steps, reps=a.reps,
@@ -167,9 +186,9 @@ def main():
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "bench_matmul.json"), "w") as f:
             json.dump(out, f, indent=1)
-    print("\nshape     M  variant  us/layer  TB/s  lm_head us  TB/s  step us")
+    print("\nshape     lay M  variant  us/layer  TB/s  lm_head us  TB/s  step us")
     for r in rows:
-        print(f"{r['shape']:9s} {r['batch']:<2d} {r['variant']:8s} {r['us_per_layer']:8.2f} "
+        print(f"{r['shape']:9s} {r['layout']}  {r['batch']:<2d} {r['variant']:8s} {r['us_per_layer']:8.2f} "
               f"{r['layer_tbps']:5.2f} {r['us_lm_head']:10.2f} {r['lm_head_tbps']:5.2f} {r['us_per_step']:8.1f}")
 
 
