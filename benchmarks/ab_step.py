@@ -22,6 +22,10 @@ Variants (``VARIANTS``):
 * ``exhaustive``: an XLA compiler option of the decode round (``Plan.compiler_options``): the
   Triton GEMM autotuner searches its full tiling space. (``xla_gpu_experimental_enable_triton_tma``
   is not accepted as a compile option by jax 0.11.2's GPU client.)
+* ``pdl_off`` / ``pdl_on`` / ``pdl_launch``: programmatic dependent launch (Hopper) off, on,
+  on with early-launch instructions; ``graph_serial`` / ``graph_concurrent``: the CUDA graph's
+  kernel ordering (``xla_gpu_command_buffer_scheduling_mode``). Variants whose options the
+  compiler rejects are reported and dropped before the run.
 
 Writes ``ab_step.json`` (with ``--tag``: ``ab_step_<tag>.json``).
 """
@@ -67,7 +71,27 @@ VARIANTS = {
     "scores_xla": ({"update_scores_impl": "xla"}, ()),
     # the engine as the eighth session left it: split merge in XLA, Quest's K from its own copy
     "session8": ({"merge": "xla", "stacked_kv": False}, ()),
+    # programmatic dependent launch (Hopper): a kernel may start while its predecessor drains
+    "pdl_off": ({}, (("xla_gpu_enable_pdl", False),)),
+    "pdl_on": ({}, (("xla_gpu_enable_pdl", True),)),
+    "pdl_launch": ({}, (("xla_gpu_enable_pdl", True), ("xla_gpu_enable_pdl_launch", True))),
+    # how the CUDA graph of the round orders its kernels
+    "graph_serial": ({}, (("xla_gpu_command_buffer_scheduling_mode", "SERIALIZE"),)),
+    "graph_concurrent": ({}, (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)),
 }
+
+
+def _accepted(names):
+    """The variants whose compiler options this XLA accepts (a tiny program compiled with
+    them); the others are reported and dropped."""
+    ok = []
+    for n in names:
+        try:
+            jax.jit(lambda x: x + 1).lower(1.0).compile(dict(VARIANTS[n][1]) or None)
+            ok.append(n)
+        except Exception as e:  # noqa: BLE001 - any rejection drops the variant
+            print(f"  {n}: compiler options rejected ({type(e).__name__}: {str(e)[:200]})")
+    return ok
 
 
 def _get(obj, key):
@@ -123,6 +147,9 @@ def main():
     if unknown or len(names) < 2 or len(set(names)) != len(names):
         ap.error(f"--variants needs two or more distinct names of {sorted(VARIANTS)}, got {names}")
     gpu = jax.default_backend() == "gpu"
+    names = _accepted(names)
+    if len(names) < 2:
+        raise SystemExit("fewer than two variants left")
     if a.quick:  # tiny model; the chunk-maxima top-k (and so the fused kernel) at any size
         shape, B, ctx, st = "tiny", 2, 256, bd.Settings(**bd.QUICK)
         cfg = bd.configs.tiny()
