@@ -56,16 +56,14 @@ FULL = dict(sizes=(1024, 4096, 16384), L=4, B=1, H=8, G=4, D=128, HI=64, DI=128,
             slow_topk_from=8192)  # topk "sort" / "rounds" only below this many pages
 # Qwen2.5-1.5B-like decode step at 128k tokens, batch 8: 2 KV heads, 6 query heads per group
 QWEN_B8 = dict(FULL, sizes=(2048,), B=8, H=2, G=6, sweep_at=None)
-# the same, sweeping the chunk-maxima top-k's (chunk, num_warps[, cmax_method]) at 2048 pages
-# (default (8, 4, CMAX_METHOD))
+# the same, sweeping the chunk-maxima top-k's (chunk, num_warps) at 2048 pages (default (8, 8))
 QWEN_B8_TOPK = dict(QWEN_B8, sweep_at=2048,
-                    topk_cmax_variants=((8, 4, "radix"), (8, 4, "rank"), (8, 2, "rank"),
-                                        (8, 8, "rank"), (4, 4, "rank"), (16, 4, "rank"),
-                                        (16, 8, "rank")))
+                    topk_cmax_variants=((4, 4), (4, 8), (8, 2), (8, 4), (16, 4), (16, 8),
+                                        (32, 4), (32, 8)))
 QUICK = dict(sizes=(16,), L=2, B=1, H=2, G=2, D=16, HI=16, DI=16, ps=4, k=8, sinks=1,
              iters=2, reps=1, copy_mib=1, sweep_at=16, quest_blocks=(),
              quest_unmasked_blocks=((4, 4),), indexer_blocks=(),
-             cmax_scores_variants=((2, 4, True),), topk_cmax_variants=((2, 4), (2, 4, "rank")),
+             cmax_scores_variants=((2, 4, True),), topk_cmax_variants=((2, 4),),
              slow_topk_from=0)
 
 
@@ -154,15 +152,14 @@ def run(out_dir, quick=False, sizes=None, shape="8x128-b1"):
             name = "topk_pallas_cmax_xlamax" if method == "pallas_cmax" else f"topk_{method}"
             rec(method_name, np_, name, _time_loop(body, acc0, iters, reps, (scores, seq_lens)))
         n = scores.shape[-1]
-        default = (topk.default_cmax_chunk(n, top_kw["k"]), None, None)
-        for chunk, warps, how in (default,) + tuple(
-                v + (None,) * (3 - len(v))
-                for v in (c["topk_cmax_variants"] if np_ == c["sweep_at"] else ())):
+        default = (topk.default_cmax_chunk(n, top_kw["k"]), None)
+        for chunk, warps in (default,) + (c["topk_cmax_variants"] if np_ == c["sweep_at"]
+                                          else ()):
             cmax = jnp.stack([topk.chunk_max(s, seq_lens, num_pages=top_kw["num_pages"],
                                              page_size=top_kw["page_size"], chunk=chunk)
                               for s in scores])
             fn = functools.partial(topk.select_top_pages_pallas, chunk=chunk, num_warps=warps,
-                                   cmax_method=how, **top_kw)
+                                   **top_kw)
 
             def body(i, acc, scores, cmax, seq_lens, fn=fn):
                 layer = i % L
@@ -170,11 +167,11 @@ def run(out_dir, quick=False, sizes=None, shape="8x128-b1"):
                                 seq_lens,
                                 chunk_max=lax.dynamic_index_in_dim(cmax, layer, 0,
                                                                    keepdims=False))
-            name = ("topk_pallas_cmax" if warps is None and how is None
-                    else f"topk_pallas_cmax_c{chunk}_w{warps}" + (f"_{how}" if how else ""))
+            name = ("topk_pallas_cmax" if warps is None
+                    else f"topk_pallas_cmax_c{chunk}_w{warps}")
             rec(method_name, np_, name,
                 _time_loop(body, acc0, iters, reps, (scores, cmax, seq_lens)), chunk=chunk,
-                num_warps=warps, cmax_method=how or topk.CMAX_METHOD)
+                num_warps=warps)
 
     for np_ in c["sizes"]:
         seq_lens = jnp.full((B,), np_ * ps - ps // 2, jnp.int32)

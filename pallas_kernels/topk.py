@@ -48,10 +48,6 @@ from pallas_kernels import _common
 
 OP = "select_top_pages"
 INVALID = -1
-# How the chunk-maxima path finds its k chunks and k pages: "radix" (threshold search) or
-# "rank" (each entry ranked against all the others; ``_topk_cmax_rank_kernel``).
-CMAX_METHOD = "radix"
-CMAX_METHODS = ("radix", "rank")
 _INT_MIN = -(2**31)
 _KEY_POS_INF = 0x7F800000  # _float_key(+inf)
 
@@ -155,7 +151,12 @@ def _write_selection(out_ref, row, keys, cols, t, k: int):
     """Select from ``keys`` (row-major = ascending ``cols``) with threshold ``t`` and write the
     selected ``cols`` compacted in order, then -1, to ``out_ref[row, :k]``."""
     sel, rank = _take_first(keys, t, k)
-    _store_compacted(out_ref, row, sel, rank, cols, k)
+    n_sel = _total(sel.astype(jnp.int32))
+    j = lax.broadcasted_iota(jnp.int32, (_common.next_pow2(k),), 0)
+    plgpu.store(out_ref.at[row, j], jnp.full(j.shape, INVALID, jnp.int32),
+                mask=(j >= n_sel) & (j < k))
+    # Unselected entries aim past the row (dropped in interpret mode, masked on the GPU).
+    plgpu.store(out_ref.at[row, jnp.where(sel, rank - 1, k)], cols, mask=sel)
 
 
 def _topk_kernel(lens_ref, scores_ref, out_ref, *, heads, n_cols, num_pages, k, page_size,
@@ -187,106 +188,18 @@ def _topk_cmax_kernel(lens_ref, scores_ref, cmax_ref, out_ref, *, heads, n_cols,
     n_valid = _common.num_valid_pages(lens_ref[row // heads], page_size, num_pages)
     n_load = jnp.minimum(n_valid, n_cols)
     c = lax.broadcasted_iota(jnp.int32, (nc_pad,), 0)
-    ckey = _chunk_keys(cmax_ref, row, c, n_load, n_valid, chunk=chunk,
-                       num_sink_pages=num_sink_pages)
-    cid = _choose_chunks(ckey, k, radix_bits)
-    key_kw = dict(num_sink_pages=num_sink_pages, n_cols=n_cols)
-    ccols, ckeys = _load_chunks(scores_ref, row, cid, nc_pad, chunk, n_load, n_valid, key_kw)
-    _write_selection(out_ref, row, ckeys, ccols, _kth_largest(ckeys, k, radix_bits), k)
-
-
-def _rank_among(keys, ids, blocks):
-    """Rank of every ``keys`` entry in the strict total order "larger key first, then lower id"
-    (the selection rule's stable sort): ``#{j : key_j > key_i or (key_j == key_i and id_j <
-    id_i)}`` over all (key, id) pairs, which ``blocks`` yields as [J] pieces (the entries
-    themselves included; an entry never beats itself). keys, ids: int32, any shape."""
-    rank = jnp.zeros(keys.shape, jnp.int32)
-    ki, ii = keys[..., None], ids[..., None]
-    for kj, ij in blocks:
-        kj = kj.reshape((1,) * keys.ndim + kj.shape)
-        ij = ij.reshape((1,) * keys.ndim + ij.shape)
-        beats = (kj > ki) | ((kj == ki) & (ij < ii))
-        rank = rank + jnp.sum(beats.astype(jnp.int32), axis=-1)
-    return rank
-
-
-def _store_compacted(out_ref, row, sel, pos, cols, k: int):
-    """Write the selected ``cols`` to ``out_ref[row, pos - 1]`` (``pos``: inclusive count of
-    selected entries, row-major) and -1 to the rest of ``out_ref[row, :k]``."""
-    n_sel = _total(sel.astype(jnp.int32))
-    j = lax.broadcasted_iota(jnp.int32, (_common.next_pow2(k),), 0)
-    plgpu.store(out_ref.at[row, j], jnp.full(j.shape, INVALID, jnp.int32),
-                mask=(j >= n_sel) & (j < k))
-    # Unselected entries aim past the row (dropped in interpret mode, masked on the GPU).
-    plgpu.store(out_ref.at[row, jnp.where(sel, pos - 1, k)], cols, mask=sel)
-
-
-def _chunk_keys(cmax_ref, row, c, n_load, n_valid, *, chunk, num_sink_pages):
-    """Keys of the chunks ``c`` (int32, any shape) from their maxima: key(+inf) for a chunk
-    holding a forced page, INT32_MIN for one without a valid page (module docstring)."""
     start = c * chunk
     has_valid = start < n_load  # implies c < n_chunks
     last = n_valid - 1
     forced = has_valid & ((start < num_sink_pages)
                           | ((start <= last) & (last < start + chunk) & (last < n_load)))
     cm = plgpu.load(cmax_ref.at[row, c], mask=has_valid, other=-jnp.inf)
-    return jnp.where(forced, jnp.int32(_KEY_POS_INF),
+    ckey = jnp.where(forced, jnp.int32(_KEY_POS_INF),
                      jnp.where(has_valid, _float_key(cm), jnp.int32(_INT_MIN)))
-
-
-def _topk_cmax_rank_kernel(lens_ref, scores_ref, cmax_ref, out_ref, *, heads, n_cols, n_chunks,
-                           num_pages, k, page_size, num_sink_pages, chunk, nc_pad, radix_bits,
-                           block, barrier):
-    """Top-k from chunk maxima by ranks (``cmax_method="rank"``): no threshold search.
-
-    Stage 1 ranks the ``nc_pad`` chunk keys against each other (``block`` chunks at a time,
-    re-loaded from ``cmax_ref``) and keeps ranks ``< k``: the same k chunks as the radix path.
-    Their ids go to ``out_ref[row]`` (scratch: k slots, read back after a barrier). Stage 2
-    ranks the ``k * chunk`` candidates (one chosen chunk's entries at a time, by the id read
-    back) and keeps ranks ``< k``. The k best candidates are the rule's selection (the proof
-    in ``select_top_pages_pallas``: the candidates hold it, and every other candidate comes
-    after it in the rule's order)."""
-    del radix_bits
-    row = pl.program_id(0)
-    n_valid = _common.num_valid_pages(lens_ref[row // heads], page_size, num_pages)
-    n_load = jnp.minimum(n_valid, n_cols)
-    kw = dict(chunk=chunk, num_sink_pages=num_sink_pages)
-    c = lax.broadcasted_iota(jnp.int32, (nc_pad,), 0)
-    ckey = _chunk_keys(cmax_ref, row, c, n_load, n_valid, **kw)
-    J = min(block, nc_pad)
-
-    def chunk_block(jb):
-        cj = jb * J + lax.broadcasted_iota(jnp.int32, (J,), 0)
-        return _chunk_keys(cmax_ref, row, cj, n_load, n_valid, **kw), cj
-
-    crank = _rank_among(ckey, c, (chunk_block(jb) for jb in range(nc_pad // J)))
-    chosen = (crank < k) & (ckey != jnp.int32(_INT_MIN))
-    cpos = _cumsum_row_major(chosen.astype(jnp.int32)[None]).reshape(chosen.shape)
-    kp = _common.next_pow2(k)
-    j = lax.broadcasted_iota(jnp.int32, (kp,), 0)
-    n_chosen = _total(chosen.astype(jnp.int32))
-    plgpu.store(out_ref.at[row, j], jnp.full(j.shape, nc_pad, jnp.int32),
-                mask=(j >= n_chosen) & (j < k))
-    plgpu.store(out_ref.at[row, jnp.where(chosen, cpos - 1, k)], c, mask=chosen)
-    if barrier:
-        plgpu.debug_barrier()
-    cid = plgpu.load(out_ref.at[row, j], mask=j < k, other=nc_pad)  # ascending, nc_pad = unused
+    cid = _choose_chunks(ckey, k, radix_bits)
     key_kw = dict(num_sink_pages=num_sink_pages, n_cols=n_cols)
     ccols, ckeys = _load_chunks(scores_ref, row, cid, nc_pad, chunk, n_load, n_valid, key_kw)
-
-    def candidate_block(jc):
-        cj = out_ref[row, jc]
-        cols = cj * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-        ok = (cj < nc_pad) & (cols < n_load)
-        x = plgpu.load(scores_ref.at[row, cols], mask=ok, other=-jnp.inf)
-        return jnp.where(ok, _keys(x, cols, n_valid, **key_kw), jnp.int32(_INT_MIN)), cols
-
-    rank = _rank_among(ckeys, ccols, (candidate_block(jc) for jc in range(k)))
-    sel = (rank < k) & (ckeys != jnp.int32(_INT_MIN))
-    pos = _cumsum_row_major(sel.astype(jnp.int32))
-    if barrier:  # every thread has read the chunk ids before the result overwrites them
-        plgpu.debug_barrier()
-    _store_compacted(out_ref, row, sel, pos, ccols, k)
+    _write_selection(out_ref, row, ckeys, ccols, _kth_largest(ckeys, k, radix_bits), k)
 
 
 def _default_chunk(n_pad: int, k: int) -> int:
@@ -333,7 +246,7 @@ def pad_and_chunk_max(x, chunk: int):
 def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_size: int,
                             num_sink_pages: int, chunk: int | None = None, radix_bits: int = 4,
                             num_warps: int | None = None, interpret: bool | None = None,
-                            chunk_max=None, cmax_method: str | None = None, rank_block: int = 32):
+                            chunk_max=None):
     """Top-``k`` pages per row with one Pallas kernel (selection rule: module docstring).
 
     scores: [B, N] or [B, H, N] float (any float dtype; column ``p`` = page ``p``, columns
@@ -341,10 +254,6 @@ def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_si
     Returns int32 [B, k] or [B, H, k]. Tuning (static): ``chunk`` (power of two; 1 = single
     stage; default ~sqrt(N / k)), ``radix_bits`` (1, 2 or 4), ``num_warps`` (default 4 / 8 / 16
     for N <= 1024 / <= 4096 / larger; with ``chunk_max`` by ``k * N / chunk``).
-
-    cmax_method (with ``chunk_max``): "radix" (threshold searches, ``_topk_cmax_kernel``) or
-    "rank" (all-pairs ranks, ``_topk_cmax_rank_kernel``; ``rank_block`` chunks compared per
-    step), same result; default ``CMAX_METHOD``.
 
     chunk_max: optional f32 [B, (H,) ceil(N / chunk)], ``chunk_max[..., c]`` = max of the
     scores of the chunk's pages inside the sequence, NaN as -inf (any value where the chunk
@@ -366,10 +275,6 @@ def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_si
         raise ValueError(f"k={k} must be >= num_sink_pages + 1 = {num_sink_pages + 1}")
     if radix_bits not in (1, 2, 4):
         raise ValueError(f"radix_bits must be 1, 2 or 4, got {radix_bits}")
-    cmax_method = cmax_method or CMAX_METHOD
-    if cmax_method not in CMAX_METHODS:
-        raise ValueError(f"cmax_method must be one of {CMAX_METHODS}, got {cmax_method!r}")
-    interpret = _common.interpret_mode() if interpret is None else interpret
     lead, n = scores.shape[:-1], scores.shape[-1]
     rows = math.prod(lead)
     lens = jnp.asarray(seq_lens, jnp.int32).reshape(lead[0])
@@ -378,7 +283,8 @@ def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_si
     call = functools.partial(
         pl.pallas_call, out_shape=jax.ShapeDtypeStruct((rows, k), jnp.int32), grid=(rows,),
         out_specs=pl.BlockSpec((rows, k), lambda i: (0, 0)),
-        interpret=interpret, name="select_top_pages")
+        interpret=_common.interpret_mode() if interpret is None else interpret,
+        name="select_top_pages")
     full = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
     flat = scores.reshape(rows, n)
     if chunk_max is not None:
@@ -390,13 +296,8 @@ def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_si
             raise ValueError(f"chunk_max {chunk_max.shape} must be {lead} + (ceil({n} / chunk),)"
                              f" with chunk a power of two, got chunk={chunk}")
         nc_pad = _common.next_pow2(ncm)
-        if cmax_method == "rank":
-            kernel = functools.partial(_topk_cmax_rank_kernel, n_chunks=ncm, chunk=chunk,
-                                       nc_pad=nc_pad, block=rank_block, barrier=not interpret,
-                                       **params)
-        else:
-            kernel = functools.partial(_topk_cmax_kernel, n_chunks=ncm, chunk=chunk,
-                                       nc_pad=nc_pad, **params)
+        kernel = functools.partial(_topk_cmax_kernel, n_chunks=ncm, chunk=chunk, nc_pad=nc_pad,
+                                   **params)
         cm = chunk_max.reshape(rows, ncm).astype(jnp.float32)
         out = call(kernel, in_specs=[full(lens), full(flat), full(cm)],
                    compiler_params=plgpu.CompilerParams(
