@@ -783,6 +783,19 @@ def test_pallas_topk_lowers_for_gpu(shape, k, chunk, bits):
     assert txt.count("__gpu$xla.gpu.triton") == 1
 
 
+@pytest.mark.parametrize("shape,k,chunk", [((8, 2, 2048), 32, 8), ((1, 8, 16384), 32, 16),
+                                           ((3, 37), 6, 4)])
+def test_pallas_topk_cmax_lowers_for_gpu(shape, k, chunk):
+    """The chunk-maxima top-k lowers to one Triton call (Qwen-like 128k B=8, 8B-like 1M B=1,
+    a small non-power-of-two k)."""
+    fn = functools.partial(topk.select_top_pages_pallas, num_pages=shape[-1] - 1, k=k,
+                           page_size=64, num_sink_pages=1, chunk=chunk, interpret=False)
+    cm = S(shape[:-1] + (-(-shape[-1] // chunk),), jnp.float32)
+    txt = lower_for_h200(lambda s, n, c: fn(s, n, chunk_max=c), S(shape, jnp.float32),
+                         S((shape[0],), jnp.int32), cm)
+    assert txt.count("__gpu$xla.gpu.triton") == 1
+
+
 @pytest.mark.parametrize("unmasked,chunk,bp", [(False, 16, None), (True, 16, None),
                                                (True, 8, 16)])
 def test_quest_cmax_lowers_for_gpu(no_interpret, monkeypatch, unmasked, chunk, bp):
@@ -912,6 +925,28 @@ def test_gpu_pallas_topk(B, H, N):
             np.testing.assert_array_equal(got, want)
             np.testing.assert_array_equal(  # auto: the kernel up to 4096 pages, chunked above
                 np.asarray(ds.select_top_pages(*args, method="auto", **kw)), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,N", [(8, 2, 2048), (2, 8, 16384)])
+def test_gpu_pallas_topk_cmax(B, H, N):
+    """Compiled chunk-maxima top-k == the rule: distinct scores, and small integers with NaN
+    (ties); seq_lens full, 1, 0, shorter than k pages, random."""
+    rng = _rng()
+    k, ps, sinks = 32, 64, 1
+    chunk = topk.default_cmax_chunk(N, k)
+    seq_lens = np.array([N * ps, 1, 0, 20 * ps + 3] + list(rng.integers(1, N * ps, size=4)),
+                        np.int32)[:B]
+    kw = dict(num_pages=N, k=k, page_size=ps, num_sink_pages=sinks)
+    lens = jnp.asarray(seq_lens)
+    distinct = rng.permutation(B * H * N).reshape(B, H, N).astype(np.float32)
+    tied = rng.integers(-3, 4, size=(B, H, N)).astype(np.float32)
+    tied[rng.random(tied.shape) < 0.01] = np.nan
+    for scores in (distinct, tied):
+        cm = topk.chunk_max(jnp.asarray(scores), lens, num_pages=N, page_size=ps, chunk=chunk)
+        got = topk.select_top_pages_pallas(jnp.asarray(scores), lens, chunk=chunk, chunk_max=cm,
+                                           **kw)
+        np.testing.assert_array_equal(np.asarray(got), select_rule_numpy(scores, seq_lens, **kw))
 
 
 @pytest.mark.gpu
