@@ -24,8 +24,10 @@ Variants (``VARIANTS``):
   is not accepted as a compile option by jax 0.11.2's GPU client.)
 * ``pdl_off`` / ``pdl_on`` / ``pdl_launch``: programmatic dependent launch (Hopper) off, on,
   on with early-launch instructions; ``graph_serial`` / ``graph_concurrent``: the CUDA graph's
-  kernel ordering (``xla_gpu_command_buffer_scheduling_mode``). Variants whose options the
-  compiler rejects are reported and dropped before the run.
+  kernel ordering (``xla_gpu_command_buffer_scheduling_mode``); ``conc_multi_output`` /
+  ``conc_heroless`` / ``conc_block_level`` / ``conc_all_triton``: the concurrent graph plus
+  one of XLA's experimental fusion passes. Variants whose options the compiler rejects, or
+  whose round fails to compile or run, are reported and dropped.
 
 Writes ``ab_step.json`` (with ``--tag``: ``ab_step_<tag>.json``).
 """
@@ -51,6 +53,7 @@ from pallas_kernels import sparse_attention as sa  # noqa: E402
 from pallas_kernels import dense_select as ds  # noqa: E402
 
 _EXH = ("xla_gpu_exhaustive_tiling_search", True)
+_CONC = ("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT")
 # Trace-time switches a variant may set: name -> (module, attribute). A variant lists the
 # switches it changes from the engine's defaults.
 SWITCHES = {
@@ -77,7 +80,15 @@ VARIANTS = {
     "pdl_launch": ({}, (("xla_gpu_enable_pdl", True), ("xla_gpu_enable_pdl_launch", True))),
     # how the CUDA graph of the round orders its kernels
     "graph_serial": ({}, (("xla_gpu_command_buffer_scheduling_mode", "SERIALIZE"),)),
-    "graph_concurrent": ({}, (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)),
+    "graph_concurrent": ({}, (_CONC,)),
+    # XLA fusion passes (each with the concurrent graph): fewer glue kernels per layer?
+    "conc_multi_output": ({}, (_CONC, ("xla_gpu_unsupported_enable_triton_multi_output_fusion",
+                                       True))),
+    "conc_heroless": ({}, (_CONC, ("xla_gpu_experimental_enable_triton_heroless_priority_fusion",
+                                   True))),
+    "conc_block_level": ({}, (_CONC, ("xla_gpu_experimental_enable_fusion_block_level_rewriter",
+                                      True))),
+    "conc_all_triton": ({}, (_CONC, ("xla_gpu_experimental_all_fusions_with_triton", True))),
 }
 
 
@@ -186,13 +197,22 @@ def main():
                                       chunk_bytes=st.chunk_bytes)
         runs[name] = []
     warm = {}
-    for name in names:  # warm-up: trace (with this variant's switches) and compile
-        (rec, states[name]), traced[name] = _with_switches(VARIANTS[name][0], lambda: _traced_calls(
-            quest.OP_UPDATE_CMAX,
-            lambda: bd.run_decode(name, plans[name], params, states[name], st, rounds=1)))
+    for name in list(names):  # warm-up: trace (with this variant's switches) and compile
+        try:
+            (rec, states[name]), traced[name] = _with_switches(
+                VARIANTS[name][0], lambda: _traced_calls(
+                    quest.OP_UPDATE_CMAX,
+                    lambda: bd.run_decode(name, plans[name], params, states[name], st, rounds=1)))
+        except Exception as e:  # noqa: BLE001 - a variant that fails to compile is dropped
+            print(f"  {name}: dropped, its round failed ({type(e).__name__}: {str(e)[:300]})")
+            names.remove(name)
+            del states[name]
+            continue
         warm[name] = dict(compile_s=rec["compile_s"], warmup_round_s=rec["warmup_round_s"])
         print(f"  {name:16s} warm-up {rec['warmup_round_s']:.1f} s "
               f"(compile {rec['compile_s']:.1f} s)", flush=True)
+    if len(names) < 2:
+        raise SystemExit("fewer than two variants compiled")
     compiles = {n: 0 for n in names}
     for i in range(a.pairs):
         for name in (names if i % 2 == 0 else names[::-1]):
