@@ -24,7 +24,8 @@ Variants (``VARIANTS``):
   is not accepted as a compile option by jax 0.11.2's GPU client.)
 * ``pdl_off`` / ``pdl_on`` / ``pdl_launch``: programmatic dependent launch (Hopper) off, on,
   on with early-launch instructions; ``graph_serial`` / ``graph_concurrent``: the CUDA graph's
-  kernel ordering (``xla_gpu_command_buffer_scheduling_mode``); ``conc_multi_output`` /
+  kernel ordering (``xla_gpu_command_buffer_scheduling_mode``; the engine's default is
+  concurrent, ``engine.ROUND_COMPILER_OPTIONS``), ``graph_xla``: without that default; ``conc_multi_output`` /
   ``conc_heroless`` / ``conc_block_level`` / ``conc_all_triton``: the concurrent graph plus
   one of XLA's experimental fusion passes. Variants whose options the compiler rejects, or
   whose round fails to compile or run, are reported and dropped.
@@ -62,6 +63,8 @@ SWITCHES = {
     "stacked_kv": (engine, "SELECTOR_READS_STACKED_KV"),
     # the implementation of Quest's update + scores + chunk maxima op (env var; None = unset)
     "update_scores_impl": (os.environ, "JAXKV_IMPL_" + quest.OP_UPDATE_CMAX.upper()),
+    # the engine's default XLA options of the round (engine.ROUND_COMPILER_OPTIONS)
+    "round_options": (engine, "ROUND_COMPILER_OPTIONS"),
 }
 # name -> (switch values, XLA compiler options)
 VARIANTS = {
@@ -80,6 +83,8 @@ VARIANTS = {
     "pdl_launch": ({}, (("xla_gpu_enable_pdl", True), ("xla_gpu_enable_pdl_launch", True))),
     # how the CUDA graph of the round orders its kernels
     "graph_serial": ({}, (("xla_gpu_command_buffer_scheduling_mode", "SERIALIZE"),)),
+    # without the engine's default options: the graph ordered as XLA orders it by default
+    "graph_xla": ({"round_options": ()}, ()),
     "graph_concurrent": ({}, (_CONC,)),
     # XLA fusion passes (each with the concurrent graph): fewer glue kernels per layer?
     "conc_multi_output": ({}, (_CONC, ("xla_gpu_unsupported_enable_triton_multi_output_fusion",

@@ -368,4 +368,4 @@ def _round_fn(tp: TensorParallel, plan, treedef, shardings_key):
                          out_specs=(_STATE_SPECS, P(), P()), check_vma=False)
     rep = tp._sharding(P())
     return jax.jit(smap, donate_argnums=(1,), out_shardings=(state_sh, rep, rep),
-                   compiler_options=dict(plan.compiler_options) or None)
+                   compiler_options=engine.round_compiler_options(plan) or None)

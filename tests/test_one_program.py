@@ -4,6 +4,7 @@ CPU: the compiled module of a round has a while loop, takes the pinned_host arra
 parameter and returns it, and contains no copy of it. GPU (marker ``gpu``): the same on the
 H200's compiled HLO, where a copy would be a real 'host array -> device' transfer.
 """
+import dataclasses
 import re
 
 import jax
@@ -75,3 +76,15 @@ def test_fused_quest_update_copies_no_summaries_gpu(monkeypatch):
     assert "quest_update_quest_scores_cmax" in hlo
     assert not _copies_of(hlo, summ), _copies_of(hlo, summ)[:3]
     engine._round_fn.cache_clear()
+
+
+def test_round_compiler_options_defaults_and_override():
+    """The round compiles with the engine's default XLA options; a plan's own pair of the same
+    name overrides the default, other pairs are added."""
+    plan = make_plan(configs.tiny(), CacheConfig(mode="resident", selector="quest", page_size=4,
+                                                 selected_pages=4), [30], 8, num_stop=4)
+    assert engine.round_compiler_options(plan) == dict(engine.ROUND_COMPILER_OPTIONS)
+    name = engine.ROUND_COMPILER_OPTIONS[0][0]
+    other = dataclasses.replace(plan, compiler_options=((name, "SERIALIZE"),
+                                                        ("xla_gpu_autotune_level", 0)))
+    assert engine.round_compiler_options(other) == {name: "SERIALIZE", "xla_gpu_autotune_level": 0}
