@@ -25,9 +25,11 @@ Variants (``VARIANTS``):
 * ``pdl_off`` / ``pdl_on`` / ``pdl_launch``: programmatic dependent launch (Hopper) off, on,
   on with early-launch instructions; ``graph_serial`` / ``graph_concurrent``: the CUDA graph's
   kernel ordering (``xla_gpu_command_buffer_scheduling_mode``; the engine's default is
-  concurrent, ``engine.ROUND_COMPILER_OPTIONS``), ``graph_xla``: without that default; ``conc_multi_output`` /
-  ``conc_heroless`` / ``conc_block_level`` / ``conc_all_triton``: the concurrent graph plus
-  one of XLA's experimental fusion passes. Variants whose options the compiler rejects, or
+  concurrent, ``engine.ROUND_COMPILER_OPTIONS``), ``graph_xla``: without that default;
+  ``graph_while``: the decode while loop in the CUDA graph too (XLA's WHILE / CONDITIONAL
+  command types added to a full list of types; ``graph_list``: that list without them);
+  ``conc_multi_output`` / ``conc_heroless`` / ``conc_block_level`` / ``conc_all_triton``: the
+  concurrent graph plus one of XLA's experimental fusion passes. Variants whose options the compiler rejects, or
   whose round fails to compile or run, are reported and dropped.
 
 Writes ``ab_step.json`` (with ``--tag``: ``ab_step_<tag>.json``).
@@ -55,6 +57,7 @@ from pallas_kernels import dense_select as ds  # noqa: E402
 
 _EXH = ("xla_gpu_exhaustive_tiling_search", True)
 _CONC = ("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT")
+_CMD_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
 # Trace-time switches a variant may set: name -> (module, attribute). A variant lists the
 # switches it changes from the engine's defaults.
 SWITCHES = {
@@ -86,6 +89,10 @@ VARIANTS = {
     # without the engine's default options: the graph ordered as XLA orders it by default
     "graph_xla": ({"round_options": ()}, ()),
     "graph_concurrent": ({}, (_CONC,)),
+    # the decode loop itself inside the CUDA graph (conditional nodes): no host round trip
+    # for the loop predicate between steps (graph_list: the same command types without them)
+    "graph_list": ({}, (("xla_gpu_enable_command_buffer", _CMD_TYPES),)),
+    "graph_while": ({}, (("xla_gpu_enable_command_buffer", _CMD_TYPES + ",WHILE,CONDITIONAL"),)),
     # XLA fusion passes (each with the concurrent graph): fewer glue kernels per layer?
     "conc_multi_output": ({}, (_CONC, ("xla_gpu_unsupported_enable_triton_multi_output_fusion",
                                        True))),

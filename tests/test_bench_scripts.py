@@ -43,3 +43,12 @@ def test_source_rows_layouts():
             assert (np.diff(tab, axis=1) > 0).all()
         if mode == "contiguous":
             assert (np.sort(tab, axis=1) == np.sort(tab, axis=1)[:, :1] + np.arange(32)).all()
+
+
+def test_bench_launch_quick(tmp_path):
+    """bench_launch --quick: every chain (XLA, Pallas, mixed; PDL on and off) computes right."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_launch.py"), "--quick",
+                    "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    rows = json.loads((tmp_path / "bench_launch.json").read_text())["rows"]
+    assert len(rows) == 6 and all(r["correct"] and r["us_per_kernel"] > 0 for r in rows)
