@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -33,14 +34,32 @@ from pallas_kernels.sparse_attention import sparse_paged_attention
 # XLA options every decode round is compiled with (``round_compiler_options``). The round's
 # CUDA graph orders its kernels by their buffer dependencies, so independent ones may overlap:
 # 1.2-1.7% off the Qwen-like B=8 step (benchmarks/results/ab_step_pdl_b46177f.json,
-# ab_step_concurrent_b46177f.json). Other backends ignore the option.
+# ab_step_concurrent_b46177f.json). Other backends ignore the option; an XLA that does not
+# know an option gets the round without it (and a warning), not an error.
 ROUND_COMPILER_OPTIONS = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)
 
 
+@functools.lru_cache(maxsize=None)
+def _accepted_options(options: tuple, backend: str) -> tuple:
+    """The pairs of ``options`` that this XLA accepts (each tried once on a tiny program for the
+    default ``backend``, the cache key)."""
+    del backend
+    ok = []
+    for name, value in options:
+        try:
+            jax.jit(lambda x: x + 1).lower(jnp.float32(0)).compile({name: value})
+            ok.append((name, value))
+        except Exception as e:  # noqa: BLE001 - any rejection: compile without the option
+            warnings.warn(f"jaxkv: XLA rejects the decode round's default option "
+                          f"{name}={value!r}; compiling without it ({str(e)[:200]})")
+    return tuple(ok)
+
+
 def round_compiler_options(plan) -> dict:
-    """The XLA options of ``plan``'s compiled decode round: ``ROUND_COMPILER_OPTIONS`` updated
-    by ``plan.compiler_options``."""
-    return {**dict(ROUND_COMPILER_OPTIONS), **dict(plan.compiler_options)}
+    """The XLA options of ``plan``'s compiled decode round: ``ROUND_COMPILER_OPTIONS`` (those
+    this XLA accepts) updated by ``plan.compiler_options``."""
+    defaults = _accepted_options(tuple(ROUND_COMPILER_OPTIONS), jax.default_backend())
+    return {**dict(defaults), **dict(plan.compiler_options)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,3 +88,16 @@ def test_round_compiler_options_defaults_and_override():
     other = dataclasses.replace(plan, compiler_options=((name, "SERIALIZE"),
                                                         ("xla_gpu_autotune_level", 0)))
     assert engine.round_compiler_options(other) == {name: "SERIALIZE", "xla_gpu_autotune_level": 0}
+
+
+def test_round_compiler_options_unknown_default_dropped(monkeypatch):
+    """A default option this XLA does not know is left out with a warning, not an error."""
+    monkeypatch.setattr(engine, "ROUND_COMPILER_OPTIONS",
+                        (("xla_no_such_option_for_jaxkv", True),) + engine.ROUND_COMPILER_OPTIONS)
+    plan = make_plan(configs.tiny(), CacheConfig(mode="resident", selector="quest", page_size=4,
+                                                 selected_pages=4), [30], 8, num_stop=4)
+    with pytest.warns(UserWarning, match="xla_no_such_option_for_jaxkv"):
+        got = engine.round_compiler_options(plan)
+    assert "xla_no_such_option_for_jaxkv" not in got
+    assert got == dict(engine._accepted_options(engine.ROUND_COMPILER_OPTIONS[1:],
+                                                jax.default_backend()))
