@@ -29,8 +29,10 @@ Variants (``VARIANTS``):
   ``graph_while``: the decode while loop in the CUDA graph too (XLA's WHILE / CONDITIONAL
   command types added to a full list of types; ``graph_list``: that list without them);
   ``conc_multi_output`` / ``conc_heroless`` / ``conc_block_level`` / ``conc_all_triton``: the
-  concurrent graph plus one of XLA's experimental fusion passes. Variants whose options the compiler rejects, or
-  whose round fails to compile or run, are reported and dropped.
+  concurrent graph plus one of XLA's experimental fusion passes.
+
+Variants whose options the compiler rejects, or whose round fails to compile or run, are
+reported and dropped.
 
 Writes ``ab_step.json`` (with ``--tag``: ``ab_step_<tag>.json``).
 """

@@ -12,7 +12,11 @@ plus the ``lm_head`` alone, under several compilations:
 
 * ``xla``: the default (Triton GEMM fusions, autotuned);
 * ``cublas``: ``xla_gpu_enable_triton_gemm=False`` (cuBLAS / cuBLASLt);
-* ``exhaustive``: XLA's exhaustive Triton tiling search (``--variants``).
+* ``exhaustive``: XLA's exhaustive Triton tiling search (``--variants``);
+
+and with the weights stored input-major ``[in, out]`` (the model's layout, ``y = x @ W``) or
+output-major ``[out, in]`` (``--layouts io,oi``; ``bench_matmul_layouts_b7eac6d.json``: no
+gain at M=8).
 
 A split-K Pallas kernel for few rows was measured too (commit 716615a,
 ``benchmarks/results/bench_matmul_716615a.json``): slower than XLA's default at every shape
@@ -170,7 +174,8 @@ def main():
                     row.update(shape=shape, variant=name,
                                options={k: str(v) for k, v in opts.items()})
                     rows.append(row)
-                    print(f"{shape:9s} {layout} M={m:<2d} {name:7s} layer {row['us_per_layer']:7.2f} us "
+                    print(f"{shape:9s} {layout} M={m:<2d} {name:7s} "
+                          f"layer {row['us_per_layer']:7.2f} us "
                           f"({row['layer_tbps']:.2f} TB/s)  lm_head {row['us_lm_head']:7.2f} us "
                           f"({row['lm_head_tbps']:.2f} TB/s)  step {row['us_per_step']:8.1f} us  "
                           f"err {row['rel_err_vs_xla']:.1e}", flush=True)
@@ -188,8 +193,9 @@ def main():
             json.dump(out, f, indent=1)
     print("\nshape     lay M  variant  us/layer  TB/s  lm_head us  TB/s  step us")
     for r in rows:
-        print(f"{r['shape']:9s} {r['layout']}  {r['batch']:<2d} {r['variant']:8s} {r['us_per_layer']:8.2f} "
-              f"{r['layer_tbps']:5.2f} {r['us_lm_head']:10.2f} {r['lm_head_tbps']:5.2f} {r['us_per_step']:8.1f}")
+        print(f"{r['shape']:9s} {r['layout']}  {r['batch']:<2d} {r['variant']:8s} "
+              f"{r['us_per_layer']:8.2f} {r['layer_tbps']:5.2f} {r['us_lm_head']:10.2f} "
+              f"{r['lm_head_tbps']:5.2f} {r['us_per_step']:8.1f}")
 
 
 if __name__ == "__main__":
