@@ -29,10 +29,7 @@ Variants (``VARIANTS``):
   ``graph_while``: the decode while loop in the CUDA graph too (XLA's WHILE / CONDITIONAL
   command types added to a full list of types; ``graph_list``: that list without them);
   ``conc_multi_output`` / ``conc_heroless`` / ``conc_block_level`` / ``conc_all_triton``: the
-  concurrent graph plus one of XLA's experimental fusion passes;
-* ``host_unmerged`` (config c2): the host step's bookkeeping with one kernel per counter field
-  and two scatters each for the LRU's protected-slot mask and page table
-  (``cache.STACKED_COUNTER_ADDS``, ``lru.MERGED_SCATTERS`` off).
+  concurrent graph plus one of XLA's experimental fusion passes.
 
 Variants whose options the compiler rejects, or whose round fails to compile or run, are
 reported and dropped.
@@ -55,8 +52,7 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # noqa: E402
 import bench_decode as bd  # noqa: E402
-from jaxkv import CacheConfig, engine, lru, synthetic  # noqa: E402
-from jaxkv import cache as kvcache  # noqa: E402
+from jaxkv import CacheConfig, engine, synthetic  # noqa: E402
 from pallas_kernels import _common, quest  # noqa: E402
 from pallas_kernels import sparse_attention as sa  # noqa: E402
 from pallas_kernels import dense_select as ds  # noqa: E402
@@ -74,9 +70,6 @@ SWITCHES = {
     "update_scores_impl": (os.environ, "JAXKV_IMPL_" + quest.OP_UPDATE_CMAX.upper()),
     # the engine's default XLA options of the round (engine.ROUND_COMPILER_OPTIONS)
     "round_options": (engine, "ROUND_COMPILER_OPTIONS"),
-    # the host tier's per-step bookkeeping: stacked counter adds, merged LRU scatters
-    "stacked_counters": (kvcache, "STACKED_COUNTER_ADDS"),
-    "lru_merged": (lru, "MERGED_SCATTERS"),
 }
 # name -> (switch values, XLA compiler options)
 VARIANTS = {
@@ -98,9 +91,6 @@ VARIANTS = {
     # without the engine's default options: the graph ordered as XLA orders it by default
     "graph_xla": ({"round_options": ()}, ()),
     "graph_concurrent": ({}, (_CONC,)),
-    # the host step's bookkeeping as before: a kernel per counter field, two scatters each for
-    # the LRU's protected mask and page table (config c2)
-    "host_unmerged": ({"stacked_counters": False, "lru_merged": False}, ()),
     # the decode loop itself inside the CUDA graph (conditional nodes): no host round trip
     # for the loop predicate between steps (graph_list: the same command types without them)
     "graph_list": ({}, (("xla_gpu_enable_command_buffer", _CMD_TYPES),)),

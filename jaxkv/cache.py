@@ -24,10 +24,6 @@ from jaxkv.spec import INVALID, CacheSpec
 from pallas_kernels import page_fetch, page_write
 
 
-# CacheCounters.add: one stacked add for the fields a step updates together (A/B switch).
-STACKED_COUNTER_ADDS = True
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CacheCounters:
@@ -54,18 +50,6 @@ class CacheCounters:
     pages_fetched: jax.Array
     tokens_written: jax.Array
     host_reads: jax.Array
-
-    def add(self, **deltas) -> "CacheCounters":
-        """The counters plus ``deltas`` (int32 scalars by field name). With
-        ``STACKED_COUNTER_ADDS`` the named fields are added as one vector (one kernel in the
-        compiled step, not one per field)."""
-        names = list(deltas)
-        vals = [jnp.asarray(deltas[n], jnp.int32) for n in names]
-        if not STACKED_COUNTER_ADDS or len(names) < 2:
-            return dataclasses.replace(self, **{n: getattr(self, n) + v
-                                                for n, v in zip(names, vals)})
-        new = jnp.stack([getattr(self, n) for n in names]) + jnp.stack(vals)
-        return dataclasses.replace(self, **{n: new[i] for i, n in enumerate(names)})
 
     @classmethod
     def zeros(cls) -> "CacheCounters":
@@ -202,8 +186,11 @@ def ensure_resident(spec: CacheSpec, cache: HostTierCache, requests, protect, *,
     pool = page_fetch.fetch_pages(cache.host_kv, cache.pool, src.reshape(-1), dst.reshape(-1),
                                   implementation=implementation)
     fetched = jnp.sum(res.fetch_src >= 0).astype(jnp.int32)
-    counters = cache.counters.add(hits=res.hits, misses=res.misses, evictions=res.evictions,
-                                  dropped=res.dropped, pages_fetched=fetched)
+    c = cache.counters
+    counters = dataclasses.replace(
+        c, hits=c.hits + res.hits, misses=c.misses + res.misses,
+        evictions=c.evictions + res.evictions, dropped=c.dropped + res.dropped,
+        pages_fetched=c.pages_fetched + fetched)
     cache = dataclasses.replace(
         cache, pool=pool,
         page_table=cache.page_table.at[layers].set(res.page_table),
@@ -231,8 +218,10 @@ def write_through(spec: CacheSpec, cache: HostTierCache, layer, logical_pages, o
         _global_rows(slot, layer, spec.num_slots), offsets, kv, page_size=spec.page_size,
         implementation=implementation)
     written = jnp.sum(logical_pages >= 0).astype(jnp.int32)
+    counters = dataclasses.replace(cache.counters,
+                                   tokens_written=cache.counters.tokens_written + written)
     return dataclasses.replace(cache, host_kv=page_write.keep_on_host(host_kv), pool=pool,
-                               counters=cache.counters.add(tokens_written=written))
+                               counters=counters)
 
 
 def tick(cache: HostTierCache) -> HostTierCache:
@@ -269,5 +258,6 @@ def write_resident(spec: CacheSpec, cache: ResidentCache, layer, logical_pages, 
     pool = page_write.write_tokens(cache.pool, rows, offsets, kv, page_size=spec.page_size,
                                    implementation=implementation)
     written = jnp.sum(logical_pages >= 0).astype(jnp.int32)
-    return dataclasses.replace(cache, pool=pool,
-                               counters=cache.counters.add(tokens_written=written))
+    counters = dataclasses.replace(cache.counters,
+                                   tokens_written=cache.counters.tokens_written + written)
+    return dataclasses.replace(cache, pool=pool, counters=counters)

@@ -363,6 +363,7 @@ def install_previous(plan: Plan, kv, lookahead, protect):
     prot = jnp.broadcast_to(protect, (L, protect.shape[-1]))
     lcol = jnp.arange(L, dtype=jnp.int32)[:, None]
     impl = plan.cache.implementation
+    c = kv.counters
     if plan.in_place:
         res = lru.ensure(kv.page_table, kv.slot_owner, kv.last_used, sel, prot, kv.step,
                          implementation=impl)
@@ -374,16 +375,15 @@ def install_previous(plan: Plan, kv, lookahead, protect):
         # XLA orders that write after this read instead of copying the whole host array.
         host_kv, pool = jax.lax.optimization_barrier((kv.host_kv, pool))
         kv = dataclasses.replace(kv, host_kv=host_kv)
-        fetched = jnp.sum(ok).astype(jnp.int32)
+        c = dataclasses.replace(c, pages_fetched=c.pages_fetched + jnp.sum(ok).astype(jnp.int32))
     else:
         res = lru.ensure(kv.page_table, kv.slot_owner, kv.last_used, sel, prot, kv.step,
                          payload=lookahead[1], implementation=impl)
         dst = jnp.where(res.fetch_dst >= 0, lcol * S + res.fetch_dst, INVALID)
         pool = page_fetch.move_rows(kv.pool, res.fetch_payload.reshape(-1), dst.reshape(-1),
                                     implementation=impl)
-        fetched = jnp.int32(0)
-    counters = kv.counters.add(evictions=res.evictions, overflow=res.dropped,
-                               pages_fetched=fetched)
+    counters = dataclasses.replace(c, evictions=c.evictions + res.evictions,
+                                   overflow=c.overflow + res.dropped)
     return dataclasses.replace(kv, pool=pool, page_table=res.page_table,
                                slot_owner=res.slot_owner, last_used=res.last_used,
                                counters=counters)
@@ -438,9 +438,11 @@ def count_in_place(plan: Plan, kv, sel_all, n_active):
         slot = jnp.full_like(slot, INVALID)
     n_hit = jnp.sum(slot >= 0).astype(jnp.int32)
     n_miss = jnp.sum((sel_all >= 0) & (slot < 0)).astype(jnp.int32)
+    c = kv.counters
     written = (plan.model.num_layers - plan.num_dense) * n_active
-    counters = kv.counters.add(hits=n_hit, misses=n_miss, host_reads=n_miss,
-                               tokens_written=written)
+    counters = dataclasses.replace(c, hits=c.hits + n_hit, misses=c.misses + n_miss,
+                                   host_reads=c.host_reads + n_miss,
+                                   tokens_written=c.tokens_written + written)
     return dataclasses.replace(kv, counters=counters)
 
 
@@ -469,8 +471,11 @@ def lookup_and_fetch(plan: Plan, kv, layer, sel):
     dst = scratch.reshape(-1)
     pool = page_fetch.fetch_pages(kv.host_kv, kv.pool, src, dst,
                                   implementation=plan.cache.implementation)
-    counters = kv.counters.add(hits=jnp.sum(slot >= 0), misses=jnp.sum(miss),
-                               pages_fetched=jnp.sum(fetch))
+    c = kv.counters
+    counters = dataclasses.replace(
+        c, hits=c.hits + jnp.sum(slot >= 0).astype(jnp.int32),
+        misses=c.misses + jnp.sum(miss).astype(jnp.int32),
+        pages_fetched=c.pages_fetched + jnp.sum(fetch).astype(jnp.int32))
     return dataclasses.replace(kv, pool=pool, counters=counters), rows, dst
 
 

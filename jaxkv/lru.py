@@ -53,9 +53,6 @@ PALLAS_MAX = lru_ensure.MAX_SIZE
 # engine's per-step ensure at 8B-like 128k B=1 (R=256, S=520: 0.47M) dense 86 us vs sort
 # 100 us; Qwen-like 128k B=8 (R=512, S=1040: 1.9M) dense 132 us vs sort 88 us.
 DENSE_MAX_ELEMS = 2 ** 20
-# The "sort" method writes the protected-slot mask and the page table with one scatter each
-# (two each otherwise): fewer kernels in the per-step ensure (an A/B switch, read at trace time).
-MERGED_SCATTERS = True
 
 
 def prefix_sum(x: jax.Array) -> jax.Array:
@@ -135,15 +132,10 @@ def _ensure_layer(page_table, slot_owner, last_used, requests, protect, payload,
     miss = first & (cur < 0)
 
     # Protected slots: hits of this step and resident protected pages.
+    prot = jnp.zeros((S,), jnp.bool_).at[jnp.where(hit, cur, S)].set(True, mode="drop")
     pvalid = (protect >= 0) & (protect < P)
     pslot = jnp.where(pvalid, page_table[jnp.clip(protect, 0, P - 1)], INVALID)
-    hit_at, prot_at = jnp.where(hit, cur, S), jnp.where(pslot >= 0, pslot, S)
-    if MERGED_SCATTERS:  # one scatter (both set True; repeats are harmless)
-        prot = jnp.zeros((S,), jnp.bool_).at[jnp.concatenate([hit_at, prot_at])].set(
-            True, mode="drop")
-    else:
-        prot = jnp.zeros((S,), jnp.bool_).at[hit_at].set(True, mode="drop")
-        prot = prot.at[prot_at].set(True, mode="drop")
+    prot = prot.at[jnp.where(pslot >= 0, pslot, S)].set(True, mode="drop")
 
     # Victim order: unprotected empty slots, then least recently used; ties by slot index.
     key = jnp.where(prot, _BIG, jnp.where(slot_owner < 0, -1, last_used))
@@ -164,13 +156,8 @@ def _ensure_layer(page_table, slot_owner, last_used, requests, protect, payload,
     dst = jnp.where(assigned, new_slot, S)
     old_owner = jnp.where(assigned, slot_owner[jnp.clip(dst, 0, S - 1)], INVALID)
     evicted = old_owner >= 0
-    evict_at, install_at = jnp.where(evicted, old_owner, P), jnp.where(assigned, sorted_req, P)
-    if MERGED_SCATTERS:  # one scatter: an evicted page was resident, an installed one was not
-        page_table = page_table.at[jnp.concatenate([evict_at, install_at])].set(
-            jnp.concatenate([jnp.full((R,), INVALID, jnp.int32), new_slot]), mode="drop")
-    else:
-        page_table = page_table.at[evict_at].set(INVALID, mode="drop")
-        page_table = page_table.at[install_at].set(new_slot, mode="drop")
+    page_table = page_table.at[jnp.where(evicted, old_owner, P)].set(INVALID, mode="drop")
+    page_table = page_table.at[jnp.where(assigned, sorted_req, P)].set(new_slot, mode="drop")
     slot_owner = slot_owner.at[dst].set(sorted_req, mode="drop")
     last_used = last_used.at[jnp.where(s_slot >= 0, s_slot, S)].set(step, mode="drop")
 

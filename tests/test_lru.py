@@ -273,16 +273,6 @@ def test_pallas_equals_dense_on_streams(L, P, S, R, Q, p_dup, p_pad):
         assert drops > 0
 
 
-def test_sort_unmerged_scatters_equal_dense(monkeypatch):
-    """The "sort" method with ``MERGED_SCATTERS`` off (two scatters each for the protected mask
-    and the page table, the A/B baseline) gives the same results as "dense"."""
-    monkeypatch.setattr(lru, "MERGED_SCATTERS", False)
-    monkeypatch.setitem(_JIT, "sort_unmerged", jax.jit(functools.partial(ensure, method="sort")))
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    evictions, drops = _compare_stream(3, 40, 6, 9, 3, 12, seed, a="sort_unmerged", b="dense")
-    assert evictions > 0 and drops > 0
-
-
 def test_pallas_method_resolution(monkeypatch):
     monkeypatch.setattr(lru._common, "on_gpu", lambda: True)
     monkeypatch.delenv("JAXKV_IMPL", raising=False)
@@ -358,23 +348,3 @@ def test_gpu_pallas_in_jitted_loop_with_donation():
     for x, y in zip(*outs):
         np.testing.assert_array_equal(x, y)
     assert int(outs[0][3][2]) > 0  # evictions happened
-
-
-@pytest.mark.parametrize("stacked", [True, False])
-def test_counters_add(monkeypatch, stacked):
-    """CacheCounters.add: the named fields grow by their deltas (stacked as one vector or
-    field by field), the others keep their values; under jit too."""
-    from jaxkv import cache
-    monkeypatch.setattr(cache, "STACKED_COUNTER_ADDS", stacked)
-    c = cache.CacheCounters(*[jnp.int32(i) for i in range(8)])
-
-    def bump(c, n):
-        return c.add(hits=n, misses=2 * n, host_reads=n * n - 3, tokens_written=3)
-
-    for out in (bump(c, jnp.int32(4)), jax.jit(bump)(c, jnp.int32(4))):
-        got = {f: int(getattr(out, f)) for f in ("hits", "misses", "evictions", "dropped",
-                                                 "overflow", "pages_fetched", "tokens_written",
-                                                 "host_reads")}
-        assert got == dict(hits=4, misses=9, evictions=2, dropped=3, overflow=4,
-                           pages_fetched=5, tokens_written=9, host_reads=20)
-        assert all(getattr(out, f).dtype == jnp.int32 for f in got)
