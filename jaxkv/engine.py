@@ -34,15 +34,15 @@ from pallas_kernels.sparse_attention import sparse_paged_attention
 # XLA options every decode round is compiled with (``round_compiler_options``). The round's
 # CUDA graph orders its kernels by their buffer dependencies, so independent ones may overlap:
 # 1.2-1.7% off the Qwen-like B=8 step (benchmarks/results/ab_step_pdl_b46177f.json,
-# ab_step_concurrent_b46177f.json). Other backends ignore the option; an XLA that does not
-# know an option gets the round without it (and a warning), not an error.
+# ab_step_concurrent_b46177f.json). The CPU backend accepts and ignores it (other backends are
+# not tried); an XLA that rejects an option gets the round without it (and a warning).
 ROUND_COMPILER_OPTIONS = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)
 
 
 @functools.lru_cache(maxsize=None)
 def _accepted_options(options: tuple, backend: str) -> tuple:
-    """The pairs of ``options`` that this XLA accepts (each tried once on a tiny program for the
-    default ``backend``, the cache key)."""
+    """The pairs of ``options`` that this XLA accepts, each tried once on a tiny program.
+    ``backend`` (the default backend, where the program compiles) is only the cache key."""
     del backend
     ok = []
     for name, value in options:
