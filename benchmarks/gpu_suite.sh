@@ -17,7 +17,6 @@
 # matmul-opts: the Qwen-like B=8 products under XLA option variants ($MATMUL_VARIANTS) and
 #   weight layouts ($MATMUL_LAYOUTS: io = [in, out], oi = [out, in])
 # launch: the per-kernel floor of chained tiny kernels, XLA / Pallas, PDL on and off (bench_launch.py)
-# l2: a layer's matmuls with their weights read into L2 beside its attention (bench_l2_prefetch.py)
 # locality: fetch rate by where the fetched pages lie in the host tier (bench_fetch --only-locality)
 # ab: same-process A/B of decode-step variants (ab_step.py; $AB_VARIANTS, $AB_CONFIG b|c2,
 #   $AB_PAIRS; AB_DUMP=1 also returns the optimized HLO of every compiled round as ab_hlo.tgz)
@@ -84,8 +83,6 @@ for s in $STAGES; do
     matmul-opts) run matmul_opts 300 $PY benchmarks/bench_matmul.py --shapes qwen1.5b --batches 8 \
         --variants ${MATMUL_VARIANTS:-xla,cublas,exhaustive} --layouts ${MATMUL_LAYOUTS:-io} --out "$OUT" ;;
     launch) run launch 120 $PY benchmarks/bench_launch.py --out "$OUT" ;;
-    l2) run l2 ${L2_LIMIT:-300} $PY benchmarks/bench_l2_prefetch.py --passes ${L2_PASSES:-2} \
-        --variants ${L2_VARIANTS:-none,wo,wo_gu16,wo_gu32,wo_gu32_p32} --out "$OUT" ;;
     locality) run locality 200 $PY benchmarks/bench_fetch.py --only-locality --out "$OUT" ;;
     ab) flags=${XLA_FLAGS:-}
         [ "${AB_DUMP:-0}" = 1 ] && flags="$flags --xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_round.*"
