@@ -22,6 +22,9 @@ A split-K Pallas kernel for few rows was measured too (commit 716615a,
 ``benchmarks/results/bench_matmul_716615a.json``): slower than XLA's default at every shape
 (Qwen-like B=8: 43-54 us per layer over eight tilings against 39 us), so it was removed.
 
+``--l2``: each projection alone with its weight read from HBM (a distinct weight per layer) or
+from L2 (one shared weight): how much of a product's time the weight read is.
+
 Reports microseconds per layer and the weight-read bandwidth (weight bytes / time).
 """
 from __future__ import annotations
@@ -150,6 +153,46 @@ def measure(s, layout, m, opts, steps, reps):
                 wall_s=time.perf_counter() - t_c)
 
 
+def l2_rows(s, m, steps, reps):
+    """Each projection alone, chained ``layers`` times per step through x [m, in] bf16, with
+    ``distinct`` weights per layer (read from HBM) or one ``shared`` weight (it stays in L2
+    when it fits: 50 MB on the H200). An optimization barrier keeps XLA from narrowing a
+    product to the columns the next one uses. The gate half of ``w_gate_up`` stands in for it
+    (the whole does not fit in L2)."""
+    L = s["layers"]
+    mats = dict(wqkv=(s["d"], s["qkv"]), wo=(s["q"], s["d"]), w_gate=(s["d"], s["f"]),
+                w_down=(s["f"], s["d"]))
+    rows = []
+    for name, (k_in, n_out) in mats.items():
+        ws = [jax.random.normal(jax.random.key(100 + i), (k_in, n_out), jnp.bfloat16) * 0.02
+              for i in range(L)]
+        x = jnp.ones((m, k_in), jnp.bfloat16) * 0.1
+        reps_out = -(-k_in // n_out)
+
+        def run(x, ws, shared):
+            def body(_, x):
+                for i in range(L):
+                    y = jax.lax.optimization_barrier(xla_mm(x, ws[0] if shared else ws[i]))
+                    x = jnp.tile(y, (1, reps_out))[:, :k_in].astype(x.dtype)
+                return x
+            return jax.lax.fori_loop(0, steps, body, x)
+
+        us = {}
+        for mode in ("distinct", "shared"):
+            us[mode] = timed(lambda x, ws, sh=(mode == "shared"): run(x, ws, sh), (x, ws), {},
+                             reps) / steps / L * 1e6
+        nbytes = k_in * n_out * 2
+        rows.append(dict(matrix=name, shape=[k_in, n_out], batch=m, weight_mb=nbytes / 1e6,
+                         us_distinct=us["distinct"], us_shared=us["shared"],
+                         shared_over_distinct=us["shared"] / us["distinct"],
+                         tbps_distinct=nbytes / (us["distinct"] * 1e-6) / 1e12))
+        r = rows[-1]
+        print(f"L2 probe {name:7s} {r['weight_mb']:6.1f} MB M={m}: HBM (distinct) "
+              f"{r['us_distinct']:6.2f} us ({r['tbps_distinct']:.2f} TB/s), L2 (shared) "
+              f"{r['us_shared']:6.2f} us, ratio {r['shared_over_distinct']:.3f}", flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -161,7 +204,27 @@ def main():
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {sorted(VARIANTS)}")
     ap.add_argument("--layouts", default="io", help="weight layouts: io (the model's, [in, out]) "
                     "and/or oi ([out, in])")
+    ap.add_argument("--l2", action="store_true", help="only the per-projection probe: weights "
+                    "from HBM (distinct per layer) vs from L2 (one shared weight), XLA default")
     a = ap.parse_args()
+    if a.l2:
+        rows = []
+        for shape in a.shapes.split(","):
+            s = QUICK if a.quick else SHAPES[shape]
+            for m in [int(b) for b in a.batches.split(",")]:
+                rows += [dict(r, shape=shape) for r in l2_rows(s, m, a.steps, a.reps)]
+        out = dict(benchmark="bench_matmul_l2", device=str(jax.devices()[0].device_kind),
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                   commit=_meta.commit(), jax_version=jax.__version__, steps=a.steps,
+                   reps=a.reps, quick=a.quick, rows=rows,
+                   notes=["per projection: layers x (x @ W) chained in a jitted fori_loop, "
+                          "x [M, in] bf16; distinct = a different W per layer, shared = one W; "
+                          "us per product; tbps_distinct = W bytes / us_distinct"])
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "bench_matmul_l2.json"), "w") as f:
+                json.dump(out, f, indent=1)
+        return
     gpu = jax.default_backend() == "gpu"
     variants = {v: VARIANTS[v] for v in a.variants.split(",")} if gpu else {"xla": {}}
     rows = []

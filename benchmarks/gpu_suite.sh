@@ -16,6 +16,7 @@
 # matmul: decode-shaped weight products, XLA's default vs cuBLAS (bench_matmul.py)
 # matmul-opts: the Qwen-like B=8 products under XLA option variants ($MATMUL_VARIANTS) and
 #   weight layouts ($MATMUL_LAYOUTS: io = [in, out], oi = [out, in])
+# matmul-l2: each projection with its weight from HBM vs from L2 (bench_matmul.py --l2)
 # launch: the per-kernel floor of chained tiny kernels, XLA / Pallas, PDL on and off (bench_launch.py)
 # locality: fetch rate by where the fetched pages lie in the host tier (bench_fetch --only-locality)
 # ab: same-process A/B of decode-step variants (ab_step.py; $AB_VARIANTS, $AB_CONFIG b|c2,
@@ -82,6 +83,8 @@ for s in $STAGES; do
     matmul) run matmul 200 $PY benchmarks/bench_matmul.py --out "$OUT" ;;
     matmul-opts) run matmul_opts 300 $PY benchmarks/bench_matmul.py --shapes qwen1.5b --batches 8 \
         --variants ${MATMUL_VARIANTS:-xla,cublas,exhaustive} --layouts ${MATMUL_LAYOUTS:-io} --out "$OUT" ;;
+    matmul-l2) run matmul_l2 240 $PY benchmarks/bench_matmul.py --l2 --shapes qwen1.5b,8b --batches 1,8 \
+        --out "$OUT" ;;
     launch) run launch 120 $PY benchmarks/bench_launch.py --out "$OUT" ;;
     locality) run locality 200 $PY benchmarks/bench_fetch.py --only-locality --out "$OUT" ;;
     ab) flags=${XLA_FLAGS:-}

@@ -52,3 +52,14 @@ def test_bench_launch_quick(tmp_path):
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
     rows = json.loads((tmp_path / "bench_launch.json").read_text())["rows"]
     assert len(rows) == 6 and all(r["correct"] and r["us_per_kernel"] > 0 for r in rows)
+
+
+def test_bench_matmul_l2_quick(tmp_path):
+    """bench_matmul --l2: one row per projection with both timings."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_matmul.py"), "--quick", "--l2",
+                    "--shapes", "qwen1.5b", "--batches", "8", "--steps", "1", "--reps", "1",
+                    "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    rows = json.loads((tmp_path / "bench_matmul_l2.json").read_text())["rows"]
+    assert [r["matrix"] for r in rows] == ["wqkv", "wo", "w_gate", "w_down"]
+    assert all(r["us_distinct"] > 0 and r["us_shared"] > 0 for r in rows)
