@@ -29,10 +29,7 @@ Variants (``VARIANTS``):
   ``graph_while``: the decode while loop in the CUDA graph too (XLA's WHILE / CONDITIONAL
   command types added to a full list of types; ``graph_list``: that list without them);
   ``conc_multi_output`` / ``conc_heroless`` / ``conc_block_level`` / ``conc_all_triton``: the
-  concurrent graph plus one of XLA's experimental fusion passes;
-* ``pf_wo`` / ``pf_gu16`` / ``pf_gu32`` / ``pf_gu32_p264``: each layer reads the output
-  projection's weights and the first 0 / 16 / 32 MiB of ``w_gate_up`` into L2 beside its
-  attention (``models.llama.L2_PREFETCH``; ``_p264``: with 264 programs instead of 132).
+  concurrent graph plus one of XLA's experimental fusion passes.
 
 Variants whose options the compiler rejects, or whose round fails to compile or run, are
 reported and dropped.
@@ -56,7 +53,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # noqa: E402
 import bench_decode as bd  # noqa: E402
 from jaxkv import CacheConfig, engine, synthetic  # noqa: E402
-from models import llama  # noqa: E402
 from pallas_kernels import _common, quest  # noqa: E402
 from pallas_kernels import sparse_attention as sa  # noqa: E402
 from pallas_kernels import dense_select as ds  # noqa: E402
@@ -74,11 +70,7 @@ SWITCHES = {
     "update_scores_impl": (os.environ, "JAXKV_IMPL_" + quest.OP_UPDATE_CMAX.upper()),
     # the engine's default XLA options of the round (engine.ROUND_COMPILER_OPTIONS)
     "round_options": (engine, "ROUND_COMPILER_OPTIONS"),
-    # weights read into L2 beside each layer's attention (models.llama.L2_PREFETCH)
-    "l2_prefetch": (llama, "L2_PREFETCH"),
-    "l2_programs": (llama, "L2_PREFETCH_PROGRAMS"),
 }
-_MIB, _ALL = 1 << 20, 1 << 40
 # name -> (switch values, XLA compiler options)
 VARIANTS = {
     "default": ({}, ()),
@@ -111,12 +103,6 @@ VARIANTS = {
     "conc_block_level": ({}, (_CONC, ("xla_gpu_experimental_enable_fusion_block_level_rewriter",
                                       True))),
     "conc_all_triton": ({}, (_CONC, ("xla_gpu_experimental_all_fusions_with_triton", True))),
-    # L2 prefetch of the output projection (all) and the first MiB of the MLP's gate/up weights
-    "pf_wo": ({"l2_prefetch": (("wo", _ALL),)}, ()),
-    "pf_gu16": ({"l2_prefetch": (("wo", _ALL), ("w_gate_up", 16 * _MIB))}, ()),
-    "pf_gu32": ({"l2_prefetch": (("wo", _ALL), ("w_gate_up", 32 * _MIB))}, ()),
-    "pf_gu32_p264": ({"l2_prefetch": (("wo", _ALL), ("w_gate_up", 32 * _MIB)),
-                      "l2_programs": 264}, ()),
 }
 
 

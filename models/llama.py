@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.configs import ModelConfig
-from pallas_kernels import l2_prefetch
 
 Params = dict[str, Any]
 # attend(layer i32[], layer_params, h [B,T,d], q [B,T,Hq,D], k [B,T,H,D], v [B,T,H,D], carry)
@@ -415,24 +414,6 @@ def dense_attend(layer, layer_params, h, q, k, v, carry):
     return gqa_attention(q, k, v, mask), carry
 
 
-# Weights to pull into the GPU's L2 while a layer's attention runs: ((name, bytes), ...) of
-# this layer's params (pallas_kernels.l2_prefetch; read when a step is traced; () = none).
-L2_PREFETCH: tuple = ()
-L2_PREFETCH_PROGRAMS = 132
-
-
-def prefetch_weights(layer_params: Params, x, *, after):
-    """``x`` unchanged, after a kernel that starts once ``after`` exists and reads the first
-    bytes of the weights named in ``L2_PREFETCH`` into L2 (the identity when that is empty;
-    off the GPU the op's XLA reference, also the identity)."""
-    if not L2_PREFETCH:
-        return x
-    names = tuple(n for n, _ in L2_PREFETCH)
-    return l2_prefetch.l2_prefetch(x, after, tuple(layer_params[n] for n in names),
-                                   nbytes=tuple(int(b) for _, b in L2_PREFETCH),
-                                   programs=L2_PREFETCH_PROGRAMS)
-
-
 def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn, carry, *,
                start: int = 0, stop: int | None = None, unroll: int = 1, axis_name=None):
     """Layers ``[start, stop)`` (static) of the model: x [B, T, d] -> (x, carry).
@@ -451,7 +432,6 @@ def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn,
         x, ac = c
         layer, lp = xs
         h, q, k, v = attention_inputs(lp, cfg, x, positions)
-        x = prefetch_weights(lp, x, after=k)
         attn, ac = attend(layer, lp, h, q, k, v, ac)
         return (layer_output(lp, cfg, x, attn, axis_name=axis_name), ac), None
 
