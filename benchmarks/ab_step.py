@@ -21,7 +21,8 @@ Variants (``VARIANTS``):
   maxima by the XLA reference (scatters, then one fusion) instead of the fused kernel;
 * ``exhaustive``: an XLA compiler option of the decode round (``Plan.compiler_options``): the
   Triton GEMM autotuner searches its full tiling space. (``xla_gpu_experimental_enable_triton_tma``
-  is not accepted as a compile option by jax 0.11.2's GPU client.)
+  is not accepted as a compile option by jax 0.11.2's GPU client.) ``autotune0``: no
+  autotuning (XLA's heuristic tilings).
 * ``pdl_off`` / ``pdl_on`` / ``pdl_launch``: programmatic dependent launch (Hopper) off, on,
   on with early-launch instructions; ``graph_serial`` / ``graph_concurrent``: the CUDA graph's
   kernel ordering (``xla_gpu_command_buffer_scheduling_mode``; the engine's default is
@@ -77,6 +78,7 @@ VARIANTS = {
     "fused_update": ({"fuse_update": True}, ()),
     "separate_update": ({"fuse_update": False}, ()),
     "exhaustive": ({}, (_EXH,)),
+    "autotune0": ({}, (("xla_gpu_autotune_level", 0),)),
     "merge_xla": ({"merge": "xla"}, ()),
     "k_copy": ({"stacked_kv": False}, ()),
     "scores_xla": ({"update_scores_impl": "xla"}, ()),

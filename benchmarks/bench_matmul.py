@@ -13,6 +13,7 @@ plus the ``lm_head`` alone, under several compilations:
 * ``xla``: the default (Triton GEMM fusions, autotuned);
 * ``cublas``: ``xla_gpu_enable_triton_gemm=False`` (cuBLAS / cuBLASLt);
 * ``exhaustive``: XLA's exhaustive Triton tiling search (``--variants``);
+* ``autotune0``: no autotuning, XLA's heuristic tilings;
 
 and with the weights stored input-major ``[in, out]`` (the model's layout, ``y = x @ W``) or
 output-major ``[out, in]`` (``--layouts io,oi``; ``bench_matmul_layouts_b7eac6d.json``: no
@@ -54,6 +55,9 @@ VARIANTS = {
     "cublas": {"xla_gpu_enable_triton_gemm": False},
     # the autotuner over XLA's full Triton tiling space instead of its default shortlist
     "exhaustive": {"xla_gpu_exhaustive_tiling_search": True},
+    # no autotuning: XLA's heuristic tilings (the autotuner times candidates on the same
+    # buffers again and again, so weights that fit in L2 are timed warm)
+    "autotune0": {"xla_gpu_autotune_level": 0},
 }
 DEFAULT_VARIANTS = "xla,cublas"
 
