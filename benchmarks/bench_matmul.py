@@ -223,7 +223,8 @@ def main():
                    reps=a.reps, quick=a.quick, rows=rows,
                    notes=["per projection: layers x (x @ W) chained in a jitted fori_loop, "
                           "x [M, in] bf16; distinct = a different W per layer, shared = one W; "
-                          "us per product; tbps_distinct = W bytes / us_distinct"])
+                          "us per product, each with one small tile/slice fusion; "
+                          "tbps_distinct = W bytes / us_distinct"])
         if a.out:
             os.makedirs(a.out, exist_ok=True)
             with open(os.path.join(a.out, "bench_matmul_l2.json"), "w") as f:
