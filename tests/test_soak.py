@@ -275,7 +275,13 @@ def test_soak_short_pallas_interpret():
 
 
 def test_soak_detects_corruption():
-    """The checker itself: a pool with one wrong resident row must fail the soak."""
+    """The checker itself: a pool with wrong resident rows must fail the soak at once.
+
+    Every resident row holding a valid token is corrupted: one row alone can be wiped out by
+    the very next step (its slot evicted and refetched, or its request reset so that none of
+    its tokens is valid any more; seed 2103917769 reset the one corrupted row's request).
+    Sink and current pages are never evicted, so all rows vanish only if every request
+    resets in that step."""
     c, n = Soak(), 500  # the same static arguments as test_soak_short_xla: no new compile
     seed = _seed()
     base = jax.random.key(seed)
@@ -285,8 +291,8 @@ def test_soak_detects_corruption():
     cand = [(l, s) for l in range(c.L) for s in range(c.S)
             if owner[l, s] >= 0 and (owner[l, s] % c.Np) * c.ps < lengths[owner[l, s] // c.Np]]
     assert cand, f"seed={seed}"
-    row = cand[0][0] * c.S + cand[0][1]
-    bad = dataclasses.replace(cache, pool=cache.pool.at[row].add(1.0))
+    rows = jnp.asarray([l * c.S + s for l, s in cand], jnp.int32)
+    bad = dataclasses.replace(cache, pool=cache.pool.at[rows].add(1.0))
     stats = (jax.device_put(jnp.bool_(True), kvcache.device_sharding()),) + tuple(carry[3][1:])
     carry = _chunk(c, "xla", n, base, (bad, carry[1], carry[2], stats), jnp.int32(n))
     assert not bool(carry[3][0]) and int(carry[3][1]) == n, f"seed={seed}"
