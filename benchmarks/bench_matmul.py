@@ -197,6 +197,19 @@ def l2_rows(s, m, steps, reps):
     return rows
 
 
+def _write(a, name: str, rows: list, notes: list):
+    """``<a.out>/<name>.json`` (when --out is given): run metadata, the rows and notes."""
+    if not a.out:
+        return
+    out = dict(benchmark=name, device=str(jax.devices()[0].device_kind),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               commit=_meta.commit(), jax_version=jax.__version__, steps=a.steps, reps=a.reps,
+               quick=a.quick, rows=rows, notes=notes)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"{name}.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -217,18 +230,10 @@ def main():
             s = QUICK if a.quick else SHAPES[shape]
             for m in [int(b) for b in a.batches.split(",")]:
                 rows += [dict(r, shape=shape) for r in l2_rows(s, m, a.steps, a.reps)]
-        out = dict(benchmark="bench_matmul_l2", device=str(jax.devices()[0].device_kind),
-                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                   commit=_meta.commit(), jax_version=jax.__version__, steps=a.steps,
-                   reps=a.reps, quick=a.quick, rows=rows,
-                   notes=["per projection: layers x (x @ W) chained in a jitted fori_loop, "
-                          "x [M, in] bf16; distinct = a different W per layer, shared = one W; "
-                          "us per product, each with one small tile/slice fusion; "
-                          "tbps_distinct = W bytes / us_distinct"])
-        if a.out:
-            os.makedirs(a.out, exist_ok=True)
-            with open(os.path.join(a.out, "bench_matmul_l2.json"), "w") as f:
-                json.dump(out, f, indent=1)
+        _write(a, "bench_matmul_l2", rows,
+               ["per projection: layers x (x @ W) chained in a jitted fori_loop, x [M, in] bf16; "
+                "distinct = a different W per layer, shared = one W; us per product, each with "
+                "one small tile/slice fusion; tbps_distinct = W bytes / us_distinct"])
         return
     gpu = jax.default_backend() == "gpu"
     variants = {v: VARIANTS[v] for v in a.variants.split(",")} if gpu else {"xla": {}}
@@ -247,18 +252,11 @@ def main():
                           f"({row['layer_tbps']:.2f} TB/s)  lm_head {row['us_lm_head']:7.2f} us "
                           f"({row['lm_head_tbps']:.2f} TB/s)  step {row['us_per_step']:8.1f} us  "
                           f"err {row['rel_err_vs_xla']:.1e}", flush=True)
-    out = dict(benchmark="bench_matmul", device=str(jax.devices()[0].device_kind),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               commit=_meta.commit(), jax_version=jax.__version__, steps=a.steps, reps=a.reps,
-               quick=a.quick, rows=rows,
-               notes=["chain: per layer x@wqkv, @wo, @w_gate_up, @w_down (bf16, distinct weights per "
-                      "layer) in a jitted fori_loop; TB/s = weight bytes / time",
-                      "rel_err_vs_xla: single products x @ w (first layer's weights, lm_head) "
-                      "compiled with the variant's options against the default compilation"])
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "bench_matmul.json"), "w") as f:
-            json.dump(out, f, indent=1)
+    _write(a, "bench_matmul", rows,
+           ["chain: per layer x@wqkv, @wo, @w_gate_up, @w_down (bf16, distinct weights per "
+            "layer) in a jitted fori_loop; TB/s = weight bytes / time",
+            "rel_err_vs_xla: single products x @ w (first layer's weights, lm_head) "
+            "compiled with the variant's options against the default compilation"])
     print("\nshape     lay M  variant  us/layer  TB/s  lm_head us  TB/s  step us")
     for r in rows:
         print(f"{r['shape']:9s} {r['layout']}  {r['batch']:<2d} {r['variant']:8s} "
