@@ -20,6 +20,12 @@ after; the mean is the reference). Sections, in order (a time budget skips the r
 4. grid: page sizes 16/32/64/128 x 8..4096 missed pages x head shapes 8x128 and 3x64
    (bf16), default variant and the naive one-page-per-program baseline.
 
+``--only-steady``: the per-step slope of the fetch loop at the target points (call time
+fitted over 8-64 steps per call), of XLA's DMA of a step-sized block, of a fetch between
+bursts of device-only work, and of bulk ``device_put`` over 128 MiB-1 GiB. Median call time /
+steps (the sections above) also carries each call's fixed cost (dispatch, loop start, final
+sync); the slope is what a fetch costs inside a long compiled loop such as the decode loop.
+
 Writes ``bench_fetch.json`` and ``bench_fetch.png`` to --out; prints a short table last.
 """
 from __future__ import annotations
@@ -614,6 +620,180 @@ def section_locality(cfg, bulk_gbps, budget, rng):
     return out
 
 
+# ------------------------------------------------------------------------------ steady state
+STEADY_STEPS = (8, 16, 32, 64)   # fetch steps per call, for the per-step slope
+STEADY_BULK_MIB = (128, 256, 512, 1024)
+
+
+def fit_line(xs, ys):
+    """Least squares ``y = a + b * x``: returns (a, b, r2)."""
+    x, y = np.asarray(xs, float), np.asarray(ys, float)
+    A = np.stack([np.ones_like(x), x], 1)
+    (a, b), *_ = np.linalg.lstsq(A, y, rcond=None)
+    ss = float(((y - A @ np.array([a, b])) ** 2).sum())
+    tot = float(((y - y.mean()) ** 2).sum())
+    return float(a), float(b), (1.0 - ss / tot) if tot > 0 else 1.0
+
+
+def steady_bulk(sizes_mib, reps):
+    """Bulk ``device_put`` at several sizes; seconds = fixed + bytes / GBps (the marginal
+    rate, without the per-call cost that a single size folds into its figure)."""
+    rows = [bench_bulk(m * MiB, reps) for m in sizes_mib]
+    a, b, r2 = fit_line([r["bytes"] for r in rows], [r["seconds"] for r in rows])
+    return dict(calls=rows, fixed_us=a * 1e6, GBps=1e-9 / b, r2=r2)
+
+
+def steady_fetch(host, M, *, steps_list, reps, rng, tuning=None, empty=False):
+    """Call time of a loop of ``steps`` fetches for each ``steps`` in ``steps_list``, fitted
+    as call = fixed + steps * per_step: ``us_per_step`` is what one more fetch step costs
+    inside a compiled loop (the decode step's situation), ``fixed_us`` the per-call cost
+    (dispatch, the loop's start and the final sync) that ``fetch_point`` spreads over its
+    steps."""
+    calls = []
+    for steps in steps_list:
+        r = fetch_point(host, M, steps=steps, reps=reps, rng=rng, tuning=tuning, empty=empty)
+        calls.append(dict(steps=steps, call_us=r["us_per_step"] * steps, correct=r["correct"]))
+    a, b, r2 = fit_line([c["steps"] for c in calls], [c["call_us"] for c in calls])
+    nbytes = M * host.shape[1] * host.dtype.itemsize
+    out = dict(M=M, page_bytes=host.shape[1] * host.dtype.itemsize, calls=calls, fixed_us=a,
+               us_per_step=b, r2=r2, correct=all(c["correct"] is not False for c in calls))
+    if not empty:
+        out["GBps"] = nbytes / b / 1e3
+    return out
+
+
+def steady_dma(host, step_rows, *, steps_list, reps):
+    """``dma_in_program`` at several loop lengths, fitted like ``steady_fetch``."""
+    calls = []
+    for steps in steps_list:
+        r = dma_in_program(host, step_rows, steps, reps)
+        calls.append(dict(steps=steps, call_us=r["us_per_step"] * steps, correct=r["correct"]))
+    a, b, r2 = fit_line([c["steps"] for c in calls], [c["call_us"] for c in calls])
+    nbytes = step_rows * host.shape[1] * host.dtype.itemsize
+    return dict(step_bytes=nbytes, calls=calls, fixed_us=a, us_per_step=b, r2=r2,
+                GBps=nbytes / b / 1e3, correct=all(c["correct"] for c in calls))
+
+
+@functools.lru_cache(maxsize=None)
+def _interleaved_loop(steps, with_fetch, busy_matmuls):
+    """``steps`` iterations of [fetch one step's pages] -> [device-only work that reads the
+    pool: ``busy_matmuls`` chained [1024, 4096] x [4096, 4096] bf16 products]; the next
+    fetch's source rows depend on that work, so nothing overlaps and PCIe idles between
+    fetches, as it does between the fetches of decode steps."""
+    def run(src_arr, pool, src_tab, dst_tab, x, w):
+        def body(t, carry):
+            pool, x = carry
+            dep = (x[0, 0] > 1e30).astype(jnp.int32)   # 0, but only known after the work
+            if with_fetch:
+                pool = page_fetch.fetch_pages(src_arr, pool, src_tab[t] + dep, dst_tab[t])
+            x = x + pool[0, : x.shape[1]].astype(x.dtype)
+            for _ in range(busy_matmuls):
+                x = jnp.tanh(x @ w)
+            return pool, x
+        return jax.lax.fori_loop(0, steps, body, (pool, x))
+
+    return jax.jit(run, donate_argnums=1)
+
+
+def steady_interleaved(host, M, *, steps_list, reps, rng, busy_matmuls=8):
+    """Per-step cost of a fetch between bursts of device-only work: slope(with fetch) -
+    slope(without). Equal to the back-to-back per-step time when the link needs no warm-up
+    after idling."""
+    n_src, row = host.shape
+    x = jnp.ones((1024, 4096), jnp.bfloat16, device=DEVICE) * 0.01
+    w = (jax.random.normal(jax.random.key(1), (4096, 4096), jnp.bfloat16) * 0.02).astype(jnp.bfloat16)
+    w = jax.device_put(w, DEVICE)
+    out = {}
+    for with_fetch in (False, True):
+        calls = []
+        for steps in steps_list:
+            src = jnp.asarray(source_rows(rng, n_src, M, steps), jnp.int32)
+            dst = jnp.asarray(np.stack([rng.permutation(M) for _ in range(steps)]), jnp.int32)
+            pool = jnp.zeros((M, row), host.dtype, device=DEVICE)
+            f = _interleaved_loop(steps, with_fetch, busy_matmuls)
+            pool, _ = f(host, pool, src, dst, x, w)
+            jax.block_until_ready(pool)
+            box = [pool]
+
+            def call():
+                box[0], y = f(host, box[0], src, dst, x, w)
+                return y
+
+            t = median_time(call, reps)
+            calls.append(dict(steps=steps, call_us=t * 1e6))
+            box[0].delete()
+        a, b, r2 = fit_line([c["steps"] for c in calls], [c["call_us"] for c in calls])
+        out["fetch" if with_fetch else "work_only"] = dict(calls=calls, fixed_us=a, us_per_step=b,
+                                                          r2=r2)
+    nbytes = M * row * host.dtype.itemsize
+    d = out["fetch"]["us_per_step"] - out["work_only"]["us_per_step"]
+    out.update(M=M, busy_matmuls=busy_matmuls, fetch_us_per_step=d, GBps=nbytes / d / 1e3)
+    return out
+
+
+def section_steady(cfg, budget, rng):
+    """Steady-state rates: the per-step slope of the fetch loop at the target points (default
+    and naive tunings, and the empty launch), the same for XLA's DMA of a step-sized block,
+    a fetch between bursts of device-only work, and the bulk ``device_put`` slope before and
+    after. Fractions are slope over slope (no per-call cost on either side)."""
+    H, D = HEADS["8x128"]
+    steps_list = (UNROLL, 2 * UNROLL) if cfg.quick else STEADY_STEPS
+    bulk_sizes = (1, 2) if cfg.quick else STEADY_BULK_MIB
+    bulk0 = steady_bulk(bulk_sizes, cfg.reps)
+    print(f"steady bulk: {bulk0['GBps']:.2f} GB/s marginal, fixed {bulk0['fixed_us']:.0f} us "
+          f"(r2 {bulk0['r2']:.4f})", flush=True)
+    points = []
+    for name, ps, M, frac in cfg.targets:
+        if not budget.ok(f"steady {name}"):
+            continue
+        row = 2 * H * ps * D
+        host = make_array(max(cfg.host_bytes // (row * 2), 2 * M), row, jnp.bfloat16, HOST)
+        p = dict(name=name, page_size=ps, M=M, page_bytes=row * 2, target=frac)
+        for label, kw in (("default", {}), ("naive", dict(tuning=page_fetch.naive_tuning())),
+                          ("empty", dict(empty=True))):
+            p[label] = steady_fetch(host, M, steps_list=steps_list, reps=cfg.reps, rng=rng, **kw)
+            r = p[label]
+            print(f"steady {name:>10} {label:>8}: {r['us_per_step']:8.1f} us/step "
+                  f"fixed {r['fixed_us']:6.0f} us r2 {r['r2']:.4f}"
+                  + (f" {r['GBps']:6.2f} GB/s" if "GBps" in r else ""), flush=True)
+        try:
+            p["dma"] = steady_dma(host, M, steps_list=steps_list, reps=cfg.reps)
+        except Exception as e:  # noqa: BLE001
+            p["dma"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        if budget.ok(f"steady {name} interleaved"):
+            try:
+                p["interleaved"] = steady_interleaved(host, M, steps_list=steps_list,
+                                                      reps=cfg.reps, rng=rng,
+                                                      busy_matmuls=1 if cfg.quick else 8)
+            except Exception as e:  # noqa: BLE001
+                p["interleaved"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        host.delete()
+        points.append(p)
+    bulk1 = steady_bulk(bulk_sizes, cfg.reps)
+    bulk = (bulk0["GBps"] + bulk1["GBps"]) / 2
+    for p in points:
+        for key in ("default", "naive", "dma", "interleaved"):
+            if p.get(key, {}).get("GBps"):
+                p[key]["frac_of_bulk"] = p[key]["GBps"] / bulk
+    return dict(bulk=dict(GBps=bulk, before=bulk0, after=bulk1), steps=list(steps_list),
+                points=points)
+
+
+def print_steady(st):
+    print(f"\nsteady state (slopes over {st['steps']} steps per call; bulk device_put slope "
+          f"{st['bulk']['GBps']:.2f} GB/s, fixed {st['bulk']['before']['fixed_us']:.0f} us)")
+    print(f"{'target':>11} {'goal':>5} {'default':>8} {'naive':>8} {'dma':>8} {'between':>8} "
+          f"{'us/step':>8} {'fixed us':>8} {'empty us':>8} ok")
+    f = lambda r: f"{r['frac_of_bulk']:.3f}" if r and r.get("frac_of_bulk") else "-"
+    for p in st["points"]:
+        d = p["default"]
+        print(f"{p['name']:>11} {p['target']:>5.2f} {f(d):>8} {f(p.get('naive')):>8} "
+              f"{f(p.get('dma')):>8} {f(p.get('interleaved')):>8} {d['us_per_step']:>8.1f} "
+              f"{d['fixed_us']:>8.0f} {p['empty']['us_per_step']:>8.1f} "
+              f"{'PASS' if d.get('frac_of_bulk', 0) >= p['target'] else 'miss'}"
+              f"{'' if d['correct'] else ' WRONG'}")
+
+
 # ------------------------------------------------------------------------------ main
 def config(args):
     c = argparse.Namespace(quick=args.quick)
@@ -647,6 +827,9 @@ def main(argv=None):
     ap.add_argument("--only-locality", action="store_true",
                     help="run only bulk + the source-locality section; writes "
                          "bench_fetch_locality.json")
+    ap.add_argument("--only-steady", action="store_true",
+                    help="run only the steady-state section (per-step slopes); writes "
+                         "bench_fetch_steady.json")
     args = ap.parse_args(argv)
     cfg = config(args)
     rng = np.random.default_rng(args.seed)
@@ -662,6 +845,14 @@ def main(argv=None):
         path = os.path.join(args.out, "bench_fetch_ensure.json")
         with open(path, "w") as f:
             json.dump(res, f, indent=1, default=str)
+        print(f"wrote {path}")
+        return res
+    if args.only_steady:
+        res["steady"] = section_steady(cfg, budget, rng)
+        path = os.path.join(args.out, "bench_fetch_steady.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        print_steady(res["steady"])
         print(f"wrote {path}")
         return res
     bulk0 = bench_bulk(cfg.bulk_bytes, cfg.reps)

@@ -29,6 +29,23 @@ def test_bench_fetch_locality_quick(tmp_path):
     assert all(r["correct"] for r in rows)
 
 
+def test_bench_fetch_steady_quick(tmp_path):
+    """bench_fetch --only-steady: every fitted loop moved the right rows; the fit is exact
+    on a line."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_fetch.py"), "--quick",
+                    "--only-steady", "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    st = json.loads((tmp_path / "bench_fetch_steady.json").read_text())["steady"]
+    (p,) = st["points"]
+    for key in ("default", "naive", "dma"):
+        assert p[key]["correct"] and len(p[key]["calls"]) == len(st["steps"])
+    assert "fetch_us_per_step" in p["interleaved"]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_fetch import fit_line
+    a, b, r2 = fit_line([1, 2, 4], [5.0, 7.0, 11.0])
+    assert abs(a - 3) < 1e-9 and abs(b - 2) < 1e-9 and abs(r2 - 1) < 1e-9
+
+
 def test_source_rows_layouts():
     import numpy as np
     sys.path.insert(0, str(ROOT / "benchmarks"))
