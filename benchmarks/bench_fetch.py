@@ -674,6 +674,42 @@ def steady_dma(host, step_rows, *, steps_list, reps):
                 GBps=nbytes / b / 1e3, correct=all(c["correct"] for c in calls))
 
 
+def dma_gather_in_program(host, M, *, steps_list, reps, rng):
+    """The copy engine as a gather: each loop iteration copies M scattered rows of the pinned
+    ``host`` array, one XLA host->device copy per row (``dynamic_slice`` + ``device_put``,
+    unrolled in the loop body), into a donated device pool; fitted like ``steady_fetch``.
+    What the DMA path gives a fetch step, since one XLA copy moves one contiguous block."""
+    n_src, row = host.shape
+
+    def run(host, pool, src_tab, dst_tab):
+        def body(t, pool):
+            for m in range(M):
+                blk = lax.dynamic_slice_in_dim(host, src_tab[t, m], 1, 0)
+                pool = lax.dynamic_update_slice(
+                    pool, jax.device_put(blk, jax.memory.Space.Device), (dst_tab[t, m], 0))
+            return pool
+        return lax.fori_loop(0, src_tab.shape[0], body, pool)
+
+    f = jax.jit(run, donate_argnums=1)
+    calls, ok = [], True
+    for steps in steps_list:
+        src = source_rows(rng, n_src, M, steps)
+        dst = np.stack([rng.permutation(M) for _ in range(steps)])
+        pool = f(host, jnp.zeros((M, row), host.dtype, device=DEVICE), jnp.asarray(src, jnp.int32),
+                 jnp.asarray(dst, jnp.int32))
+        t, pool = time_donating(f, host, pool, jnp.asarray(src, jnp.int32),
+                                jnp.asarray(dst, jnp.int32), reps=reps)
+        k = np.array([0, M - 1])
+        got = np.asarray(pool[jnp.asarray(dst[-1][k])].astype(jnp.float32))
+        ok = ok and bool(np.array_equal(got, pattern_rows(src[-1][k], row)))
+        pool.delete()
+        calls.append(dict(steps=steps, call_us=t * 1e6))
+    a, b, r2 = fit_line([c["steps"] for c in calls], [c["call_us"] for c in calls])
+    nbytes = M * row * host.dtype.itemsize
+    return dict(M=M, calls=calls, fixed_us=a, us_per_step=b, r2=r2, GBps=nbytes / b / 1e3,
+                correct=ok)
+
+
 @functools.lru_cache(maxsize=None)
 def _interleaved_loop(steps, with_fetch, busy_passes):
     """``steps`` iterations of [fetch one step's pages] -> [device-only work that reads the
@@ -782,6 +818,14 @@ def section_steady(cfg, budget, rng, *, sweep=False, only=None, variants=None, r
             p["dma"] = steady_dma(host, M, steps_list=steps_list, reps=cfg.reps)
         except Exception as e:  # noqa: BLE001
             p["dma"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        if M <= 256 and budget.ok(f"steady {name} dma gather"):
+            try:
+                p["dma_gather"] = dma_gather_in_program(host, M, steps_list=steps_list[:2],
+                                                        reps=cfg.reps, rng=rng)
+                print(f"steady {name:>10} dma gather: {p['dma_gather']['us_per_step']:8.1f} "
+                      f"us/step correct={p['dma_gather']['correct']}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                p["dma_gather"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
         if budget.ok(f"steady {name} interleaved"):
             try:
                 p["interleaved"] = steady_interleaved(host, M, steps_list=steps_list,
@@ -794,7 +838,7 @@ def section_steady(cfg, budget, rng, *, sweep=False, only=None, variants=None, r
     bulk1 = steady_bulk(bulk_sizes, cfg.reps)
     bulk = (bulk0["GBps"] + bulk1["GBps"]) / 2
     for p in points:
-        for r in [p.get(k, {}) for k in ("default", "naive", "dma", "interleaved")] + list(
+        for r in [p.get(k, {}) for k in ("default", "naive", "dma", "dma_gather", "interleaved")] + list(
                 p.get("variants", {}).values()):
             if r.get("GBps"):
                 r["frac_of_bulk"] = r["GBps"] / bulk
@@ -810,13 +854,14 @@ def section_steady(cfg, budget, rng, *, sweep=False, only=None, variants=None, r
 def print_steady(st):
     print(f"\nsteady state (slopes over {st['steps']} steps per call; bulk device_put slope "
           f"{st['bulk']['GBps']:.2f} GB/s, fixed {st['bulk']['before']['fixed_us']:.0f} us)")
-    print(f"{'target':>11} {'goal':>5} {'default':>8} {'naive':>8} {'dma':>8} {'between':>8} "
+    print(f"{'target':>11} {'goal':>5} {'default':>8} {'naive':>8} {'dma':>8} {'dma gath':>8} {'between':>8} "
           f"{'us/step':>8} {'fixed us':>8} {'empty us':>8} {'best':>14} ok")
     f = lambda r: f"{r['frac_of_bulk']:.3f}" if r and r.get("frac_of_bulk") else "-"
     for p in st["points"]:
         d = p["default"]
         print(f"{p['name']:>11} {p['target']:>5.2f} {f(d):>8} {f(p.get('naive')):>8} "
-              f"{f(p.get('dma')):>8} {f(p.get('interleaved')):>8} {d['us_per_step']:>8.1f} "
+              f"{f(p.get('dma')):>8} {f(p.get('dma_gather')):>8} {f(p.get('interleaved')):>8} "
+              f"{d['us_per_step']:>8.1f} "
               f"{d['fixed_us']:>8.0f} {p['empty']['us_per_step']:>8.1f} "
               f"{p.get('best', '-'):>9} {p.get('best_frac', 0):.3f} "
               f"{'PASS' if d.get('frac_of_bulk', 0) >= p['target'] else 'miss'}"

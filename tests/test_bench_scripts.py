@@ -39,6 +39,7 @@ def test_bench_fetch_steady_quick(tmp_path):
     (p,) = st["points"]
     for key in ("default", "naive", "dma"):
         assert p[key]["correct"] and len(p[key]["calls"]) == len(st["steps"])
+    assert p["dma_gather"]["correct"]
     assert "fetch_us_per_step" in p["interleaved"]
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_fetch import fit_line
