@@ -60,6 +60,7 @@ class FetchTuning:
     chunks_per_program: K, chunk columns a program walks sequentially (divides R // B).
     num_warps: Triton warps per program.
     num_stages: Triton pipelining stages (None: the backend's default).
+    cache_modifier: the source loads' cache modifier (None, ".ca" or ".cg").
     eviction_policy: the source loads' eviction policy (None, "evict_first", "evict_last").
     volatile: volatile source loads (no caching).
     """
@@ -69,6 +70,7 @@ class FetchTuning:
     chunks_per_program: int
     num_warps: int
     num_stages: int | None = None
+    cache_modifier: str | None = None
     eviction_policy: str | None = None
     volatile: bool = False
 
@@ -79,6 +81,7 @@ def resolve_tuning(num_entries: int, row_elems: int, itemsize: int, *,
                    chunks_per_program: int | None = None,
                    num_warps: int | None = None,
                    num_stages: int | None = None,
+                   cache_modifier: str | None = None,
                    eviction_policy: str | None = None,
                    volatile: bool = False) -> FetchTuning:
     """Fill unset tunables with defaults and snap set ones to legal values.
@@ -115,7 +118,8 @@ def resolve_tuning(num_entries: int, row_elems: int, itemsize: int, *,
     E = min(E, _common.next_pow2(M), max(1, MAX_PROGRAM_BYTES // (B * itemsize)))
     if num_warps is None:
         num_warps = 8 if E * B * itemsize >= 16 * 1024 else 4
-    return FetchTuning(E, B, K, int(num_warps), num_stages, eviction_policy, bool(volatile))
+    return FetchTuning(E, B, K, int(num_warps), num_stages, cache_modifier, eviction_policy,
+                       bool(volatile))
 
 
 def naive_tuning() -> dict:
@@ -152,6 +156,7 @@ def _copy_program(src_rows_ref, dst_rows_ref, src_ref, dst_ref, Ns, Nd, tuning: 
     def column(k):
         col = (j * K + k) * B
         vals = [plgpu.load(src_ref.at[s, pl.ds(col, B)], mask=m,
+                           cache_modifier=tuning.cache_modifier,
                            eviction_policy=tuning.eviction_policy, volatile=tuning.volatile)
                 for s, _, m in entries]
         for (_, d, m), v in zip(entries, vals):
