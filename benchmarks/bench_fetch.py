@@ -77,11 +77,6 @@ def _variants(itemsize: int) -> dict[str, dict]:
                                        chunks_per_program=1, num_warps=w)
     v["e1_c16k_k4_w8"] = dict(pages_per_program=1, chunk_elems=c(16), chunks_per_program=4,
                               num_warps=8)
-    # the default decomposition with other source-load hints (cache level, eviction, volatile)
-    v["cg"] = dict(cache_modifier=".cg")
-    v["cg_evict_first"] = dict(cache_modifier=".cg", eviction_policy="evict_first")
-    v["evict_first"] = dict(eviction_policy="evict_first")
-    v["volatile"] = dict(volatile=True)
     return v
 
 

@@ -60,9 +60,6 @@ class FetchTuning:
     chunks_per_program: K, chunk columns a program walks sequentially (divides R // B).
     num_warps: Triton warps per program.
     num_stages: Triton pipelining stages (None: the backend's default).
-    cache_modifier: the source loads' cache modifier (None, ".ca" or ".cg").
-    eviction_policy: the source loads' eviction policy (None, "evict_first", "evict_last").
-    volatile: volatile source loads (no caching).
     """
 
     pages_per_program: int
@@ -70,9 +67,6 @@ class FetchTuning:
     chunks_per_program: int
     num_warps: int
     num_stages: int | None = None
-    cache_modifier: str | None = None
-    eviction_policy: str | None = None
-    volatile: bool = False
 
 
 def resolve_tuning(num_entries: int, row_elems: int, itemsize: int, *,
@@ -80,10 +74,7 @@ def resolve_tuning(num_entries: int, row_elems: int, itemsize: int, *,
                    chunk_elems: int | None = None,
                    chunks_per_program: int | None = None,
                    num_warps: int | None = None,
-                   num_stages: int | None = None,
-                   cache_modifier: str | None = None,
-                   eviction_policy: str | None = None,
-                   volatile: bool = False) -> FetchTuning:
+                   num_stages: int | None = None) -> FetchTuning:
     """Fill unset tunables with defaults and snap set ones to legal values.
 
     ``chunk_elems`` is rounded down to a power of two dividing ``row_elems`` (``0`` = the
@@ -118,8 +109,7 @@ def resolve_tuning(num_entries: int, row_elems: int, itemsize: int, *,
     E = min(E, _common.next_pow2(M), max(1, MAX_PROGRAM_BYTES // (B * itemsize)))
     if num_warps is None:
         num_warps = 8 if E * B * itemsize >= 16 * 1024 else 4
-    return FetchTuning(E, B, K, int(num_warps), num_stages, cache_modifier, eviction_policy,
-                       bool(volatile))
+    return FetchTuning(E, B, K, int(num_warps), num_stages)
 
 
 def naive_tuning() -> dict:
@@ -155,10 +145,7 @@ def _copy_program(src_rows_ref, dst_rows_ref, src_ref, dst_ref, Ns, Nd, tuning: 
 
     def column(k):
         col = (j * K + k) * B
-        vals = [plgpu.load(src_ref.at[s, pl.ds(col, B)], mask=m,
-                           cache_modifier=tuning.cache_modifier,
-                           eviction_policy=tuning.eviction_policy, volatile=tuning.volatile)
-                for s, _, m in entries]
+        vals = [plgpu.load(src_ref.at[s, pl.ds(col, B)], mask=m) for s, _, m in entries]
         for (_, d, m), v in zip(entries, vals):
             plgpu.store(dst_ref.at[d, pl.ds(col, B)], v, mask=m)
 
