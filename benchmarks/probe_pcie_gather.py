@@ -84,7 +84,7 @@ def main():
     n_rows = int(args.host_gib * GiB) // row
     host_bytes = n_rows * row
     hptr = rt.hostAlloc(host_bytes, 1 | 2)  # portable | mapped
-    dptr_host = rt.hostGetDevicePointer(hptr, 0)
+    dptr_host = hptr  # unified addressing: the mapped host pointer is valid on the device
     hview = np.ctypeslib.as_array((ctypes.c_uint8 * host_bytes).from_address(hptr))
     hview32 = hview.view(np.uint32).reshape(n_rows, row // 4)
     hview32[:] = (np.arange(n_rows, dtype=np.uint32)[:, None] * 7919 + 1)
