@@ -813,7 +813,8 @@ def section_steady(cfg, budget, rng, *, sweep=False, only=None, variants=None, r
             r["correct"] = all(x["correct"] for x in rs)
             if "tuning" in kw:
                 r["tuning"] = page_fetch.resolve_tuning(M, row, 2, **kw["tuning"]).__dict__
-            (p if label in ("default", "naive", "empty") else p.setdefault("variants", {}))[label] = r
+            home = p if label in ("default", "naive", "empty") else p.setdefault("variants", {})
+            home[label] = r
         try:
             p["dma"] = steady_dma(host, M, steps_list=steps_list, reps=cfg.reps)
         except Exception as e:  # noqa: BLE001
@@ -838,8 +839,8 @@ def section_steady(cfg, budget, rng, *, sweep=False, only=None, variants=None, r
     bulk1 = steady_bulk(bulk_sizes, cfg.reps)
     bulk = (bulk0["GBps"] + bulk1["GBps"]) / 2
     for p in points:
-        for r in [p.get(k, {}) for k in ("default", "naive", "dma", "dma_gather", "interleaved")] + list(
-                p.get("variants", {}).values()):
+        keys = ("default", "naive", "dma", "dma_gather", "interleaved")
+        for r in [p.get(k, {}) for k in keys] + list(p.get("variants", {}).values()):
             if r.get("GBps"):
                 r["frac_of_bulk"] = r["GBps"] / bulk
         good = {k: r for k, r in [("default", p["default"]), ("naive", p["naive"])]
@@ -854,8 +855,8 @@ def section_steady(cfg, budget, rng, *, sweep=False, only=None, variants=None, r
 def print_steady(st):
     print(f"\nsteady state (slopes over {st['steps']} steps per call; bulk device_put slope "
           f"{st['bulk']['GBps']:.2f} GB/s, fixed {st['bulk']['before']['fixed_us']:.0f} us)")
-    print(f"{'target':>11} {'goal':>5} {'default':>8} {'naive':>8} {'dma':>8} {'dma gath':>8} {'between':>8} "
-          f"{'us/step':>8} {'fixed us':>8} {'empty us':>8} {'best':>14} ok")
+    print(f"{'target':>11} {'goal':>5} {'default':>8} {'naive':>8} {'dma':>8} {'dma gath':>8} "
+          f"{'between':>8} {'us/step':>8} {'fixed us':>8} {'empty us':>8} {'best':>20} ok")
     f = lambda r: f"{r['frac_of_bulk']:.3f}" if r and r.get("frac_of_bulk") else "-"
     for p in st["points"]:
         d = p["default"]
@@ -863,7 +864,7 @@ def print_steady(st):
               f"{f(p.get('dma')):>8} {f(p.get('dma_gather')):>8} {f(p.get('interleaved')):>8} "
               f"{d['us_per_step']:>8.1f} "
               f"{d['fixed_us']:>8.0f} {p['empty']['us_per_step']:>8.1f} "
-              f"{p.get('best', '-'):>9} {p.get('best_frac', 0):.3f} "
+              f"{p.get('best', '-'):>14} {p.get('best_frac', 0):.3f} "
               f"{'PASS' if d.get('frac_of_bulk', 0) >= p['target'] else 'miss'}"
               f"{'' if d['correct'] else ' WRONG'}")
 

@@ -241,7 +241,8 @@ def main():
     for k, v in res["cases"].items():
         if "GBps" in v:
             v["frac_of_bulk"] = v["GBps"] / bulk
-            print(f"{k:>24} {v['frac_of_bulk']:.3f}" + (f" correct={v['correct']}" if "correct" in v else ""))
+            ok = f" correct={v['correct']}" if "correct" in v else ""
+            print(f"{k:>24} {v['frac_of_bulk']:.3f}{ok}")
     try:
         res["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
                                         "--format=csv,noheader"], capture_output=True,
