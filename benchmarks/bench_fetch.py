@@ -635,6 +635,13 @@ def fit_line(xs, ys):
     return float(a), float(b), (1.0 - ss / tot) if tot > 0 else 1.0
 
 
+def fit_calls(calls):
+    """Fit ``call_us = fixed_us + steps * us_per_step`` over ``calls`` (dicts with ``steps``
+    and ``call_us``); returns ``dict(fixed_us, us_per_step, r2)``."""
+    a, b, r2 = fit_line([c["steps"] for c in calls], [c["call_us"] for c in calls])
+    return dict(fixed_us=a, us_per_step=b, r2=r2)
+
+
 def steady_bulk(sizes_mib, reps):
     """Bulk ``device_put`` at several sizes; seconds = fixed + bytes / GBps (the marginal
     rate, without the per-call cost that a single size folds into its figure)."""
@@ -653,12 +660,11 @@ def steady_fetch(host, M, *, steps_list, reps, rng, tuning=None, empty=False):
     for steps in steps_list:
         r = fetch_point(host, M, steps=steps, reps=reps, rng=rng, tuning=tuning, empty=empty)
         calls.append(dict(steps=steps, call_us=r["us_per_step"] * steps, correct=r["correct"]))
-    a, b, r2 = fit_line([c["steps"] for c in calls], [c["call_us"] for c in calls])
     nbytes = M * host.shape[1] * host.dtype.itemsize
-    out = dict(M=M, page_bytes=host.shape[1] * host.dtype.itemsize, calls=calls, fixed_us=a,
-               us_per_step=b, r2=r2, correct=all(c["correct"] is not False for c in calls))
+    out = dict(M=M, page_bytes=host.shape[1] * host.dtype.itemsize, calls=calls,
+               **fit_calls(calls), correct=all(c["correct"] is not False for c in calls))
     if not empty:
-        out["GBps"] = nbytes / b / 1e3
+        out["GBps"] = nbytes / out["us_per_step"] / 1e3
     return out
 
 
@@ -668,10 +674,10 @@ def steady_dma(host, step_rows, *, steps_list, reps):
     for steps in steps_list:
         r = dma_in_program(host, step_rows, steps, reps)
         calls.append(dict(steps=steps, call_us=r["us_per_step"] * steps, correct=r["correct"]))
-    a, b, r2 = fit_line([c["steps"] for c in calls], [c["call_us"] for c in calls])
     nbytes = step_rows * host.shape[1] * host.dtype.itemsize
-    return dict(step_bytes=nbytes, calls=calls, fixed_us=a, us_per_step=b, r2=r2,
-                GBps=nbytes / b / 1e3, correct=all(c["correct"] for c in calls))
+    fit = fit_calls(calls)
+    return dict(step_bytes=nbytes, calls=calls, **fit, GBps=nbytes / fit["us_per_step"] / 1e3,
+                correct=all(c["correct"] for c in calls))
 
 
 def dma_gather_in_program(host, M, *, steps_list, reps, rng):
@@ -704,10 +710,9 @@ def dma_gather_in_program(host, M, *, steps_list, reps, rng):
         ok = ok and bool(np.array_equal(got, pattern_rows(src[-1][k], row)))
         pool.delete()
         calls.append(dict(steps=steps, call_us=t * 1e6))
-    a, b, r2 = fit_line([c["steps"] for c in calls], [c["call_us"] for c in calls])
     nbytes = M * row * host.dtype.itemsize
-    return dict(M=M, calls=calls, fixed_us=a, us_per_step=b, r2=r2, GBps=nbytes / b / 1e3,
-                correct=ok)
+    fit = fit_calls(calls)
+    return dict(M=M, calls=calls, **fit, GBps=nbytes / fit["us_per_step"] / 1e3, correct=ok)
 
 
 @functools.lru_cache(maxsize=None)
@@ -756,9 +761,7 @@ def steady_interleaved(host, M, *, steps_list, reps, rng, busy_passes=8):
             t = median_time(call, reps)
             calls.append(dict(steps=steps, call_us=t * 1e6))
             box[0].delete()
-        a, b, r2 = fit_line([c["steps"] for c in calls], [c["call_us"] for c in calls])
-        out["fetch" if with_fetch else "work_only"] = dict(calls=calls, fixed_us=a, us_per_step=b,
-                                                          r2=r2)
+        out["fetch" if with_fetch else "work_only"] = dict(calls=calls, **fit_calls(calls))
     nbytes = M * row * host.dtype.itemsize
     d = out["fetch"]["us_per_step"] - out["work_only"]["us_per_step"]
     out.update(M=M, busy_passes=busy_passes, fetch_us_per_step=d, GBps=nbytes / d / 1e3)
@@ -870,6 +873,14 @@ def print_steady(st):
 
 
 # ------------------------------------------------------------------------------ main
+def _save(res, out_dir, name):
+    """Write ``res`` as JSON to ``out_dir/name`` (the --only-* sections' result files)."""
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    print(f"wrote {path}")
+
+
 def config(args):
     c = argparse.Namespace(quick=args.quick)
     if args.quick:
@@ -925,10 +936,7 @@ def main(argv=None):
 
     if args.only_ensure:
         res["ensure"] = section_ensure(cfg, budget, rng)
-        path = os.path.join(args.out, "bench_fetch_ensure.json")
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1, default=str)
-        print(f"wrote {path}")
+        _save(res, args.out, "bench_fetch_ensure.json")
         return res
     if args.only_steady:
         names = lambda a: [t for t in a.split(",") if t]
@@ -936,11 +944,8 @@ def main(argv=None):
                                        only=names(args.steady_targets),
                                        variants=names(args.steady_variants),
                                        repeat=args.steady_repeat)
-        path = os.path.join(args.out, "bench_fetch_steady.json")
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1, default=str)
         print_steady(res["steady"])
-        print(f"wrote {path}")
+        _save(res, args.out, "bench_fetch_steady.json")
         return res
     bulk0 = bench_bulk(cfg.bulk_bytes, cfg.reps)
     print(f"bulk device_put: {bulk0['GBps']:.1f} GB/s", flush=True)
@@ -948,10 +953,7 @@ def main(argv=None):
         res["locality"] = section_locality(cfg, bulk0["GBps"], budget, rng)
         res["bulk"] = dict(before=bulk0, after=bench_bulk(cfg.bulk_bytes, cfg.reps))
         print(f"bulk after: {res['bulk']['after']['GBps']:.1f} GB/s")
-        path = os.path.join(args.out, "bench_fetch_locality.json")
-        with open(path, "w") as f:
-            json.dump(res, f, indent=1, default=str)
-        print(f"wrote {path}")
+        _save(res, args.out, "bench_fetch_locality.json")
         return res
     targets = section_targets(cfg, bulk0["GBps"], budget, rng)
     print(f"[{budget.elapsed():.0f}s] targets done", flush=True)
