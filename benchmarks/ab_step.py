@@ -31,6 +31,8 @@ Variants (``VARIANTS``):
   command types added to a full list of types; ``graph_list``: that list without them);
   ``conc_multi_output`` / ``conc_heroless`` / ``conc_block_level`` / ``conc_all_triton``: the
   concurrent graph plus one of XLA's experimental fusion passes.
+* ``lagged``: ``CacheConfig(selection_lag=1)``: each step attends to the pages chosen with the
+  previous token's queries, so the selector runs beside the step (``CACHE_CHANGES``).
 
 Variants whose options the compiler rejects, or whose round fails to compile or run, are
 reported and dropped.
@@ -105,7 +107,11 @@ VARIANTS = {
     "conc_block_level": ({}, (_CONC, ("xla_gpu_experimental_enable_fusion_block_level_rewriter",
                                       True))),
     "conc_all_triton": ({}, (_CONC, ("xla_gpu_experimental_all_fusions_with_triton", True))),
+    # pages chosen with the previous token's queries (CacheConfig.selection_lag, CACHE_CHANGES)
+    "lagged": ({}, ()),
 }
+# name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
+CACHE_CHANGES = {"lagged": {"selection_lag": 1}}
 
 
 def _accepted(names):
@@ -206,7 +212,8 @@ def main():
     for i, name in enumerate(names):
         # distinct plans (stop-list length) so variants that differ only in what is read at
         # trace time (FUSE_UPDATE) still compile their own round
-        plans[name] = engine.Plan(model=cfg, cache=cache, batch=B, prompt_len=max_ctx,
+        plans[name] = engine.Plan(model=cfg, batch=B, prompt_len=max_ctx,
+                                  cache=dataclasses.replace(cache, **CACHE_CHANGES.get(name, {})),
                                   max_context=max_ctx, num_stop=4 + i,
                                   compiler_options=VARIANTS[name][1])
         states[name] = bd.build_state(None, plans[name], lengths, synth=synth, seed=st.seed,
@@ -251,7 +258,7 @@ def main():
                shape=shape, batch=B, context=ctx, page_size=ps, selected_pages=k,
                config=a.config, pool_pages=plans[base].pool_pages if a.config == "c2" else None,
                salience=float(sal), simulated_overlap=float(sim), pairs=a.pairs,
-               variants={n: dict(switches=VARIANTS[n][0],
+               variants={n: dict(switches=VARIANTS[n][0], cache_changes=CACHE_CHANGES.get(n, {}),
                                  compiler_options={k_: str(v) for k_, v in VARIANTS[n][1]})
                          for n in names},
                baseline=base, results=summary, warmup=warm, compiles_after_warmup=compiles,

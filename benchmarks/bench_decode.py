@@ -140,6 +140,7 @@ class Settings:
     devices: int = 1              # tensor parallelism over KV heads on this many devices
     trace: str = ""               # if set: profile one more round per config into this dir
     pairs: int = 0                # b / c2 re-measured alternately this many times (see _paired)
+    selection_lag: int = 0        # CacheConfig.selection_lag of the sparse configs (b, c, d)
 
     @property
     def room(self) -> int:
@@ -470,9 +471,10 @@ def time_selector(plan, params, summaries, lengths, st: Settings):
         return summ, acc + jnp.sum(pages[..., :1])
 
     layers = llama.stack_layer_tree(params["layers"]) if use_lp else {}
-    sec, (summ, _) = _time_loop(body, (tuple(summaries), jnp.int32(0)), (qs, ks, hs, layers, pos),
+    own, ahead = selection.split_ahead(summaries, plan.lagged)  # the same work either way
+    sec, (summ, _) = _time_loop(body, (own, jnp.int32(0)), (qs, ks, hs, layers, pos),
                                 st.split_steps * L, st.reps)
-    return sec * L, summ
+    return sec * L, summ + (() if ahead is None else (ahead,))
 
 
 def _per_step(plan) -> bool:
@@ -792,9 +794,11 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
 
     base = CacheConfig(mode="resident", selector=st.selector, page_size=ps, selected_pages=k,
                        round_steps=st.round_steps, max_context=max_ctx,
-                       implementation=st.implementation)
+                       implementation=st.implementation, selection_lag=st.selection_lag)
 
     def plan_for(**kw):
+        if kw.get("selector") == "dense":  # (a) reads every page: nothing to lag
+            kw["selection_lag"] = 0
         extra = {} if tp is None else {"axis_name": parallel.AXIS}
         return engine.Plan(model=run_cfg, cache=dataclasses.replace(base, **kw), batch=B,
                            prompt_len=max_ctx, max_context=max_ctx, num_stop=4, **extra)
@@ -828,7 +832,7 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
             jax.block_until_ready(state)
             out["fill_resident_s"] = time.perf_counter() - t0
             print(f"  resident fill {out['fill_resident_s']:.1f} s", flush=True)
-            if probe and st.probe_steps >= 2 and budget.ok("probe", 60):
+            if probe and st.probe_steps >= 2 and not plan_b.lagged and budget.ok("probe", 60):
                 t0 = time.perf_counter()
                 toks = rng.integers(3, cfg.vocab_size, (B, st.probe_steps)).astype(np.int32)
                 state, pages, _ = synthetic.trace_selections(plan_b, params, state, toks)
@@ -1354,6 +1358,9 @@ def main():
     ap.add_argument("--devices", type=int, default=1,
                     help="tensor parallelism over KV heads on N devices (writes "
                          "bench_decode_tpN.json unless --tag)")
+    ap.add_argument("--selection-lag", type=int, default=0, choices=(0, 1),
+                    help="CacheConfig.selection_lag of the sparse configs: 1 = pages chosen with "
+                         "the previous token's queries")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-decode", action="store_true", help="prefill section only")
     ap.add_argument("--tag", default="", help="write bench_decode_<tag>.json / .png")
@@ -1389,7 +1396,8 @@ def main():
     st = Settings(page_size=a.page_size, selected_tokens=a.selected_tokens, selector=a.selector,
                   budget_s=a.budget, probe_steps=a.probe_steps, host_mem_gb=a.host_mem_gb,
                   pools=pools, configs=expanded, devices=a.devices,
-                  trace=a.trace, timed_rounds=a.timed_rounds, pairs=a.pairs)
+                  trace=a.trace, timed_rounds=a.timed_rounds, pairs=a.pairs,
+                  selection_lag=a.selection_lag)
     shapes = ("8b", "qwen1.5b") if a.shape == "all" else (a.shape,)
     contexts = [_parse_tokens(x) for x in a.contexts.split(",") if x.strip()] or None
     batches = [int(x) for x in a.batches.split(",") if x.strip()] or None

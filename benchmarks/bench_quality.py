@@ -211,7 +211,7 @@ def _jsonable(c: dict) -> dict:
 
 
 def run_configs(model, length: int, batch: int, *, budgets, page_size: int, pool_cap: float,
-                resident_quest: bool):
+                resident_quest: bool, lagged: bool = False):
     """(name, budget, CacheConfig) of every run at ``length`` tokens of context."""
     from jaxkv import CacheConfig
 
@@ -232,6 +232,10 @@ def run_configs(model, length: int, batch: int, *, budgets, page_size: int, pool
         if resident_quest:
             out.append((f"quest{b}-resident", b, CacheConfig(mode="resident", selector="quest",
                                                              selected_pages=k, **common)))
+        if lagged:
+            out.append((f"quest{b}-lag", b, CacheConfig(mode="host", selector="quest",
+                                                        selected_pages=k, selection_lag=1,
+                                                        pool_pages=batch * per_req, **common)))
     return out
 
 
@@ -243,7 +247,7 @@ STAT_KEYS = ("hits", "misses", "hit_rate", "evictions", "dropped", "pages_fetche
 
 def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None, budgets=None,
         trials=None, page_size=16, pool_cap=0.75, resident_quest=False, max_new_tokens=None,
-        tag=None):
+        tag=None, lagged=False):
     import jax
 
     import jaxkv
@@ -291,16 +295,19 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
     for length in sorted({p["length"] for p in prompts}):
         group = [p for p in prompts if p["length"] == length]
         ids = [p["ids"] for p in group]
-        dense_tokens = None
+        dense_tokens, exact_tokens = None, {}
         for name, budget, cache in run_configs(model, length, len(group), budgets=c["budgets"],
                                                page_size=page_size, pool_cap=pool_cap,
-                                               resident_quest=resident_quest):
+                                               resident_quest=resident_quest, lagged=lagged):
             t1 = time.perf_counter()
             res = jaxkv.generate(model, params, ids, max_new_tokens=c["max_new_tokens"],
                                  cache=cache, stop_tokens=stops, progress=False)
             wall = time.perf_counter() - t1
             if name == "dense":
                 dense_tokens = res.tokens
+            if name == f"quest{budget}":
+                exact_tokens[budget] = res.tokens
+            exact = exact_tokens.get(budget) if name.endswith("-lag") else None
             used_pages = sum(-(-(len(i) + len(t)) // page_size) for i, t in zip(ids, res.tokens))
             reqs = []
             for j, (p, toks) in enumerate(zip(group, res.tokens)):
@@ -310,11 +317,14 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
                                  actual_depth=p["actual_depth"], text=text,
                                  correct=p["answer"].lower() in text.lower(),
                                  same_as_dense=(None if name == "dense" or dense_tokens is None
-                                                else toks == dense_tokens[j])))
+                                                else toks == dense_tokens[j]),
+                                 # lagged runs: the same tokens as the exact selection's run
+                                 same_as_exact=None if exact is None else toks == exact[j]))
             stats = {k: res.stats.get(k) for k in STAT_KEYS}
             stats["pool_fraction_of_context"] = (stats["pool_pages"] / used_pages
                                                  if cache.mode == "host" else 1.0)
             run_rec = dict(length=length, name=name, mode=cache.mode, selector=cache.selector,
+                           selection_lag=getattr(cache, "selection_lag", 0),
                            schedule=getattr(cache, "schedule", None), budget_tokens=budget,
                            batch=len(group), wall_s=wall, stats=stats,
                            requests=reqs)
@@ -361,7 +371,9 @@ def markdown(out: dict) -> str:
              "", f"commit {out['commit']}, jax {out['jax_version']}, {out['date']}, dtype "
              f"{out['dtype']}, page size {out['page_size']}; score: {out['score']}.",
              "`dense` = dense resident decoding; `quest<B>` = Quest, budget B tokens per KV head, "
-             "host tier with a device pool smaller than the context.", ""]
+             "host tier with a device pool smaller than the context; `quest<B>-lag`: the same "
+             "with the pages chosen by the previous token's queries "
+             "(`CacheConfig(selection_lag=1)`).", ""]
 
     def cell(run, pred):
         qs = [q for q in run["requests"] if pred(q)]
@@ -395,6 +407,9 @@ def markdown(out: dict) -> str:
         s = r["stats"]
         same = ("-" if r["name"] == "dense" else
                 f"{sum(bool(q['same_as_dense']) for q in r['requests'])}/{len(r['requests'])}")
+        if any(q.get("same_as_exact") is not None for q in r["requests"]):  # lagged runs
+            same += (f" (as exact quest: {sum(bool(q['same_as_exact']) for q in r['requests'])}"
+                     f"/{len(r['requests'])})")
         host = r["mode"] == "host"
         lines.append(
             f"| {r['length']} | {r['name']} | {r['batch']} | "
@@ -428,6 +443,9 @@ def main(argv=None):
     ap.add_argument("--tag", help="suffix of the output file names (e.g. to split a run by length)")
     ap.add_argument("--resident-quest", action="store_true",
                     help="also run quest resident (separates selection from offloading error)")
+    ap.add_argument("--lagged", action="store_true",
+                    help="also run quest with CacheConfig(selection_lag=1) (pages chosen with "
+                         "the previous token's queries)")
     a = ap.parse_args(argv)
     if a.prepare:
         prepare(Path(a.prepare), a.gguf)
@@ -436,7 +454,8 @@ def main(argv=None):
         ap.error("--out is required (or --prepare DIR)")
     run(a.out, quick=a.quick, data=a.data, gguf=a.gguf, dtype=a.dtype, lengths=a.lengths,
         budgets=a.budgets, trials=a.trials, page_size=a.page_size, pool_cap=a.pool_cap,
-        resident_quest=a.resident_quest, max_new_tokens=a.max_new_tokens, tag=a.tag)
+        resident_quest=a.resident_quest, max_new_tokens=a.max_new_tokens, tag=a.tag,
+        lagged=a.lagged)
 
 
 if __name__ == "__main__":

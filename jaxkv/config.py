@@ -65,6 +65,13 @@ class CacheConfig:
         first 2 layers); in "host" mode their K/V are also kept fully on device.
       unroll_layers: unroll the per-token layer loop (None: on GPU, where a loop iteration
         costs a host round trip of ~10 us; off elsewhere, for compile time).
+      selection_lag: 0 (default): each step's pages are chosen with that step's own queries
+        (exact Quest / indexer). 1: they are chosen one step ahead, with the previous token's
+        queries (the prompt's last token for the first step), plus the step's own page,
+        always included; the selector's work then no longer sits between a layer's query and
+        its attention, so it can run beside the rest of the step. An approximation: it
+        changes which pages are read (about 1 in 9 on real text, see BENCHMARKS.md), never
+        the pages the sinks / current page rule forces. Quest and indexer only.
     """
 
     mode: Mode = "host"
@@ -84,6 +91,7 @@ class CacheConfig:
     reuse: bool = True
     unroll_layers: bool | None = None
     dense_layers: int = 0
+    selection_lag: int = 0
 
     def __post_init__(self):
         if not isinstance(self.dense_layers, int) or isinstance(self.dense_layers, bool) \
@@ -95,6 +103,13 @@ class CacheConfig:
         if not self.reuse and self.schedule == "layer":
             raise ValueError("CacheConfig(reuse=False) (no-cache baseline) needs schedule='step' "
                              "or 'scratch'")
+        object.__setattr__(self, "selection_lag", _as_int("selection_lag", self.selection_lag, 0))
+        if self.selection_lag > 1:
+            raise ValueError(f"CacheConfig.selection_lag must be 0 (exact) or 1 (pages chosen "
+                             f"with the previous token's queries), got {self.selection_lag}")
+        if self.selection_lag and self.selector == "dense":
+            raise ValueError("CacheConfig.selection_lag=1 needs selector 'quest' or 'indexer' "
+                             "(the dense selector reads every page): set selection_lag=0")
         if self.mode not in ("host", "resident"):
             raise ValueError(f"CacheConfig.mode must be 'host' or 'resident', got {self.mode!r}")
         if self.selector not in ("quest", "indexer", "dense"):

@@ -96,6 +96,12 @@ class Plan:
         return min(self.cache.selected_pages, self.pages_per_seq)
 
     @property
+    def lagged(self) -> bool:
+        """Pages chosen one step ahead (CacheConfig.selection_lag): the summaries tuple then
+        ends with ``ahead`` [L, B, H, k] (jaxkv.selection)."""
+        return self.cache.selection_lag == 1 and self.cache.selector != "dense"
+
+    @property
     def layer_unroll(self) -> int:
         unroll = self.cache.unroll_layers
         if unroll is None:
@@ -230,11 +236,26 @@ def init_lookahead(plan: Plan):
     return (jnp.full(shape, INVALID, jnp.int32), jnp.full(shape, INVALID, jnp.int32))
 
 
+def forced_ahead(plan: Plan, lengths):
+    """Lagged selection without a prompt query (synthetic contexts): every layer's first
+    pages are only the forced ones, the sink pages and the page of the token at position
+    ``lengths`` [B]. Returns ``ahead`` [L, B, H, k] int32, ascending, -1 padded."""
+    L, B, H, k = plan.model.num_layers, plan.batch, plan.model.num_kv_heads, plan.k
+    sinks = plan.cache.sink_pages
+    cur = (jnp.asarray(lengths, jnp.int32) // plan.page_size)[:, None]
+    j = jnp.arange(k, dtype=jnp.int32)[None, :]
+    pages = jnp.where(j < jnp.minimum(sinks, cur + 1), j,
+                      jnp.where((j == sinks) & (cur >= sinks), cur, INVALID))
+    pages = jnp.where(pages < plan.pages_per_seq, pages, INVALID)
+    return jnp.broadcast_to(pages[None, :, None, :], (L, B, H, k))
+
+
 def init_summaries(plan: Plan):
     m = plan.model
     return selection.init_summaries(
         plan.cache.selector, m.num_layers, plan.batch, plan.pages_per_seq, m.num_kv_heads,
-        m.head_dim, jnp.dtype(plan.kv_dtype), m.indexer_dim)
+        m.head_dim, jnp.dtype(plan.kv_dtype), m.indexer_dim,
+        ahead_pages=plan.k if plan.lagged else 0)
 
 
 def state_shardings(state: DecodeState):
@@ -309,9 +330,18 @@ def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, de
         drows = jnp.where(layer < plan.num_dense, rows, INVALID)
         dense = dataclasses.replace(dense, pool=page_write.write_pages(
             dense.pool, drows, pages.reshape(B * n, -1), implementation=impl))
-    summaries = selection.summarize_prefill(plan.cache.selector, summaries, layer, lp, cfg, h, k,
-                                            positions, lengths, ps)
-    return x, kv, summaries, dense
+    summ, ahead = selection.split_ahead(summaries, plan.lagged)
+    summ = selection.summarize_prefill(plan.cache.selector, summ, layer, lp, cfg, h, k,
+                                       positions, lengths, ps)
+    if plan.lagged:  # the first decode step's pages, chosen with the prompt's last query
+        last = jnp.maximum(lengths - 1, 0)
+        h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)             # [B, 1, d]
+        q_last = jnp.take_along_axis(q, last[:, None, None, None], axis=1)[:, 0]  # [B, Hq, D]
+        pages = selection.select_after_prefill(
+            plan.cache.selector, summ, layer, lp, cfg, h_last, q_last, lengths, k=plan.k,
+            page_size=ps, num_sink_pages=plan.cache.sink_pages, implementation=impl)
+        summ = summ + (ahead.at[layer].set(pages),)
+    return x, kv, summ, dense
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))
@@ -533,10 +563,14 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
             kv = kvcache.write_through(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
         else:
             kv = kvcache.write_resident(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
+        summ, ahead = selection.split_ahead(summ, plan.lagged)
         summ, pages = selection.update_and_select(
             plan.cache.selector, summ, layer, lp, cfg, h, q1,
             tok_kv if SELECTOR_READS_STACKED_KV else k1, positions, num_pages=Np,
-            k=plan.k, page_size=ps, num_sink_pages=plan.cache.sink_pages, implementation=impl)
+            k=plan.k, page_size=ps, num_sink_pages=plan.cache.sink_pages, implementation=impl,
+            ahead=plan.lagged)
+        if plan.lagged:  # attend to the pages chosen last step; keep this step's for the next
+            pages, summ = ahead[layer], summ + (ahead.at[layer].set(pages),)
         host = {}
         if plan.in_place:  # inactive requests get no rows, so none of their pages is read
             kv, rows, host_rows, record = lookup_in_place(plan, kv, layer, pages, active, logical,

@@ -3,6 +3,11 @@
 Summaries live on device, one entry per (layer, request, page), passed whole with a traced
 layer index: quest keeps ``(kmax, kmin)`` [L, B, Np, H, D]; the indexer keeps the per-page
 sum of index keys [L, B, Np, dI] (f32); dense keeps nothing.
+
+Lagged selection (``CacheConfig.selection_lag=1``): the tuple ends with one more array,
+``ahead`` [L, B, H, k] int32, the pages each layer attends to at the next step, chosen with
+this step's queries (see :func:`update_and_select`'s ``ahead``; the prefill fills it with
+:func:`select_after_prefill`).
 """
 from __future__ import annotations
 
@@ -14,15 +19,25 @@ from pallas_kernels import dense_select, indexer, quest
 
 
 def init_summaries(selector: str, num_layers: int, batch: int, num_pages: int,
-                   num_kv_heads: int, head_dim: int, dtype, index_dim: int = 0):
-    """Empty summaries for ``selector`` (a tuple of arrays; () for dense)."""
+                   num_kv_heads: int, head_dim: int, dtype, index_dim: int = 0,
+                   ahead_pages: int = 0):
+    """Empty summaries for ``selector`` (a tuple of arrays; () for dense). ``ahead_pages``
+    k > 0 (lagged selection) appends ``ahead`` [L, B, H, k] int32, all -1 (no page)."""
     shape = (num_layers, batch, num_pages)
+    ahead = ((jnp.full((num_layers, batch, num_kv_heads, ahead_pages), -1, jnp.int32),)
+             if ahead_pages else ())
     if selector == "quest":
         return (jnp.full(shape + (num_kv_heads, head_dim), -jnp.inf, dtype),
-                jnp.full(shape + (num_kv_heads, head_dim), jnp.inf, dtype))
+                jnp.full(shape + (num_kv_heads, head_dim), jnp.inf, dtype)) + ahead
     if selector == "indexer":
-        return (jnp.zeros(shape + (index_dim,), jnp.float32),)
+        return (jnp.zeros(shape + (index_dim,), jnp.float32),) + ahead
     return ()
+
+
+def split_ahead(summaries, lagged: bool):
+    """(the selector's own summaries, ``ahead`` or None): the lagged selection's pages are the
+    tuple's last array when ``lagged``."""
+    return (tuple(summaries[:-1]), summaries[-1]) if lagged else (tuple(summaries), None)
 
 
 def summarize_prefill(selector: str, summaries, layer, lp, cfg, h, k, positions, lengths, page_size):
@@ -41,15 +56,18 @@ def summarize_prefill(selector: str, summaries, layer, lp, cfg, h, k, positions,
 
 
 def update_and_select(selector: str, summaries, layer, lp, cfg, h, q, k_new, positions, *,
-                      num_pages, k, page_size, num_sink_pages, implementation=None):
+                      num_pages, k, page_size, num_sink_pages, implementation=None,
+                      ahead: bool = False):
     """Decode step for one layer: fold the new token into the summaries, then select pages.
 
     h [B, 1, d] normed hidden state, q [B, Hq, D], k_new [B, H, D] or the new token's stacked
     K/V [B, 2, H, D] (Quest reads its K in place), positions [B] (position
     of the new token, -1 = inactive request). Returns (summaries, pages [B, H, k'] int32),
-    within-sequence page indices, -1 padded (k' = num_pages for dense).
+    within-sequence page indices, -1 padded (k' = num_pages for dense). ``ahead``: select
+    for the next token (position + 1) with this query: the next token's page is the forced
+    last page, the rest scored as now (lagged selection).
     """
-    seq_lens = jnp.maximum(positions + 1, 1)
+    seq_lens = jnp.maximum(positions + 1 + int(ahead), 1)
     H = k_new.shape[-2]
     if selector == "quest":
         kmax, kmin, pages = quest.quest_update_select(
@@ -67,3 +85,26 @@ def update_and_select(selector: str, summaries, layer, lp, cfg, h, q, k_new, pos
         return (keys,), jnp.broadcast_to(pages[:, None, :], (pages.shape[0], H, pages.shape[1]))
     return summaries, dense_select.dense_select(seq_lens, num_pages=num_pages, num_kv_heads=H,
                                                 page_size=page_size)
+
+
+def select_after_prefill(selector: str, summaries, layer, lp, cfg, h_last, q_last, lengths, *,
+                         k, page_size, num_sink_pages, implementation=None):
+    """Lagged selection's first pages: what the prompt's last query selects for the first
+    decode token (position ``lengths``), from the prefill's summaries (without ``ahead``).
+
+    h_last [B, 1, d] the last prompt token's normed hidden state, q_last [B, Hq, D] its
+    query, lengths [B] prompt lengths. Returns pages [B, H, k] int32 (-1 padded)."""
+    seq_lens = jnp.asarray(lengths, jnp.int32) + 1
+    H = cfg.num_kv_heads
+    if selector == "quest":
+        return quest.quest_select(q_last, summaries[0], summaries[1], layer, seq_lens, k=k,
+                                  page_size=page_size, num_sink_pages=num_sink_pages,
+                                  implementation=implementation)
+    if selector == "indexer":
+        pos = jnp.maximum(jnp.asarray(lengths, jnp.int32) - 1, 0)[:, None]
+        q_idx, w, _ = llama.indexer_inputs(lp, cfg, h_last, pos)
+        pages = indexer.indexer_select(q_idx[:, 0], w[:, 0], summaries[0], layer, seq_lens, k=k,
+                                       page_size=page_size, num_sink_pages=num_sink_pages,
+                                       implementation=implementation)
+        return jnp.broadcast_to(pages[:, None, :], (pages.shape[0], H, pages.shape[1]))
+    raise ValueError(f"lagged selection needs the quest or indexer selector, got {selector!r}")

@@ -233,6 +233,12 @@ def _check_lengths(plan: engine.Plan, lengths) -> np.ndarray:
 
 
 def _fresh(plan: engine.Plan, kv, summaries, lengths: np.ndarray, seed: int) -> engine.DecodeState:
+    """The state to decode from; ``summaries`` the selector's own (no lagged ``ahead``): with
+    lagged selection there is no prompt query to select with, so the first step reads the
+    forced pages only (``engine.forced_ahead``)."""
+    summaries = tuple(summaries)
+    if plan.lagged:
+        summaries += (engine.forced_ahead(plan, lengths),)
     rng = np.random.default_rng([seed, 7])
     last = rng.integers(3, plan.model.vocab_size, plan.batch).astype(np.int32)
     return engine.start_state(plan, kv, summaries, lengths, last, jax.random.key(seed),
@@ -259,7 +265,7 @@ def build_state(plan: engine.Plan, lengths, *, synth: Synthetic = Synthetic(), s
     lengths = _check_lengths(plan, lengths)
     lay = layout(plan, synth, chunk_bytes)
     kv = engine.init_kv(plan, poison=poison)
-    summaries = engine.init_summaries(plan)
+    summaries, _ = selection.split_ahead(engine.init_summaries(plan), plan.lagged)
     dst = kv.host_kv if lay.host else kv.pool
     fn = _fill_fn(lay, dst.sharding, tuple(s.sharding for s in summaries))
     key = np.uint32(seed % 2**32)
@@ -272,7 +278,7 @@ def build_state(plan: engine.Plan, lengths, *, synth: Synthetic = Synthetic(), s
                 dst, summaries = fn(dst, summaries, np.int32(layer), np.int32(b), np.int32(j0),
                                     np.int32(lengths[b]), key, sal)
     kv = dataclasses.replace(kv, host_kv=dst) if lay.host else dataclasses.replace(kv, pool=dst)
-    return _fresh(plan, kv, tuple(summaries), lengths, seed)
+    return _fresh(plan, kv, summaries, lengths, seed)
 
 
 def reuse_state(plan: engine.Plan, state: engine.DecodeState, lengths, *, seed: int = 0,
@@ -316,8 +322,11 @@ def reuse_state(plan: engine.Plan, state: engine.DecodeState, lengths, *, seed: 
         summ = ()
     else:
         summ = tuple(state.summaries if summaries is None else summaries)
-        want = [(a.shape, a.dtype) for a in
-                jax.tree.leaves(jax.eval_shape(functools.partial(engine.init_summaries, plan)))]
+        want, _ = selection.split_ahead(
+            jax.eval_shape(functools.partial(engine.init_summaries, plan)), plan.lagged)
+        if len(summ) == len(want) + 1:  # a lagged state's pages: chosen again below
+            summ = summ[:-1]
+        want = [(a.shape, a.dtype) for a in jax.tree.leaves(want)]
         have = [(a.shape, a.dtype) for a in jax.tree.leaves(summ)]
         if want != have:
             raise ValueError(f"reuse_state: summaries {have} do not match the plan's selector "
@@ -387,6 +396,9 @@ def trace_selections(plan: engine.Plan, params, state: engine.DecodeState, token
     """
     if plan.cache.mode != "resident":
         raise ValueError("trace_selections needs a resident-mode plan")
+    if plan.lagged:
+        raise ValueError("trace_selections records the exact selections: use a plan with "
+                         "CacheConfig(selection_lag=0)")
     tokens = jnp.asarray(tokens, jnp.int32)
     if tokens.ndim != 2 or tokens.shape[0] != plan.batch:
         raise ValueError(f"tokens must be [B={plan.batch}, T], got {tokens.shape}")

@@ -61,3 +61,15 @@ def test_ab_step_traces_each_variant_once(tmp_path):
     assert out["variants"]["separate_update"]["switches"] == {"fuse_update": False}
     assert all(len(out["results"][n]["step_ms"]) == 1 for n in t)
     assert out["compiles_after_warmup"] == {n: 0 for n in t}
+
+
+def test_lagged_selection_run(tmp_path):
+    """--selection-lag 1: the sparse configs run with CacheConfig(selection_lag=1), the dense
+    baseline (a) without it; the JSON's settings say so."""
+    st = bench_decode.Settings(configs=("a", "b", "c2"), pools=(2,), probe_steps=0,
+                               selection_lag=1)
+    res = bench_decode.run(str(tmp_path), quick=True, batches=[1], settings=st, prefill=(),
+                           plot=False)
+    assert res["settings"]["selection_lag"] == 1
+    assert [r["config"] for r in res["cases"][0]["results"]] == ["b", "a", "c2"]
+    assert all(r["tokens_per_s"] > 0 for r in res["cases"][0]["results"])

@@ -1,0 +1,140 @@
+"""Lagged selection (CacheConfig.selection_lag=1): each step attends to the pages chosen with
+the previous token's queries, plus its own page (CPU, tiny model)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import CacheConfig, Sampling, engine, synthetic
+from jaxkv.api import make_plan
+from models import configs, llama
+from pallas_kernels import quest
+
+CFG = configs.tiny()
+PARAMS = llama.init_params(CFG, seed=0)
+RNG = np.random.default_rng(4321)
+PROMPTS = [list(RNG.integers(3, CFG.vocab_size, n)) for n in (37, 21, 50)]
+NEW = 10
+BASE = dict(page_size=4, selected_pages=4)
+
+
+def _gen(cache, cfg=CFG, params=PARAMS, **kw):
+    kw.setdefault("max_new_tokens", NEW)
+    return jaxkv.generate(cfg, params, PROMPTS, cache=cache, stop_tokens=[], **kw)
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="selection_lag"):
+        CacheConfig(selection_lag=2)
+    with pytest.raises(ValueError, match="selection_lag"):
+        CacheConfig(selection_lag=True)
+    with pytest.raises(ValueError, match="quest' or 'indexer"):
+        CacheConfig(selector="dense", selection_lag=1)
+
+
+@pytest.mark.parametrize("mode", ["resident", "host"])
+def test_lag_changes_nothing_when_every_page_is_selected(mode):
+    """k >= the pages of the context: the previous query selects every page up to the new
+    token's, as the exact selection does, so the tokens are the same."""
+    every = dict(page_size=4, selected_pages=64)  # the context holds <= 50 + 10 tokens: 15 pages
+    exact = _gen(CacheConfig(mode="resident", **every))
+    lagged = _gen(CacheConfig(mode=mode, selection_lag=1, **every))
+    assert lagged.tokens == exact.tokens
+
+
+@pytest.mark.parametrize("cache", [
+    dict(mode="host"),
+    dict(mode="host", schedule="step", pool_pages=6),
+    dict(mode="host", schedule="scratch", pool_pages=6),
+    dict(mode="host", schedule="layer"),
+], ids=["step", "step-small-pool", "scratch-small-pool", "layer"])
+def test_lagged_host_equals_lagged_resident(cache):
+    resident = _gen(CacheConfig(mode="resident", selection_lag=1, **BASE))
+    host = _gen(CacheConfig(selection_lag=1, **BASE, **cache))
+    assert host.tokens == resident.tokens
+    assert host.stats["dropped"] == 0 and host.stats["misses"] > 0
+
+
+def test_lagged_indexer_host_equals_resident():
+    cfg = configs.with_indexer(CFG, heads=4, dim=16)
+    params = llama.init_params(cfg, seed=3)
+    base = dict(selector="indexer", page_size=4, selected_pages=3, selection_lag=1)
+    runs = [_gen(CacheConfig(mode=m, **base), cfg, params) for m in ("resident", "host")]
+    assert runs[0].tokens == runs[1].tokens
+    exact = _gen(CacheConfig(mode="resident", **dict(base, selection_lag=0)), cfg, params)
+    assert exact.tokens != runs[0].tokens  # k = 3 of up to 15 pages: the lag shows
+
+
+def _prefill(plan, tokens, lengths):
+    kv, summ = engine.init_kv(plan), engine.init_summaries(plan)
+    x = engine.embed_prompt(plan, PARAMS, tokens)
+    for layer in range(CFG.num_layers):
+        x, kv, summ, _ = engine.prefill_layer(plan, PARAMS["layers"][layer], jnp.int32(layer),
+                                              x, lengths, kv, summ)
+    return kv, summ
+
+
+def _layer0_query(tokens, positions):
+    """Layer 0's queries [B, T, Hq, D] (they depend on the tokens only, not on attention)."""
+    x = llama.embed(PARAMS, CFG, tokens)
+    return llama.attention_inputs(PARAMS["layers"][0], CFG, x, positions)[1]
+
+
+def test_pages_are_chosen_one_step_ahead():
+    """Layer 0 (its query needs no attention output): after the prefill, ``ahead`` holds what
+    the prompt's last query selects for position ``length``; after one decode step, what the
+    step's query selects for the next position, on the updated summaries."""
+    cache = CacheConfig(mode="resident", selection_lag=1, round_steps=1, **BASE)
+    lens = [len(p) for p in PROMPTS]
+    plan = make_plan(CFG, cache, lens, NEW, num_stop=1)
+    tokens = np.zeros((len(lens), plan.prompt_len), np.int32)
+    for i, p in enumerate(PROMPTS):
+        tokens[i, :len(p)] = p
+    lengths = jnp.asarray(lens, jnp.int32)
+    kv, summ = _prefill(plan, jnp.asarray(tokens), lengths)
+    sel = dict(k=plan.k, page_size=4, num_sink_pages=cache.sink_pages)
+    pos = jnp.broadcast_to(jnp.arange(plan.prompt_len, dtype=jnp.int32), tokens.shape)
+    q = _layer0_query(jnp.asarray(tokens), pos)
+    q_last = q[jnp.arange(len(lens)), lengths - 1]
+    want = quest.quest_select(q_last, summ[0], summ[1], 0, lengths + 1, **sel)
+    np.testing.assert_array_equal(np.asarray(summ[2][0]), np.asarray(want))
+    cur = np.asarray(lengths) // 4
+    assert all(c in row for c, rows in zip(cur, np.asarray(want)) for row in rows)
+
+    first = jnp.asarray([5, 6, 7], jnp.int32)
+    st = engine.start_state(plan, kv, summ, np.asarray(lengths), np.asarray(first),
+                            jax.random.key(0))  # copies: the state is donated
+    st, toks, steps = engine.decode_round(plan, PARAMS, st, Sampling.make(),
+                                          jnp.full((1,), -1, jnp.int32), jnp.int32(NEW))
+    assert int(steps) == 1
+    q1 = _layer0_query(first[:, None], lengths[:, None])[:, 0]
+    kmax, kmin, ahead = st.summaries
+    want1 = quest.quest_select(q1, kmax, kmin, 0, lengths + 2, **sel)
+    np.testing.assert_array_equal(np.asarray(ahead[0]), np.asarray(want1))
+    nxt = (np.asarray(lengths) + 1) // 4
+    assert all(c in row for c, rows in zip(nxt, np.asarray(want1)) for row in rows)
+
+
+def test_forced_ahead_and_synthetic_state_decode():
+    cache = CacheConfig(mode="host", selection_lag=1, page_size=4, selected_pages=4,
+                        sink_pages=2, max_context=64, round_steps=4)
+    plan = make_plan(CFG, cache, [9, 30], 8, num_stop=1)
+    ahead = np.asarray(engine.forced_ahead(plan, jnp.asarray([1, 30], jnp.int32)))
+    assert ahead.shape == (CFG.num_layers, 2, CFG.num_kv_heads, 4)
+    np.testing.assert_array_equal(ahead[0, 0, 0], [0, -1, -1, -1])  # the sink page 0 is page 0
+    np.testing.assert_array_equal(ahead[-1, 1, 1], [0, 1, 7, -1])    # sinks, then page 30 // 4
+    st = synthetic.build_state(plan, [9, 30])
+    np.testing.assert_array_equal(np.asarray(st.summaries[-1][:, 0, 0]),
+                                  np.broadcast_to([0, 1, 2, -1], (CFG.num_layers, 4)))
+    st, toks, steps = engine.decode_round(plan, PARAMS, st, Sampling.make(),
+                                          jnp.full((1,), -1, jnp.int32), jnp.int32(4))
+    assert int(steps) == 4 and (np.asarray(toks) >= 0).all()
+    # a lagged state is rebound to the exact plan (and back) without its pages
+    exact = make_plan(CFG, dataclasses.replace(cache, selection_lag=0), [9, 30], 8, num_stop=1)
+    st = synthetic.reuse_state(exact, st, [9, 30])
+    assert len(st.summaries) == 2
+    st = synthetic.reuse_state(plan, st, [9, 30])
+    assert len(st.summaries) == 3
