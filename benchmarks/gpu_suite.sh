@@ -10,6 +10,9 @@
 # capacity: a host tier larger than the free device memory (probe_host_capacity.py; 28 vs 16 GiB)
 # abc-8b, abc-qwen: the issue-6 headline ratios (128k; a, b, c2 in one run; 8B-like B=1, Qwen-like B=8;
 #   then b and c2 re-measured alternately $PAIRS times (default 8): the target is the median pair ratio)
+#   abc-8b-lag, abc-qwen-lag: the same with CacheConfig(selection_lag=1) for b and c2;
+#   abc-qwen-b16, abc-qwen-b16-lag: Qwen-like at B=16
+# quality-lag: retrieval quality with exact and lagged selection ($QUALITY_BUDGETS, default 1024)
 # tp-b8: only the tensor-parallel 8B-like B=8 128k part of tp
 # grid-*: GRID_CONFIGS / GRID_POOLS override the configurations (default a,b,c,d / 1,2,4)
 # topo: the GPUs' PCIe / NUMA topology
@@ -68,10 +71,14 @@ for s in $STAGES; do
         XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$lim run "$s" 570 $PY benchmarks/bench_decode.py $args \
           --configs ${GRID_CONFIGS:-a,b,c,d} --pools ${GRID_POOLS:-1,2,4} \
           --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 530 --tag "$s" --out "$OUT" ;;
-    abc-8b|abc-qwen)
+    abc-8b|abc-qwen|abc-8b-lag|abc-qwen-lag|abc-qwen-b16|abc-qwen-b16-lag)
         case $s in
           abc-8b) args="--shape 8b --batches 1 --tag 8b_128k_b1_abc_$JAXKV_COMMIT" ;;
           abc-qwen) args="--shape qwen1.5b --batches 8 --tag qwen_128k_b8_abc_$JAXKV_COMMIT" ;;
+          abc-8b-lag) args="--shape 8b --batches 1 --selection-lag 1 --tag 8b_128k_b1_abc_lag_$JAXKV_COMMIT" ;;
+          abc-qwen-lag) args="--shape qwen1.5b --batches 8 --selection-lag 1 --tag qwen_128k_b8_abc_lag_$JAXKV_COMMIT" ;;
+          abc-qwen-b16) args="--shape qwen1.5b --batches 16 --tag qwen_128k_b16_abc_$JAXKV_COMMIT" ;;
+          abc-qwen-b16-lag) args="--shape qwen1.5b --batches 16 --selection-lag 1 --tag qwen_128k_b16_abc_lag_$JAXKV_COMMIT" ;;
         esac
         run "$s" 300 $PY benchmarks/bench_decode.py $args --contexts 128k --configs a,b,c --pools 2 \
           --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 260 --timed-rounds 6 \
@@ -95,6 +102,8 @@ for s in $STAGES; do
           --config ${AB_CONFIG:-b} --pairs ${AB_PAIRS:-6} --tag "${AB_TAG:-$JAXKV_COMMIT}" --out "$OUT"
         [ -d "$OUT/hlo" ] && tar -czf "$OUT/ab_hlo.tgz" -C "$OUT" hlo && rm -rf "$OUT/hlo" ;;
     quality) run quality 400 $PY benchmarks/bench_quality.py --out "$OUT" ;;
+    quality-lag) run quality_lag ${QUALITY_LIMIT:-300} $PY benchmarks/bench_quality.py --budgets ${QUALITY_BUDGETS:-1024} \
+          --lagged --tag "lag_$JAXKV_COMMIT" --out "$OUT" ;;
     tp) run tp_tests 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_parallel.py -o addopts="-ra"
         n=$($PY -c 'import jax; print(jax.device_count())')
         run tp_decode 400 $PY benchmarks/bench_decode.py --devices "$n" --shape 8b --contexts 128k \
