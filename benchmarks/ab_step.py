@@ -32,7 +32,9 @@ Variants (``VARIANTS``):
   ``conc_multi_output`` / ``conc_heroless`` / ``conc_block_level`` / ``conc_all_triton``: the
   concurrent graph plus one of XLA's experimental fusion passes.
 * ``lagged``: ``CacheConfig(selection_lag=1)``: each step attends to the pages chosen with the
-  previous token's queries, so the selector runs beside the step (``CACHE_CHANGES``).
+  previous token's queries (``CACHE_CHANGES``); Quest then selects for all layers at once
+  after the layer loop; ``lagged_per_layer``: the same, selecting per layer inside the loop
+  (``engine.BATCH_LAGGED_SELECTION=False``), where it may run beside the layer's other work.
 
 Variants whose options the compiler rejects, or whose round fails to compile or run, are
 reported and dropped.
@@ -73,6 +75,8 @@ SWITCHES = {
     "update_scores_impl": (os.environ, "JAXKV_IMPL_" + quest.OP_UPDATE_CMAX.upper()),
     # the engine's default XLA options of the round (engine.ROUND_COMPILER_OPTIONS)
     "round_options": (engine, "ROUND_COMPILER_OPTIONS"),
+    # lagged Quest selection once for all layers after the loop, or per layer inside it
+    "batch_lagged": (engine, "BATCH_LAGGED_SELECTION"),
 }
 # name -> (switch values, XLA compiler options)
 VARIANTS = {
@@ -109,9 +113,10 @@ VARIANTS = {
     "conc_all_triton": ({}, (_CONC, ("xla_gpu_experimental_all_fusions_with_triton", True))),
     # pages chosen with the previous token's queries (CacheConfig.selection_lag, CACHE_CHANGES)
     "lagged": ({}, ()),
+    "lagged_per_layer": ({"batch_lagged": False}, ()),
 }
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
-CACHE_CHANGES = {"lagged": {"selection_lag": 1}}
+CACHE_CHANGES = {"lagged": {"selection_lag": 1}, "lagged_per_layer": {"selection_lag": 1}}
 
 
 def _accepted(names):

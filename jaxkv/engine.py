@@ -513,6 +513,10 @@ def lookup_and_fetch(plan: Plan, kv, layer, sel):
 # (Quest's kernel reads it in place) rather than from its own copy of K: one XLA fusion less
 # per layer. Read when a step is traced (benchmarks/ab_step.py compares both).
 SELECTOR_READS_STACKED_KV = True
+# Lagged Quest selection (CacheConfig.selection_lag=1) runs once per step for all layers
+# after the layer loop (one launch of each selector kernel instead of one per layer); False:
+# per layer, inside the loop. Read when a step is traced (benchmarks/ab_step.py compares both).
+BATCH_LAGGED_SELECTION = True
 
 
 def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_ids, max_new):
@@ -534,7 +538,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
 
     def attend_dense(layer, lp, h, q, k, v, carry):
         """The first plan.num_dense layers: every valid page, read from device memory."""
-        kv, summ, look, dense = carry
+        kv, summ, look, dense, sel_in = carry
         q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
         tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)
         if plan.cache.mode == "host":
@@ -551,10 +555,10 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         rows = jnp.where(pages >= 0, layer * P + b_idx[:, None, None] * Np + pages, INVALID)
         out, _ = sparse_paged_attention(q1, pool, rows, pages, jnp.where(active, pos + 1, 1),
                                         page_size=ps, num_kv_heads=H, implementation=impl)
-        return out[:, None].astype(q.dtype), (kv, summ, look, dense)
+        return out[:, None].astype(q.dtype), (kv, summ, look, dense, sel_in)
 
     def attend(layer, lp, h, q, k, v, carry):
-        kv, summ, look, dense = carry
+        kv, summ, look, dense, sel_in = carry
         q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
         tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)       # [B, 2, H, D]
         if plan.in_place:
@@ -563,14 +567,18 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
             kv = kvcache.write_through(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
         else:
             kv = kvcache.write_resident(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
-        summ, ahead = selection.split_ahead(summ, plan.lagged)
-        summ, pages = selection.update_and_select(
-            plan.cache.selector, summ, layer, lp, cfg, h, q1,
-            tok_kv if SELECTOR_READS_STACKED_KV else k1, positions, num_pages=Np,
-            k=plan.k, page_size=ps, num_sink_pages=plan.cache.sink_pages, implementation=impl,
-            ahead=plan.lagged)
-        if plan.lagged:  # attend to the pages chosen last step; keep this step's for the next
-            pages, summ = ahead[layer], summ + (ahead.at[layer].set(pages),)
+        if batched:  # attend to the pages chosen last step; select for the next after the layers
+            pages = summ[-1][layer]
+            sel_in = tuple(a.at[layer].set(x) for a, x in zip(sel_in, (q1, tok_kv)))
+        else:
+            summ, ahead = selection.split_ahead(summ, plan.lagged)
+            summ, pages = selection.update_and_select(
+                plan.cache.selector, summ, layer, lp, cfg, h, q1,
+                tok_kv if SELECTOR_READS_STACKED_KV else k1, positions, num_pages=Np,
+                k=plan.k, page_size=ps, num_sink_pages=plan.cache.sink_pages,
+                implementation=impl, ahead=plan.lagged)
+            if plan.lagged:  # attend to the pages chosen last step; keep these for the next
+                pages, summ = ahead[layer], summ + (ahead.at[layer].set(pages),)
         host = {}
         if plan.in_place:  # inactive requests get no rows, so none of their pages is read
             kv, rows, host_rows, record = lookup_in_place(plan, kv, layer, pages, active, logical,
@@ -594,17 +602,28 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         if host:  # order the next in-place host write after this read (no host-array copy)
             host_kv, out = jax.lax.optimization_barrier((kv.host_kv, out))
             kv = dataclasses.replace(kv, host_kv=host_kv)
-        return out[:, None].astype(q.dtype), (kv, summ, look, dense)
+        return out[:, None].astype(q.dtype), (kv, summ, look, dense, sel_in)
 
     x = llama.embed(params, cfg, st.last_token[:, None])
     tpos = jnp.maximum(pos, 0)[:, None]
-    carry = (kv0, st.summaries, st.lookahead, st.dense)
+    L, Hq, D = cfg.num_layers, cfg.num_heads, cfg.head_dim
+    batched = plan.lagged and plan.cache.selector == "quest" and BATCH_LAGGED_SELECTION
+    # batched lagged selection: every layer's query and new K/V row, selected from after the layers
+    sel_in = ((jnp.zeros((L, B, Hq, D), cfg.dtype), jnp.zeros((L, B, 2, H, D), spec.jnp_dtype))
+              if batched else ())
+    carry = (kv0, st.summaries, st.lookahead, st.dense, sel_in)
     nd = plan.num_dense
     x, carry = llama.run_layers(params, cfg, x, tpos, attend_dense, carry, start=0, stop=nd,
                                 unroll=plan.layer_unroll, axis_name=plan.axis_name)
     x, carry = llama.run_layers(params, cfg, x, tpos, attend, carry, start=nd,
                                 unroll=plan.layer_unroll, axis_name=plan.axis_name)
-    kv, summ, look, dense = carry
+    kv, summ, look, dense, sel_in = carry
+    if batched:
+        lpos = jnp.where(jnp.arange(L)[:, None] >= nd, positions[None, :], INVALID)  # [L, B]
+        summ, ahead = selection.quest_update_select_all_layers(
+            summ[:-1], *sel_in, lpos, k=plan.k, page_size=ps,
+            num_sink_pages=plan.cache.sink_pages, implementation=impl)
+        summ = summ + (ahead,)
     if plan.in_place:
         kv = count_in_place(plan, kv, look[0], jnp.sum(active).astype(jnp.int32))
     logits = llama.final_logits(params, cfg, x)

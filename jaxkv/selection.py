@@ -108,3 +108,25 @@ def select_after_prefill(selector: str, summaries, layer, lp, cfg, h_last, q_las
                                        implementation=implementation)
         return jnp.broadcast_to(pages[:, None, :], (pages.shape[0], H, pages.shape[1]))
     raise ValueError(f"lagged selection needs the quest or indexer selector, got {selector!r}")
+
+
+def quest_update_select_all_layers(summaries, q, kv_new, positions, *, k, page_size,
+                                   num_sink_pages, implementation=None):
+    """Lagged Quest for every layer at once, after the step's layers: fold each layer's new
+    key into its summaries and choose the next step's pages, in one launch per kernel
+    instead of one per layer (the layers' selections are independent of one another).
+
+    summaries (kmax, kmin) [L, B, Np, H, D]; q [L, B, Hq, D] each layer's query; kv_new
+    [L, B, 2, H, D] each layer's new K/V row (K read); positions [L, B] int32 the new token's
+    position (-1 = no update and no selection wanted: inactive request or a dense layer).
+    Returns ((kmax, kmin), ahead [L, B, H, k] int32): the pages for position + 1."""
+    kmax, kmin = summaries
+    L, B = kmax.shape[:2]
+    flat = lambda a: a.reshape((1, L * B) + a.shape[2:])  # noqa: E731 - layers as requests
+    seq_lens = jnp.maximum(positions + 2, 1).reshape(L * B)
+    kmax2, kmin2, pages = quest.quest_update_select(
+        q.reshape((L * B,) + q.shape[2:]), flat(kmax), flat(kmin), jnp.int32(0), seq_lens,
+        kv_new.reshape((L * B,) + kv_new.shape[2:]), positions.reshape(L * B), k=k,
+        page_size=page_size, num_sink_pages=num_sink_pages, implementation=implementation)
+    return (kmax2.reshape(kmax.shape), kmin2.reshape(kmin.shape)), pages.reshape(
+        (L, B) + pages.shape[1:])

@@ -58,6 +58,16 @@ def test_lagged_host_equals_lagged_resident(cache):
     assert host.stats["dropped"] == 0 and host.stats["misses"] > 0
 
 
+def test_per_layer_and_batched_lagged_quest_agree(monkeypatch):
+    """Quest's lagged selection for all layers at once after the layer loop (the default)
+    gives the tokens of the per-layer form inside the loop."""
+    cache = CacheConfig(mode="host", selection_lag=1, round_steps=4, **BASE)
+    batched = _gen(cache)
+    monkeypatch.setattr(engine, "BATCH_LAGGED_SELECTION", False)
+    per_layer = _gen(dataclasses.replace(cache, round_steps=5))  # a plan of its own
+    assert per_layer.tokens == batched.tokens
+
+
 def test_lagged_indexer_host_equals_resident():
     cfg = configs.with_indexer(CFG, heads=4, dim=16)
     params = llama.init_params(cfg, seed=3)
