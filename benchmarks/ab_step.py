@@ -35,6 +35,9 @@ Variants (``VARIANTS``):
   previous token's queries (``CACHE_CHANGES``); Quest then selects for all layers at once
   after the layer loop; ``lagged_per_layer``: the same, selecting per layer inside the loop
   (``engine.BATCH_LAGGED_SELECTION=False``), where it may run beside the layer's other work.
+* ``install_end`` (host tier, c2): the per-step LRU install of a step's selections at the end of
+  that step instead of the start of the next (``engine.INSTALL_AT_STEP_END``);
+  ``lagged_install_end`` / ``lagged_per_layer_install_end``: with lagged selection.
 
 Variants whose options the compiler rejects, or whose round fails to compile or run, are
 reported and dropped.
@@ -77,6 +80,7 @@ SWITCHES = {
     "round_options": (engine, "ROUND_COMPILER_OPTIONS"),
     # lagged Quest selection once for all layers after the loop, or per layer inside it
     "batch_lagged": (engine, "BATCH_LAGGED_SELECTION"),
+    "install_at_end": (engine, "INSTALL_AT_STEP_END"),
 }
 # name -> (switch values, XLA compiler options)
 VARIANTS = {
@@ -114,9 +118,14 @@ VARIANTS = {
     # pages chosen with the previous token's queries (CacheConfig.selection_lag, CACHE_CHANGES)
     "lagged": ({}, ()),
     "lagged_per_layer": ({"batch_lagged": False}, ()),
+    # per-step host schedules: the LRU install of a step's selections at its end
+    "install_end": ({"install_at_end": True}, ()),
+    "lagged_install_end": ({"install_at_end": True}, ()),
+    "lagged_per_layer_install_end": ({"batch_lagged": False, "install_at_end": True}, ()),
 }
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
-CACHE_CHANGES = {"lagged": {"selection_lag": 1}, "lagged_per_layer": {"selection_lag": 1}}
+CACHE_CHANGES = {n: {"selection_lag": 1} for n in ("lagged", "lagged_per_layer", "lagged_install_end",
+                                                   "lagged_per_layer_install_end")}
 
 
 def _accepted(names):

@@ -517,6 +517,10 @@ SELECTOR_READS_STACKED_KV = True
 # after the layer loop (one launch of each selector kernel instead of one per layer); False:
 # per layer, inside the loop. Read when a step is traced (benchmarks/ab_step.py compares both).
 BATCH_LAGGED_SELECTION = True
+# Per-step schedules: install a step's selections into the pool (LRU ensure + one fetch
+# launch) at the end of that step, where it may run beside the LM head and sampling, instead
+# of at the start of the next step (same pages, same order of LRU updates). Read when traced.
+INSTALL_AT_STEP_END = False
 
 
 def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_ids, max_new):
@@ -533,7 +537,8 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     positions = jnp.where(active, pos, INVALID)
     protect = _protected_pages(plan, pos, active)[None, :]
     kv0 = st.kv
-    if plan.per_step and plan.cache.reuse:
+    install = plan.per_step and plan.cache.reuse
+    if install and not INSTALL_AT_STEP_END:
         kv0 = install_previous(plan, kv0, st.lookahead, protect)
 
     def attend_dense(layer, lp, h, q, k, v, carry):
@@ -636,6 +641,8 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     done = st.done | (active & (stop | (n_gen >= max_new) | (lengths >= plan.max_context)))
     if plan.cache.mode == "host":
         kv = kvcache.tick(kv)
+    if install and INSTALL_AT_STEP_END:  # the next step's install, beside the LM head
+        kv = install_previous(plan, kv, look, _protected_pages(plan, lengths, ~done)[None, :])
     st = DecodeState(kv=kv, summaries=summ, lengths=lengths,
                      last_token=jnp.where(active, tok, st.last_token), done=done,
                      n_generated=n_gen, key=key, lookahead=look, dense=dense)
