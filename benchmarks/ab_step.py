@@ -32,9 +32,10 @@ Variants (``VARIANTS``):
   ``conc_multi_output`` / ``conc_heroless`` / ``conc_block_level`` / ``conc_all_triton``: the
   concurrent graph plus one of XLA's experimental fusion passes.
 * ``lagged``: ``CacheConfig(selection_lag=1)``: each step attends to the pages chosen with the
-  previous token's queries (``CACHE_CHANGES``); Quest then selects for all layers at once
-  after the layer loop; ``lagged_per_layer``: the same, selecting per layer inside the loop
-  (``engine.BATCH_LAGGED_SELECTION=False``), where it may run beside the layer's other work.
+  previous token's queries (``CACHE_CHANGES``), as the engine does it by default
+  (``engine.BATCH_LAGGED_SELECTION``); ``lagged_all_layers``: Quest selects for all layers at
+  once after the layer loop; ``lagged_per_layer``: per layer inside the loop, where it may
+  run beside the layer's other work.
 * ``install_end`` (host tier, c2): the per-step LRU install of a step's selections at the end of
   that step instead of the start of the next (``engine.INSTALL_AT_STEP_END``);
   ``lagged_install_end`` / ``lagged_per_layer_install_end``: with lagged selection.
@@ -117,6 +118,7 @@ VARIANTS = {
     "conc_all_triton": ({}, (_CONC, ("xla_gpu_experimental_all_fusions_with_triton", True))),
     # pages chosen with the previous token's queries (CacheConfig.selection_lag, CACHE_CHANGES)
     "lagged": ({}, ()),
+    "lagged_all_layers": ({"batch_lagged": True}, ()),
     "lagged_per_layer": ({"batch_lagged": False}, ()),
     # per-step host schedules: the LRU install of a step's selections at its end
     "install_end": ({"install_at_end": True}, ()),
@@ -124,7 +126,8 @@ VARIANTS = {
     "lagged_per_layer_install_end": ({"batch_lagged": False, "install_at_end": True}, ()),
 }
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
-CACHE_CHANGES = {n: {"selection_lag": 1} for n in ("lagged", "lagged_per_layer", "lagged_install_end",
+CACHE_CHANGES = {n: {"selection_lag": 1} for n in ("lagged", "lagged_all_layers", "lagged_per_layer",
+                                                   "lagged_install_end",
                                                    "lagged_per_layer_install_end")}
 
 

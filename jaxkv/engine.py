@@ -513,10 +513,13 @@ def lookup_and_fetch(plan: Plan, kv, layer, sel):
 # (Quest's kernel reads it in place) rather than from its own copy of K: one XLA fusion less
 # per layer. Read when a step is traced (benchmarks/ab_step.py compares both).
 SELECTOR_READS_STACKED_KV = True
-# Lagged Quest selection (CacheConfig.selection_lag=1) runs once per step for all layers
-# after the layer loop (one launch of each selector kernel instead of one per layer); False:
-# per layer, inside the loop. Read when a step is traced (benchmarks/ab_step.py compares both).
-BATCH_LAGGED_SELECTION = True
+# Lagged Quest selection (CacheConfig.selection_lag=1): True = once per step for all layers
+# after the layer loop (one launch of each selector kernel instead of one per layer), False =
+# per layer inside the loop, "resident" = the first in resident mode, the second with the host
+# tier: what measured faster for each (Qwen-like B=8 at 128k, step vs exact selection:
+# resident 0.846 all layers / 0.939 per layer, host tier 0.901 / 0.871;
+# benchmarks/results/ab_step_lag_{b,c2}_876ff82.json). Read when a step is traced.
+BATCH_LAGGED_SELECTION = "resident"
 # Per-step schedules: install a step's selections into the pool (LRU ensure + one fetch
 # launch) at the end of that step, where it may run beside the LM head and sampling, instead
 # of at the start of the next step (same pages, same order of LRU updates). Read when traced.
@@ -612,7 +615,9 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     x = llama.embed(params, cfg, st.last_token[:, None])
     tpos = jnp.maximum(pos, 0)[:, None]
     L, Hq, D = cfg.num_layers, cfg.num_heads, cfg.head_dim
-    batched = plan.lagged and plan.cache.selector == "quest" and BATCH_LAGGED_SELECTION
+    batched = plan.lagged and plan.cache.selector == "quest" and (
+        plan.cache.mode == "resident" if BATCH_LAGGED_SELECTION == "resident"
+        else bool(BATCH_LAGGED_SELECTION))
     # batched lagged selection: every layer's query and new K/V row, selected from after the layers
     sel_in = ((jnp.zeros((L, B, Hq, D), cfg.dtype), jnp.zeros((L, B, 2, H, D), spec.jnp_dtype))
               if batched else ())

@@ -62,6 +62,7 @@ def test_per_layer_and_batched_lagged_quest_agree(monkeypatch):
     """Quest's lagged selection for all layers at once after the layer loop (the default)
     gives the tokens of the per-layer form inside the loop."""
     cache = CacheConfig(mode="host", selection_lag=1, round_steps=4, **BASE)
+    monkeypatch.setattr(engine, "BATCH_LAGGED_SELECTION", True)
     batched = _gen(cache)
     monkeypatch.setattr(engine, "BATCH_LAGGED_SELECTION", False)
     per_layer = _gen(dataclasses.replace(cache, round_steps=5))  # a plan of its own
