@@ -162,3 +162,25 @@ def test_install_at_step_end_gives_the_same_tokens(monkeypatch, lag):
                                 selection_lag=lag, **BASE))
         assert host.tokens == resident.tokens
         assert host.stats["evictions"] > 0 and host.stats["hits"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_lagged_host_equals_resident_and_full_selection_equals_exact():
+    """The Pallas kernels: lagged host tier (per-layer selection, churning pool) == lagged
+    resident (all layers at once); selecting every page, lagged == exact."""
+    cfg = configs.tiny(dtype="bfloat16", head_dim=64, num_heads=8, num_kv_heads=2, num_layers=3)
+    params = llama.init_params(cfg, seed=0)
+    rng = np.random.default_rng(7)
+    prompts = [list(rng.integers(3, cfg.vocab_size, n)) for n in (300, 170, 513)]
+    kw = dict(max_new_tokens=24, stop_tokens=[])
+    base = CacheConfig(selector="quest", page_size=16, selected_pages=6, selection_lag=1)
+    res = jaxkv.generate(cfg, params, prompts, cache=dataclasses.replace(base, mode="resident"),
+                         **kw)
+    host = jaxkv.generate(cfg, params, prompts, cache=dataclasses.replace(
+        base, mode="host", pool_pages=3 * (2 * 6 + 2), strict=True), **kw)
+    assert host.tokens == res.tokens and host.stats["misses"] > 0
+    every = dataclasses.replace(base, mode="resident", selected_pages=64)  # >= 34 pages
+    lagged = jaxkv.generate(cfg, params, prompts, cache=every, **kw)
+    exact = jaxkv.generate(cfg, params, prompts,
+                           cache=dataclasses.replace(every, selection_lag=0), **kw)
+    assert lagged.tokens == exact.tokens
