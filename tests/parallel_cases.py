@@ -54,6 +54,11 @@ def case_host_quest():
     return _compare(QUEST, (2, 4))
 
 
+def case_lagged():
+    # lagged selection: Quest per KV head, so each device selects for its own heads
+    return _compare(dataclasses.replace(QUEST, selection_lag=1, pool_pages=8), (2,))
+
+
 def case_host_churn():
     # pool of 6 slots (= k + pinned, the minimum): pages churn on every device; misses are
     # copied to scratch rows first (schedule "scratch"; the default "step" reads them in place)

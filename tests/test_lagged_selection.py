@@ -50,9 +50,11 @@ def test_lag_changes_nothing_when_every_page_is_selected(mode):
     dict(mode="host", schedule="step", pool_pages=6),
     dict(mode="host", schedule="scratch", pool_pages=6),
     dict(mode="host", schedule="layer"),
-], ids=["step", "step-small-pool", "scratch-small-pool", "layer"])
+    dict(mode="host", dense_layers=1),
+], ids=["step", "step-small-pool", "scratch-small-pool", "layer", "dense-first-layer"])
 def test_lagged_host_equals_lagged_resident(cache):
-    resident = _gen(CacheConfig(mode="resident", selection_lag=1, **BASE))
+    dense = {"dense_layers": cache["dense_layers"]} if "dense_layers" in cache else {}
+    resident = _gen(CacheConfig(mode="resident", selection_lag=1, **BASE, **dense))
     host = _gen(CacheConfig(selection_lag=1, **BASE, **cache))
     assert host.tokens == resident.tokens
     assert host.stats["dropped"] == 0 and host.stats["misses"] > 0

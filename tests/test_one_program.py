@@ -78,6 +78,33 @@ def test_fused_quest_update_copies_no_summaries_gpu(monkeypatch):
     engine._round_fn.cache_clear()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["resident", "host"])
+def test_lagged_quest_copies_no_summaries_gpu(monkeypatch, mode):
+    """Lagged selection (resident: Quest over all layers at once on the summaries viewed as
+    [1, L * B, ...]; host tier: per layer) still updates the summaries in place: the compiled
+    round copies neither them nor the KV cache."""
+    from pallas_kernels import dense_select
+    monkeypatch.setattr(dense_select, "PALLAS_CMAX_MIN_COLUMNS", 1)
+    engine._round_fn.cache_clear()
+    cfg = configs.tiny(dtype="bfloat16", head_dim=64, num_kv_heads=2, num_heads=8)
+    plan, hlo = _compiled_round(cfg, CacheConfig(mode=mode, selector="quest", page_size=16,
+                                                 selected_pages=4, implementation="pallas",
+                                                 selection_lag=1), [300, 170])
+    _check(plan, hlo)
+    summ = engine.init_summaries(plan)[0].shape
+    assert "quest_update_quest_scores_cmax" in hlo
+    assert not _copies_of(hlo, summ), _copies_of(hlo, summ)[:3]
+    engine._round_fn.cache_clear()
+
+
+def test_decode_round_is_one_program_lagged_cpu():
+    cfg = configs.tiny()
+    plan, hlo = _compiled_round(cfg, CacheConfig(mode="host", selector="quest", page_size=4,
+                                                 selected_pages=4, selection_lag=1), [30, 17])
+    _check(plan, hlo)
+
+
 def test_round_compiler_options_defaults_and_override():
     """The round compiles with the engine's default XLA options; a plan's own pair of the same
     name overrides the default, other pairs are added."""

@@ -3,7 +3,7 @@
 CPU: JAX fixes its device count at import, so the multi-device cases run in two concurrent
 subprocesses with 4 virtual CPU devices (tests/parallel_cases.py) and the tests here check
 their JSON results: N = 2 and 4 devices generate the single-device tokens token for token
-(greedy and sampled; host tier and resident; Quest and dense; churning pool; schedules
+(greedy and sampled; host tier and resident; Quest and dense; lagged selection; churning pool; schedules
 "step" (host reads in attention), "scratch" and "layer"; XLA references and Pallas kernels in interpret mode), prefill logits,
 host tiers and summaries agree within f32 tolerance, counters add up, the decode round over
 the mesh is one program that never copies the host tier, bad meshes fail early.
@@ -30,8 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "parallel_cases.py"
 # two groups of about equal CPU time, run at once (2 cores)
 GROUPS = (("host_quest", "host_churn", "sampled", "bad_mesh", "prefill", "one_program"),
-          ("resident_quest", "dense_layer_schedule", "pallas", "bench_decode"))
-COMPARE = ("host_quest", "host_churn", "sampled", "resident_quest", "dense_layer_schedule", "pallas")
+          ("resident_quest", "dense_layer_schedule", "pallas", "bench_decode", "lagged"))
+COMPARE = ("host_quest", "host_churn", "sampled", "resident_quest", "dense_layer_schedule", "pallas",
+           "lagged")
 CFG = configs.tiny(num_kv_heads=4, num_heads=8)   # as in parallel_cases.py
 
 
