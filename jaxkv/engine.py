@@ -543,6 +543,14 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     install = plan.per_step and plan.cache.reuse
     if install and not INSTALL_AT_STEP_END:
         kv0 = install_previous(plan, kv0, st.lookahead, protect)
+    # lagged Quest for all layers at once after the loop: each layer stores its query and new
+    # K/V row in ``sel_in`` ([L, B, Hq, D], [L, B, 2, H, D]) instead of selecting
+    L, Hq, D = cfg.num_layers, cfg.num_heads, cfg.head_dim
+    batched = plan.lagged and plan.cache.selector == "quest" and (
+        plan.cache.mode == "resident" if BATCH_LAGGED_SELECTION == "resident"
+        else bool(BATCH_LAGGED_SELECTION))
+    sel_in = ((jnp.zeros((L, B, Hq, D), cfg.dtype), jnp.zeros((L, B, 2, H, D), spec.jnp_dtype))
+              if batched else ())
 
     def attend_dense(layer, lp, h, q, k, v, carry):
         """The first plan.num_dense layers: every valid page, read from device memory."""
@@ -575,7 +583,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
             kv = kvcache.write_through(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
         else:
             kv = kvcache.write_resident(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
-        if batched:  # attend to the pages chosen last step; select for the next after the layers
+        if batched:  # attend to the pages chosen last step; select for the next after the loop
             pages = summ[-1][layer]
             sel_in = tuple(a.at[layer].set(x) for a, x in zip(sel_in, (q1, tok_kv)))
         else:
@@ -614,13 +622,6 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
 
     x = llama.embed(params, cfg, st.last_token[:, None])
     tpos = jnp.maximum(pos, 0)[:, None]
-    L, Hq, D = cfg.num_layers, cfg.num_heads, cfg.head_dim
-    batched = plan.lagged and plan.cache.selector == "quest" and (
-        plan.cache.mode == "resident" if BATCH_LAGGED_SELECTION == "resident"
-        else bool(BATCH_LAGGED_SELECTION))
-    # batched lagged selection: every layer's query and new K/V row, selected from after the layers
-    sel_in = ((jnp.zeros((L, B, Hq, D), cfg.dtype), jnp.zeros((L, B, 2, H, D), spec.jnp_dtype))
-              if batched else ())
     carry = (kv0, st.summaries, st.lookahead, st.dense, sel_in)
     nd = plan.num_dense
     x, carry = llama.run_layers(params, cfg, x, tpos, attend_dense, carry, start=0, stop=nd,

@@ -58,6 +58,7 @@ def test_lagged_host_equals_lagged_resident(cache):
     host = _gen(CacheConfig(selection_lag=1, **BASE, **cache))
     assert host.tokens == resident.tokens
     assert host.stats["dropped"] == 0 and host.stats["misses"] > 0
+    assert host.stats["selection_lag"] == resident.stats["selection_lag"] == 1
 
 
 def test_per_layer_and_batched_lagged_quest_agree(monkeypatch):
