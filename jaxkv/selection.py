@@ -79,12 +79,18 @@ def update_and_select(selector: str, summaries, layer, lp, cfg, h, q, k_new, pos
         q_idx, w, k_idx = llama.indexer_inputs(lp, cfg, h, pos2)
         keys = indexer.indexer_update(summaries[0], layer, k_idx[:, 0], positions,
                                       page_size=page_size)
-        pages = indexer.indexer_select(q_idx[:, 0], w[:, 0], keys, layer, seq_lens, k=k,
+        return (keys,), _indexer_pages(q_idx, w, keys, layer, seq_lens, H, k=k,
                                        page_size=page_size, num_sink_pages=num_sink_pages,
                                        implementation=implementation)
-        return (keys,), jnp.broadcast_to(pages[:, None, :], (pages.shape[0], H, pages.shape[1]))
     return summaries, dense_select.dense_select(seq_lens, num_pages=num_pages, num_kv_heads=H,
                                                 page_size=page_size)
+
+
+def _indexer_pages(q_idx, w, keys, layer, seq_lens, num_kv_heads: int, **select_kw):
+    """The indexer's pages [B, H, k] (one selection shared by the H KV heads) from its query
+    q_idx [B, 1, H_I, dI] and weights w [B, 1, H_I]."""
+    pages = indexer.indexer_select(q_idx[:, 0], w[:, 0], keys, layer, seq_lens, **select_kw)
+    return jnp.broadcast_to(pages[:, None, :], (pages.shape[0], num_kv_heads, pages.shape[1]))
 
 
 def select_after_prefill(selector: str, summaries, layer, lp, cfg, h_last, q_last, lengths, *,
@@ -103,10 +109,9 @@ def select_after_prefill(selector: str, summaries, layer, lp, cfg, h_last, q_las
     if selector == "indexer":
         pos = jnp.maximum(jnp.asarray(lengths, jnp.int32) - 1, 0)[:, None]
         q_idx, w, _ = llama.indexer_inputs(lp, cfg, h_last, pos)
-        pages = indexer.indexer_select(q_idx[:, 0], w[:, 0], summaries[0], layer, seq_lens, k=k,
-                                       page_size=page_size, num_sink_pages=num_sink_pages,
-                                       implementation=implementation)
-        return jnp.broadcast_to(pages[:, None, :], (pages.shape[0], H, pages.shape[1]))
+        return _indexer_pages(q_idx, w, summaries[0], layer, seq_lens, H, k=k,
+                              page_size=page_size, num_sink_pages=num_sink_pages,
+                              implementation=implementation)
     raise ValueError(f"lagged selection needs the quest or indexer selector, got {selector!r}")
 
 
