@@ -39,6 +39,9 @@ Variants (``VARIANTS``):
 * ``install_end`` (host tier, c2): the per-step LRU install of a step's selections at the end of
   that step instead of the start of the next (``engine.INSTALL_AT_STEP_END``);
   ``lagged_install_end`` / ``lagged_per_layer_install_end``: with lagged selection.
+* ``steps2`` / ``steps4``: 2 / 4 decode steps per iteration of the round's while loop
+  (``engine.STEPS_PER_ITERATION``: one host round trip for the loop predicate per iteration);
+  ``lagged_steps2`` / ``lagged_steps4`` / ``lagged_all_layers_steps2``: with lagged selection.
 
 Variants whose options the compiler rejects, or whose round fails to compile or run, are
 reported and dropped.
@@ -82,6 +85,7 @@ SWITCHES = {
     # lagged Quest selection once for all layers after the loop, or per layer inside it
     "batch_lagged": (engine, "BATCH_LAGGED_SELECTION"),
     "install_at_end": (engine, "INSTALL_AT_STEP_END"),
+    "steps": (engine, "STEPS_PER_ITERATION"),
 }
 # name -> (switch values, XLA compiler options)
 VARIANTS = {
@@ -124,11 +128,19 @@ VARIANTS = {
     "install_end": ({"install_at_end": True}, ()),
     "lagged_install_end": ({"install_at_end": True}, ()),
     "lagged_per_layer_install_end": ({"batch_lagged": False, "install_at_end": True}, ()),
+    # decode steps per iteration of the round's while loop (one host round trip each)
+    "steps2": ({"steps": 2}, ()),
+    "steps4": ({"steps": 4}, ()),
+    "lagged_steps2": ({"steps": 2}, ()),
+    "lagged_steps4": ({"steps": 4}, ()),
+    "lagged_all_layers_steps2": ({"batch_lagged": True, "steps": 2}, ()),
 }
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
 CACHE_CHANGES = {n: {"selection_lag": 1} for n in ("lagged", "lagged_all_layers", "lagged_per_layer",
                                                    "lagged_install_end",
-                                                   "lagged_per_layer_install_end")}
+                                                   "lagged_per_layer_install_end",
+                                                   "lagged_steps2", "lagged_steps4",
+                                                   "lagged_all_layers_steps2")}
 
 
 def _accepted(names):

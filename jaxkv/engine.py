@@ -526,13 +526,19 @@ BATCH_LAGGED_SELECTION = "resident"
 INSTALL_AT_STEP_END = False
 
 
-def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_ids, max_new):
-    """One token for every active request. Returns (state, tokens [B] (-1 if inactive))."""
+def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_ids, max_new,
+                enabled=None):
+    """One token for every active request. Returns (state, tokens [B] (-1 if inactive)).
+
+    ``enabled``: optional bool scalar; False makes the step a no-op for every request (all
+    inactive: no token, no write, no summary or ``ahead`` change, the random key kept), so a
+    loop body may run a fixed number of steps. The LRU may still install the previous
+    step's pages (residency only, never a value)."""
     cfg, spec, ps = plan.model, plan.spec, plan.page_size
     B, Np, H = plan.batch, plan.pages_per_seq, cfg.num_kv_heads
     P = spec.num_logical_pages
     impl = plan.cache.implementation
-    active = ~st.done
+    active = ~st.done if enabled is None else ~st.done & enabled
     pos = st.lengths
     b_idx = jnp.arange(B, dtype=jnp.int32)
     logical = jnp.where(active, b_idx * Np + pos // ps, INVALID)
@@ -594,7 +600,8 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
                 k=plan.k, page_size=ps, num_sink_pages=plan.cache.sink_pages,
                 implementation=impl, ahead=plan.lagged)
             if plan.lagged:  # attend to the pages chosen last step; keep these for the next
-                pages, summ = ahead[layer], summ + (ahead.at[layer].set(pages),)
+                keep = jnp.where(active[:, None, None], pages, ahead[layer])  # inactive: kept
+                pages, summ = ahead[layer], summ + (ahead.at[layer].set(keep),)
         host = {}
         if plan.in_place:  # inactive requests get no rows, so none of their pages is read
             kv, rows, host_rows, record = lookup_in_place(plan, kv, layer, pages, active, logical,
@@ -634,11 +641,13 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         summ, ahead = selection.quest_update_select_all_layers(
             summ[:-1], *sel_in, lpos, k=plan.k, page_size=ps,
             num_sink_pages=plan.cache.sink_pages, implementation=impl)
-        summ = summ + (ahead,)
+        summ = summ + (jnp.where(lpos[:, :, None, None] >= 0, ahead, st.summaries[-1]),)
     if plan.in_place:
         kv = count_in_place(plan, kv, look[0], jnp.sum(active).astype(jnp.int32))
     logits = llama.final_logits(params, cfg, x)
     key, sub = jax.random.split(st.key)
+    if enabled is not None:
+        key = jnp.where(enabled, key, st.key)
     tok = agree(sample(logits[:, 0], sampling, sub), plan.axis_name)
     tok = jnp.where(active, tok, INVALID)
     lengths = jnp.where(active, pos + 1, pos)
@@ -655,6 +664,19 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     return st, tok
 
 
+# Decode steps per iteration of the round's while loop. Each iteration ends with the loop
+# condition read back by the host, which then launches the next iteration's CUDA graph; more
+# steps per iteration amortize that round trip over more tokens (a step past the round's end
+# or after every request finished is a no-op, see ``decode_step(enabled=)``). Read when a
+# round is traced.
+STEPS_PER_ITERATION = 1
+
+
+def steps_per_iteration(plan: Plan) -> int:
+    """Decode steps per while-loop iteration (``STEPS_PER_ITERATION``, at most round_steps)."""
+    return max(1, min(int(STEPS_PER_ITERATION), plan.cache.round_steps))
+
+
 def _decode_round(plan: Plan, params, state: DecodeState, sampling: Sampling, stop_ids, max_new):
     N, B = plan.cache.round_steps, plan.batch
     buf = jnp.full((B, N), INVALID, jnp.int32)
@@ -669,7 +691,14 @@ def _decode_round(plan: Plan, params, state: DecodeState, sampling: Sampling, st
     def body(c):
         i, st, buf = c
         st, tok = decode_step(plan, params, st, sampling, stop_ids, max_new)
-        return i + 1, st, buf.at[:, i].set(tok)
+        buf = buf.at[:, i].set(tok)
+        i = i + 1
+        for _ in range(1, steps_per_iteration(plan)):  # further steps: no-ops past the end
+            go = (i < N) & ~jnp.all(st.done)
+            st, tok = decode_step(plan, params, st, sampling, stop_ids, max_new, enabled=go)
+            buf = buf.at[:, i].set(tok, mode="drop")
+            i = i + go.astype(jnp.int32)
+        return i, st, buf
 
     steps, state, buf = jax.lax.while_loop(cond, body, (jnp.int32(0), state, buf))
     return state, buf, steps
