@@ -42,6 +42,9 @@ Variants (``VARIANTS``):
 * ``steps2`` / ``steps4``: 2 / 4 decode steps per iteration of the round's while loop
   (``engine.STEPS_PER_ITERATION``: one host round trip for the loop predicate per iteration);
   ``lagged_steps2`` / ``lagged_steps4`` / ``lagged_all_layers_steps2``: with lagged selection.
+* ``install_after1`` / ``2`` / ``4`` (host tier, c2): the per-step install after the first 1 / 2 /
+  4 sparse layers instead of at the step start (``engine.INSTALL_AFTER_LAYERS``);
+  ``lagged_install_after1`` / ``2`` / ``4``: with lagged selection.
 
 Variants whose options the compiler rejects, or whose round fails to compile or run, are
 reported and dropped.
@@ -86,6 +89,7 @@ SWITCHES = {
     "batch_lagged": (engine, "BATCH_LAGGED_SELECTION"),
     "install_at_end": (engine, "INSTALL_AT_STEP_END"),
     "steps": (engine, "STEPS_PER_ITERATION"),
+    "install_after": (engine, "INSTALL_AFTER_LAYERS"),
 }
 # name -> (switch values, XLA compiler options)
 VARIANTS = {
@@ -134,13 +138,22 @@ VARIANTS = {
     "lagged_steps2": ({"steps": 2}, ()),
     "lagged_steps4": ({"steps": 4}, ()),
     "lagged_all_layers_steps2": ({"batch_lagged": True, "steps": 2}, ()),
+    # host tier, schedule "step": the install after the first N sparse layers
+    "install_after1": ({"install_after": 1}, ()),
+    "install_after2": ({"install_after": 2}, ()),
+    "install_after4": ({"install_after": 4}, ()),
+    "lagged_install_after1": ({"install_after": 1}, ()),
+    "lagged_install_after2": ({"install_after": 2}, ()),
+    "lagged_install_after4": ({"install_after": 4}, ()),
 }
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
 CACHE_CHANGES = {n: {"selection_lag": 1} for n in ("lagged", "lagged_all_layers", "lagged_per_layer",
                                                    "lagged_install_end",
                                                    "lagged_per_layer_install_end",
                                                    "lagged_steps2", "lagged_steps4",
-                                                   "lagged_all_layers_steps2")}
+                                                   "lagged_all_layers_steps2",
+                                                   "lagged_install_after1", "lagged_install_after2",
+                                                   "lagged_install_after4")}
 
 
 def _accepted(names):

@@ -456,20 +456,23 @@ def lookup_in_place(plan: Plan, kv, layer, pages, active, logical, offset, tok_k
     return kv, rows, host_rows, record
 
 
-def count_in_place(plan: Plan, kv, sel_all, n_active):
-    """Per-step scheduling "step", step end: hits, misses (= host reads) and tokens written of
-    the step's sparse layers, counted once over all layers. sel_all [L, R] the step's
-    selections (-1 pad; the dense layers' rows are all -1); n_active int32 scalar."""
+def count_in_place(plan: Plan, kv, sel_all, n_active, layers=None):
+    """Per-step scheduling "step": hits, misses (= host reads) and tokens written of the
+    step's sparse layers, counted against the current page table. sel_all [L, R] the step's
+    selections (-1 pad; the dense layers' rows are all -1); n_active int32 scalar. ``layers``
+    (static (start, stop)): count only those layers (default: all, once at the step end)."""
     spec = plan.spec
-    P = spec.num_logical_pages
-    lcol = jnp.arange(spec.num_layers, dtype=jnp.int32)[:, None]
+    P, L = spec.num_logical_pages, spec.num_layers
+    start, stop = (0, L) if layers is None else layers
+    sel_all = sel_all[start:stop]
+    lcol = jnp.arange(start, stop, dtype=jnp.int32)[:, None]
     slot = jnp.where(sel_all >= 0, kv.page_table[lcol, jnp.clip(sel_all, 0, P - 1)], INVALID)
     if not plan.cache.reuse:
         slot = jnp.full_like(slot, INVALID)
     n_hit = jnp.sum(slot >= 0).astype(jnp.int32)
     n_miss = jnp.sum((sel_all >= 0) & (slot < 0)).astype(jnp.int32)
     c = kv.counters
-    written = (plan.model.num_layers - plan.num_dense) * n_active
+    written = (stop - max(start, plan.num_dense)) * n_active
     counters = dataclasses.replace(c, hits=c.hits + n_hit, misses=c.misses + n_miss,
                                    host_reads=c.host_reads + n_miss,
                                    tokens_written=c.tokens_written + written)
@@ -524,6 +527,20 @@ BATCH_LAGGED_SELECTION = "resident"
 # launch) at the end of that step, where it may run beside the LM head and sampling, instead
 # of at the start of the next step (same pages, same order of LRU updates). Read when traced.
 INSTALL_AT_STEP_END = False
+# Schedule "step": the install of the previous step's selections (LRU ensure + one fetch
+# launch) after this many sparse layers instead of at the step start. Those first layers look
+# their pages up in the pool as the previous step left it (pages it missed are read from the
+# host again), and the install, which the next layer's lookup waits for, can run beside
+# their attention output and MLP. 0 = at the step start. Read when a step is traced.
+INSTALL_AFTER_LAYERS = 0
+
+
+def install_after_layers(plan: Plan) -> int:
+    """Sparse layers run before the per-step install (``INSTALL_AFTER_LAYERS``; schedule
+    "step" only: "scratch" installs from scratch rows that the layers overwrite)."""
+    if not plan.in_place:
+        return 0
+    return max(0, min(int(INSTALL_AFTER_LAYERS), plan.model.num_layers - plan.num_dense))
 
 
 def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_ids, max_new,
@@ -547,7 +564,9 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     protect = _protected_pages(plan, pos, active)[None, :]
     kv0 = st.kv
     install = plan.per_step and plan.cache.reuse
-    if install and not INSTALL_AT_STEP_END:
+    # the "step" schedule may install after the first sparse layers (see INSTALL_AFTER_LAYERS)
+    late = install_after_layers(plan) if install and not INSTALL_AT_STEP_END else 0
+    if install and not INSTALL_AT_STEP_END and not late:
         kv0 = install_previous(plan, kv0, st.lookahead, protect)
     # lagged Quest for all layers at once after the loop: each layer stores its query and new
     # K/V row in ``sel_in`` ([L, B, Hq, D], [L, B, 2, H, D]) instead of selecting
@@ -633,7 +652,15 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     nd = plan.num_dense
     x, carry = llama.run_layers(params, cfg, x, tpos, attend_dense, carry, start=0, stop=nd,
                                 unroll=plan.layer_unroll, axis_name=plan.axis_name)
-    x, carry = llama.run_layers(params, cfg, x, tpos, attend, carry, start=nd,
+    split = nd + late
+    if late:  # the first layers looked up with the pool as the previous step left it
+        x, carry = llama.run_layers(params, cfg, x, tpos, attend, carry, start=nd, stop=split,
+                                    unroll=plan.layer_unroll, axis_name=plan.axis_name)
+        kv = count_in_place(plan, carry[0], carry[2][0], jnp.sum(active).astype(jnp.int32),
+                            layers=(0, split))
+        kv = install_previous(plan, kv, st.lookahead, protect)
+        carry = (kv,) + carry[1:]
+    x, carry = llama.run_layers(params, cfg, x, tpos, attend, carry, start=split,
                                 unroll=plan.layer_unroll, axis_name=plan.axis_name)
     kv, summ, look, dense, sel_in = carry
     if batched:
@@ -643,7 +670,8 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
             num_sink_pages=plan.cache.sink_pages, implementation=impl)
         summ = summ + (jnp.where(lpos[:, :, None, None] >= 0, ahead, st.summaries[-1]),)
     if plan.in_place:
-        kv = count_in_place(plan, kv, look[0], jnp.sum(active).astype(jnp.int32))
+        kv = count_in_place(plan, kv, look[0], jnp.sum(active).astype(jnp.int32),
+                            layers=(split, plan.model.num_layers) if late else None)
     logits = llama.final_logits(params, cfg, x)
     key, sub = jax.random.split(st.key)
     if enabled is not None:
