@@ -45,6 +45,9 @@ Variants (``VARIANTS``):
 * ``install_after1`` / ``2`` / ``4`` (host tier, c2): the per-step install after the first 1 / 2 /
   4 sparse layers instead of at the step start (``engine.INSTALL_AFTER_LAYERS``);
   ``lagged_install_after1`` / ``2`` / ``4``: with lagged selection.
+* ``unmasked_pages`` (host tier, c2): the layer's pages passed to the lookup kernel without the
+  XLA masking fusion (``engine.MASK_PAGES_BEFORE_LOOKUP``); ``lagged_unmasked_pages`` /
+  ``lagged_all_layers_unmasked_pages``: with lagged selection.
 
 Variants whose options the compiler rejects, or whose round fails to compile or run, are
 reported and dropped.
@@ -90,6 +93,7 @@ SWITCHES = {
     "install_at_end": (engine, "INSTALL_AT_STEP_END"),
     "steps": (engine, "STEPS_PER_ITERATION"),
     "install_after": (engine, "INSTALL_AFTER_LAYERS"),
+    "mask_pages": (engine, "MASK_PAGES_BEFORE_LOOKUP"),
 }
 # name -> (switch values, XLA compiler options)
 VARIANTS = {
@@ -145,6 +149,11 @@ VARIANTS = {
     "lagged_install_after1": ({"install_after": 1}, ()),
     "lagged_install_after2": ({"install_after": 2}, ()),
     "lagged_install_after4": ({"install_after": 4}, ()),
+    # host tier, schedule "step": the layer's pages straight into the lookup kernel (no XLA
+    # masking fusion before it)
+    "unmasked_pages": ({"mask_pages": False}, ()),
+    "lagged_unmasked_pages": ({"mask_pages": False}, ()),
+    "lagged_all_layers_unmasked_pages": ({"batch_lagged": True, "mask_pages": False}, ()),
 }
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
 CACHE_CHANGES = {n: {"selection_lag": 1} for n in ("lagged", "lagged_all_layers", "lagged_per_layer",
@@ -153,7 +162,9 @@ CACHE_CHANGES = {n: {"selection_lag": 1} for n in ("lagged", "lagged_all_layers"
                                                    "lagged_steps2", "lagged_steps4",
                                                    "lagged_all_layers_steps2",
                                                    "lagged_install_after1", "lagged_install_after2",
-                                                   "lagged_install_after4")}
+                                                   "lagged_install_after4",
+                                                   "lagged_unmasked_pages",
+                                                   "lagged_all_layers_unmasked_pages")}
 
 
 def _accepted(names):

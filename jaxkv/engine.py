@@ -527,6 +527,12 @@ BATCH_LAGGED_SELECTION = "resident"
 # launch) at the end of that step, where it may run beside the LM head and sampling, instead
 # of at the start of the next step (same pages, same order of LRU updates). Read when traced.
 INSTALL_AT_STEP_END = False
+# Schedule "step": mask the pages of inactive requests in XLA before the layer's lookup kernel
+# (which masks them as well). With lagged selection the pages are a slice of ``ahead``; as the
+# operand of the two custom calls (lookup, attention) XLA copies that slice, one copy kernel
+# per layer and step, while the masking fusions of all layers merge into one or two. Read
+# when a step is traced.
+MASK_PAGES_BEFORE_LOOKUP = True
 # Schedule "step": the install of the previous step's selections (LRU ensure + one fetch
 # launch) after this many sparse layers instead of at the step start. Those first layers look
 # their pages up in the pool as the previous step left it (pages it missed are read from the
@@ -623,6 +629,8 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
                 pages, summ = ahead[layer], summ + (ahead.at[layer].set(keep),)
         host = {}
         if plan.in_place:  # inactive requests get no rows, so none of their pages is read
+            if MASK_PAGES_BEFORE_LOOKUP:  # (the lookup masks them too) a fusion, not a copy
+                pages = jnp.where(active[:, None, None], pages, INVALID)
             kv, rows, host_rows, record = lookup_in_place(plan, kv, layer, pages, active, logical,
                                                           offset, tok_kv, look[0])
             look = (record,)
