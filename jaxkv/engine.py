@@ -519,19 +519,23 @@ SELECTOR_READS_STACKED_KV = True
 # Lagged Quest selection (CacheConfig.selection_lag=1): True = once per step for all layers
 # after the layer loop (one launch of each selector kernel instead of one per layer), False =
 # per layer inside the loop, "resident" = the first in resident mode, the second with the host
-# tier: what measured faster for each (Qwen-like B=8 at 128k, step vs exact selection:
-# resident 0.846 all layers / 0.939 per layer, host tier 0.901 / 0.871;
-# benchmarks/results/ab_step_lag_{b,c2}_876ff82.json). Read when a step is traced.
-BATCH_LAGGED_SELECTION = "resident"
+# tier. Qwen-like B=8 at 128k, step vs exact selection: resident 0.846 all layers / 0.939 per
+# layer, host tier 0.901 / 0.871 (benchmarks/results/ab_step_lag_{b,c2}_876ff82.json); once
+# the host tier's copies of the lagged pages were gone (MASK_PAGES_BEFORE_LOOKUP), all layers
+# / per layer in the host tier 0.989 (0.983-1.057; ab_step_mask_c2_lag_94fd037.json): all
+# layers in both modes. Read when a step is traced.
+BATCH_LAGGED_SELECTION = True
 # Per-step schedules: install a step's selections into the pool (LRU ensure + one fetch
 # launch) at the end of that step, where it may run beside the LM head and sampling, instead
 # of at the start of the next step (same pages, same order of LRU updates). Read when traced.
 INSTALL_AT_STEP_END = False
-# Schedule "step": mask the pages of inactive requests in XLA before the layer's lookup kernel
-# (which masks them as well). With lagged selection the pages are a slice of ``ahead``; as the
+# Schedule "step" with lagged selection: mask the pages of inactive requests in XLA before the
+# layer's lookup kernel (which masks them as well). The pages are a slice of ``ahead``; as the
 # operand of the two custom calls (lookup, attention) XLA copies that slice, one copy kernel
-# per layer and step, while the masking fusions of all layers merge into one or two. Read
-# when a step is traced.
+# per layer and step, while the masking fusions of all layers merge into one or two: the
+# Qwen-like B=8 128k host step (all-layer selection) 0.953x (0.944-0.963) of the unmasked one
+# (benchmarks/results/ab_step_mask_c2_lag_94fd037.json). Exact selection passes the top-k's
+# own output (no slice, no copy). Read when a step is traced.
 MASK_PAGES_BEFORE_LOOKUP = True
 # Schedule "step": the install of the previous step's selections (LRU ensure + one fetch
 # launch) after this many sparse layers instead of at the step start. Those first layers look
@@ -629,7 +633,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
                 pages, summ = ahead[layer], summ + (ahead.at[layer].set(keep),)
         host = {}
         if plan.in_place:  # inactive requests get no rows, so none of their pages is read
-            if MASK_PAGES_BEFORE_LOOKUP:  # (the lookup masks them too) a fusion, not a copy
+            if MASK_PAGES_BEFORE_LOOKUP and plan.lagged:  # a fusion, not a copy of the slice
                 pages = jnp.where(active[:, None, None], pages, INVALID)
             kv, rows, host_rows, record = lookup_in_place(plan, kv, layer, pages, active, logical,
                                                           offset, tok_kv, look[0])

@@ -81,9 +81,9 @@ def test_fused_quest_update_copies_no_summaries_gpu(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["resident", "host"])
 def test_lagged_quest_copies_no_summaries_gpu(monkeypatch, mode):
-    """Lagged selection (resident: Quest over all layers at once on the summaries viewed as
-    [1, L * B, ...]; host tier: per layer) still updates the summaries in place: the compiled
-    round copies neither them nor the KV cache."""
+    """Lagged selection (Quest over all layers at once on the summaries viewed as
+    [1, L * B, ...]) still updates the summaries in place: the compiled round copies neither
+    them nor the KV cache, in both modes."""
     from pallas_kernels import dense_select
     monkeypatch.setattr(dense_select, "PALLAS_CMAX_MIN_COLUMNS", 1)
     engine._round_fn.cache_clear()
