@@ -48,9 +48,6 @@ Variants (``VARIANTS``):
 * ``unmasked_pages`` (host tier, c2): the layer's pages passed to the lookup kernel without the
   XLA masking fusion (``engine.MASK_PAGES_BEFORE_LOOKUP``); ``lagged_unmasked_pages`` /
   ``lagged_all_layers_unmasked_pages``: with lagged selection.
-* ``lagged_writes_per_layer``: lagged selection with each layer's new token written before its
-  attention (and, in the host tier, looked up per layer), not once at the step end
-  (``engine.DEFER_TOKEN_WRITES``).
 
 Variants whose options the compiler rejects, or whose round fails to compile or run, are
 reported and dropped.
@@ -97,7 +94,6 @@ SWITCHES = {
     "steps": (engine, "STEPS_PER_ITERATION"),
     "install_after": (engine, "INSTALL_AFTER_LAYERS"),
     "mask_pages": (engine, "MASK_PAGES_BEFORE_LOOKUP"),
-    "defer_writes": (engine, "DEFER_TOKEN_WRITES"),
 }
 # name -> (switch values, XLA compiler options)
 VARIANTS = {
@@ -158,8 +154,6 @@ VARIANTS = {
     "unmasked_pages": ({"mask_pages": False}, ()),
     "lagged_unmasked_pages": ({"mask_pages": False}, ()),
     "lagged_all_layers_unmasked_pages": ({"batch_lagged": True, "mask_pages": False}, ()),
-    # lagged: the new tokens written per layer before its attention, not once at the step end
-    "lagged_writes_per_layer": ({"defer_writes": False}, ()),
 }
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
 CACHE_CHANGES = {n: {"selection_lag": 1} for n in ("lagged", "lagged_all_layers", "lagged_per_layer",
@@ -170,8 +164,7 @@ CACHE_CHANGES = {n: {"selection_lag": 1} for n in ("lagged", "lagged_all_layers"
                                                    "lagged_install_after1", "lagged_install_after2",
                                                    "lagged_install_after4",
                                                    "lagged_unmasked_pages",
-                                                   "lagged_all_layers_unmasked_pages",
-                                                   "lagged_writes_per_layer")}
+                                                   "lagged_all_layers_unmasked_pages")}
 
 
 def _accepted(names):

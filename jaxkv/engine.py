@@ -456,27 +456,6 @@ def lookup_in_place(plan: Plan, kv, layer, pages, active, logical, offset, tok_k
     return kv, rows, host_rows, record
 
 
-def lookup_all_layers(plan: Plan, page_table, pages, active):
-    """Schedule "step" with every layer's pages known at the step start (lagged selection):
-    :func:`lookup_in_place`'s translation for all sparse layers at once, without the token
-    write (done at the step end). pages [L, B, H, k] (-1 pad), active [B]. Returns
-    ((rows, host_rows) [L, B, H, k] int32 pool / host rows or -1, record [L, B * H * k] the
-    step's logical pages, -1 for dense layers, inactive requests and padding)."""
-    spec = plan.spec
-    L, S, P = spec.num_layers, spec.num_slots, spec.num_logical_pages
-    B, Np = plan.batch, plan.pages_per_seq
-    lay = jnp.arange(L, dtype=jnp.int32)[:, None, None, None]
-    b = jnp.arange(B, dtype=jnp.int32)[None, :, None, None]
-    ok = (pages >= 0) & active[None, :, None, None] & (lay >= plan.num_dense)
-    logical = jnp.where(ok, b * Np + pages, INVALID)
-    slot = jnp.where(ok, page_table[lay, jnp.clip(logical, 0, P - 1)], INVALID)
-    if not plan.cache.reuse:
-        slot = jnp.full_like(slot, INVALID)
-    rows = jnp.where(slot >= 0, lay * S + slot, INVALID)
-    host_rows = jnp.where(ok & (slot < 0), lay * P + logical, INVALID)
-    return (rows, host_rows), logical.reshape(L, -1)
-
-
 def count_in_place(plan: Plan, kv, sel_all, n_active, layers=None):
     """Per-step scheduling "step": hits, misses (= host reads) and tokens written of the
     step's sparse layers, counted against the current page table. sel_all [L, R] the step's
@@ -558,12 +537,6 @@ INSTALL_AT_STEP_END = False
 # (benchmarks/results/ab_step_mask_c2_lag_94fd037.json). Exact selection passes the top-k's
 # own output (no slice, no copy). Read when a step is traced.
 MASK_PAGES_BEFORE_LOOKUP = True
-# Lagged Quest for all layers (BATCH_LAGGED_SELECTION), resident mode or schedule "step": the
-# step's new tokens are written into the cache once at the step end (one write launch for all
-# layers, host tier and pool each) instead of per layer before its attention; attention takes
-# each layer's token from its K/V row (``new_kv``), and the host tier's page-table lookups of
-# all layers are one fusion at the step start. Read when a step is traced.
-DEFER_TOKEN_WRITES = True
 # Schedule "step": the install of the previous step's selections (LRU ensure + one fetch
 # launch) after this many sparse layers instead of at the step start. Those first layers look
 # their pages up in the pool as the previous step left it (pages it missed are read from the
@@ -600,6 +573,11 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     positions = jnp.where(active, pos, INVALID)
     protect = _protected_pages(plan, pos, active)[None, :]
     kv0 = st.kv
+    install = plan.per_step and plan.cache.reuse
+    # the "step" schedule may install after the first sparse layers (see INSTALL_AFTER_LAYERS)
+    late = install_after_layers(plan) if install and not INSTALL_AT_STEP_END else 0
+    if install and not INSTALL_AT_STEP_END and not late:
+        kv0 = install_previous(plan, kv0, st.lookahead, protect)
     # lagged Quest for all layers at once after the loop: each layer stores its query and new
     # K/V row in ``sel_in`` ([L, B, Hq, D], [L, B, 2, H, D]) instead of selecting
     L, Hq, D = cfg.num_layers, cfg.num_heads, cfg.head_dim
@@ -608,18 +586,6 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         else bool(BATCH_LAGGED_SELECTION))
     sel_in = ((jnp.zeros((L, B, Hq, D), cfg.dtype), jnp.zeros((L, B, 2, H, D), spec.jnp_dtype))
               if batched else ())
-    # ... and with every layer's pages and K/V row known, the new tokens are written once at the
-    # step end (attention takes each layer's own from new_kv); see DEFER_TOKEN_WRITES
-    defer = batched and DEFER_TOKEN_WRITES and (plan.cache.mode == "resident" or plan.in_place)
-    install = plan.per_step and plan.cache.reuse
-    # the "step" schedule may install after the first sparse layers (see INSTALL_AFTER_LAYERS)
-    late = install_after_layers(plan) if install and not INSTALL_AT_STEP_END and not defer else 0
-    if install and not INSTALL_AT_STEP_END and not late:
-        kv0 = install_previous(plan, kv0, st.lookahead, protect)
-    look0 = st.lookahead
-    if defer and plan.in_place:  # every layer's rows from one page-table lookup
-        pre, record = lookup_all_layers(plan, kv0.page_table, st.summaries[-1], active)
-        look0 = (record,)
 
     def attend_dense(layer, lp, h, q, k, v, carry):
         """The first plan.num_dense layers: every valid page, read from device memory."""
@@ -646,8 +612,8 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         kv, summ, look, dense, sel_in = carry
         q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
         tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)       # [B, 2, H, D]
-        if defer or plan.in_place:
-            pass  # at the step end / by lookup_in_place, after the selection
+        if plan.in_place:
+            pass  # written by lookup_in_place, after the selection
         elif plan.cache.mode == "host":
             kv = kvcache.write_through(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
         else:
@@ -666,11 +632,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
                 keep = jnp.where(active[:, None, None], pages, ahead[layer])  # inactive: kept
                 pages, summ = ahead[layer], summ + (ahead.at[layer].set(keep),)
         host = {}
-        if defer and plan.in_place:  # rows looked up at the step start
-            pages = jnp.where(active[:, None, None], pages, INVALID)
-            rows, host_rows = pre[0][layer], pre[1][layer]
-            host = dict(host=kv.host_kv, host_rows=host_rows)
-        elif plan.in_place:  # inactive requests get no rows, so none of their pages is read
+        if plan.in_place:  # inactive requests get no rows, so none of their pages is read
             if MASK_PAGES_BEFORE_LOOKUP and plan.lagged:  # a fusion, not a copy of the slice
                 pages = jnp.where(active[:, None, None], pages, INVALID)
             kv, rows, host_rows, record = lookup_in_place(plan, kv, layer, pages, active, logical,
@@ -689,23 +651,16 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
                 rows = rows.reshape(sel.shape)
             else:
                 rows = jnp.where(sel >= 0, layer * P + sel, INVALID)
-        if defer:  # the token from tok_kv: its page in memory does not hold it yet
-            host["new_kv"] = tok_kv
         out, _ = sparse_paged_attention(q1, kv.pool, rows, pages, jnp.where(active, pos + 1, 1),
                                         page_size=ps, num_kv_heads=H, implementation=impl, **host)
-        if defer:  # order the step end's in-place writes after this read (no copies)
-            names = ("pool", "host_kv") if plan.in_place else ("pool",)
-            arrays, out = jax.lax.optimization_barrier(
-                (tuple(getattr(kv, n) for n in names), out))
-            kv = dataclasses.replace(kv, **dict(zip(names, arrays)))
-        elif host:  # order the next in-place host write after this read (no host-array copy)
+        if host:  # order the next in-place host write after this read (no host-array copy)
             host_kv, out = jax.lax.optimization_barrier((kv.host_kv, out))
             kv = dataclasses.replace(kv, host_kv=host_kv)
         return out[:, None].astype(q.dtype), (kv, summ, look, dense, sel_in)
 
     x = llama.embed(params, cfg, st.last_token[:, None])
     tpos = jnp.maximum(pos, 0)[:, None]
-    carry = (kv0, st.summaries, look0, st.dense, sel_in)
+    carry = (kv0, st.summaries, st.lookahead, st.dense, sel_in)
     nd = plan.num_dense
     x, carry = llama.run_layers(params, cfg, x, tpos, attend_dense, carry, start=0, stop=nd,
                                 unroll=plan.layer_unroll, axis_name=plan.axis_name)
@@ -720,21 +675,14 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     x, carry = llama.run_layers(params, cfg, x, tpos, attend, carry, start=split,
                                 unroll=plan.layer_unroll, axis_name=plan.axis_name)
     kv, summ, look, dense, sel_in = carry
-    if defer:  # every sparse layer's new token, one write launch per array
-        lay = jnp.arange(L, dtype=jnp.int32)[:, None]
-        toks = jnp.where(lay >= nd, logical[None, :], INVALID).reshape(-1)    # [L * B]
-        args = (jnp.broadcast_to(lay, (L, B)).reshape(-1), toks, jnp.tile(offset, L),
-                sel_in[1].reshape((L * B,) + sel_in[1].shape[2:]))
-        write = kvcache.write_through if plan.in_place else kvcache.write_resident
-        kv = write(spec, kv, *args, implementation=impl)
     if batched:
         lpos = jnp.where(jnp.arange(L)[:, None] >= nd, positions[None, :], INVALID)  # [L, B]
         summ, ahead = selection.quest_update_select_all_layers(
             summ[:-1], *sel_in, lpos, k=plan.k, page_size=ps,
             num_sink_pages=plan.cache.sink_pages, implementation=impl)
         summ = summ + (jnp.where(lpos[:, :, None, None] >= 0, ahead, st.summaries[-1]),)
-    if plan.in_place:  # (tokens written: counted by the deferred write itself)
-        kv = count_in_place(plan, kv, look[0], jnp.sum(active).astype(jnp.int32) * (not defer),
+    if plan.in_place:
+        kv = count_in_place(plan, kv, look[0], jnp.sum(active).astype(jnp.int32),
                             layers=(split, plan.model.num_layers) if late else None)
     logits = llama.final_logits(params, cfg, x)
     key, sub = jax.random.split(st.key)

@@ -15,10 +15,7 @@ Semantics shared by the kernel ("pallas") and the reference ("xla"):
 * invalid entries and masked tokens are never read into the result (NaN there is harmless);
 * duplicates: every listed entry is attended as listed, so a page listed twice counts twice
   (selectors never emit duplicates except ``-1``; callers should not rely on this);
-* a (request, head) with no valid token returns ``out = 0`` and ``lse = -inf``;
-* optional ``new_kv`` ``[B, 2, H, D]``: the K and V of each request's newest token, at position
-  ``seq_lens[b] - 1``. That position takes them from ``new_kv`` instead of memory (its page must
-  still be a valid entry), so a decode step may attend before it writes the token to the cache.
+* a (request, head) with no valid token returns ``out = 0`` and ``lse = -inf``.
 
 Kernel (Triton backend): grid ``(B, H, num_splits)``; a program takes the ``G = Hq // H`` query
 heads of one KV head as a ``[G_pad, D]`` block (``G_pad = max(16, next_pow2(G))``, zero rows) and
@@ -73,10 +70,8 @@ class AttentionTuning:
 
 
 def _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads, host=None,
-           host_rows=None, new_kv=None):
+           host_rows=None):
     B, Hq, D = q.shape
-    if new_kv is not None and new_kv.shape != (B, 2, num_kv_heads, D):
-        raise ValueError(f"new_kv {new_kv.shape} must be [{B}, 2, {num_kv_heads}, {D}]")
     if (host is None) != (host_rows is None):
         raise ValueError("pass host and host_rows together (or neither)")
     if host is not None:
@@ -242,14 +237,13 @@ def _gather_rows(arr, rows):
                                              "tuning", "merge"))
 def sparse_paged_attention_xla(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads,
                                sm_scale=None, num_splits=None, tuning=None, host=None, host_rows=None,
-                               merge=None, new_kv=None):
+                               merge=None):
     """Reference. Shapes as in :func:`sparse_paged_attention`; ``num_splits``/``tuning``/``merge``
     ignored.
     With a host tier it gathers from ``host`` like from the pool (fine on the CPU; on a GPU only
     the kernel can read pinned host memory)."""
     del num_splits, tuning, merge
-    _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads, host, host_rows,
-           new_kv)
+    _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads, host, host_rows)
     if block_rows.shape[-1] == 0:
         return _empty(q)
     B, Hq, D = q.shape
@@ -271,10 +265,6 @@ def sparse_paged_attention_xla(q, pool, block_rows, page_index, seq_lens, *, pag
     valid = in_pool & (page_index >= 0)  # [B, H, K]
     pos = page_index[..., None] * ps + jnp.arange(ps, dtype=jnp.int32)  # [B, H, K, ps]
     ok = valid[..., None] & (pos < seq_lens[:, None, None, None])
-    if new_kv is not None:  # the newest token from new_kv: [B, 2, H, D] -> [B, H, 1, 2, 1, D]
-        is_new = pos == (seq_lens[:, None, None, None] - 1)
-        nk = jnp.moveaxis(new_kv.astype(kv.dtype), 2, 1)[:, :, None, :, None, :]
-        kv = jnp.where(is_new[:, :, :, None, :, None], nk, kv)
     kv = jnp.where(ok[:, :, :, None, :, None], kv.astype(jnp.float32), 0.0)
     k = kv[:, :, :, 0].reshape(B, H, K * ps, D)
     v = kv[:, :, :, 1].reshape(B, H, K * ps, D)
@@ -295,9 +285,7 @@ def sparse_paged_attention_xla(q, pool, block_rows, page_index, seq_lens, *, pag
 # Triton kernel: one program per (b, kv head, split), looping over its pages.
 # --------------------------------------------------------------------------------------------
 def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter, k_per, G, G_pad,
-            scale2, precision, has_host, has_new):
-    refs = list(refs)
-    new_ref = refs.pop(0) if has_new else None
+            scale2, precision, has_host):
     if has_host:
         hrows_ref, host_ref, o_ref, lse_ref = refs
     else:
@@ -315,10 +303,6 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter
     tok_page, tok_off = lax.div(tok, ps), lax.rem(tok, ps)
     off2 = jnp.broadcast_to(tok_off[:, None], (T, D))
     dim2 = lax.broadcasted_iota(jnp.int32, (T, D), 1)
-    if has_new:  # the newest token's K and V ([2 * H * D] row b: segment (K or V, head))
-        H = rows_ref.shape[1]
-        new_k = new_ref[b, pl.ds(h * D, D)]
-        new_v = new_ref[b, pl.ds((H + h) * D, D)]
 
     def body(i, carry):
         m, l, acc = carry
@@ -355,10 +339,6 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter
         else:
             k, v = load_from(pool_ref, rows, in_pool)
             ok = in_pool
-        if has_new:  # position seq_len - 1 from new_kv (memory there may not hold it yet)
-            is_new = jnp.broadcast_to((ok & (pidx * ps + tok_off == seq_len - 1))[:, None], (T, D))
-            k = jnp.where(is_new, jnp.broadcast_to(new_k[None, :], (T, D)).astype(k.dtype), k)
-            v = jnp.where(is_new, jnp.broadcast_to(new_v[None, :], (T, D)).astype(v.dtype), v)
         s = pltriton.dot(q, k, trans_b=True, precision=precision) * scale2  # [G_pad, T] f32, log2 units
         s = jnp.where(ok[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -385,19 +365,18 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter
                                              "tuning", "merge"))
 def sparse_paged_attention_pallas(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads,
                                   sm_scale=None, num_splits=None, tuning=None, host=None,
-                                  host_rows=None, merge=None, new_kv=None):
+                                  host_rows=None, merge=None):
     """Pallas (Triton) kernel. Shapes as in :func:`sparse_paged_attention`; ``merge``: how the
     splits are merged, "pallas" or "xla" (None: ``MERGE``)."""
     return _pallas_impl(q, pool, block_rows, page_index, seq_lens, page_size=page_size,
                         num_kv_heads=num_kv_heads, sm_scale=sm_scale, num_splits=num_splits,
                         tuning=tuning, interpret=interpret_mode(), host=host, host_rows=host_rows,
-                        merge=merge, new_kv=new_kv)
+                        merge=merge)
 
 
 def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads, sm_scale,
-                 num_splits, tuning, interpret, host=None, host_rows=None, merge=None, new_kv=None):
-    _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads, host, host_rows,
-           new_kv)
+                 num_splits, tuning, interpret, host=None, host_rows=None, merge=None):
+    _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads, host, host_rows)
     if block_rows.shape[-1] == 0:
         return _empty(q)
     tuning = tuning or AttentionTuning()
@@ -415,8 +394,7 @@ def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv
     scale = (1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, ps=ps, ppi=ppi, n_iter=k_per // ppi, k_per=k_per, G=G, G_pad=G_pad,
-                               scale2=scale * _LOG2E, precision=precision, has_host=host is not None,
-                               has_new=new_kv is not None)
+                               scale2=scale * _LOG2E, precision=precision, has_host=host is not None)
     in_specs = [
         pl.BlockSpec((B,), lambda b, h, s: (0,)),
         pl.BlockSpec((B, Hq, D), lambda b, h, s: (0, 0, 0)),
@@ -426,9 +404,6 @@ def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv
     ]
     operands = [seq_lens.astype(jnp.int32), q, block_rows.astype(jnp.int32),
                 page_index.astype(jnp.int32), pool5]
-    if new_kv is not None:
-        in_specs.append(pl.BlockSpec((B, 2 * H * D), lambda b, h, s: (0, 0)))
-        operands.append(new_kv.astype(q.dtype).reshape(B, 2 * H * D))
     if host is not None:
         host5 = host.reshape(host.shape[0], 2, H, ps, D)
         in_specs += [pl.BlockSpec((B, H, K), lambda b, h, s: (0, 0, 0)),
@@ -463,7 +438,7 @@ def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv
 
 def sparse_paged_attention(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads,
                            sm_scale=None, num_splits=None, tuning=None, implementation=None,
-                           host=None, host_rows=None, new_kv=None):
+                           host=None, host_rows=None):
     """Decode attention of ``q`` over selected pool pages (see the module docstring for semantics).
 
     q: ``[B, Hq, D]`` bf16/f32 (query head j uses KV head ``j // (Hq // H)``); pool: ``[N_rows, R]``
@@ -474,14 +449,10 @@ def sparse_paged_attention(q, pool, block_rows, page_index, seq_lens, *, page_si
     Optional host tier: ``host`` ``[N_host, R]`` (the ``pinned_host`` array, same row layout and
     dtype as the pool) and ``host_rows`` ``[B, H, K]`` int32: an entry whose ``block_rows`` is -1
     is read from host row ``host_rows`` (-1 = none) in place.
-    Optional ``new_kv`` ``[B, 2, H, D]``: K and V of the token at position ``seq_lens - 1``, used
-    instead of what memory holds there (attend before writing the token).
     Returns ``(out [B, Hq, D] q.dtype, lse [B, Hq] f32)``; empty selection -> ``(0, -inf)``.
     """
     fn = resolve(OP, implementation)
     extra = {} if host is None else dict(host=host, host_rows=host_rows)
-    if new_kv is not None:
-        extra["new_kv"] = new_kv
     # MERGE read here, outside the jit, so that changing it retraces (a static argument)
     return fn(q, pool, block_rows, page_index, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads,
               sm_scale=sm_scale, num_splits=num_splits, tuning=tuning, merge=MERGE, **extra)

@@ -94,24 +94,3 @@ def test_install_after_layers_needs_the_step_schedule(monkeypatch):
     plan = engine.Plan(model=CFG, batch=2, prompt_len=64, max_context=128, num_stop=1,
                        cache=CacheConfig(mode="host", page_size=4, selected_pages=3))
     assert engine.install_after_layers(plan) == 1
-
-
-@pytest.mark.parametrize("cache", [
-    dict(mode="resident"),
-    dict(mode="host", pool_pages=6),
-    dict(mode="host", dense_layers=1),
-], ids=["resident", "host", "host-dense-first-layer"])
-def test_deferred_token_writes_keep_tokens_and_counters(monkeypatch, cache):
-    """Lagged Quest for all layers writes the step's tokens at its end, attention taking each
-    layer's own from its K/V row (engine.DEFER_TOKEN_WRITES): the tokens and every counter
-    are those of writing before each layer's attention."""
-    cc = CacheConfig(page_size=4, selected_pages=3, round_steps=4, selection_lag=1, **cache)
-    monkeypatch.setattr(engine, "BATCH_LAGGED_SELECTION", True)
-    monkeypatch.setattr(engine, "DEFER_TOKEN_WRITES", False)
-    before = _gen(monkeypatch, 1, cc)
-    monkeypatch.setattr(engine, "DEFER_TOKEN_WRITES", True)
-    deferred = _gen(monkeypatch, 1, cc)
-    assert deferred.tokens == before.tokens
-    keys = ("hits", "misses", "host_reads", "pages_fetched", "evictions", "tokens_written",
-            "dropped")
-    assert {k: deferred.stats.get(k) for k in keys} == {k: before.stats.get(k) for k in keys}

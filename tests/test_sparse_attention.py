@@ -19,12 +19,10 @@ def fresh_seed() -> int:
     return int(np.random.SeedSequence().entropy % 2**32)
 
 
-def make_case(seed, *, B, H, G, D, ps, K, dtype, max_pages=6, extra_rows=5, empty_request=False,
-              include_last=False):
+def make_case(seed, *, B, H, G, D, ps, K, dtype, max_pages=6, extra_rows=5, empty_request=False):
     """Random pool + selections: page rows are a random permutation, heads pick random page subsets
     in random slot order, -1 padding, invalid half-entries, fully masked pages, NaN-poisoned unused
-    rows and token slots past each sequence's end. ``include_last``: every head selects its
-    request's last page (the newest token's)."""
+    rows and token slots past each sequence's end."""
     rng = np.random.default_rng(seed)
     seq_lens = rng.integers(1, max_pages * ps + 1, size=B)
     n_pages = -(-seq_lens // ps)
@@ -47,8 +45,6 @@ def make_case(seed, *, B, H, G, D, ps, K, dtype, max_pages=6, extra_rows=5, empt
         for h in range(H):
             n = int(rng.integers(1, min(K, n_pages[b]) + 1))
             pages = rng.choice(n_pages[b], size=n, replace=False)
-            if include_last and n_pages[b] - 1 not in pages:
-                pages[0] = n_pages[b] - 1
             slots = rng.choice(K, size=n, replace=False)
             rows[b, h, slots] = [row_of[b, int(p)] for p in pages]
             pidx[b, h, slots] = pages
@@ -164,49 +160,6 @@ def test_host_rows_read_in_place(B, H, G, D, ps, K, dtype, num_splits):
         check(lse, ref_l, dtype, seed, f"{impl} lse", LSE_TOL)
     with pytest.raises(ValueError, match="together"):
         sparse_paged_attention(**dict(split, host_rows=None), **static)
-
-
-def take_newest_token(case, static):
-    """(case with the newest token of every request poisoned (NaN) in the pool, new_kv
-    [B, 2, H, D] holding its K and V as the pool had them)."""
-    H, ps = static["num_kv_heads"], static["page_size"]
-    B, _, D = case["q"].shape
-    pool = np.array(case["pool"].astype(jnp.float32)).reshape(-1, 2, H, ps, D)
-    rows, pidx = np.asarray(case["block_rows"]), np.asarray(case["page_index"])
-    lens = np.asarray(case["seq_lens"])
-    new = np.zeros((B, 2, H, D), np.float32)
-    for b in range(B):
-        last, off = (lens[b] - 1) // ps, (lens[b] - 1) % ps
-        hit = np.argwhere((pidx[b] == last) & (rows[b] >= 0))
-        if not len(hit):
-            continue
-        row = rows[b][tuple(hit[0])]
-        new[b] = pool[row, :, :, off]
-        pool[row, :, :, off] = np.nan
-    dt = case["pool"].dtype
-    return (dict(case, pool=jnp.asarray(pool.reshape(pool.shape[0], -1), dt)),
-            jnp.asarray(new, dt))
-
-
-@pytest.mark.parametrize("B,H,G,D,ps,K,dtype,num_splits", [CASES[0], CASES[3], CASES[5], CASES[6]])
-def test_newest_token_from_new_kv(B, H, G, D, ps, K, dtype, num_splits):
-    """``new_kv``: the token at seq_lens - 1 comes from it, not from memory (poisoned there, in the
-    pool and, for pages moved to it, in the host tier): the result of the written cache."""
-    seed = fresh_seed()
-    case, static = make_case(seed, B=B, H=H, G=G, D=D, ps=ps, K=K, dtype=dtype,
-                             max_pages=max(2, 24 // ps), include_last=True)
-    ref_o, ref_l = sparse_paged_attention(**case, **static, implementation="xla")
-    poisoned, new_kv = take_newest_token(case, static)
-    split, _ = split_to_host(poisoned, seed)
-    for name, c in (("pool", poisoned), ("host", split)):
-        for impl in ("xla", "pallas"):
-            out, lse = sparse_paged_attention(**c, **static, num_splits=num_splits, new_kv=new_kv,
-                                              implementation=impl)
-            assert np.isfinite(np.asarray(out, np.float32)).all(), f"{name} {impl} (seed {seed})"
-            check(out, ref_o, dtype, seed, f"{name} {impl} out")
-            check(lse, ref_l, dtype, seed, f"{name} {impl} lse", LSE_TOL)
-    with pytest.raises(ValueError, match="new_kv"):
-        sparse_paged_attention(**case, **static, new_kv=new_kv[:, 0])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -378,26 +331,6 @@ def test_gpu_host_rows_read_from_pinned_host(dtype, ps):
     out, lse = jax.jit(lambda c: sparse_paged_attention(**c, **static, implementation="pallas"))(split)
     check(out, ref_o, dtype, seed, "out")
     check(lse, ref_l, dtype, seed, "lse", LSE_TOL)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,ps", [(jnp.bfloat16, 64), (jnp.float32, 16)])
-def test_gpu_newest_token_from_new_kv(dtype, ps):
-    """The compiled kernel takes the newest token from ``new_kv`` (Qwen-like group of 6), from
-    the pool and from a real pinned_host tier."""
-    from jax.sharding import SingleDeviceSharding
-    pinned = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-    seed = fresh_seed()
-    case, static = make_case(seed, B=8, H=2, G=6, D=128, ps=ps, K=32, dtype=dtype, max_pages=40,
-                             include_last=True)
-    ref_o, ref_l = sparse_paged_attention(**case, **static, implementation="xla")
-    poisoned, new_kv = take_newest_token(case, static)
-    split, _ = split_to_host(poisoned, seed, on_host=lambda a: jax.device_put(a, pinned))
-    for c in (poisoned, split):
-        out, lse = jax.jit(lambda c: sparse_paged_attention(**c, **static, new_kv=new_kv,
-                                                            implementation="pallas"))(c)
-        check(out, ref_o, dtype, seed, "out")
-        check(lse, ref_l, dtype, seed, "lse", LSE_TOL)
 
 
 @pytest.mark.parametrize("B,H,S,G,D,dtype", [
