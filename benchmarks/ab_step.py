@@ -156,15 +156,7 @@ VARIANTS = {
     "lagged_all_layers_unmasked_pages": ({"batch_lagged": True, "mask_pages": False}, ()),
 }
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
-CACHE_CHANGES = {n: {"selection_lag": 1} for n in ("lagged", "lagged_all_layers", "lagged_per_layer",
-                                                   "lagged_install_end",
-                                                   "lagged_per_layer_install_end",
-                                                   "lagged_steps2", "lagged_steps4",
-                                                   "lagged_all_layers_steps2",
-                                                   "lagged_install_after1", "lagged_install_after2",
-                                                   "lagged_install_after4",
-                                                   "lagged_unmasked_pages",
-                                                   "lagged_all_layers_unmasked_pages")}
+CACHE_CHANGES = {n: {"selection_lag": 1} for n in VARIANTS if n.startswith("lagged")}
 
 
 def _accepted(names):

@@ -574,9 +574,10 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     protect = _protected_pages(plan, pos, active)[None, :]
     kv0 = st.kv
     install = plan.per_step and plan.cache.reuse
+    at_start = install and not INSTALL_AT_STEP_END
     # the "step" schedule may install after the first sparse layers (see INSTALL_AFTER_LAYERS)
-    late = install_after_layers(plan) if install and not INSTALL_AT_STEP_END else 0
-    if install and not INSTALL_AT_STEP_END and not late:
+    late = install_after_layers(plan) if at_start else 0
+    if at_start and not late:
         kv0 = install_previous(plan, kv0, st.lookahead, protect)
     # lagged Quest for all layers at once after the loop: each layer stores its query and new
     # K/V row in ``sel_in`` ([L, B, Hq, D], [L, B, 2, H, D]) instead of selecting
@@ -631,16 +632,17 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
             if plan.lagged:  # attend to the pages chosen last step; keep these for the next
                 keep = jnp.where(active[:, None, None], pages, ahead[layer])  # inactive: kept
                 pages, summ = ahead[layer], summ + (ahead.at[layer].set(keep),)
+        # inactive requests select nothing (the in-place lookup masks them itself; masking its
+        # lagged pages here too is a fusion instead of a copy of the slice)
+        if not plan.in_place or (MASK_PAGES_BEFORE_LOOKUP and plan.lagged):
+            pages = jnp.where(active[:, None, None], pages, INVALID)
         host = {}
-        if plan.in_place:  # inactive requests get no rows, so none of their pages is read
-            if MASK_PAGES_BEFORE_LOOKUP and plan.lagged:  # a fusion, not a copy of the slice
-                pages = jnp.where(active[:, None, None], pages, INVALID)
+        if plan.in_place:
             kv, rows, host_rows, record = lookup_in_place(plan, kv, layer, pages, active, logical,
                                                           offset, tok_kv, look[0])
             look = (record,)
             host = dict(host=kv.host_kv, host_rows=host_rows)
         else:
-            pages = jnp.where(active[:, None, None], pages, INVALID)
             sel = jnp.where(pages >= 0, b_idx[:, None, None] * Np + pages, INVALID)
             if plan.per_step:
                 kv, rows, scr = lookup_and_fetch(plan, kv, layer, sel)
@@ -683,7 +685,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         summ = summ + (jnp.where(lpos[:, :, None, None] >= 0, ahead, st.summaries[-1]),)
     if plan.in_place:
         kv = count_in_place(plan, kv, look[0], jnp.sum(active).astype(jnp.int32),
-                            layers=(split, plan.model.num_layers) if late else None)
+                            layers=(split, L))
     logits = llama.final_logits(params, cfg, x)
     key, sub = jax.random.split(st.key)
     if enabled is not None:
