@@ -30,6 +30,15 @@ Semantics, per layer and step (the plain-Python model in tests/lru_model.py is t
 7. Fetch entries (``fetch_src`` / ``fetch_dst`` / ``fetch_payload``) are compacted: the
    assigned misses in ascending page order at positions ``0 .. n - 1`` of the layer's row,
    ``-1`` after (``pallas_kernels.page_fetch.fetch_layer_pages`` then only walks ``n``).
+
+Partitioned pools (``parts > 1``): each layer's pool is ``parts`` independent pools of equal
+size, one per request in the decode engine. Partition ``b`` owns logical pages
+``[b * P/parts, (b + 1) * P/parts)``, slots ``[b * S/parts, ...)``, and the ``b``-th
+``R/parts`` requests and ``Q/parts`` protected pages of the row; the rules above hold in each
+partition on its own (a request outside its partition's pages is padding), and the fetch
+entries are compacted within each partition's ``R/parts`` entries (:func:`partition_rows`
+gives one compacted row per partition). Ids stay global in every array. The state must keep
+each partition's pages in its own slots (``ensure`` does).
 """
 from __future__ import annotations
 
@@ -269,8 +278,59 @@ def resolve_method(method: str, R: int, S: int, Q: int, implementation: str | No
     return method
 
 
+def _local(x, start, n):
+    """Global ids -> ids relative to ``start`` (broadcast), ``-1`` outside ``[start, start + n)``."""
+    return jnp.where((x >= start) & (x < start + n), x - start, INVALID)
+
+
+def _global(x, start):
+    return jnp.where(x >= 0, x + start, INVALID)
+
+
+def _ensure_partitioned(layer, parts, page_table, slot_owner, last_used, requests, protect,
+                        payload, step):
+    """``layer`` (a per-layer ensure) on each of the ``parts`` partitions of every layer, as if
+    each were a layer of its own (module docstring), with ids translated to and from the
+    partition's range. Shapes and result as the vmapped ``layer`` over [L, ...] rows."""
+    L, P = page_table.shape
+    S, R, Q = slot_owner.shape[-1], requests.shape[-1], protect.shape[-1]
+    Pp, Sp, Rp, Qp = P // parts, S // parts, R // parts, Q // parts
+    b = jnp.arange(parts, dtype=jnp.int32)[None, :, None]
+
+    def split(x, n):
+        return x.reshape(L, parts, n)
+
+    args = (_local(split(page_table, Pp), b * Sp, Sp), _local(split(slot_owner, Sp), b * Pp, Pp),
+            split(last_used, Sp), _local(split(requests, Rp), b * Pp, Pp),
+            _local(split(protect, Qp), b * Pp, Pp), split(payload, Rp))
+    out = jax.vmap(layer, in_axes=(0, 0, 0, 0, 0, 0, None))(
+        *(a.reshape(L * parts, -1) for a in args), step)
+    pt, so, lu, slots, src, dst, pay, counts = (a.reshape(L, parts, -1) for a in out)
+    return (_global(pt, b * Sp).reshape(L, P), _global(so, b * Pp).reshape(L, S),
+            lu.reshape(L, S), _global(slots, b * Sp).reshape(L, R),
+            _global(src, b * Pp).reshape(L, R), _global(dst, b * Sp).reshape(L, R),
+            pay.reshape(L, R), counts.sum(axis=1))
+
+
+def partition_rows(fetch_src, fetch_dst, parts: int, num_pages: int, num_slots: int):
+    """Fetch lists of a partitioned ensure as one compacted row per (layer, partition):
+    ([L * parts, R / parts] local pages, [L * parts, R / parts] local slots, pages per
+    partition, slots per partition). Row ``l * parts + b`` with those strides addresses the
+    same host and pool rows as layer ``l`` with strides ``num_pages`` / ``num_slots``, so
+    ``page_fetch.fetch_layer_pages`` walks each partition's entries only."""
+    L, R = fetch_src.shape
+    Pp, Sp = num_pages // parts, num_slots // parts
+    b = jnp.arange(parts, dtype=jnp.int32)[None, :, None]
+    src = _local(fetch_src.reshape(L, parts, R // parts), b * Pp, Pp)
+    dst = _local(fetch_dst.reshape(L, parts, R // parts), b * Sp, Sp)
+    ok = (src >= 0) & (dst >= 0)
+    return (jnp.where(ok, src, INVALID).reshape(L * parts, -1),
+            jnp.where(ok, dst, INVALID).reshape(L * parts, -1), Pp, Sp)
+
+
 def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=None,
-           method: str = "auto", implementation: str | None = None) -> EnsureResult:
+           method: str = "auto", implementation: str | None = None,
+           parts: int = 1) -> EnsureResult:
     """Make the requested pages of every layer resident (fixed shapes, all layers at once).
 
     Args:
@@ -285,6 +345,8 @@ def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=N
         :func:`resolve_method`); all give identical results. "pallas" writes the new page
         table into ``page_table``'s buffer (donate it under jit to avoid a copy).
       implementation: "pallas" | "xla" | None: what "auto" may use (``_common``'s rule).
+      parts: static int, independent pools per layer (module docstring); it must divide
+        P, S, R and Q, and the method is chosen for one partition's sizes.
     Returns:
       :class:`EnsureResult`.
     """
@@ -292,15 +354,21 @@ def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=N
     requests = requests.astype(jnp.int32)
     if payload is None:
         payload = jnp.full(requests.shape, INVALID, jnp.int32)
-    name = resolve_method(method, requests.shape[-1], slot_owner.shape[-1], protect.shape[-1],
-                          implementation)
+    sizes = (page_table.shape[-1], requests.shape[-1], slot_owner.shape[-1], protect.shape[-1])
+    if parts < 1 or any(n % parts for n in sizes):
+        raise ValueError(f"parts={parts} must divide the pages, requests, slots and protected "
+                         f"pages per layer, {sizes}")
+    name = resolve_method(method, *(n // parts for n in sizes[1:]), implementation)
     args = (page_table, slot_owner, last_used, requests, protect.astype(jnp.int32),
             payload.astype(jnp.int32), step)
     if name == "pallas":
-        out = lru_ensure.ensure_layers_pallas(*args)
+        out = lru_ensure.ensure_layers_pallas(*args, parts=parts)
     else:
         layer = {"dense": _ensure_layer_dense, "sort": _ensure_layer}[name]
-        out = jax.vmap(layer, in_axes=(0, 0, 0, 0, 0, 0, None))(*args)
+        if parts > 1:
+            out = _ensure_partitioned(layer, parts, *args)
+        else:
+            out = jax.vmap(layer, in_axes=(0, 0, 0, 0, 0, 0, None))(*args)
     pt, so, lu, slots, src, dst, pay, counts = out
     c = jnp.sum(counts, axis=0)
     return EnsureResult(pt, so, lu, slots, src, dst, pay, c[0], c[1], c[2], c[3])
