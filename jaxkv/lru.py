@@ -62,6 +62,12 @@ PALLAS_MAX = lru_ensure.MAX_SIZE
 # engine's per-step ensure at 8B-like 128k B=1 (R=256, S=520: 0.47M) dense 86 us vs sort
 # 100 us; Qwen-like 128k B=8 (R=512, S=1040: 1.9M) dense 132 us vs sort 88 us.
 DENSE_MAX_ELEMS = 2 ** 20
+# Partitioned pools (parts > 1) measured on the H200 (2026-11-30, benchmarks/bench_ensure.py,
+# Qwen-like engine shape: 28 layers x 8 requests, 64 requests and 130 slots per partition, a
+# stream with the measured 0.885 step-to-step overlap), us per step: shared pool (sort) 50.1,
+# parts sort 38.4, parts dense 43.2, parts pallas 183 (130 slots padded to 256: the [256, 256]
+# compare matrices spill; 44.7 at 128 slots). "auto" with parts picks this method.
+PARTS_AUTO_METHOD = "sort"
 
 
 def prefix_sum(x: jax.Array) -> jax.Array:
@@ -260,9 +266,12 @@ def _ensure_layer_dense(page_table, slot_owner, last_used, requests, protect, pa
             place(payload), counts)
 
 
-def resolve_method(method: str, R: int, S: int, Q: int, implementation: str | None = None) -> str:
+def resolve_method(method: str, R: int, S: int, Q: int, implementation: str | None = None,
+                   parts: int = 1) -> str:
     """The implementation ``ensure(..., method=method)`` runs for R requests, S slots and Q
-    protected pages per layer: "pallas", "dense" or "sort". "auto": if
+    protected pages per layer (per partition when ``parts > 1``): "pallas", "dense" or "sort".
+    "auto" with ``parts > 1``: "sort" (one pool per request: the fastest of the three at the
+    Qwen-like B=8 engine shape, ``PARTS_AUTO_METHOD``). "auto" otherwise: if
     R*R + S*S + R*S + Q*S <= DENSE_MAX_ELEMS, "pallas" when the Pallas implementation is
     selected (``JAXKV_IMPL=pallas``, or on the GPU unless ``JAXKV_IMPL=xla``) and
     R, S, Q <= PALLAS_MAX, else "dense"; otherwise "sort"."""
@@ -270,6 +279,8 @@ def resolve_method(method: str, R: int, S: int, Q: int, implementation: str | No
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method == "pallas" and max(R, S, Q) > PALLAS_MAX:
         raise ValueError(f"method 'pallas' needs R, S, Q <= {PALLAS_MAX}, got {R}, {S}, {Q}")
+    if method == "auto" and parts > 1:
+        return PARTS_AUTO_METHOD
     if method == "auto":
         if R * R + S * S + R * S + Q * S > DENSE_MAX_ELEMS:
             return "sort"
@@ -358,7 +369,7 @@ def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=N
     if parts < 1 or any(n % parts for n in sizes):
         raise ValueError(f"parts={parts} must divide the pages, requests, slots and protected "
                          f"pages per layer, {sizes}")
-    name = resolve_method(method, *(n // parts for n in sizes[1:]), implementation)
+    name = resolve_method(method, *(n // parts for n in sizes[1:]), implementation, parts)
     args = (page_table, slot_owner, last_used, requests, protect.astype(jnp.int32),
             payload.astype(jnp.int32), step)
     if name == "pallas":

@@ -195,3 +195,12 @@ def test_gpu_partitioned_pallas_equals_dense(L, n, Pp, Sp, Rp, Qp):
         for f in _FIELDS:
             np.testing.assert_array_equal(getattr(x, f), getattr(y, f), err_msg=f"{f} step {t}")
         state = (y.page_table, y.slot_owner, y.last_used)
+
+
+def test_auto_method_for_partitions_is_sort(monkeypatch):
+    """Measured at the engine's shape (lru.PARTS_AUTO_METHOD): "auto" with parts > 1 runs the
+    sort form, also where the Pallas kernel would take one partition on the GPU."""
+    monkeypatch.setattr(lru._common, "on_gpu", lambda: True)
+    monkeypatch.delenv("JAXKV_IMPL", raising=False)
+    assert lru.resolve_method("auto", R=64, S=130, Q=2, parts=8) == "sort"
+    assert lru.resolve_method("auto", R=64, S=130, Q=2) == "pallas"
