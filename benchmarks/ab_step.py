@@ -48,10 +48,6 @@ Variants (``VARIANTS``):
 * ``unmasked_pages`` (host tier, c2): the layer's pages passed to the lookup kernel without the
   XLA masking fusion (``engine.MASK_PAGES_BEFORE_LOOKUP``); ``lagged_unmasked_pages`` /
   ``lagged_all_layers_unmasked_pages``: with lagged selection.
-* ``pool_per_request`` / ``shared_pool`` (host tier, c2): one LRU pool per request (the
-  one-launch Pallas ensure over layers x requests) or one pool per layer shared by the batch
-  (``engine.POOL_PER_REQUEST``); ``lagged_pool_per_request`` / ``lagged_shared_pool``: with
-  lagged selection.
 
 Variants whose options the compiler rejects, or whose round fails to compile or run, are
 reported and dropped.
@@ -98,7 +94,6 @@ SWITCHES = {
     "steps": (engine, "STEPS_PER_ITERATION"),
     "install_after": (engine, "INSTALL_AFTER_LAYERS"),
     "mask_pages": (engine, "MASK_PAGES_BEFORE_LOOKUP"),
-    "pool_per_request": (engine, "POOL_PER_REQUEST"),
 }
 # name -> (switch values, XLA compiler options)
 VARIANTS = {
@@ -159,11 +154,6 @@ VARIANTS = {
     "unmasked_pages": ({"mask_pages": False}, ()),
     "lagged_unmasked_pages": ({"mask_pages": False}, ()),
     "lagged_all_layers_unmasked_pages": ({"batch_lagged": True, "mask_pages": False}, ()),
-    # per-step host schedules: one LRU pool per request (the one-launch Pallas ensure)
-    "pool_per_request": ({"pool_per_request": True}, ()),
-    "lagged_pool_per_request": ({"pool_per_request": True}, ()),
-    "shared_pool": ({"pool_per_request": False}, ()),
-    "lagged_shared_pool": ({"pool_per_request": False}, ()),
 }
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
 CACHE_CHANGES = {n: {"selection_lag": 1} for n in VARIANTS if n.startswith("lagged")}

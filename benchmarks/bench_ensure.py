@@ -3,15 +3,18 @@
     PYTHONPATH=. python3 benchmarks/bench_ensure.py --out DIR [--quick] [--batch 8]
 
 Shape: the Qwen-like decode engine at batch B (28 layers, 2 KV heads x 32 selected pages per
-request, 2048 pages per request, the 2x pool: B * 130 slots per layer, 2 pinned pages per
-request). Each step every (layer, request, head) keeps its selection but for a share
-``1 - overlap`` of pages drawn anew (``--overlap``, 0.885 = the step-to-step overlap measured
-on real text, ``selection_overlap.json``), so the ensure sees the engine's misses and
-evictions. Variants: ``shared`` (one pool per layer: ``lru.ensure``'s "auto" method, the sort
-path at these sizes), ``parts_<method>`` (one pool per request, ``lru.ensure(parts=B)``, with
-the method named), ``parts_pallas_w<n>`` (the kernel with ``n`` warps). The figure is the
-time per step of a jitted ``fori_loop`` over the stream (median of ``--reps`` runs), and the
-hits / misses / dropped per step.
+request, 2048 pages per request, the 2x pool: B * 130 slots per layer (``--slots-per-request``),
+2 pinned pages per request). Each step every (layer, request, head) keeps its selection but
+for a share ``1 - overlap`` of pages drawn anew (``--overlap``, 0.885 = the step-to-step
+overlap measured on real text, ``selection_overlap.json``), so the ensure sees the engine's
+misses and evictions. Variants: ``auto`` (``lru.ensure``'s default method), ``dense``,
+``sort``, ``pallas`` (the one-launch kernel; sizes over its cap are skipped) and
+``pallas_w<n>`` (the kernel with ``n`` warps). The figure is the time per step of a jitted
+``fori_loop`` over the stream (median of ``--reps`` runs), and the hits / misses / dropped
+per step.
+
+One pool per request (``lru.ensure(parts=B)``, commits 7156dc9 and 1e327e5, removed again)
+was measured with this script too: ``bench_ensure_*_7156dc9.json``.
 """
 from __future__ import annotations
 
@@ -48,21 +51,20 @@ def stream(rng, T, L, B, H, k, Np, overlap, Q):
             jnp.asarray(prot, jnp.int32))
 
 
-def ensure_fn(name, B):
-    if name == "shared":
-        return functools.partial(lru.ensure, method="auto")
-    _, method, *rest = name.split("_")
-    if rest:  # parts_pallas_w<n>
-        w = int(rest[0][1:])
+def ensure_fn(name):
+    """(pt, so, lu, req, prot, step) -> lru.EnsureResult for variant ``name``."""
+    method, *rest = name.split("_")
+    if not rest:
+        return functools.partial(lru.ensure, method=method)
+    w = int(rest[0][1:])  # pallas_w<n>
 
-        def fn(pt, so, lu, req, prot, step):
-            pay = jnp.full(req.shape, -1, jnp.int32)
-            *st, c = lru_ensure.ensure_layers_pallas(pt, so, lu, req, prot, pay, step, parts=B,
-                                                     num_warps=w)
-            c = c.sum(axis=0)
-            return lru.EnsureResult(*st, c[0], c[1], c[2], c[3])
-        return fn
-    return functools.partial(lru.ensure, method=method, parts=B)
+    def fn(pt, so, lu, req, prot, step):
+        pay = jnp.full(req.shape, -1, jnp.int32)
+        pt, so, lu, slots, src, dst, pay, c = lru_ensure.ensure_layers_pallas(
+            pt, so, lu, req, prot, pay, step, num_warps=w)
+        c = c.sum(axis=0)
+        return lru.EnsureResult(pt, so, lu, slots, src, dst, pay, c[0], c[1], c[2], c[3])
+    return fn
 
 
 def time_variant(fn, reqs, prot, L, P, S, reps):
@@ -98,8 +100,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--slots-per-request", type=int, default=130,
                     help="pool slots per request and layer (130: the engine's 2x pool)")
-    ap.add_argument("--variants", default="shared,parts_pallas,parts_dense,parts_sort,"
-                    "parts_pallas_w4,parts_pallas_w8")
+    ap.add_argument("--variants", default="auto,dense,sort,pallas")
     a = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     L, H, k, Np, Q = (2, 2, 4, 64, 2) if a.quick else (28, 2, 32, 2048, 2)
@@ -109,10 +110,10 @@ def main():
     reqs, prot = stream(np.random.default_rng(0), T, L, B, H, k, Np, a.overlap, Q)
     rows = []
     for name in a.variants.split(","):
-        if not gpu and "_w" in name:
+        if (not gpu and "_w" in name) or (name.startswith("pallas")
+                                           and max(B * H * k, S, B * Q) > lru.PALLAS_MAX):
             continue
-        us, (hits, misses, dropped) = time_variant(ensure_fn(name, B), reqs, prot, L, P, S,
-                                                   a.reps)
+        us, (hits, misses, dropped) = time_variant(ensure_fn(name), reqs, prot, L, P, S, a.reps)
         rows.append(dict(variant=name, us_per_step=us, hits_per_step=hits,
                          misses_per_step=misses, dropped_per_step=dropped))
         print(f"{name:18s} {us:8.1f} us/step  hits {hits:7.1f}  misses {misses:6.1f}  "
@@ -124,7 +125,7 @@ def main():
                    commit=_meta.commit(), jax_version=jax.__version__, quick=a.quick,
                    layers=L, batch=B, kv_heads=H, k=k, pages_per_request=Np,
                    slots_per_request=Sp, protect_per_request=Q, overlap=a.overlap, steps=T,
-                   reps=a.reps, shared_method=lru.resolve_method("auto", B * H * k, S, B * Q),
+                   reps=a.reps, auto_method=lru.resolve_method("auto", B * H * k, S, B * Q),
                    rows=rows)
         with open(os.path.join(a.out, "bench_ensure.json"), "w") as f:
             json.dump(out, f, indent=1)

@@ -393,19 +393,14 @@ def install_previous(plan: Plan, kv, lookahead, protect):
     prot = jnp.broadcast_to(protect, (L, protect.shape[-1]))
     lcol = jnp.arange(L, dtype=jnp.int32)[:, None]
     impl = plan.cache.implementation
-    parts = pool_parts(plan)
     c = kv.counters
     if plan.in_place:
         res = lru.ensure(kv.page_table, kv.slot_owner, kv.last_used, sel, prot, kv.step,
-                         implementation=impl, parts=parts)
+                         implementation=impl)
         ok = res.fetch_dst >= 0
-        # Per-layer lists (compacted by the ensure; per pool when the batch has one each): a
-        # zero-miss step is one small launch.
-        src, dst, src_stride, dst_stride = (
-            (res.fetch_src, res.fetch_dst, P, S) if parts == 1
-            else lru.partition_rows(res.fetch_src, res.fetch_dst, parts, P, S))
-        pool = page_fetch.fetch_layer_pages(kv.host_kv, kv.pool, src, dst, src_stride=src_stride,
-                                            dst_stride=dst_stride, implementation=impl)
+        # Per-layer lists (compacted by the ensure): a zero-miss step is one small launch.
+        pool = page_fetch.fetch_layer_pages(kv.host_kv, kv.pool, res.fetch_src, res.fetch_dst,
+                                            src_stride=P, dst_stride=S, implementation=impl)
         # The host tier is written in place later in the step; tie it to the fetch's result so
         # XLA orders that write after this read instead of copying the whole host array.
         host_kv, pool = jax.lax.optimization_barrier((kv.host_kv, pool))
@@ -413,7 +408,7 @@ def install_previous(plan: Plan, kv, lookahead, protect):
         c = dataclasses.replace(c, pages_fetched=c.pages_fetched + jnp.sum(ok).astype(jnp.int32))
     else:
         res = lru.ensure(kv.page_table, kv.slot_owner, kv.last_used, sel, prot, kv.step,
-                         payload=lookahead[1], implementation=impl, parts=parts)
+                         payload=lookahead[1], implementation=impl)
         dst = jnp.where(res.fetch_dst >= 0, lcol * S + res.fetch_dst, INVALID)
         pool = page_fetch.move_rows(kv.pool, res.fetch_payload.reshape(-1), dst.reshape(-1),
                                     implementation=impl)
@@ -548,20 +543,6 @@ MASK_PAGES_BEFORE_LOOKUP = True
 # host again), and the install, which the next layer's lookup waits for, can run beside
 # their attention output and MLP. 0 = at the step start. Read when a step is traced.
 INSTALL_AFTER_LAYERS = 0
-# Per-step schedules: one LRU pool per request instead of one pool per layer shared by the
-# batch. Request b's pages only ever use slots [b * S / B, (b + 1) * S / B) of each layer (the
-# engine's default pool, B * (H * k + pinned pages), divides evenly), so each (layer, request)
-# is a small independent LRU: R = H * k requests and S / B slots, which fits the one-launch
-# Pallas ensure (``lru.ensure(parts=B)``) where the shared pool takes the sort path. A request
-# cannot borrow another's slots. Used when the pool divides by the batch. Read when traced.
-POOL_PER_REQUEST = False
-
-
-def pool_parts(plan: Plan) -> int:
-    """LRU pools per layer of the per-step install: the batch when ``POOL_PER_REQUEST`` and
-    the pool's slots divide by it, else 1 (one pool shared by the batch)."""
-    B, S = plan.batch, plan.spec.num_slots
-    return B if POOL_PER_REQUEST and B > 1 and S % B == 0 else 1
 
 
 def install_after_layers(plan: Plan) -> int:

@@ -30,15 +30,6 @@ Semantics, per layer and step (the plain-Python model in tests/lru_model.py is t
 7. Fetch entries (``fetch_src`` / ``fetch_dst`` / ``fetch_payload``) are compacted: the
    assigned misses in ascending page order at positions ``0 .. n - 1`` of the layer's row,
    ``-1`` after (``pallas_kernels.page_fetch.fetch_layer_pages`` then only walks ``n``).
-
-Partitioned pools (``parts > 1``): each layer's pool is ``parts`` independent pools of equal
-size, one per request in the decode engine. Partition ``b`` owns logical pages
-``[b * P/parts, (b + 1) * P/parts)``, slots ``[b * S/parts, ...)``, and the ``b``-th
-``R/parts`` requests and ``Q/parts`` protected pages of the row; the rules above hold in each
-partition on its own (a request outside its partition's pages is padding), and the fetch
-entries are compacted within each partition's ``R/parts`` entries (:func:`partition_rows`
-gives one compacted row per partition). Ids stay global in every array. The state must keep
-each partition's pages in its own slots (``ensure`` does).
 """
 from __future__ import annotations
 
@@ -62,12 +53,6 @@ PALLAS_MAX = lru_ensure.MAX_SIZE
 # engine's per-step ensure at 8B-like 128k B=1 (R=256, S=520: 0.47M) dense 86 us vs sort
 # 100 us; Qwen-like 128k B=8 (R=512, S=1040: 1.9M) dense 132 us vs sort 88 us.
 DENSE_MAX_ELEMS = 2 ** 20
-# Partitioned pools (parts > 1) measured on the H200 (2026-11-30, benchmarks/bench_ensure.py,
-# Qwen-like engine shape: 28 layers x 8 requests, 64 requests and 130 slots per partition, a
-# stream with the measured 0.885 step-to-step overlap), us per step: shared pool (sort) 50.1,
-# parts sort 38.4, parts dense 43.2, parts pallas 183 (130 slots padded to 256: the [256, 256]
-# compare matrices spill; 44.7 at 128 slots). "auto" with parts picks this method.
-PARTS_AUTO_METHOD = "sort"
 
 
 def prefix_sum(x: jax.Array) -> jax.Array:
@@ -266,12 +251,9 @@ def _ensure_layer_dense(page_table, slot_owner, last_used, requests, protect, pa
             place(payload), counts)
 
 
-def resolve_method(method: str, R: int, S: int, Q: int, implementation: str | None = None,
-                   parts: int = 1) -> str:
+def resolve_method(method: str, R: int, S: int, Q: int, implementation: str | None = None) -> str:
     """The implementation ``ensure(..., method=method)`` runs for R requests, S slots and Q
-    protected pages per layer (per partition when ``parts > 1``): "pallas", "dense" or "sort".
-    "auto" with ``parts > 1``: "sort" (one pool per request: the fastest of the three at the
-    Qwen-like B=8 engine shape, ``PARTS_AUTO_METHOD``). "auto" otherwise: if
+    protected pages per layer: "pallas", "dense" or "sort". "auto": if
     R*R + S*S + R*S + Q*S <= DENSE_MAX_ELEMS, "pallas" when the Pallas implementation is
     selected (``JAXKV_IMPL=pallas``, or on the GPU unless ``JAXKV_IMPL=xla``) and
     R, S, Q <= PALLAS_MAX, else "dense"; otherwise "sort"."""
@@ -279,8 +261,6 @@ def resolve_method(method: str, R: int, S: int, Q: int, implementation: str | No
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method == "pallas" and max(R, S, Q) > PALLAS_MAX:
         raise ValueError(f"method 'pallas' needs R, S, Q <= {PALLAS_MAX}, got {R}, {S}, {Q}")
-    if method == "auto" and parts > 1:
-        return PARTS_AUTO_METHOD
     if method == "auto":
         if R * R + S * S + R * S + Q * S > DENSE_MAX_ELEMS:
             return "sort"
@@ -289,59 +269,8 @@ def resolve_method(method: str, R: int, S: int, Q: int, implementation: str | No
     return method
 
 
-def _local(x, start, n):
-    """Global ids -> ids relative to ``start`` (broadcast), ``-1`` outside ``[start, start + n)``."""
-    return jnp.where((x >= start) & (x < start + n), x - start, INVALID)
-
-
-def _global(x, start):
-    return jnp.where(x >= 0, x + start, INVALID)
-
-
-def _ensure_partitioned(layer, parts, page_table, slot_owner, last_used, requests, protect,
-                        payload, step):
-    """``layer`` (a per-layer ensure) on each of the ``parts`` partitions of every layer, as if
-    each were a layer of its own (module docstring), with ids translated to and from the
-    partition's range. Shapes and result as the vmapped ``layer`` over [L, ...] rows."""
-    L, P = page_table.shape
-    S, R, Q = slot_owner.shape[-1], requests.shape[-1], protect.shape[-1]
-    Pp, Sp, Rp, Qp = P // parts, S // parts, R // parts, Q // parts
-    b = jnp.arange(parts, dtype=jnp.int32)[None, :, None]
-
-    def split(x, n):
-        return x.reshape(L, parts, n)
-
-    args = (_local(split(page_table, Pp), b * Sp, Sp), _local(split(slot_owner, Sp), b * Pp, Pp),
-            split(last_used, Sp), _local(split(requests, Rp), b * Pp, Pp),
-            _local(split(protect, Qp), b * Pp, Pp), split(payload, Rp))
-    out = jax.vmap(layer, in_axes=(0, 0, 0, 0, 0, 0, None))(
-        *(a.reshape(L * parts, -1) for a in args), step)
-    pt, so, lu, slots, src, dst, pay, counts = (a.reshape(L, parts, -1) for a in out)
-    return (_global(pt, b * Sp).reshape(L, P), _global(so, b * Pp).reshape(L, S),
-            lu.reshape(L, S), _global(slots, b * Sp).reshape(L, R),
-            _global(src, b * Pp).reshape(L, R), _global(dst, b * Sp).reshape(L, R),
-            pay.reshape(L, R), counts.sum(axis=1))
-
-
-def partition_rows(fetch_src, fetch_dst, parts: int, num_pages: int, num_slots: int):
-    """Fetch lists of a partitioned ensure as one compacted row per (layer, partition):
-    ([L * parts, R / parts] local pages, [L * parts, R / parts] local slots, pages per
-    partition, slots per partition). Row ``l * parts + b`` with those strides addresses the
-    same host and pool rows as layer ``l`` with strides ``num_pages`` / ``num_slots``, so
-    ``page_fetch.fetch_layer_pages`` walks each partition's entries only."""
-    L, R = fetch_src.shape
-    Pp, Sp = num_pages // parts, num_slots // parts
-    b = jnp.arange(parts, dtype=jnp.int32)[None, :, None]
-    src = _local(fetch_src.reshape(L, parts, R // parts), b * Pp, Pp)
-    dst = _local(fetch_dst.reshape(L, parts, R // parts), b * Sp, Sp)
-    ok = (src >= 0) & (dst >= 0)
-    return (jnp.where(ok, src, INVALID).reshape(L * parts, -1),
-            jnp.where(ok, dst, INVALID).reshape(L * parts, -1), Pp, Sp)
-
-
 def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=None,
-           method: str = "auto", implementation: str | None = None,
-           parts: int = 1) -> EnsureResult:
+           method: str = "auto", implementation: str | None = None) -> EnsureResult:
     """Make the requested pages of every layer resident (fixed shapes, all layers at once).
 
     Args:
@@ -356,8 +285,6 @@ def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=N
         :func:`resolve_method`); all give identical results. "pallas" writes the new page
         table into ``page_table``'s buffer (donate it under jit to avoid a copy).
       implementation: "pallas" | "xla" | None: what "auto" may use (``_common``'s rule).
-      parts: static int, independent pools per layer (module docstring); it must divide
-        P, S, R and Q, and the method is chosen for one partition's sizes.
     Returns:
       :class:`EnsureResult`.
     """
@@ -365,21 +292,15 @@ def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=N
     requests = requests.astype(jnp.int32)
     if payload is None:
         payload = jnp.full(requests.shape, INVALID, jnp.int32)
-    sizes = (page_table.shape[-1], requests.shape[-1], slot_owner.shape[-1], protect.shape[-1])
-    if parts < 1 or any(n % parts for n in sizes):
-        raise ValueError(f"parts={parts} must divide the pages, requests, slots and protected "
-                         f"pages per layer, {sizes}")
-    name = resolve_method(method, *(n // parts for n in sizes[1:]), implementation, parts)
+    name = resolve_method(method, requests.shape[-1], slot_owner.shape[-1], protect.shape[-1],
+                          implementation)
     args = (page_table, slot_owner, last_used, requests, protect.astype(jnp.int32),
             payload.astype(jnp.int32), step)
     if name == "pallas":
-        out = lru_ensure.ensure_layers_pallas(*args, parts=parts)
+        out = lru_ensure.ensure_layers_pallas(*args)
     else:
         layer = {"dense": _ensure_layer_dense, "sort": _ensure_layer}[name]
-        if parts > 1:
-            out = _ensure_partitioned(layer, parts, *args)
-        else:
-            out = jax.vmap(layer, in_axes=(0, 0, 0, 0, 0, 0, None))(*args)
+        out = jax.vmap(layer, in_axes=(0, 0, 0, 0, 0, 0, None))(*args)
     pt, so, lu, slots, src, dst, pay, counts = out
     c = jnp.sum(counts, axis=0)
     return EnsureResult(pt, so, lu, slots, src, dst, pay, c[0], c[1], c[2], c[3])

@@ -51,32 +51,24 @@ def _iota(n):
 def _ensure_kernel(step_ref, pt_ref, so_ref, lu_ref, req_ref, prot_ref, pay_ref,
                    pt_out, so_out, lu_out, slots_out, src_out, dst_out, pay_out, counts_out,
                    *, P: int, S: int, R: int, Q: int):
-    """Program ``(l, b)``: partition ``b`` of layer ``l``. ``P, S, R, Q`` are one partition's
-    pages, slots, requests and protected pages; its slice of each row starts at ``b`` times
-    those. Pages and slots are global in memory and local (minus the partition's first) here."""
-    l, b = pl.program_id(0), pl.program_id(1)
-    p0, s0, r0, q0 = b * P, b * S, b * R, b * Q
+    l = pl.program_id(0)
     Rp, Sp, Qp = (_common.next_pow2(n) for n in (R, S, Q))
     i_r, i_s, i_q = _iota(Rp), _iota(Sp), _iota(Qp)
     in_r, in_s = i_r < R, i_s < S
 
-    def local(x, start, n):  # global id -> partition-local id, -1 outside [start, start + n)
-        return jnp.where((x >= start) & (x < start + n), x - start, _INVALID)
-
-    requests = local(plgpu.load(req_ref.at[l, r0 + i_r], mask=in_r, other=_INVALID), p0, P)
-    protect = local(plgpu.load(prot_ref.at[l, q0 + i_q], mask=i_q < Q, other=_INVALID), p0, P)
-    payload = plgpu.load(pay_ref.at[l, r0 + i_r], mask=in_r, other=_INVALID)
-    slot_owner = local(plgpu.load(so_ref.at[l, s0 + i_s], mask=in_s, other=_INVALID), p0, P)
-    last_used = plgpu.load(lu_ref.at[l, s0 + i_s], mask=in_s, other=0)
+    requests = plgpu.load(req_ref.at[l, i_r], mask=in_r, other=_INVALID)
+    protect = plgpu.load(prot_ref.at[l, i_q], mask=i_q < Q, other=_INVALID)
+    payload = plgpu.load(pay_ref.at[l, i_r], mask=in_r, other=_INVALID)
+    slot_owner = plgpu.load(so_ref.at[l, i_s], mask=in_s, other=_INVALID)
+    last_used = plgpu.load(lu_ref.at[l, i_s], mask=in_s, other=0)
     step = step_ref[0]
 
-    valid = requests >= 0
+    valid = (requests >= 0) & (requests < P)
     req = jnp.where(valid, requests, P)
-    pvalid = protect >= 0
-    cur = local(plgpu.load(pt_ref.at[l, p0 + jnp.where(valid, requests, 0)], mask=valid,
-                           other=_INVALID), s0, S)
-    pslot = local(plgpu.load(pt_ref.at[l, p0 + jnp.where(pvalid, protect, 0)], mask=pvalid,
-                             other=_INVALID), s0, S)
+    pvalid = (protect >= 0) & (protect < P)
+    cur = plgpu.load(pt_ref.at[l, jnp.where(valid, requests, 0)], mask=valid, other=_INVALID)
+    pslot = plgpu.load(pt_ref.at[l, jnp.where(pvalid, protect, 0)], mask=pvalid,
+                       other=_INVALID)
 
     # [R, R]: first copies, and "strictly smaller page" for the miss ranks.
     eq = req[:, None] == req[None, :]
@@ -110,19 +102,15 @@ def _ensure_kernel(step_ref, pt_ref, so_ref, lu_ref, req_ref, prot_ref, pay_ref,
     new_owner = _sum(jnp.where(miss[:, None] & match, req[:, None], 0), axis=0)
     evicted = installed & (slot_owner >= 0)
 
-    def glob(x, start):  # partition-local id -> global id (-1 stays -1)
-        return jnp.where(x >= 0, x + start, _INVALID)
-
     # Page table in place: evictions first, then installs (disjoint pages); masked lanes
-    # aim past the partition (P), which interpret mode drops and the GPU never touches.
-    plgpu.store(pt_out.at[l, p0 + jnp.where(evicted, slot_owner, P)],
+    # aim past the row (P), which interpret mode drops and the GPU never touches.
+    plgpu.store(pt_out.at[l, jnp.where(evicted, slot_owner, P)],
                 jnp.full((Sp,), _INVALID, jnp.int32), mask=evicted)
-    plgpu.store(pt_out.at[l, p0 + jnp.where(assigned, req, P)], new_slot + s0, mask=assigned)
-    plgpu.store(so_out.at[l, s0 + i_s], glob(jnp.where(installed, new_owner, slot_owner), p0),
+    plgpu.store(pt_out.at[l, jnp.where(assigned, req, P)], new_slot, mask=assigned)
+    plgpu.store(so_out.at[l, i_s], jnp.where(installed, new_owner, slot_owner), mask=in_s)
+    plgpu.store(lu_out.at[l, i_s], jnp.where(used_slot | installed, step, last_used),
                 mask=in_s)
-    plgpu.store(lu_out.at[l, s0 + i_s], jnp.where(used_slot | installed, step, last_used),
-                mask=in_s)
-    plgpu.store(slots_out.at[l, r0 + i_r], glob(slots, s0), mask=in_r)
+    plgpu.store(slots_out.at[l, i_r], slots, mask=in_r)
 
     # Fetch entries compacted at the front in page order (entry k = the miss of rank k).
     put = assigned[:, None] & (rank[:, None] == i_r[None, :])  # [i, position]
@@ -131,15 +119,15 @@ def _ensure_kernel(step_ref, pt_ref, so_ref, lu_ref, req_ref, prot_ref, pay_ref,
     def place(v):
         return jnp.where(anyput, _sum(jnp.where(put, v[:, None], 0), axis=0), _INVALID)
 
-    plgpu.store(src_out.at[l, r0 + i_r], glob(place(req), p0), mask=in_r)
-    plgpu.store(dst_out.at[l, r0 + i_r], glob(place(new_slot), s0), mask=in_r)
-    plgpu.store(pay_out.at[l, r0 + i_r], place(payload), mask=in_r)
+    plgpu.store(src_out.at[l, i_r], place(req), mask=in_r)
+    plgpu.store(dst_out.at[l, i_r], place(new_slot), mask=in_r)
+    plgpu.store(pay_out.at[l, i_r], place(payload), mask=in_r)
 
     i4 = _iota(4)
     counts = jnp.where(i4 == 0, _sum(hit), jnp.where(
         i4 == 1, _sum(miss), jnp.where(i4 == 2, _sum(evicted), _sum(miss & jnp.logical_not(
             assigned)))))
-    plgpu.store(counts_out.at[l, b, i4], counts)
+    plgpu.store(counts_out.at[l, i4], counts)
 
 
 def _default_warps(R: int, S: int) -> int:
@@ -151,9 +139,8 @@ def _default_warps(R: int, S: int) -> int:
 
 @_common.register(OP, "pallas")
 def ensure_layers_pallas(page_table, slot_owner, last_used, requests, protect, payload, step,
-                         *, parts: int = 1, num_warps: int | None = None,
-                         interpret: bool | None = None):
-    """All layers' ensure in one kernel launch (grid over layers and partitions).
+                         *, num_warps: int | None = None, interpret: bool | None = None):
+    """All layers' ensure in one kernel launch (grid over layers).
 
     page_table [L, P], slot_owner [L, S], last_used [L, S], requests [L, R], protect [L, Q],
     payload [L, R]: int32 (as ``jaxkv.lru.ensure``); step: int32 scalar (traced).
@@ -161,33 +148,25 @@ def ensure_layers_pallas(page_table, slot_owner, last_used, requests, protect, p
     fetch_src [L, R], fetch_dst [L, R], fetch_payload [L, R], counts [L, 4] =
     hits, misses, evictions, dropped per layer), all int32, identical to the "xla" reference.
     The new page table is written in place into ``page_table``'s buffer (aliased output):
-    donate it to avoid a copy. ``parts`` (static): each layer is ``parts`` independent pools
-    (``jaxkv.lru.ensure``'s ``parts``). Requires R, S, Q / ``parts`` <= ``MAX_SIZE``.
-    ``num_warps`` (static): default from the largest compare matrix (:func:`_default_warps`).
+    donate it to avoid a copy. Requires R, S, Q <= ``MAX_SIZE``. ``num_warps`` (static):
+    default from the largest compare matrix (:func:`_default_warps`).
     """
     L, P = page_table.shape
     S, R, Q = slot_owner.shape[-1], requests.shape[-1], protect.shape[-1]
-    if any(n % parts for n in (P, S, R, Q)):
-        raise ValueError(f"lru_ensure pallas kernel: parts={parts} must divide P={P}, S={S}, "
-                         f"R={R} and Q={Q}")
-    P, S, R, Q = (n // parts for n in (P, S, R, Q))
     if max(R, S, Q) > MAX_SIZE:
-        raise ValueError(f"lru_ensure pallas kernel: R={R}, S={S}, Q={Q} per partition must be "
-                         f"<= {MAX_SIZE}")
+        raise ValueError(f"lru_ensure pallas kernel: R={R}, S={S}, Q={Q} must be <= {MAX_SIZE}")
     args = [jnp.asarray(step, jnp.int32).reshape(1)] + [
         jnp.asarray(a).astype(jnp.int32)
         for a in (page_table, slot_owner, last_used, requests, protect, payload)]
 
     def full(shape):
-        return pl.BlockSpec(shape, lambda l, b: (0,) * len(shape))
+        return pl.BlockSpec(shape, lambda l: (0,) * len(shape))
 
-    n = parts
-    shapes = [(L, n * P), (L, n * S), (L, n * S), (L, n * R), (L, n * R), (L, n * R),
-              (L, n * R), (L, n, 4)]
-    *out, counts = pl.pallas_call(
+    shapes = [(L, P), (L, S), (L, S), (L, R), (L, R), (L, R), (L, R), (L, 4)]
+    return tuple(pl.pallas_call(
         functools.partial(_ensure_kernel, P=P, S=S, R=R, Q=Q),
         out_shape=[jax.ShapeDtypeStruct(s, jnp.int32) for s in shapes],
-        grid=(L, n),
+        grid=(L,),
         in_specs=[full((1,))] + [full(a.shape) for a in args[1:]],
         out_specs=[full(s) for s in shapes],
         input_output_aliases={1: 0},
@@ -195,8 +174,7 @@ def ensure_layers_pallas(page_table, slot_owner, last_used, requests, protect, p
                                              num_stages=1),
         interpret=_common.interpret_mode() if interpret is None else interpret,
         name="lru_ensure",
-    )(*args)
-    return (*out, counts.sum(axis=1))
+    )(*args))
 
 
 @_common.register(OP, "xla")

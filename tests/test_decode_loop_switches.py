@@ -5,7 +5,6 @@
   tokens, the random stream and the lagged pages are those of one step per iteration.
 * ``engine.INSTALL_AFTER_LAYERS``: the "step" schedule's install of the previous step's pages
   after the first sparse layers instead of at the step start.
-* ``engine.POOL_PER_REQUEST``: one LRU pool per request (``lru.ensure(parts=B)``).
 """
 import numpy as np
 import pytest
@@ -20,10 +19,9 @@ RNG = np.random.default_rng(77)
 PROMPTS = [list(RNG.integers(3, CFG.vocab_size, n)) for n in (29, 44, 13)]
 
 
-def _gen(monkeypatch, steps, cache, install_after=0, per_request=False, **kw):
+def _gen(monkeypatch, steps, cache, install_after=0, **kw):
     monkeypatch.setattr(engine, "STEPS_PER_ITERATION", steps)
     monkeypatch.setattr(engine, "INSTALL_AFTER_LAYERS", install_after)
-    monkeypatch.setattr(engine, "POOL_PER_REQUEST", per_request)
     engine._round_fn.cache_clear()  # the switches are read when a round is traced
     kw.setdefault("max_new_tokens", 11)
     kw.setdefault("stop_tokens", [])
@@ -96,35 +94,3 @@ def test_install_after_layers_needs_the_step_schedule(monkeypatch):
     plan = engine.Plan(model=CFG, batch=2, prompt_len=64, max_context=128, num_stop=1,
                        cache=CacheConfig(mode="host", page_size=4, selected_pages=3))
     assert engine.install_after_layers(plan) == 1
-
-
-@pytest.mark.parametrize("cache", [
-    dict(mode="host"),
-    dict(mode="host", selection_lag=1),
-    dict(mode="host", schedule="scratch"),
-    dict(mode="host", pool_pages=6),
-], ids=["host", "host-lagged", "scratch", "small-pool"])
-def test_pool_per_request_keeps_the_tokens(monkeypatch, cache):
-    """One LRU pool per request (3 requests): the tokens of the resident cache; with the
-    engine's default pool no page is dropped; a 2-slot pool per request (selections of 3 pages)
-    churns and drops, and still attends to the dropped pages from the host tier."""
-    from jaxkv import lru
-    seen = []
-    real = lru.ensure
-    monkeypatch.setattr(lru, "ensure", lambda *a, **k: seen.append(k.get("parts", 1))
-                        or real(*a, **k))
-    base = dict(page_size=4, selected_pages=3, round_steps=4)
-    lag = dict(selection_lag=cache.get("selection_lag", 0))
-    resident = _gen(monkeypatch, 1, CacheConfig(mode="resident", **base, **lag), max_new_tokens=9)
-    shared = _gen(monkeypatch, 1, CacheConfig(**base, **cache), max_new_tokens=9)
-    seen.clear()
-    got = _gen(monkeypatch, 1, CacheConfig(**base, **cache), per_request=True, max_new_tokens=9)
-    assert seen and set(seen) == {3}
-    assert got.tokens == resident.tokens == shared.tokens
-    g, s = got.stats, shared.stats
-    assert g["hits"] + g["misses"] == s["hits"] + s["misses"]
-    assert g["dropped"] == s["dropped"] == 0  # selections (none dropped)
-    if "pool_pages" in cache:
-        assert g["overflow"] > 0  # misses the pool could not take: counted
-    else:
-        assert g["overflow"] == s["overflow"] == 0
