@@ -48,6 +48,12 @@ Variants (``VARIANTS``):
 * ``unmasked_pages`` (host tier, c2): the layer's pages passed to the lookup kernel without the
   XLA masking fusion (``engine.MASK_PAGES_BEFORE_LOOKUP``); ``lagged_unmasked_pages`` /
   ``lagged_all_layers_unmasked_pages``: with lagged selection.
+* ``ensure_pallas256`` (host tier, c2): the LRU ensure's "auto" method takes the one-launch
+  Pallas kernel up to 256 requests / slots per layer (``lru.PALLAS_AUTO_MAX``; the default
+  is 128); ``lagged_ensure_pallas256``: with lagged selection. Meaningful at ``--batch 1``
+  (130 slots per layer), where the default runs the dense form.
+
+``--batch`` sets the Qwen-like batch (default 8).
 
 Variants whose options the compiler rejects, or whose round fails to compile or run, are
 reported and dropped.
@@ -70,7 +76,7 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # noqa: E402
 import bench_decode as bd  # noqa: E402
-from jaxkv import CacheConfig, engine, synthetic  # noqa: E402
+from jaxkv import CacheConfig, engine, lru, synthetic  # noqa: E402
 from pallas_kernels import _common, quest  # noqa: E402
 from pallas_kernels import sparse_attention as sa  # noqa: E402
 from pallas_kernels import dense_select as ds  # noqa: E402
@@ -94,6 +100,7 @@ SWITCHES = {
     "steps": (engine, "STEPS_PER_ITERATION"),
     "install_after": (engine, "INSTALL_AFTER_LAYERS"),
     "mask_pages": (engine, "MASK_PAGES_BEFORE_LOOKUP"),
+    "pallas_auto_max": (lru, "PALLAS_AUTO_MAX"),
 }
 # name -> (switch values, XLA compiler options)
 VARIANTS = {
@@ -154,6 +161,10 @@ VARIANTS = {
     "unmasked_pages": ({"mask_pages": False}, ()),
     "lagged_unmasked_pages": ({"mask_pages": False}, ()),
     "lagged_all_layers_unmasked_pages": ({"batch_lagged": True, "mask_pages": False}, ()),
+    # host tier: the LRU ensure's "auto" takes the one-launch Pallas kernel up to 256 (padded)
+    # requests / slots per layer, as before lru.PALLAS_AUTO_MAX
+    "ensure_pallas256": ({"pallas_auto_max": 256}, ()),
+    "lagged_ensure_pallas256": ({"pallas_auto_max": 256}, ()),
 }
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
 CACHE_CHANGES = {n: {"selection_lag": 1} for n in VARIANTS if n.startswith("lagged")}
@@ -218,6 +229,7 @@ def main():
     ap.add_argument("--config", default="b", choices=("b", "c2"))
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     ap.add_argument("--pairs", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=8, help="requests (Qwen-like shape)")
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
     names = a.variants.split(",")
@@ -233,7 +245,7 @@ def main():
         cfg = bd.configs.tiny()
         ds.PALLAS_CMAX_MIN_COLUMNS = 1
     else:
-        shape, B, ctx, st = "qwen1.5b", 8, 131072, bd.Settings(page_size=64)
+        shape, B, ctx, st = "qwen1.5b", a.batch, 131072, bd.Settings(page_size=64)
         cfg = bd.model_config(shape)
     ps, k = st.page_size, st.k
     max_ctx = -(-(ctx + st.round_steps * (2 * a.pairs + 4)) // ps) * ps

@@ -14,7 +14,7 @@ implementations, identical outputs (every field, fetch entries in the same order
   (256). Interpret mode (slow) off the GPU.
 * ``method="auto"`` (default): where R*R + S*S + R*S + Q*S <= ``DENSE_MAX_ELEMS`` (2**20
   compare elements per layer): "pallas" on the GPU (or with ``JAXKV_IMPL=pallas``) when
-  R, S, Q <= ``PALLAS_MAX``, else "dense"; bigger shapes: "sort".
+  R, S, Q <= ``PALLAS_AUTO_MAX`` (128), else "dense"; bigger shapes: "sort".
 
 Semantics, per layer and step (the plain-Python model in tests/lru_model.py is the spec):
 
@@ -53,6 +53,13 @@ PALLAS_MAX = lru_ensure.MAX_SIZE
 # engine's per-step ensure at 8B-like 128k B=1 (R=256, S=520: 0.47M) dense 86 us vs sort
 # 100 us; Qwen-like 128k B=8 (R=512, S=1040: 1.9M) dense 132 us vs sort 88 us.
 DENSE_MAX_ELEMS = 2 ** 20
+# Largest R, S and Q for which "auto" picks the Pallas kernel. Above 128 the kernel pads to
+# 256 and its [256, 256] compare matrices spill registers: at the Qwen-like B=1 engine shape
+# (R = 64, S = 130, 28 layers, a stream with the measured 0.885 overlap) the kernel took
+# 60.8 us per step against dense 35.9 and sort 32.3 (benchmarks/bench_ensure.py,
+# bench_ensure_b1_1e327e5.json); at 65 slots (padded to 128) it is level with dense (23-29 us
+# against 21.9). Read when an ensure is traced.
+PALLAS_AUTO_MAX = 128
 
 
 def prefix_sum(x: jax.Array) -> jax.Array:
@@ -256,7 +263,7 @@ def resolve_method(method: str, R: int, S: int, Q: int, implementation: str | No
     protected pages per layer: "pallas", "dense" or "sort". "auto": if
     R*R + S*S + R*S + Q*S <= DENSE_MAX_ELEMS, "pallas" when the Pallas implementation is
     selected (``JAXKV_IMPL=pallas``, or on the GPU unless ``JAXKV_IMPL=xla``) and
-    R, S, Q <= PALLAS_MAX, else "dense"; otherwise "sort"."""
+    R, S, Q <= PALLAS_AUTO_MAX, else "dense"; otherwise "sort"."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method == "pallas" and max(R, S, Q) > PALLAS_MAX:
@@ -265,7 +272,7 @@ def resolve_method(method: str, R: int, S: int, Q: int, implementation: str | No
         if R * R + S * S + R * S + Q * S > DENSE_MAX_ELEMS:
             return "sort"
         pallas = _common.implementation_name(implementation) == "pallas"
-        return "pallas" if pallas and max(R, S, Q) <= PALLAS_MAX else "dense"
+        return "pallas" if pallas and max(R, S, Q) <= min(PALLAS_AUTO_MAX, PALLAS_MAX) else "dense"
     return method
 
 

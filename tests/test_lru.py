@@ -277,7 +277,8 @@ def test_pallas_method_resolution(monkeypatch):
     monkeypatch.setattr(lru._common, "on_gpu", lambda: True)
     monkeypatch.delenv("JAXKV_IMPL", raising=False)
     assert lru.resolve_method("auto", R=32, S=64, Q=4) == "pallas"   # bench_fetch section_ensure
-    assert lru.resolve_method("auto", R=128, S=16, Q=256) == "pallas"
+    assert lru.resolve_method("auto", R=128, S=16, Q=128) == "pallas"
+    assert lru.resolve_method("auto", R=64, S=130, Q=2) == "dense"    # padded to 256: slower
     assert lru.resolve_method("auto", R=1, S=1, Q=300) == "dense"    # over the kernel's cap
     assert lru.resolve_method("auto", R=1024, S=2304, Q=4) == "sort"
     monkeypatch.setenv("JAXKV_IMPL", "xla")
