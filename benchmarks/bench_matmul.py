@@ -23,10 +23,11 @@ A split-K Pallas kernel for few rows was measured too (commit 716615a,
 ``benchmarks/results/bench_matmul_716615a.json``): slower than XLA's default at every shape
 (Qwen-like B=8: 43-54 us per layer over eight tilings against 39 us), so it was removed.
 
-``--mlp TILINGS``: the MLP alone (gate/up, SiLU x up, down, residual), chained over the
-layers: XLA's four kernels against the one-launch Pallas kernel
-(``pallas_kernels.swiglu_mlp``) under each tiling ``f64k256n256w4s3`` (block_f, block_k,
-block_n, warps, stages; comma-separated list).
+The MLP as one Pallas kernel (gate/up, SiLU x up and down in one launch, deterministic partial
+sums; ``pallas_kernels/swiglu_mlp.py`` and ``--mlp`` at commit 5bdd21e) was measured too
+(``bench_matmul_mlp_{qwen,8b}_5bdd21e.json``): XLA's four kernels were faster at every tiling
+(Qwen-like M=8 30.9 us per layer against 36.7-53.5 us; 8B-like M=1 88.3 against 94.8-134.4
+us), so it was removed.
 
 ``--l2``: each projection alone with its weight read from HBM (a distinct weight per layer) or
 from L2 (one shared weight): how much of a product's time the weight read is.
@@ -202,71 +203,6 @@ def l2_rows(s, m, steps, reps):
     return rows
 
 
-def parse_mlp_tiling(spec: str):
-    """``"f64k256n256w4s3"`` -> swiglu_mlp.Tiling(block_f=64, block_k=256, block_n=256,
-    num_warps=4, num_stages=3)."""
-    import re
-    from pallas_kernels.swiglu_mlp import Tiling
-    keys = dict(f="block_f", k="block_k", n="block_n", w="num_warps", s="num_stages")
-    packed = spec.endswith("p")
-    body = spec[:-1] if packed else spec
-    parts = re.findall(r"([fknws])(\d+)", body)
-    if "".join(k + v for k, v in parts) != body:
-        raise ValueError(f"bad MLP tiling {spec!r}: want e.g. f64k256n256w4s3 (p: packed)")
-    return Tiling(packed=packed, **{keys[k]: int(v) for k, v in parts})
-
-
-def mlp_rows(s, m, tilings, steps, reps):
-    """The MLP alone, ``x = x + mlp(x)`` over the layers (distinct weights), per variant:
-    ``xla`` (the reference: XLA's kernels) and ``pallas:<tiling>`` (a trailing ``p``: w_gate_up
-    packed per program, ``swiglu_mlp.pack_gate_up``). us per layer, MLP weight TB/s, and the
-    largest difference from the reference on one layer (relative to its max); a variant that
-    fails to compile gets its error instead."""
-    from pallas_kernels import swiglu_mlp
-    L = s["layers"]
-    ws = layer_weights(jax.random.key(0), s, L)
-    mats = [(w["w_gate_up"], w["w_down"]) for w in ws]
-    nbytes = sum(int(a.size + b.size) * 2 for a, b in mats) // L
-    x = (jax.random.normal(jax.random.key(2), (m, s["d"]), jnp.float32) * 0.1).astype(jnp.bfloat16)
-    variants = [("xla", None)] + [(f"pallas:{t}", parse_mlp_tiling(t)) for t in tilings]
-    ref = jax.jit(lambda x, a, b: swiglu_mlp.swiglu_mlp(x, a, b, implementation="xla"))(
-        x, *mats[0])
-    rows = []
-    for name, tiling in variants:
-        impl = "xla" if tiling is None else "pallas"
-        packed = tiling is not None and tiling.packed
-        vmats = [(swiglu_mlp.pack_gate_up(a, tiling.block_f), b) for a, b in mats] if packed \
-            else mats
-
-        def mlp(x, a, b, impl=impl, tiling=tiling):
-            if impl == "pallas":
-                return swiglu_mlp.swiglu_mlp_pallas(x, a, b, tiling=tiling)
-            return swiglu_mlp.swiglu_mlp(x, a, b, implementation=impl)
-
-        def run(x, mats, mlp=mlp):
-            def body(_, x):
-                for a, b in mats:
-                    x = (x.astype(jnp.float32) + mlp(x, a, b)).astype(x.dtype)
-                return x
-            return jax.lax.fori_loop(0, steps, body, x)
-
-        try:
-            us = timed(run, (x, vmats), {}, reps) / steps / L * 1e6
-        except Exception as e:  # noqa: BLE001 (a tiling over the shared memory limit)
-            rows.append(dict(variant=name, batch=m, error=str(e)[:300]))
-            print(f"MLP M={m:<2d} {name:28s} failed: {str(e)[:120]}", flush=True)
-            del vmats
-            continue
-        got = jax.jit(mlp)(x, *vmats[0])
-        del vmats
-        err = float(jnp.max(jnp.abs(got - ref))) / (float(jnp.max(jnp.abs(ref))) + 1e-6)
-        rows.append(dict(variant=name, batch=m, us_per_layer=us, mlp_weight_bytes=nbytes,
-                         tbps=nbytes / (us * 1e-6) / 1e12, rel_err_vs_xla=err))
-        print(f"MLP M={m:<2d} {name:28s} {us:7.2f} us/layer ({rows[-1]['tbps']:.2f} TB/s) "
-              f"err {err:.1e}", flush=True)
-    return rows
-
-
 def _write(a, name: str, rows: list, notes: list):
     """``<a.out>/<name>.json`` (when --out is given): run metadata, the rows and notes."""
     if not a.out:
@@ -293,26 +229,7 @@ def main():
                     "and/or oi ([out, in])")
     ap.add_argument("--l2", action="store_true", help="only the per-projection probe: weights "
                     "from HBM (distinct per layer) vs from L2 (one shared weight), XLA default")
-    ap.add_argument("--mlp", default=None, help="only the MLP chain: XLA vs the Pallas "
-                    "swiglu_mlp kernel under these tilings (e.g. f64k256n256w4s3,f32k256n256w4s3)")
     a = ap.parse_args()
-    if a.mlp is not None:
-        rows = []
-        for shape in a.shapes.split(","):
-            s = QUICK if a.quick else SHAPES[shape]
-            for m in [int(b) for b in a.batches.split(",")]:
-                rows += [dict(r, shape=shape) for r in
-                         mlp_rows(s, m, [t for t in a.mlp.split(",") if t], a.steps, a.reps)]
-        _write(a, "bench_matmul_mlp", rows,
-               ["the MLP alone: layers x (x = x + mlp(x)) in a jitted fori_loop, x [M, d] bf16, "
-                "distinct weights per layer; tbps = (w_gate_up + w_down bytes) / time; "
-                "rel_err_vs_xla: one layer against the XLA reference, over its max |value|"])
-        print("\nshape     M  variant                       us/layer  TB/s")
-        for r in rows:
-            if "error" not in r:
-                print(f"{r['shape']:9s} {r['batch']:<2d} {r['variant']:28s} "
-                      f"{r['us_per_layer']:8.2f} {r['tbps']:5.2f}")
-        return
     if a.l2:
         rows = []
         for shape in a.shapes.split(","):
