@@ -53,6 +53,10 @@ Variants (``VARIANTS``):
   is 128); ``lagged_ensure_pallas256``: with lagged selection. Meaningful at ``--batch 1``
   (130 slots per layer), where the default runs the dense form.
 
+* ``lagged_install_previous`` (host tier, c2): the step start installs the pages the previous
+  step attended to, as before ``engine.INSTALL_LAGGED_AHEAD`` (the default installs this
+  step's own pages, so attention reads none over PCIe).
+
 ``--batch`` sets the Qwen-like batch (default 8).
 
 Variants whose options the compiler rejects, or whose round fails to compile or run, are
@@ -101,6 +105,7 @@ SWITCHES = {
     "install_after": (engine, "INSTALL_AFTER_LAYERS"),
     "mask_pages": (engine, "MASK_PAGES_BEFORE_LOOKUP"),
     "pallas_auto_max": (lru, "PALLAS_AUTO_MAX"),
+    "install_lagged_ahead": (engine, "INSTALL_LAGGED_AHEAD"),
 }
 # name -> (switch values, XLA compiler options)
 VARIANTS = {
@@ -165,6 +170,9 @@ VARIANTS = {
     # requests / slots per layer, as before lru.PALLAS_AUTO_MAX
     "ensure_pallas256": ({"pallas_auto_max": 256}, ()),
     "lagged_ensure_pallas256": ({"pallas_auto_max": 256}, ()),
+    # host tier, lagged: the step start installs the previous step's pages (read over PCIe by
+    # attention the step they are new) instead of this step's
+    "lagged_install_previous": ({"install_lagged_ahead": False}, ()),
 }
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
 CACHE_CHANGES = {n: {"selection_lag": 1} for n in VARIANTS if n.startswith("lagged")}

@@ -543,6 +543,23 @@ MASK_PAGES_BEFORE_LOOKUP = True
 # host again), and the install, which the next layer's lookup waits for, can run beside
 # their attention output and MLP. 0 = at the step start. Read when a step is traced.
 INSTALL_AFTER_LAYERS = 0
+# Lagged selection, schedule "step": the install at the step start takes the pages this step
+# attends to (chosen last step, ``ahead``) instead of the pages the previous step attended to.
+# Every page a layer reads is then in the pool before its attention (fetched by the one fetch
+# launch at the step start) instead of read in place over PCIe by the attention kernel, one
+# step before the install would have moved it anyway. Read when a step is traced.
+INSTALL_LAGGED_AHEAD = True
+
+
+def lagged_requests(plan: Plan, ahead, active):
+    """Lagged selection: the step's pages ``ahead`` [L, B, H, k] (request-local, -1 pad) as the
+    install's requests [L, B * H * k] logical pages (-1: padding, inactive requests, the dense
+    layers), in the order of the lookup's record."""
+    L, B = plan.model.num_layers, plan.batch
+    b = jnp.arange(B, dtype=jnp.int32)[None, :, None, None]
+    sparse = (jnp.arange(L) >= plan.num_dense)[:, None, None, None]
+    ok = (ahead >= 0) & active[None, :, None, None] & sparse
+    return jnp.where(ok, b * plan.pages_per_seq + ahead, INVALID).reshape(L, -1)
 
 
 def install_after_layers(plan: Plan) -> int:
@@ -578,7 +595,10 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     # the "step" schedule may install after the first sparse layers (see INSTALL_AFTER_LAYERS)
     late = install_after_layers(plan) if at_start else 0
     if at_start and not late:
-        kv0 = install_previous(plan, kv0, st.lookahead, protect)
+        look_in = st.lookahead
+        if plan.lagged and plan.in_place and INSTALL_LAGGED_AHEAD:  # this step's own pages
+            look_in = (lagged_requests(plan, st.summaries[-1], active),)
+        kv0 = install_previous(plan, kv0, look_in, protect)
     # lagged Quest for all layers at once after the loop: each layer stores its query and new
     # K/V row in ``sel_in`` ([L, B, Hq, D], [L, B, 2, H, D]) instead of selecting
     L, Hq, D = cfg.num_layers, cfg.num_heads, cfg.head_dim

@@ -57,8 +57,29 @@ def test_lagged_host_equals_lagged_resident(cache):
     resident = _gen(CacheConfig(mode="resident", selection_lag=1, **BASE, **dense))
     host = _gen(CacheConfig(selection_lag=1, **BASE, **cache))
     assert host.tokens == resident.tokens
-    assert host.stats["dropped"] == 0 and host.stats["misses"] > 0
+    assert host.stats["dropped"] == 0
+    if cache.get("schedule", "step") == "step" and "pool_pages" not in cache:
+        # the step's own pages are installed at its start (engine.INSTALL_LAGGED_AHEAD): with
+        # the default pool no layer reads a page over PCIe
+        assert host.stats["misses"] == host.stats["host_reads"] == 0
+        assert host.stats["pages_fetched"] > 0
+    else:
+        assert host.stats["misses"] > 0
     assert host.stats["selection_lag"] == resident.stats["selection_lag"] == 1
+
+
+@pytest.mark.parametrize("pool", [None, 6], ids=["default-pool", "small-pool"])
+def test_install_of_the_previous_steps_pages_keeps_the_tokens(monkeypatch, pool):
+    """engine.INSTALL_LAGGED_AHEAD off: the step start installs what the previous step attended
+    to (pages new to a step are read over PCIe once): the same tokens, with misses."""
+    cache = CacheConfig(mode="host", selection_lag=1, pool_pages=pool, **BASE)
+    ahead = _gen(cache)
+    monkeypatch.setattr(engine, "INSTALL_LAGGED_AHEAD", False)
+    engine._round_fn.cache_clear()  # read when a step is traced
+    previous = _gen(cache)
+    engine._round_fn.cache_clear()
+    assert previous.tokens == ahead.tokens
+    assert previous.stats["misses"] > ahead.stats["misses"]
 
 
 def test_per_layer_and_batched_lagged_quest_agree(monkeypatch):
