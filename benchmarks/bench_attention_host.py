@@ -3,7 +3,8 @@ against the same selection served wholly from the device pool.
 
 The engine's in-place schedule reads a step's missed pages straight from pinned host memory
 inside the attention kernel. This measures what that costs per layer at the decode shapes
-(8B-like B=1: 8 KV heads, 32 query heads; Qwen-like B=8: 2 KV heads, 12 query heads; 32
+(8B-like B=1: 8 KV heads, 32 query heads; Qwen-like B=8 and B=16 (``--shapes``): 2 KV heads,
+12 query heads; 32
 selected 64-token pages per head, bf16) for 0-4 missed entries per layer, and a few kernel
 tunings. Each figure is one jitted, chained ``fori_loop`` (``_meta.time_chained``).
 
@@ -27,21 +28,23 @@ import _meta  # noqa: E402
 from pallas_kernels import sparse_attention as sa  # noqa: E402
 from pallas_kernels.sparse_attention import AttentionTuning  # noqa: E402
 
-SHAPES = {"8b-b1": dict(B=1, H=8, G=4), "qwen-b8": dict(B=8, H=2, G=6)}
+SHAPES = {"8b-b1": dict(B=1, H=8, G=4), "qwen-b8": dict(B=8, H=2, G=6),
+          "qwen-b16": dict(B=16, H=2, G=6)}
 FULL = dict(D=128, ps=64, K=32, pool_rows=2048, host_gib=2.0, n_sets=16, iters=64, reps=3,
             unroll=16, misses=(0, 1, 4), warps=(None,))
 QUICK = dict(D=16, ps=16, K=4, pool_rows=32, host_gib=2 ** -12, n_sets=2, iters=2, reps=1,
              unroll=2, misses=(0, 1), warps=(None,))
 
 
-def run(out_dir, quick=False):
+def run(out_dir, quick=False, shapes=("8b-b1", "qwen-b8")):
     c = QUICK if quick else FULL
     D, ps, K = c["D"], c["ps"], c["K"]
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
     host_sh = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
     points = []
-    for shape, s in SHAPES.items():
+    for shape in shapes:
+        s = SHAPES[shape]
         B, H, G = s["B"], s["H"], s["G"]
         if quick:
             H, G = 2, 2
@@ -101,8 +104,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", default="8b-b1,qwen-b8", help=f"of {sorted(SHAPES)}")
     a = ap.parse_args()
-    run(a.out, quick=a.quick)
+    run(a.out, quick=a.quick, shapes=tuple(a.shapes.split(",")))
 
 
 if __name__ == "__main__":

@@ -547,8 +547,19 @@ INSTALL_AFTER_LAYERS = 0
 # attends to (chosen last step, ``ahead``) instead of the pages the previous step attended to.
 # Every page a layer reads is then in the pool before its attention (fetched by the one fetch
 # launch at the step start) instead of read in place over PCIe by the attention kernel, one
-# step before the install would have moved it anyway. Read when a step is traced.
+# step before the install would have moved it anyway. Where no page can be dropped
+# (``pool_only_reads``: the default pool or larger) attention then takes no host operand.
+# Read when a step is traced.
 INSTALL_LAGGED_AHEAD = True
+
+
+def pool_only_reads(plan: Plan) -> bool:
+    """With the lagged install of the step's own pages: can no page be dropped? A layer's
+    requests (``B * H * k``) and pinned pages (``B * (sink + recent)``) are all the slots a
+    step protects, so a pool of at least that many slots (the engine's default) always has a
+    free slot for every miss. Attention then takes no host operand (a leaner kernel); a drop
+    would still be counted (``overflow``)."""
+    return plan.spec.num_slots >= plan.requests_per_layer + plan.batch * plan.num_pinned
 
 
 def lagged_requests(plan: Plan, ahead, active):
@@ -594,10 +605,12 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     at_start = install and not INSTALL_AT_STEP_END
     # the "step" schedule may install after the first sparse layers (see INSTALL_AFTER_LAYERS)
     late = install_after_layers(plan) if at_start else 0
+    # lagged, schedule "step": the install takes this step's own pages (INSTALL_LAGGED_AHEAD)
+    prefetch = at_start and not late and plan.lagged and plan.in_place and INSTALL_LAGGED_AHEAD
+    # ... and then attention reads the pool only when no page can be dropped (pool_only_reads)
+    pool_only = prefetch and pool_only_reads(plan)
     if at_start and not late:
-        look_in = st.lookahead
-        if plan.lagged and plan.in_place and INSTALL_LAGGED_AHEAD:  # this step's own pages
-            look_in = (lagged_requests(plan, st.summaries[-1], active),)
+        look_in = (lagged_requests(plan, st.summaries[-1], active),) if prefetch else st.lookahead
         kv0 = install_previous(plan, kv0, look_in, protect)
     # lagged Quest for all layers at once after the loop: each layer stores its query and new
     # K/V row in ``sel_in`` ([L, B, Hq, D], [L, B, 2, H, D]) instead of selecting
@@ -661,7 +674,8 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
             kv, rows, host_rows, record = lookup_in_place(plan, kv, layer, pages, active, logical,
                                                           offset, tok_kv, look[0])
             look = (record,)
-            host = dict(host=kv.host_kv, host_rows=host_rows)
+            if not pool_only:  # pages the pool could not take are read in place from the host
+                host = dict(host=kv.host_kv, host_rows=host_rows)
         else:
             sel = jnp.where(pages >= 0, b_idx[:, None, None] * Np + pages, INVALID)
             if plan.per_step:

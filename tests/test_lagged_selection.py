@@ -62,10 +62,23 @@ def test_lagged_host_equals_lagged_resident(cache):
         # the step's own pages are installed at its start (engine.INSTALL_LAGGED_AHEAD): with
         # the default pool no layer reads a page over PCIe
         assert host.stats["misses"] == host.stats["host_reads"] == 0
-        assert host.stats["pages_fetched"] > 0
+        assert host.stats["pages_fetched"] > 0 and host.stats["overflow"] == 0
     else:
         assert host.stats["misses"] > 0
     assert host.stats["selection_lag"] == resident.stats["selection_lag"] == 1
+
+
+def test_pool_only_reads_needs_room_for_every_request():
+    """Attention drops its host operand only where no page can be dropped: the default pool
+    (requests + pinned pages per layer) or larger."""
+    kw = dict(model=CFG, batch=3, prompt_len=64, max_context=128, num_stop=1)
+    cache = CacheConfig(mode="host", selection_lag=1, **BASE)
+    plan = engine.Plan(cache=cache, **kw)
+    assert engine.pool_only_reads(plan)
+    need = plan.requests_per_layer + plan.batch * plan.num_pinned
+    assert plan.spec.num_slots == need
+    assert not engine.pool_only_reads(engine.Plan(
+        cache=dataclasses.replace(cache, pool_pages=need - 1), **kw))
 
 
 @pytest.mark.parametrize("pool", [None, 6], ids=["default-pool", "small-pool"])
@@ -207,7 +220,7 @@ def test_gpu_lagged_host_equals_resident_and_full_selection_equals_exact():
     assert host.tokens == res.tokens and host.stats["misses"] == 0
     assert host.stats["evictions"] > 0
     small = jaxkv.generate(cfg, params, prompts, cache=dataclasses.replace(
-        base, mode="host", pool_pages=3 * 10), **kw)  # below one step's pages: read in place
+        base, mode="host", pool_pages=3 * 6), **kw)  # below one step's pages: read in place
     assert small.tokens == res.tokens and small.stats["misses"] > 0
     every = dataclasses.replace(base, mode="resident", selected_pages=64)  # >= 34 pages
     lagged = jaxkv.generate(cfg, params, prompts, cache=every, **kw)
