@@ -53,9 +53,10 @@ Variants (``VARIANTS``):
   is 128); ``lagged_ensure_pallas256``: with lagged selection. Meaningful at ``--batch 1``
   (130 slots per layer), where the default runs the dense form.
 
-* ``lagged_install_previous`` (host tier, c2): the step start installs the pages the previous
-  step attended to, as before ``engine.INSTALL_LAGGED_AHEAD`` (the default installs this
-  step's own pages, so attention reads none over PCIe).
+* ``lagged_install_ahead`` / ``lagged_install_previous`` (host tier, c2): the step start
+  installs the pages this step attends to (none read over PCIe; with the default pool
+  attention then takes no host operand) or those the previous step attended to (the default)
+  (``engine.INSTALL_LAGGED_AHEAD``).
 
 ``--batch`` sets the Qwen-like batch (default 8).
 
@@ -170,8 +171,9 @@ VARIANTS = {
     # requests / slots per layer, as before lru.PALLAS_AUTO_MAX
     "ensure_pallas256": ({"pallas_auto_max": 256}, ()),
     "lagged_ensure_pallas256": ({"pallas_auto_max": 256}, ()),
-    # host tier, lagged: the step start installs the previous step's pages (read over PCIe by
-    # attention the step they are new) instead of this step's
+    # host tier, lagged: the step start installs this step's own pages (none read over PCIe)
+    # instead of the previous step's (engine.INSTALL_LAGGED_AHEAD, off by default)
+    "lagged_install_ahead": ({"install_lagged_ahead": True}, ()),
     "lagged_install_previous": ({"install_lagged_ahead": False}, ()),
 }
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)

@@ -549,8 +549,13 @@ INSTALL_AFTER_LAYERS = 0
 # launch at the step start) instead of read in place over PCIe by the attention kernel, one
 # step before the install would have moved it anyway. Where no page can be dropped
 # (``pool_only_reads``: the default pool or larger) attention then takes no host operand.
-# Read when a step is traced.
-INSTALL_LAGGED_AHEAD = True
+# Off: on the H200 (Qwen-like B=8 at 128k, host tier c2) its steady step measured 0.994x
+# (the install of the previous step's pages 1.006x of it), but the first ~200 steps after a
+# fresh state ran up to 1.4x slower (not explained; benchmarks/results/
+# ab_step_ahead_c2_lag_8d2f278.json, bench_decode_qwen_128k_b{8,16}_abc_lag_7e4e3e3.json), and
+# the attention without the host operand (d47aa3b) was not measured on the GPU. Read when a
+# step is traced.
+INSTALL_LAGGED_AHEAD = False
 
 
 def pool_only_reads(plan: Plan) -> bool:
