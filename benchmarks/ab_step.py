@@ -52,7 +52,6 @@ Variants (``VARIANTS``):
   Pallas kernel up to 256 requests / slots per layer (``lru.PALLAS_AUTO_MAX``; the default
   is 128); ``lagged_ensure_pallas256``: with lagged selection. Meaningful at ``--batch 1``
   (130 slots per layer), where the default runs the dense form.
-
 * ``lagged_install_ahead`` / ``lagged_install_previous`` (host tier, c2): the step start
   installs the pages this step attends to (none read over PCIe; with the default pool
   attention then takes no host operand) or those the previous step attended to (the default)

@@ -562,8 +562,8 @@ def pool_only_reads(plan: Plan) -> bool:
     """With the lagged install of the step's own pages: can no page be dropped? A layer's
     requests (``B * H * k``) and pinned pages (``B * (sink + recent)``) are all the slots a
     step protects, so a pool of at least that many slots (the engine's default) always has a
-    free slot for every miss. Attention then takes no host operand (a leaner kernel); a drop
-    would still be counted (``overflow``)."""
+    free slot for every miss. Attention then takes no host operand (a leaner kernel). Were a
+    page dropped all the same, the ensure would count it (``overflow``)."""
     return plan.spec.num_slots >= plan.requests_per_layer + plan.batch * plan.num_pinned
 
 
