@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +30,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # noqa: E402
+from bench_fetch import _ensure_fn  # noqa: E402
 from jaxkv import lru  # noqa: E402
-from pallas_kernels import lru_ensure  # noqa: E402
+from micro_step import time_fn  # noqa: E402
 
 
 def stream(rng, T, L, B, H, k, Np, overlap, Q):
@@ -52,19 +51,10 @@ def stream(rng, T, L, B, H, k, Np, overlap, Q):
 
 
 def ensure_fn(name):
-    """(pt, so, lu, req, prot, step) -> lru.EnsureResult for variant ``name``."""
+    """(pt, so, lu, req, prot, step) -> lru.EnsureResult for variant ``name``: a method, or
+    ``pallas_w<n>`` (the kernel with ``n`` warps), as bench_fetch's ensure variants."""
     method, *rest = name.split("_")
-    if not rest:
-        return functools.partial(lru.ensure, method=method)
-    w = int(rest[0][1:])  # pallas_w<n>
-
-    def fn(pt, so, lu, req, prot, step):
-        pay = jnp.full(req.shape, -1, jnp.int32)
-        pt, so, lu, slots, src, dst, pay, c = lru_ensure.ensure_layers_pallas(
-            pt, so, lu, req, prot, pay, step, num_warps=w)
-        c = c.sum(axis=0)
-        return lru.EnsureResult(pt, so, lu, slots, src, dst, pay, c[0], c[1], c[2], c[3])
-    return fn
+    return _ensure_fn(method, int(rest[0][1:]) if rest else None)
 
 
 def time_variant(fn, reqs, prot, L, P, S, reps):
@@ -81,13 +71,8 @@ def time_variant(fn, reqs, prot, L, P, S, reps):
                 jnp.full((L, S), -1, jnp.int32), jnp.zeros(3, jnp.int32))
         return jax.lax.fori_loop(0, T, body, init)[3]
 
-    counts = jax.block_until_ready(run(reqs, prot))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(reqs, prot))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts)) / T * 1e6, (np.asarray(counts) / T).tolist()
+    counts = run(reqs, prot)
+    return time_fn(run, reqs, prot, reps=reps) / T * 1e6, (np.asarray(counts) / T).tolist()
 
 
 def main():

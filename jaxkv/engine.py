@@ -157,7 +157,13 @@ class Plan:
         P = self.batch * self.pages_per_seq
         if self.cache.pool_pages is not None:
             return self.cache.pool_pages
-        return min(P, self.batch * (self.model.num_kv_heads * self.k + self.num_pinned))
+        return min(P, self.step_pages)
+
+    @property
+    def step_pages(self) -> int:
+        """Most pages of one layer a decode step protects in the pool: every request's
+        selected pages of every KV head and its pinned (sink + recent) pages."""
+        return self.requests_per_layer + self.batch * self.num_pinned
 
     @property
     def spec(self) -> CacheSpec:
@@ -564,7 +570,7 @@ def pool_only_reads(plan: Plan) -> bool:
     step protects, so a pool of at least that many slots (the engine's default) always has a
     free slot for every miss. Attention then takes no host operand (a leaner kernel). Were a
     page dropped all the same, the ensure would count it (``overflow``)."""
-    return plan.spec.num_slots >= plan.requests_per_layer + plan.batch * plan.num_pinned
+    return plan.spec.num_slots >= plan.step_pages
 
 
 def lagged_requests(plan: Plan, ahead, active):

@@ -81,3 +81,17 @@ def test_bench_matmul_l2_quick(tmp_path):
     rows = json.loads((tmp_path / "bench_matmul_l2.json").read_text())["rows"]
     assert [r["matrix"] for r in rows] == ["wqkv", "wo", "w_gate", "w_down"]
     assert all(r["us_distinct"] > 0 and r["us_shared"] > 0 for r in rows)
+
+
+def test_bench_ensure_quick(tmp_path):
+    """bench_ensure: one row per method, every method sees the same hits and misses."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ensure.py"), "--quick",
+                    "--batch", "2", "--reps", "1", "--variants", "auto,dense,sort",
+                    "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = json.loads((tmp_path / "bench_ensure.json").read_text())
+    rows = out["rows"]
+    assert [r["variant"] for r in rows] == ["auto", "dense", "sort"]
+    assert all(r["us_per_step"] > 0 for r in rows)
+    assert len({(r["hits_per_step"], r["misses_per_step"]) for r in rows}) == 1
+    assert out["auto_method"] in ("dense", "sort", "pallas")
