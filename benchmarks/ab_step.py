@@ -54,7 +54,7 @@ Variants (``VARIANTS``):
   (130 slots per layer), where the default runs the dense form.
 * ``lagged_install_ahead`` / ``lagged_install_previous`` (host tier, c2): the step start
   installs the pages this step attends to (none read over PCIe; with the default pool
-  attention then takes no host operand) or those the previous step attended to (the default)
+  attention then takes no host operand; the default) or those the previous step attended to
   (``engine.INSTALL_LAGGED_AHEAD``).
 
 ``--batch`` sets the Qwen-like batch (default 8).
@@ -171,7 +171,7 @@ VARIANTS = {
     "ensure_pallas256": ({"pallas_auto_max": 256}, ()),
     "lagged_ensure_pallas256": ({"pallas_auto_max": 256}, ()),
     # host tier, lagged: the step start installs this step's own pages (none read over PCIe)
-    # instead of the previous step's (engine.INSTALL_LAGGED_AHEAD, off by default)
+    # instead of the previous step's (engine.INSTALL_LAGGED_AHEAD, on by default)
     "lagged_install_ahead": ({"install_lagged_ahead": True}, ()),
     "lagged_install_previous": ({"install_lagged_ahead": False}, ()),
 }

@@ -31,7 +31,8 @@ class CacheCounters:
 
     hits/misses: requested pages found resident / not resident (per-layer scheduling:
       distinct pages per layer and step; per-step scheduling: selected (KV head, page)
-      entries, so a page two heads miss counts twice but is fetched once).
+      entries, so a page two heads miss counts twice but is fetched once; with lagged
+      selection a step's entries are counted before the step start installs them).
     evictions: resident pages displaced by a miss.
     dropped: missed pages that found no slot and were left out of attention (per-layer
       scheduling, pool smaller than the step's working set).

@@ -462,25 +462,36 @@ def lookup_in_place(plan: Plan, kv, layer, pages, active, logical, offset, tok_k
     return kv, rows, host_rows, record
 
 
-def count_in_place(plan: Plan, kv, sel_all, n_active, layers=None):
-    """Per-step scheduling "step": hits, misses (= host reads) and tokens written of the
-    step's sparse layers, counted against the current page table. sel_all [L, R] the step's
-    selections (-1 pad; the dense layers' rows are all -1); n_active int32 scalar. ``layers``
-    (static (start, stop)): count only those layers (default: all, once at the step end)."""
-    spec = plan.spec
-    P, L = spec.num_logical_pages, spec.num_layers
-    start, stop = (0, L) if layers is None else layers
-    sel_all = sel_all[start:stop]
-    lcol = jnp.arange(start, stop, dtype=jnp.int32)[:, None]
-    slot = jnp.where(sel_all >= 0, kv.page_table[lcol, jnp.clip(sel_all, 0, P - 1)], INVALID)
+def _resident_entries(plan: Plan, page_table, sel_all, start: int = 0):
+    """sel_all [L', R] logical pages of layers ``start ..`` (-1 pad) -> (hits, misses) int32
+    scalars: the selected (KV head, page) entries with / without a slot in ``page_table``."""
+    P = plan.spec.num_logical_pages
+    lcol = jnp.arange(start, start + sel_all.shape[0], dtype=jnp.int32)[:, None]
+    slot = jnp.where(sel_all >= 0, page_table[lcol, jnp.clip(sel_all, 0, P - 1)], INVALID)
     if not plan.cache.reuse:
         slot = jnp.full_like(slot, INVALID)
     n_hit = jnp.sum(slot >= 0).astype(jnp.int32)
     n_miss = jnp.sum((sel_all >= 0) & (slot < 0)).astype(jnp.int32)
+    return n_hit, n_miss
+
+
+def count_in_place(plan: Plan, kv, sel_all, n_active, layers=None, before=None):
+    """Per-step scheduling "step": hits, misses (= host reads) and tokens written of the
+    step's sparse layers, counted against the current page table. sel_all [L, R] the step's
+    selections (-1 pad; the dense layers' rows are all -1); n_active int32 scalar. ``layers``
+    (static (start, stop)): count only those layers (default: all, once at the step end).
+    ``before``: (hits, misses) of the same entries before this step's install of its own
+    pages (``INSTALL_LAGGED_AHEAD``), counted instead; the misses after it are host reads."""
+    L = plan.spec.num_layers
+    start, stop = (0, L) if layers is None else layers
+    n_hit, n_read = _resident_entries(plan, kv.page_table, sel_all[start:stop], start)
+    n_miss = n_read
+    if before is not None:
+        n_hit, n_miss = before
     c = kv.counters
     written = (stop - max(start, plan.num_dense)) * n_active
     counters = dataclasses.replace(c, hits=c.hits + n_hit, misses=c.misses + n_miss,
-                                   host_reads=c.host_reads + n_miss,
+                                   host_reads=c.host_reads + n_read,
                                    tokens_written=c.tokens_written + written)
     return dataclasses.replace(kv, counters=counters)
 
@@ -555,13 +566,13 @@ INSTALL_AFTER_LAYERS = 0
 # launch at the step start) instead of read in place over PCIe by the attention kernel, one
 # step before the install would have moved it anyway. Where no page can be dropped
 # (``pool_only_reads``: the default pool or larger) attention then takes no host operand.
-# Off: on the H200 (Qwen-like B=8 at 128k, host tier c2) its steady step measured 0.994x
-# (the install of the previous step's pages 1.006x of it), but the first ~200 steps after a
-# fresh state ran up to 1.4x slower (not explained; benchmarks/results/
-# ab_step_ahead_c2_lag_8d2f278.json, bench_decode_qwen_128k_b{8,16}_abc_lag_7e4e3e3.json), and
-# the attention without the host operand (d47aa3b) was not measured on the GPU. Read when a
-# step is traced.
-INSTALL_LAGGED_AHEAD = False
+# Hits and misses count the step's entries against the pool before that install; host reads
+# (0 with such a pool) after it. On the H200 (Qwen-like at 128k, host tier with the 2x pool,
+# 16th session): B=16 host / resident 0.962 (0.890 with the previous step's pages installed;
+# benchmarks/results/bench_decode_qwen_128k_b16_bc_lag_poolonly_7558eb8.json). While attention
+# still took the host operand it measured 0.994x at B=8, with a slow start after a fresh state
+# (ab_step_ahead_c2_lag_8d2f278.json). Read when a step is traced.
+INSTALL_LAGGED_AHEAD = True
 
 
 def pool_only_reads(plan: Plan) -> bool:
@@ -620,8 +631,12 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     prefetch = at_start and not late and plan.lagged and plan.in_place and INSTALL_LAGGED_AHEAD
     # ... and then attention reads the pool only when no page can be dropped (pool_only_reads)
     pool_only = prefetch and pool_only_reads(plan)
+    before = None  # the step's own pages (prefetch): (hits, misses) before their install
     if at_start and not late:
-        look_in = (lagged_requests(plan, st.summaries[-1], active),) if prefetch else st.lookahead
+        look_in = st.lookahead
+        if prefetch:
+            look_in = (lagged_requests(plan, st.summaries[-1], active),)
+            before = _resident_entries(plan, kv0.page_table, look_in[0])
         kv0 = install_previous(plan, kv0, look_in, protect)
     # lagged Quest for all layers at once after the loop: each layer stores its query and new
     # K/V row in ``sel_in`` ([L, B, Hq, D], [L, B, 2, H, D]) instead of selecting
@@ -730,7 +745,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         summ = summ + (jnp.where(lpos[:, :, None, None] >= 0, ahead, st.summaries[-1]),)
     if plan.in_place:
         kv = count_in_place(plan, kv, look[0], jnp.sum(active).astype(jnp.int32),
-                            layers=(split, L))
+                            layers=(split, L), before=before)
     logits = llama.final_logits(params, cfg, x)
     key, sub = jax.random.split(st.key)
     if enabled is not None:

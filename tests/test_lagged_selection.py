@@ -76,24 +76,28 @@ def test_pool_only_reads_needs_room_for_every_request():
 
 @pytest.mark.parametrize("pool", [None, 6], ids=["default-pool", "small-pool"])
 def test_install_of_the_steps_own_pages(monkeypatch, pool):
-    """engine.INSTALL_LAGGED_AHEAD (off by default): the step start installs the pages the step
+    """engine.INSTALL_LAGGED_AHEAD (on by default): the step start installs the pages the step
     attends to instead of those the previous step attended to. The tokens of the resident
     cache either way; with the default pool no page is read over PCIe (attention takes no host
     operand, engine.pool_only_reads), with a smaller one the overflow is read in place."""
     cache = CacheConfig(mode="host", selection_lag=1, pool_pages=pool, **BASE)
     resident = _gen(CacheConfig(mode="resident", selection_lag=1, **BASE))
-    previous = _gen(cache)
     monkeypatch.setattr(engine, "INSTALL_LAGGED_AHEAD", True)
     engine._round_fn.cache_clear()  # read when a step is traced
     ahead = _gen(cache)
+    monkeypatch.setattr(engine, "INSTALL_LAGGED_AHEAD", False)
+    engine._round_fn.cache_clear()
+    previous = _gen(cache)
     engine._round_fn.cache_clear()
     assert ahead.tokens == previous.tokens == resident.tokens
-    assert ahead.stats["misses"] < previous.stats["misses"]
+    # misses: entries not resident when the step starts (before its install), either way
+    assert ahead.stats["misses"] > 0 and previous.stats["host_reads"] > 0
+    assert ahead.stats["host_reads"] < previous.stats["host_reads"]
     if pool is None:
-        assert ahead.stats["misses"] == ahead.stats["host_reads"] == 0
-        assert ahead.stats["overflow"] == 0 and ahead.stats["pages_fetched"] > 0
+        assert ahead.stats["host_reads"] == ahead.stats["overflow"] == 0
+        assert ahead.stats["pages_fetched"] > 0
     else:
-        assert ahead.stats["misses"] > 0 and ahead.stats["overflow"] > 0
+        assert ahead.stats["host_reads"] > 0 and ahead.stats["overflow"] > 0
 
 
 def test_per_layer_and_batched_lagged_quest_agree(monkeypatch):
