@@ -36,15 +36,9 @@ Variants (``VARIANTS``):
   (``engine.BATCH_LAGGED_SELECTION``); ``lagged_all_layers``: Quest selects for all layers at
   once after the layer loop; ``lagged_per_layer``: per layer inside the loop, where it may
   run beside the layer's other work.
-* ``install_end`` (host tier, c2): the per-step LRU install of a step's selections at the end of
-  that step instead of the start of the next (``engine.INSTALL_AT_STEP_END``);
-  ``lagged_install_end`` / ``lagged_per_layer_install_end``: with lagged selection.
 * ``steps2`` / ``steps4``: 2 / 4 decode steps per iteration of the round's while loop
   (``engine.STEPS_PER_ITERATION``: one host round trip for the loop predicate per iteration);
   ``lagged_steps2`` / ``lagged_steps4`` / ``lagged_all_layers_steps2``: with lagged selection.
-* ``install_after1`` / ``2`` / ``4`` (host tier, c2): the per-step install after the first 1 / 2 /
-  4 sparse layers instead of at the step start (``engine.INSTALL_AFTER_LAYERS``);
-  ``lagged_install_after1`` / ``2`` / ``4``: with lagged selection.
 * ``unmasked_pages`` (host tier, c2): the layer's pages passed to the lookup kernel without the
   XLA masking fusion (``engine.MASK_PAGES_BEFORE_LOOKUP``); ``lagged_unmasked_pages`` /
   ``lagged_all_layers_unmasked_pages``: with lagged selection.
@@ -100,9 +94,7 @@ SWITCHES = {
     "round_options": (engine, "ROUND_COMPILER_OPTIONS"),
     # lagged Quest selection once for all layers after the loop, or per layer inside it
     "batch_lagged": (engine, "BATCH_LAGGED_SELECTION"),
-    "install_at_end": (engine, "INSTALL_AT_STEP_END"),
     "steps": (engine, "STEPS_PER_ITERATION"),
-    "install_after": (engine, "INSTALL_AFTER_LAYERS"),
     "mask_pages": (engine, "MASK_PAGES_BEFORE_LOOKUP"),
     "pallas_auto_max": (lru, "PALLAS_AUTO_MAX"),
     "install_lagged_ahead": (engine, "INSTALL_LAGGED_AHEAD"),
@@ -144,23 +136,12 @@ VARIANTS = {
     "lagged": ({}, ()),
     "lagged_all_layers": ({"batch_lagged": True}, ()),
     "lagged_per_layer": ({"batch_lagged": False}, ()),
-    # per-step host schedules: the LRU install of a step's selections at its end
-    "install_end": ({"install_at_end": True}, ()),
-    "lagged_install_end": ({"install_at_end": True}, ()),
-    "lagged_per_layer_install_end": ({"batch_lagged": False, "install_at_end": True}, ()),
     # decode steps per iteration of the round's while loop (one host round trip each)
     "steps2": ({"steps": 2}, ()),
     "steps4": ({"steps": 4}, ()),
     "lagged_steps2": ({"steps": 2}, ()),
     "lagged_steps4": ({"steps": 4}, ()),
     "lagged_all_layers_steps2": ({"batch_lagged": True, "steps": 2}, ()),
-    # host tier, schedule "step": the install after the first N sparse layers
-    "install_after1": ({"install_after": 1}, ()),
-    "install_after2": ({"install_after": 2}, ()),
-    "install_after4": ({"install_after": 4}, ()),
-    "lagged_install_after1": ({"install_after": 1}, ()),
-    "lagged_install_after2": ({"install_after": 2}, ()),
-    "lagged_install_after4": ({"install_after": 4}, ()),
     # host tier, schedule "step": the layer's pages straight into the lookup kernel (no XLA
     # masking fusion before it)
     "unmasked_pages": ({"mask_pages": False}, ()),

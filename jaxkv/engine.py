@@ -463,8 +463,9 @@ def lookup_in_place(plan: Plan, kv, layer, pages, active, logical, offset, tok_k
 
 
 def _resident_entries(plan: Plan, page_table, sel_all, start: int = 0):
-    """sel_all [L', R] logical pages of layers ``start ..`` (-1 pad) -> (hits, misses) int32
-    scalars: the selected (KV head, page) entries with / without a slot in ``page_table``."""
+    """sel_all [L - start, R] logical pages of layers ``start ..`` (-1 pad) -> (hits, misses)
+    int32 scalars: the selected (KV head, page) entries with / without a slot in
+    ``page_table``."""
     P = plan.spec.num_logical_pages
     lcol = jnp.arange(start, start + sel_all.shape[0], dtype=jnp.int32)[:, None]
     slot = jnp.where(sel_all >= 0, page_table[lcol, jnp.clip(sel_all, 0, P - 1)], INVALID)
@@ -475,21 +476,20 @@ def _resident_entries(plan: Plan, page_table, sel_all, start: int = 0):
     return n_hit, n_miss
 
 
-def count_in_place(plan: Plan, kv, sel_all, n_active, layers=None, before=None):
-    """Per-step scheduling "step": hits, misses (= host reads) and tokens written of the
-    step's sparse layers, counted against the current page table. sel_all [L, R] the step's
-    selections (-1 pad; the dense layers' rows are all -1); n_active int32 scalar. ``layers``
-    (static (start, stop)): count only those layers (default: all, once at the step end).
-    ``before``: (hits, misses) of the same entries before this step's install of its own
-    pages (``INSTALL_LAGGED_AHEAD``), counted instead; the misses after it are host reads."""
-    L = plan.spec.num_layers
-    start, stop = (0, L) if layers is None else layers
-    n_hit, n_read = _resident_entries(plan, kv.page_table, sel_all[start:stop], start)
+def count_in_place(plan: Plan, kv, sel_all, n_active, before=None):
+    """Per-step scheduling "step", once at the step end: hits, misses (= host reads) and
+    tokens written of the step's sparse layers, counted against the current page table.
+    sel_all [L, R] the step's selections (-1 pad; the dense layers' rows are all -1); n_active
+    int32 scalar. ``before``: (hits, misses) of the same entries before this step's install of
+    its own pages (``INSTALL_LAGGED_AHEAD``), counted instead; the misses after it are host
+    reads."""
+    nd = plan.num_dense  # the dense layers select nothing
+    n_hit, n_read = _resident_entries(plan, kv.page_table, sel_all[nd:], nd)
     n_miss = n_read
     if before is not None:
         n_hit, n_miss = before
     c = kv.counters
-    written = (stop - max(start, plan.num_dense)) * n_active
+    written = (plan.spec.num_layers - nd) * n_active
     counters = dataclasses.replace(c, hits=c.hits + n_hit, misses=c.misses + n_miss,
                                    host_reads=c.host_reads + n_read,
                                    tokens_written=c.tokens_written + written)
@@ -542,10 +542,6 @@ SELECTOR_READS_STACKED_KV = True
 # / per layer in the host tier 0.989 (0.983-1.057; ab_step_mask_c2_lag_94fd037.json): all
 # layers in both modes. Read when a step is traced.
 BATCH_LAGGED_SELECTION = True
-# Per-step schedules: install a step's selections into the pool (LRU ensure + one fetch
-# launch) at the end of that step, where it may run beside the LM head and sampling, instead
-# of at the start of the next step (same pages, same order of LRU updates). Read when traced.
-INSTALL_AT_STEP_END = False
 # Schedule "step" with lagged selection: mask the pages of inactive requests in XLA before the
 # layer's lookup kernel (which masks them as well). The pages are a slice of ``ahead``; as the
 # operand of the two custom calls (lookup, attention) XLA copies that slice, one copy kernel
@@ -554,12 +550,6 @@ INSTALL_AT_STEP_END = False
 # (benchmarks/results/ab_step_mask_c2_lag_94fd037.json). Exact selection passes the top-k's
 # own output (no slice, no copy). Read when a step is traced.
 MASK_PAGES_BEFORE_LOOKUP = True
-# Schedule "step": the install of the previous step's selections (LRU ensure + one fetch
-# launch) after this many sparse layers instead of at the step start. Those first layers look
-# their pages up in the pool as the previous step left it (pages it missed are read from the
-# host again), and the install, which the next layer's lookup waits for, can run beside
-# their attention output and MLP. 0 = at the step start. Read when a step is traced.
-INSTALL_AFTER_LAYERS = 0
 # Lagged selection, schedule "step": the install at the step start takes the pages this step
 # attends to (chosen last step, ``ahead``) instead of the pages the previous step attended to.
 # Every page a layer reads is then in the pool before its attention (fetched by the one fetch
@@ -595,14 +585,6 @@ def lagged_requests(plan: Plan, ahead, active):
     return jnp.where(ok, b * plan.pages_per_seq + ahead, INVALID).reshape(L, -1)
 
 
-def install_after_layers(plan: Plan) -> int:
-    """Sparse layers run before the per-step install (``INSTALL_AFTER_LAYERS``; schedule
-    "step" only: "scratch" installs from scratch rows that the layers overwrite)."""
-    if not plan.in_place:
-        return 0
-    return max(0, min(int(INSTALL_AFTER_LAYERS), plan.model.num_layers - plan.num_dense))
-
-
 def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_ids, max_new,
                 enabled=None):
     """One token for every active request. Returns (state, tokens [B] (-1 if inactive)).
@@ -624,15 +606,12 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     protect = _protected_pages(plan, pos, active)[None, :]
     kv0 = st.kv
     install = plan.per_step and plan.cache.reuse
-    at_start = install and not INSTALL_AT_STEP_END
-    # the "step" schedule may install after the first sparse layers (see INSTALL_AFTER_LAYERS)
-    late = install_after_layers(plan) if at_start else 0
     # lagged, schedule "step": the install takes this step's own pages (INSTALL_LAGGED_AHEAD)
-    prefetch = at_start and not late and plan.lagged and plan.in_place and INSTALL_LAGGED_AHEAD
+    prefetch = install and plan.lagged and plan.in_place and INSTALL_LAGGED_AHEAD
     # ... and then attention reads the pool only when no page can be dropped (pool_only_reads)
     pool_only = prefetch and pool_only_reads(plan)
     before = None  # the step's own pages (prefetch): (hits, misses) before their install
-    if at_start and not late:
+    if install:
         look_in = st.lookahead
         if prefetch:
             look_in = (lagged_requests(plan, st.summaries[-1], active),)
@@ -726,15 +705,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     nd = plan.num_dense
     x, carry = llama.run_layers(params, cfg, x, tpos, attend_dense, carry, start=0, stop=nd,
                                 unroll=plan.layer_unroll, axis_name=plan.axis_name)
-    split = nd + late
-    if late:  # the first layers looked up with the pool as the previous step left it
-        x, carry = llama.run_layers(params, cfg, x, tpos, attend, carry, start=nd, stop=split,
-                                    unroll=plan.layer_unroll, axis_name=plan.axis_name)
-        kv = count_in_place(plan, carry[0], carry[2][0], jnp.sum(active).astype(jnp.int32),
-                            layers=(0, split))
-        kv = install_previous(plan, kv, st.lookahead, protect)
-        carry = (kv,) + carry[1:]
-    x, carry = llama.run_layers(params, cfg, x, tpos, attend, carry, start=split,
+    x, carry = llama.run_layers(params, cfg, x, tpos, attend, carry, start=nd,
                                 unroll=plan.layer_unroll, axis_name=plan.axis_name)
     kv, summ, look, dense, sel_in = carry
     if batched:
@@ -744,8 +715,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
             num_sink_pages=plan.cache.sink_pages, implementation=impl)
         summ = summ + (jnp.where(lpos[:, :, None, None] >= 0, ahead, st.summaries[-1]),)
     if plan.in_place:
-        kv = count_in_place(plan, kv, look[0], jnp.sum(active).astype(jnp.int32),
-                            layers=(split, L), before=before)
+        kv = count_in_place(plan, kv, look[0], jnp.sum(active).astype(jnp.int32), before)
     logits = llama.final_logits(params, cfg, x)
     key, sub = jax.random.split(st.key)
     if enabled is not None:
@@ -758,8 +728,6 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     done = st.done | (active & (stop | (n_gen >= max_new) | (lengths >= plan.max_context)))
     if plan.cache.mode == "host":
         kv = kvcache.tick(kv)
-    if install and INSTALL_AT_STEP_END:  # the next step's install, beside the LM head
-        kv = install_previous(plan, kv, look, _protected_pages(plan, lengths, ~done)[None, :])
     st = DecodeState(kv=kv, summaries=summ, lengths=lengths,
                      last_token=jnp.where(active, tok, st.last_token), done=done,
                      n_generated=n_gen, key=key, lookahead=look, dense=dense)

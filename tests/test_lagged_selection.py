@@ -193,19 +193,6 @@ def test_forced_ahead_and_synthetic_state_decode():
     assert len(st.summaries) == 3
 
 
-@pytest.mark.parametrize("lag", [0, 1])
-def test_install_at_step_end_gives_the_same_tokens(monkeypatch, lag):
-    """engine.INSTALL_AT_STEP_END: the per-step install runs at the end of the step whose
-    selections it installs; a churning pool gives the resident tokens either way."""
-    resident = _gen(CacheConfig(mode="resident", selection_lag=lag, **BASE))
-    monkeypatch.setattr(engine, "INSTALL_AT_STEP_END", not engine.INSTALL_AT_STEP_END)
-    for schedule in ("step", "scratch"):
-        host = _gen(CacheConfig(mode="host", schedule=schedule, pool_pages=7, round_steps=6,
-                                selection_lag=lag, **BASE))
-        assert host.tokens == resident.tokens
-        assert host.stats["evictions"] > 0 and host.stats["hits"] > 0
-
-
 @pytest.mark.gpu
 def test_gpu_lagged_host_equals_resident_and_full_selection_equals_exact():
     """The Pallas kernels: lagged host tier (per-layer selection, churning pool) == lagged
