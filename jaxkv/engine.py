@@ -476,13 +476,14 @@ def _resident_entries(plan: Plan, page_table, sel_all, start: int = 0):
     return n_hit, n_miss
 
 
-def count_in_place(plan: Plan, kv, sel_all, n_active, before=None):
+def count_in_place(plan: Plan, kv, sel_all, n_active, before=None, pool_only=False):
     """Per-step scheduling "step", once at the step end: hits, misses (= host reads) and
     tokens written of the step's sparse layers, counted against the current page table.
     sel_all [L, R] the step's selections (-1 pad; the dense layers' rows are all -1); n_active
     int32 scalar. ``before``: (hits, misses) of the same entries before this step's install of
     its own pages (``INSTALL_LAGGED_AHEAD``), counted instead; the misses after it are host
-    reads."""
+    reads, or with ``pool_only`` (attention had no host operand) ``dropped``: left out of
+    attention (never, by ``pool_only_reads``; counted so a broken bound shows)."""
     nd = plan.num_dense  # the dense layers select nothing
     n_hit, n_read = _resident_entries(plan, kv.page_table, sel_all[nd:], nd)
     n_miss = n_read
@@ -490,9 +491,9 @@ def count_in_place(plan: Plan, kv, sel_all, n_active, before=None):
         n_hit, n_miss = before
     c = kv.counters
     written = (plan.spec.num_layers - nd) * n_active
+    lost = {"dropped": c.dropped + n_read} if pool_only else {"host_reads": c.host_reads + n_read}
     counters = dataclasses.replace(c, hits=c.hits + n_hit, misses=c.misses + n_miss,
-                                   host_reads=c.host_reads + n_read,
-                                   tokens_written=c.tokens_written + written)
+                                   tokens_written=c.tokens_written + written, **lost)
     return dataclasses.replace(kv, counters=counters)
 
 
@@ -715,7 +716,8 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
             num_sink_pages=plan.cache.sink_pages, implementation=impl)
         summ = summ + (jnp.where(lpos[:, :, None, None] >= 0, ahead, st.summaries[-1]),)
     if plan.in_place:
-        kv = count_in_place(plan, kv, look[0], jnp.sum(active).astype(jnp.int32), before)
+        kv = count_in_place(plan, kv, look[0], jnp.sum(active).astype(jnp.int32), before,
+                            pool_only)
     logits = llama.final_logits(params, cfg, x)
     key, sub = jax.random.split(st.key)
     if enabled is not None:

@@ -74,6 +74,17 @@ def test_pool_only_reads_needs_room_for_every_request():
         cache=dataclasses.replace(cache, pool_pages=need - 1), **kw))
 
 
+def test_pool_only_attention_counts_what_it_leaves_out(monkeypatch):
+    """Were the pool-only bound wrong (forced here with a 6-slot pool), the pages attention
+    could not read would be counted as dropped, and generate() warns about them."""
+    monkeypatch.setattr(engine, "pool_only_reads", lambda plan: True)
+    engine._round_fn.cache_clear()  # read when a step is traced
+    with pytest.warns(RuntimeWarning, match="dropped"):
+        out = _gen(CacheConfig(mode="host", selection_lag=1, pool_pages=6, **BASE))
+    engine._round_fn.cache_clear()
+    assert out.stats["dropped"] > 0 and out.stats["host_reads"] == 0
+
+
 @pytest.mark.parametrize("pool", [None, 6], ids=["default-pool", "small-pool"])
 def test_install_of_the_steps_own_pages(monkeypatch, pool):
     """engine.INSTALL_LAGGED_AHEAD (on by default): the step start installs the pages the step
