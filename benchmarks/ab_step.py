@@ -45,7 +45,9 @@ Variants (``VARIANTS``):
 * ``ensure_pallas256`` (host tier, c2): the LRU ensure's "auto" method takes the one-launch
   Pallas kernel up to 256 requests / slots per layer (``lru.PALLAS_AUTO_MAX``; the default
   is 128); ``lagged_ensure_pallas256``: with lagged selection. Meaningful at ``--batch 1``
-  (130 slots per layer), where the default runs the dense form.
+  (130 slots per layer), where the default runs the dense form. ``ensure_dense4m`` /
+  ``lagged_ensure_dense4m``: "auto" takes the dense form up to 4M compare elements per layer
+  (``lru.DENSE_MAX_ELEMS``), so Qwen-like B=8 with the 2x pool runs it instead of the sort.
 * ``lagged_install_ahead`` / ``lagged_install_previous`` (host tier, c2): the step start
   installs the pages this step attends to (none read over PCIe; with the default pool
   attention then takes no host operand; the default) or those the previous step attended to
@@ -97,6 +99,7 @@ SWITCHES = {
     "steps": (engine, "STEPS_PER_ITERATION"),
     "mask_pages": (engine, "MASK_PAGES_BEFORE_LOOKUP"),
     "pallas_auto_max": (lru, "PALLAS_AUTO_MAX"),
+    "dense_max": (lru, "DENSE_MAX_ELEMS"),
     "install_lagged_ahead": (engine, "INSTALL_LAGGED_AHEAD"),
 }
 # name -> (switch values, XLA compiler options)
@@ -151,6 +154,10 @@ VARIANTS = {
     # requests / slots per layer, as before lru.PALLAS_AUTO_MAX
     "ensure_pallas256": ({"pallas_auto_max": 256}, ()),
     "lagged_ensure_pallas256": ({"pallas_auto_max": 256}, ()),
+    # host tier: the LRU ensure's "auto" takes the dense form up to 4M compare elements per
+    # layer (lru.DENSE_MAX_ELEMS; the default 1M sends Qwen-like B=8 with the 2x pool to "sort")
+    "ensure_dense4m": ({"dense_max": 2 ** 22}, ()),
+    "lagged_ensure_dense4m": ({"dense_max": 2 ** 22}, ()),
     # host tier, lagged: the step start installs this step's own pages (none read over PCIe)
     # instead of the previous step's (engine.INSTALL_LAGGED_AHEAD, on by default)
     "lagged_install_ahead": ({"install_lagged_ahead": True}, ()),
