@@ -35,7 +35,8 @@ class CacheCounters:
       selection a step's entries are counted before the step start installs them).
     evictions: resident pages displaced by a miss.
     dropped: missed pages that found no slot and were left out of attention (per-layer
-      scheduling, pool smaller than the step's working set).
+      scheduling, pool smaller than the step's working set; pool-only attention of the
+      lagged "step" schedule, which its pool bound makes impossible).
     overflow: per-step scheduling: pages of the previous step that found no pool slot to
       stay in (they were served from scratch rows; attention lost nothing).
     pages_fetched: host->device rows moved into the pool; host_reads: (KV head, page)

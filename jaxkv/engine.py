@@ -390,8 +390,9 @@ def _protected_pages(plan: Plan, pos, active):
 
 def install_previous(plan: Plan, kv, lookahead, protect):
     """Per-step scheduling, step start: one LRU ensure over all layers for the previous
-    step's selections, then one launch that copies the pages it assigned slots to into the
-    pool: from the host tier ("step") or from the scratch rows they were fetched into
+    step's selections (with lagged selection in "step": this step's own pages, see
+    ``INSTALL_LAGGED_AHEAD``), then one launch that copies the pages it assigned slots to into
+    the pool: from the host tier ("step") or from the scratch rows they were fetched into
     ("scratch")."""
     spec = plan.spec
     L, S, P = spec.num_layers, spec.num_slots, spec.num_logical_pages
