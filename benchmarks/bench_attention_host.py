@@ -4,9 +4,8 @@ against the same selection served wholly from the device pool.
 The engine's in-place schedule reads a step's missed pages straight from pinned host memory
 inside the attention kernel. This measures what that costs per layer at the decode shapes
 (8B-like B=1: 8 KV heads, 32 query heads; Qwen-like B=8 and B=16 (``--shapes``): 2 KV heads,
-12 query heads; 32
-selected 64-token pages per head, bf16) for 0-4 missed entries per layer, and a few kernel
-tunings. Each figure is one jitted, chained ``fori_loop`` (``_meta.time_chained``).
+12 query heads; 32 selected 64-token pages per head, bf16) for 0-4 missed entries per layer,
+and a few kernel tunings. Each figure is one jitted, chained ``fori_loop`` (``_meta.time_chained``).
 
     PYTHONPATH=. python3 benchmarks/bench_attention_host.py --out DIR [--quick]
 """

@@ -572,7 +572,8 @@ def pool_only_reads(plan: Plan) -> bool:
     requests (``B * H * k``) and pinned pages (``B * (sink + recent)``) are all the slots a
     step protects, so a pool of at least that many slots (the engine's default) always has a
     free slot for every miss. Attention then takes no host operand (a leaner kernel). Were a
-    page dropped all the same, the ensure would count it (``overflow``)."""
+    page left out all the same, the ensure would count it (``overflow``) and the step's count
+    (``count_in_place``) in ``dropped``."""
     return plan.spec.num_slots >= plan.step_pages
 
 
