@@ -954,7 +954,14 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
                     _split(rec, selector=timings["selector"], ensure=ensure, fetch=fetch,
                            attention=att)
                     rec["fetch_timed_pages_per_layer"] = m
-                    if getattr(p, "in_place", False):
+                    if getattr(p, "in_place", False) and getattr(p, "lagged", False):
+                        rec["split_note"] = ("schedule 'step', lagged selection: fetch = installing "
+                                             "this step's pages (chosen by the previous step) "
+                                             "into slots at the step's start (timed as one "
+                                             "launch per layer; the engine makes one per step); "
+                                             "attention reads the pool only when "
+                                             "engine.pool_only_reads holds (host_reads 0)")
+                    elif getattr(p, "in_place", False):
                         rec["split_note"] = ("schedule 'step': fetch = installing the previous "
                                              "step's new pages into slots (timed as one launch per "
                                              "layer; the engine makes one per step); this step's "

@@ -4,8 +4,9 @@
 # stages: env tests fetch attention attnhost select decode quality tp (default: env tests fetch attention)
 # tests-files: the GPU tests of $TEST_FILES only
 # tp: tensor parallelism on every visible GPU (issue 8; run on the nvidia-h200-x2 kind)
-# grid-a .. grid-f: the decode grid points not yet measured on the current code (issue 6), one
-#   device call each (a, b, c1/c2/c4, d; 64-token pages; the JSON is saved after every point);
+# grid-a .. grid-i: the decode grid of issue 6, a few points per stage (a, b, c1/c2/c4, d;
+#   64-token pages; the JSON, tagged with the stage and $JAXKV_COMMIT, is saved after every
+#   point); benchmarks/summarize_grid.py merges them into one table and plot;
 #   grid-e (8B-like B=8 128k) and grid-f (8B-like B=1 1M) have 128 GiB tiers: two-GPU kind (RAM)
 # capacity: a host tier larger than the free device memory (probe_host_capacity.py; 28 vs 16 GiB)
 # abc-8b, abc-qwen: the issue-6 headline ratios (128k; a, b, c2 in one run; 8B-like B=1, Qwen-like B=8;
@@ -55,7 +56,7 @@ for s in $STAGES; do
     attnhost) run attnhost 150 $PY benchmarks/bench_attention_host.py --out "$OUT" ;;
     select) run select 200 $PY benchmarks/bench_select.py --out "$OUT" ;;
     decode) run decode 560 $PY benchmarks/bench_decode.py --out "$OUT" ;;
-    grid-a|grid-b|grid-c|grid-d|grid-e|grid-f)
+    grid-a|grid-b|grid-c|grid-d|grid-e|grid-f|grid-g|grid-h|grid-i)
         case $s in
           grid-a) args="--shape 8b --contexts 32k --batches 1,8" ;;
           grid-b) args="--shape 8b --contexts 512k --batches 1" ;;
@@ -63,6 +64,9 @@ for s in $STAGES; do
           grid-d) args="--shape qwen1.5b --contexts 32k --batches 8" ;;
           grid-e) args="--shape 8b --contexts 128k --batches 8 --host-mem-gb 135" ;;
           grid-f) args="--shape 8b --contexts 1M --batches 1 --host-mem-gb 135" ;;
+          grid-g) args="--shape 8b --contexts 128k --batches 1" ;;
+          grid-h) args="--shape qwen1.5b --contexts 128k --batches 8" ;;
+          grid-i) args="--shape qwen1.5b --contexts 1M --batches 1" ;;
         esac
         # grid-e's host tier is 128.2 GiB: XLA's pinned-host allocator needs a limit above it
         # but not far above (it grows its regions by doubling: in the two-GPU B=8 run a 190 GB
@@ -70,7 +74,7 @@ for s in $STAGES; do
         lim=${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-100}; case $s in grid-e|grid-f) lim=140 ;; esac
         XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$lim run "$s" 570 $PY benchmarks/bench_decode.py $args \
           --configs ${GRID_CONFIGS:-a,b,c,d} --pools ${GRID_POOLS:-1,2,4} \
-          --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 530 --tag "$s" --out "$OUT" ;;
+          --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 530 --tag "${s}_$JAXKV_COMMIT" --out "$OUT" ;;
     abc-8b|abc-qwen|abc-8b-lag|abc-qwen-lag|abc-qwen-b16|abc-qwen-b16-lag)
         case $s in
           abc-8b) args="--shape 8b --batches 1 --tag 8b_128k_b1_abc_$JAXKV_COMMIT" ;;

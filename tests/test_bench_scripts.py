@@ -95,3 +95,42 @@ def test_bench_ensure_quick(tmp_path):
     assert all(r["us_per_step"] > 0 for r in rows)
     assert len({(r["hits_per_step"], r["misses_per_step"]) for r in rows}) == 1
     assert out["auto_method"] in ("dense", "sort", "pallas")
+
+
+def _decode_json(path, commit, cases, lag=0):
+    """A minimal bench_decode JSON: cases = [(shape, batch, context, {config: tok/s})]."""
+    res = {"commit": commit, "date": "2026-11-30", "device": "cpu", "jax_version": "0",
+           "settings": {"selection_lag": lag}, "bulk_h2d_gbps": {"mean": 50.0}, "cases": []}
+    for shape, batch, context, toks in cases:
+        res["cases"].append({
+            "shape": shape, "batch": batch, "context": context,
+            "bucket_check": {"compilations": 0},
+            "results": [{"config": c, "tokens_per_s": t, "step_ms": 1e3 * batch / t,
+                         "hit_rate": 0.99, "pool_fraction_of_logical": 0.05}
+                        for c, t in toks.items()]})
+    path.write_text(json.dumps(res))
+    return str(path)
+
+
+def test_summarize_grid_merges_runs(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import summarize_grid
+    old = _decode_json(tmp_path / "old.json", "aaa", [
+        ("qwen1.5b", 1, 32768, {"a": 100.0, "b": 200.0, "c2": 150.0}),
+        ("qwen1.5b", 1, 1 << 20, {"b": 180.0, "d": 90.0})])
+    new = _decode_json(tmp_path / "new.json", "bbb", [
+        ("qwen1.5b", 1, 32768, {"a": 100.0, "b": 250.0, "c2": 240.0})])
+    lag = _decode_json(tmp_path / "lag.json", "bbb", [
+        ("qwen1.5b", 1, 32768, {"b": 260.0})], lag=1)
+    rows = summarize_grid.main([old, new, lag, "--out", str(tmp_path / "grid")])
+    got = {(r["context"], r["config"], r["selection_lag"]): r for r in rows}
+    assert sorted(got) == [(32768, "a", 0), (32768, "b", 0), (32768, "b", 1),
+                           (32768, "c2", 0), (1 << 20, "b", 0), (1 << 20, "d", 0)]
+    assert got[(32768, "c2", 0)]["commit"] == "bbb"  # the file named last wins
+    assert got[(32768, "c2", 0)]["vs_b"] == 240.0 / 250.0
+    assert got[(32768, "c2", 0)]["vs_a"] == 2.4
+    assert got[(1 << 20, "d", 0)]["vs_a"] is None  # no dense run at that point
+    table = (tmp_path / "grid.md").read_text()
+    assert "| qwen1.5b | 1 | 1M | d |" in table and "| b (lag 1) |" in table
+    assert json.loads((tmp_path / "grid.json").read_text())["meta"]["commits"] == ["aaa", "bbb"]
+    assert (tmp_path / "grid.png").stat().st_size > 0
