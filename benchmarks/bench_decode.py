@@ -78,7 +78,7 @@ from jaxkv import cache as kvcache  # noqa: E402
 from jaxkv.config import CacheConfig, Sampling  # noqa: E402
 from jaxkv.spec import INVALID  # noqa: E402
 from models import configs, llama  # noqa: E402
-from pallas_kernels import page_fetch  # noqa: E402
+from pallas_kernels import _common, page_fetch  # noqa: E402
 from pallas_kernels.sparse_attention import sparse_paged_attention  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -1077,6 +1077,7 @@ def run_prefill(shape, T, mode, params, st: Settings) -> dict:
     dt = time.perf_counter() - t0
     rec = dict(shape=shape, model=cfg.name, mode=mode, prompt_tokens=T, seconds=dt,
                tokens_per_s=T / dt, prefill_chunk=chunk, warmup_layer_s=warm,
+               attention=_common.resolve("prefill_attention", st.implementation).__name__,
                compile_s=comp["time_s"], num_compilations=comp["count"],
                kv_bytes=plan.spec.host_bytes * (1 if tp is None else tp.size), **memory_stats(),
                **({} if tp is None else {"devices": tp.size}))

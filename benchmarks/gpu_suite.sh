@@ -3,6 +3,9 @@
 #   bash benchmarks/gpu_suite.sh OUTDIR [stage ...]
 # stages: env tests fetch attention attnhost select decode quality tp (default: env tests fetch attention)
 # tests-files: the GPU tests of $TEST_FILES only
+# prefill-attn: causal prefill attention per layer, XLA / Pallas tunings / cuDNN (bench_prefill_attention.py)
+# prefill: 8B-like prefill of 32k and 128k prompts, resident and host (bench_decode --no-decode;
+#   JAXKV_IMPL_PREFILL_ATTENTION=pallas|cudnn|xla picks the attention, tagged in the JSON name)
 # tp: tensor parallelism on every visible GPU (issue 8; run on the nvidia-h200-x2 kind)
 # grid-a .. grid-i: the decode grid of issue 6, a few points per stage (a, b, c1/c2/c4, d;
 #   64-token pages; the JSON, tagged with the stage and $JAXKV_COMMIT, is saved after every
@@ -54,6 +57,9 @@ for s in $STAGES; do
     fetch) run fetch 300 $PY benchmarks/bench_fetch.py --out "$OUT" ;;
     attention) run attention 300 $PY benchmarks/bench_attention.py --out "$OUT" ;;
     attnhost) run attnhost 150 $PY benchmarks/bench_attention_host.py --out "$OUT" ;;
+    prefill-attn) run prefill-attn 300 $PY benchmarks/bench_prefill_attention.py --out "$OUT" ;;
+    prefill) run prefill 420 $PY benchmarks/bench_decode.py --no-decode --prefill 32k,128k --no-plot \
+        --budget 400 --tag "prefill_${JAXKV_IMPL_PREFILL_ATTENTION:-default}_$JAXKV_COMMIT" --out "$OUT" ;;
     select) run select 200 $PY benchmarks/bench_select.py --out "$OUT" ;;
     decode) run decode 560 $PY benchmarks/bench_decode.py --out "$OUT" ;;
     grid-a|grid-b|grid-c|grid-d|grid-e|grid-f|grid-g|grid-h|grid-i)

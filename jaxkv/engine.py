@@ -28,6 +28,7 @@ from jaxkv.spec import INVALID, CacheSpec
 from models import llama
 from models.configs import ModelConfig
 from pallas_kernels import dense_select, layer_lookup, page_fetch, page_write
+from pallas_kernels.prefill_attention import prefill_attention
 from pallas_kernels.sparse_attention import sparse_paged_attention
 
 
@@ -281,27 +282,6 @@ def _pack_pages(k, v, page_size):
     return kv.reshape(B, T // page_size, 2 * H * page_size * D)
 
 
-def _prefill_attention(q, k, v, lengths, chunk):
-    """Causal attention over a right-padded prompt, in query chunks of ``chunk`` tokens.
-
-    q [B, T, Hq, D], k/v [B, T, H, D], lengths [B] -> [B, T, Hq, D]. Memory is
-    O(B * Hq * chunk * T) per chunk instead of O(T^2).
-    """
-    B, T, Hq, D = q.shape
-    C = min(chunk, T)
-    n = T // C
-    kidx = jnp.arange(T, dtype=jnp.int32)
-
-    def one(c):
-        qc = jax.lax.dynamic_slice_in_dim(q, c * C, C, axis=1)
-        qidx = c * C + jnp.arange(C, dtype=jnp.int32)
-        mask = (kidx[None, None, :] <= qidx[None, :, None]) & (kidx[None, None, :] < lengths[:, None, None])
-        return llama.gqa_attention(qc, k, v, mask)
-
-    out = jax.lax.map(one, jnp.arange(n, dtype=jnp.int32))    # [n, B, C, Hq, D]
-    return out.transpose(1, 0, 2, 3, 4).reshape(B, T, Hq, D)
-
-
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("kv", "summaries", "dense"))
 def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, dense=()):
     """One layer over the bucketed prompt; writes its K/V pages and selector summaries.
@@ -314,7 +294,8 @@ def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, de
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     lp = layer_params
     h, q, k, v = llama.attention_inputs(lp, cfg, x, positions)
-    attn = _prefill_attention(q, k, v, lengths, plan.cache.prefill_chunk)
+    attn = prefill_attention(q, k, v, lengths, implementation=plan.cache.implementation,
+                             chunk=plan.cache.prefill_chunk)
     x = llama.layer_output(lp, cfg, x, attn, axis_name=plan.axis_name)
 
     dt = jnp.dtype(plan.kv_dtype)

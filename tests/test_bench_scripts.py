@@ -72,6 +72,18 @@ def test_bench_launch_quick(tmp_path):
     assert len(rows) == 6 and all(r["correct"] and r["us_per_kernel"] > 0 for r in rows)
 
 
+def test_bench_prefill_attention_quick(tmp_path):
+    """bench_prefill_attention --quick: every variant runs, the kernel agrees with the XLA
+    reference at the first length."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_prefill_attention.py"),
+                    "--quick", "--shapes", "qwen", "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    rows = json.loads((tmp_path / "bench_prefill_attention.json").read_text())["rows"]
+    assert rows and all(r["ms"] > 0 for r in rows)
+    errs = [r["max_abs_err_vs_xla"] for r in rows if "max_abs_err_vs_xla" in r]
+    assert errs and max(errs) < 0.1
+
+
 def test_bench_matmul_l2_quick(tmp_path):
     """bench_matmul --l2: one row per projection with both timings."""
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_matmul.py"), "--quick", "--l2",

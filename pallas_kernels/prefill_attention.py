@@ -1,0 +1,269 @@
+"""Causal prefill attention over right-padded prompts: a flash-attention (FA2) Pallas kernel and
+its chunked pure-jnp reference.
+
+Shapes and dtypes (shared by both implementations):
+
+* q ``[B, T, Hq, D]``; k, v ``[B, T, H, D]``, the same dtype as q (bfloat16 or float32);
+  lengths ``[B]`` integer (prompt lengths, ``0 <= lengths[b] <= T``; values outside are clipped
+  to ``[0, T]``). Query head ``i`` uses KV head ``i // (Hq // H)`` (GQA, any integer ratio).
+* Masking rule: query ``t`` of request ``b`` attends key ``s`` iff ``s <= t`` and
+  ``s < lengths[b]``. Scores are scaled by ``sm_scale`` (default ``D ** -0.5``); the softmax is
+  in float32. Keys and values at positions ``>= lengths[b]`` are never read into a result (NaN
+  or garbage there is harmless: the kernel does not load them, the reference masks both the
+  scores and the V rows). A query with no allowed key (``lengths[b] == 0``) gets zeros. Queries
+  at padded positions ``t >= lengths[b]`` attend all ``lengths[b]`` keys (finite, meaningless).
+* Returns o ``[B, T, Hq, D]`` in q's dtype.
+
+"xla" (the reference, the default off the GPU): ``models.llama.gqa_attention`` over query chunks
+of ``chunk`` tokens (default ``DEFAULT_CHUNK``), each attending all T keys under the mask above,
+so memory is ``O(B * Hq * chunk * T)``; T not a multiple of the chunk is padded with zero queries
+whose rows are dropped. Exactly the math of ``jaxkv.engine._prefill_attention``.
+
+"pallas" (Triton backend; ``interpret=True`` off the GPU): grid ``(cdiv(T, block_q), B * Hq)``;
+program ``(i, b * Hq + j)`` takes query block ``nQ - 1 - i`` (heaviest blocks launch first) of
+query head ``j`` of request ``b``, loads its ``[block_q, D]`` queries once and runs an online
+softmax (running max / denominator / ``[block_q, D]`` accumulator in float32, base-2 exponent)
+over key blocks of ``block_k`` keys. Only key blocks below ``min(q0 + block_q, lengths[b])``
+(``q0``: the block's first query) are visited, so blocks past the causal diagonal and past the
+prompt are skipped (causal prefill does about half the work of full attention, a short prompt
+in a long bucket less). The visited blocks come in two loops: blocks entirely below the
+diagonal and inside the prompt (every key allowed for every query of the block) are loaded and
+used without any mask, and the at most ``ceil(block_q / block_k) + 1`` blocks that straddle the
+diagonal or the prompt end are loaded with ``mask=key < lengths[b]`` (``other=0``: padding K/V
+is never fetched) and their scores masked to ``-inf`` where ``key > query``. Rows past T are
+masked on the q load and on the store. ``lengths[b]`` is read inside the kernel.
+
+Dots: ``q @ k^T`` takes the inputs in their dtype with float32 accumulation; for ``p @ v`` the
+probabilities ``p`` (float32, in ``[0, 1]``) are cast to v's dtype, as flash attention does. In
+float32 both dots run at ``Precision.HIGHEST`` (IEEE, no TF32) and the kernel matches the
+reference to about 1e-5; in bfloat16 the cast of ``p`` adds a relative error of up to 2**-9 per
+weight on top of the output's own bf16 rounding, so kernel and reference agree to about 1e-2
+(relative to the magnitude of v).
+
+Tunables (keywords of :func:`prefill_attention`; each implementation ignores the other's):
+``block_q`` (default ``BLOCK_Q``), ``block_k`` (default ``BLOCK_K``): powers of two >= 16, lowered
+to ``max(16, next_pow2(T))`` for short T; ``num_warps`` (default 8 when
+``block_q * D >= 128 * 128``, else 4), ``num_stages`` (default ``NUM_STAGES``); ``chunk`` (xla).
+D must be a power of two in [16, 256] for the kernel (64 or 128 in practice).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from models.llama import gqa_attention
+from pallas_kernels._common import interpret_mode, next_pow2, register, resolve
+
+OP = "prefill_attention"
+_LOG2E = math.log2(math.e)
+DEFAULT_CHUNK = 2048  # query tokens per chunk of the reference (as the engine's prefill_chunk)
+BLOCK_Q = 128         # queries per program
+BLOCK_K = 64          # keys per inner-loop step
+NUM_STAGES = 2        # Triton software-pipelining stages of the key loop
+_TUNING = ("chunk", "block_q", "block_k", "num_warps", "num_stages")
+
+
+def _check(q, k, v, lengths):
+    """Raise ValueError unless q [B, T, Hq, D], k/v [B, T, H, D] (q's dtype), lengths [B] int."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be rank 4 [B, T, heads, D], got shape {x.shape}")
+    B, T, Hq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k shape {k.shape} != v shape {v.shape}")
+    if k.shape[0] != B or k.shape[1] != T or k.shape[3] != D:
+        raise ValueError(f"k/v shape {k.shape} must be [B={B}, T={T}, H, D={D}] to match q {q.shape}")
+    H = k.shape[2]
+    if H == 0 or Hq % H:
+        raise ValueError(f"query heads {Hq} must be a multiple of kv heads {H}")
+    if q.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"q dtype {q.dtype} must be bfloat16 or float32")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"k dtype {k.dtype} and v dtype {v.dtype} must equal q dtype {q.dtype}")
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths shape {lengths.shape} != ({B},)")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"lengths dtype {lengths.dtype} must be an integer type (int32)")
+
+
+def _pow2_block(name, value, default, T):
+    """A block size: ``value`` (or ``default``) checked to be a power of two >= 16, then lowered
+    to ``max(16, next_pow2(T))`` when T is shorter."""
+    b = default if value is None else int(value)
+    if b < 16 or b & (b - 1):
+        raise ValueError(f"{name}={b} must be a power of two >= 16 (tl.dot minimum)")
+    return min(b, max(16, next_pow2(T)))
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (pure jnp): models.llama.gqa_attention over query chunks.
+# --------------------------------------------------------------------------------------------
+@register(OP, "xla")
+@functools.partial(jax.jit, static_argnames=_TUNING + ("sm_scale",))
+def prefill_attention_xla(q, k, v, lengths, *, sm_scale=None, chunk=None, block_q=None,
+                          block_k=None, num_warps=None, num_stages=None):
+    """Reference: ``gqa_attention`` per chunk of ``chunk`` queries (default ``DEFAULT_CHUNK``)
+    against all T keys; the kernel's tunables are ignored."""
+    del block_q, block_k, num_warps, num_stages
+    _check(q, k, v, lengths)
+    B, T, Hq, D = q.shape
+    if q.size == 0:
+        return jnp.zeros_like(q)
+    C = DEFAULT_CHUNK if chunk is None else int(chunk)
+    if C < 1:
+        raise ValueError(f"chunk={C} must be >= 1")
+    C = min(C, T)
+    n = -(-T // C)
+    lengths = lengths.astype(jnp.int32)
+    kidx = jnp.arange(T, dtype=jnp.int32)
+
+    def one(qc, c0):
+        qidx = c0 + jnp.arange(qc.shape[1], dtype=jnp.int32)
+        mask = (kidx[None, None, :] <= qidx[None, :, None]) & (kidx[None, None, :] < lengths[:, None, None])
+        return gqa_attention(qc, k, v, mask, sm_scale)
+
+    if n == 1:
+        return one(q, 0)
+    qp = jnp.pad(q, ((0, 0), (0, n * C - T), (0, 0), (0, 0)))  # zero queries, rows dropped below
+    out = lax.map(lambda c: one(lax.dynamic_slice_in_dim(qp, c * C, C, axis=1), c * C),
+                  jnp.arange(n, dtype=jnp.int32))  # [n, B, C, Hq, D]
+    return out.transpose(1, 0, 2, 3, 4).reshape(B, n * C, Hq, D)[:, :T]
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernel: one program per (query block, request * query head), online softmax over keys.
+# --------------------------------------------------------------------------------------------
+def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, *, BQ, BK, G, scale2, precision):
+    _, T, Hq, D = q_ref.shape
+    i = pl.cdiv(T, BQ) - 1 - pl.program_id(0)  # the heaviest (last) query blocks first
+    bh = pl.program_id(1)
+    b, hq = bh // Hq, bh % Hq
+    h = hq // G
+    length = jnp.clip(len_ref[b], 0, T)
+    q0 = i * BQ
+    qpos = q0 + lax.broadcasted_iota(jnp.int32, (BQ, BK), 0)  # [BQ, BK] query position
+    kofs = lax.broadcasted_iota(jnp.int32, (BQ, BK), 1)       # [BQ, BK] key offset in the block
+    row_ok = jnp.broadcast_to((q0 + lax.broadcasted_iota(jnp.int32, (BQ, 1), 0)) < T, (BQ, D))
+    q = pltriton.load(q_ref.at[b, pl.ds(q0, BQ), hq, :], mask=row_ok, other=0)  # [BQ, D]
+    kv_ofs = lax.broadcasted_iota(jnp.int32, (BK, D), 0)
+
+    # Keys needed by this block: s < kv_hi. Blocks j < n_full lie below the diagonal
+    # ((j+1)*BK - 1 <= q0, the block's first query) and inside the prompt: no mask there.
+    kv_hi = jnp.minimum(q0 + BQ, length)
+    n_blocks = (kv_hi + BK - 1) // BK
+    n_full = jnp.minimum(jnp.minimum(q0 + 1, length) // BK, n_blocks)
+
+    def step(j, carry, masked):
+        m, l, acc = carry
+        k0 = j * BK
+        if masked:  # keys past the prompt are not fetched (NaN there stays out)
+            kv_ok = (k0 + kv_ofs) < length
+            k = pltriton.load(k_ref.at[b, pl.ds(k0, BK), h, :], mask=kv_ok, other=0)
+            v = pltriton.load(v_ref.at[b, pl.ds(k0, BK), h, :], mask=kv_ok, other=0)
+        else:
+            k = pltriton.load(k_ref.at[b, pl.ds(k0, BK), h, :])
+            v = pltriton.load(v_ref.at[b, pl.ds(k0, BK), h, :])
+        s = pltriton.dot(q, k, trans_b=True, precision=precision) * scale2  # [BQ, BK] f32, log2
+        if masked:
+            key = k0 + kofs
+            s = jnp.where((key <= qpos) & (key < length), s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing allowed yet
+        alpha = jnp.exp2(m - m_use)
+        p = jnp.exp2(s - m_use[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
+        return m_new, l, acc
+
+    carry = (jnp.full((BQ,), -jnp.inf, jnp.float32), jnp.zeros((BQ,), jnp.float32),
+             jnp.zeros((BQ, D), jnp.float32))
+    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+    _, l, acc = lax.fori_loop(n_full, n_blocks, functools.partial(step, masked=True), carry)
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # l == 0 (no key): acc == 0, zeros out
+    pltriton.store(o_ref.at[b, pl.ds(q0, BQ), hq, :], out.astype(o_ref.dtype), mask=row_ok)
+
+
+@register(OP, "pallas")
+@functools.partial(jax.jit, static_argnames=_TUNING + ("sm_scale",))
+def prefill_attention_pallas(q, k, v, lengths, *, sm_scale=None, chunk=None, block_q=None,
+                             block_k=None, num_warps=None, num_stages=None):
+    """Pallas (Triton) flash-attention kernel; ``chunk`` is ignored."""
+    del chunk
+    return _pallas_impl(q, k, v, lengths, sm_scale=sm_scale, block_q=block_q, block_k=block_k,
+                        num_warps=num_warps, num_stages=num_stages, interpret=interpret_mode())
+
+
+def _pallas_impl(q, k, v, lengths, *, sm_scale=None, block_q=None, block_k=None, num_warps=None,
+                 num_stages=None, interpret=False):
+    _check(q, k, v, lengths)
+    B, T, Hq, D = q.shape
+    H = k.shape[2]
+    if D < 16 or D > 256 or D & (D - 1):
+        raise ValueError(f"head_dim={D} must be a power of two in [16, 256] for the Pallas kernel")
+    BQ = _pow2_block("block_q", block_q, BLOCK_Q, T)
+    BK = _pow2_block("block_k", block_k, BLOCK_K, T)
+    if q.size == 0:
+        return jnp.zeros_like(q)
+    if num_warps is None:
+        num_warps = 8 if BQ * D >= 128 * 128 else 4
+    num_stages = NUM_STAGES if num_stages is None else num_stages
+    scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    kernel = functools.partial(_kernel, BQ=BQ, BK=BK, G=Hq // H, scale2=scale * _LOG2E,
+                               precision=precision)
+    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))  # noqa: E731
+    lengths = lengths.astype(jnp.int32)
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(T, BQ), B * Hq),
+        in_specs=[full(lengths), full(q), full(k), full(v)],
+        out_specs=full(q),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="prefill_attention",
+    )(lengths, q, k, v)
+
+
+# --------------------------------------------------------------------------------------------
+# cuDNN's fused flash attention (GPU only), for comparison and as the GPU default where faster.
+# --------------------------------------------------------------------------------------------
+@register(OP, "cudnn")
+@functools.partial(jax.jit, static_argnames=_TUNING + ("sm_scale",))
+def prefill_attention_cudnn(q, k, v, lengths, *, sm_scale=None, chunk=None, block_q=None,
+                            block_k=None, num_warps=None, num_stages=None):
+    """cuDNN flash attention through ``jax.nn.dot_product_attention(implementation="cudnn")``
+    (causal, ``key_value_seq_lengths``); GPU only, bfloat16 only. Rows of a length-0 prompt
+    are set to zeros (cuDNN leaves them unspecified). The tunables are ignored."""
+    del chunk, block_q, block_k, num_warps, num_stages
+    _check(q, k, v, lengths)
+    if q.dtype != jnp.bfloat16:
+        raise ValueError(f"the cudnn implementation takes bfloat16, got {q.dtype}: use 'pallas'")
+    T, D = q.shape[1], q.shape[3]
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, T)
+    o = jax.nn.dot_product_attention(q, k, v, scale=D ** -0.5 if sm_scale is None else sm_scale,
+                                     is_causal=True, key_value_seq_lengths=lengths,
+                                     implementation="cudnn")
+    return jnp.where((lengths > 0)[:, None, None, None], o, jnp.zeros((), o.dtype))
+
+
+def prefill_attention(q, k, v, lengths, *, sm_scale=None, implementation=None, **tuning):
+    """Causal GQA attention of a right-padded prompt batch (see the module docstring).
+
+    q ``[B, T, Hq, D]``, k/v ``[B, T, H, D]`` (q's dtype, bf16 or f32), lengths ``[B]`` int32.
+    ``sm_scale`` defaults to ``D ** -0.5``; ``implementation``: "pallas" / "xla" / "cudnn"
+    (GPU, bf16) / None (:func:`pallas_kernels._common.resolve`). ``tuning``: ``chunk`` (xla), ``block_q``,
+    ``block_k``, ``num_warps``, ``num_stages`` (pallas); the other implementation ignores them.
+    Returns o ``[B, T, Hq, D]`` in q's dtype.
+    """
+    unknown = sorted(set(tuning) - set(_TUNING))
+    if unknown:
+        raise TypeError(f"prefill_attention: unknown tuning keywords {unknown}; known: {list(_TUNING)}")
+    fn = resolve(OP, implementation)
+    return fn(q, k, v, lengths, sm_scale=sm_scale, **tuning)
