@@ -10,8 +10,9 @@ Shapes and dtypes (shared by both implementations):
   ``s < lengths[b]``. Scores are scaled by ``sm_scale`` (default ``D ** -0.5``); the softmax is
   in float32. Keys and values at positions ``>= lengths[b]`` are never read into a result (NaN
   or garbage there is harmless: the kernel does not load them, the reference masks both the
-  scores and the V rows). A query with no allowed key (``lengths[b] == 0``) gets zeros. Queries
-  at padded positions ``t >= lengths[b]`` attend all ``lengths[b]`` keys (finite, meaningless).
+  scores and the V rows). A query with no allowed key (``lengths[b] == 0``) gets zeros. Rows at
+  padded positions ``t >= lengths[b]`` are finite and otherwise unspecified (the xla and pallas
+  implementations let them attend all ``lengths[b]`` keys; callers drop them).
 * Returns o ``[B, T, Hq, D]`` in q's dtype.
 
 "xla" (the reference, the default off the GPU): ``models.llama.gqa_attention`` over query chunks
@@ -58,14 +59,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from models.llama import gqa_attention
-from pallas_kernels._common import interpret_mode, next_pow2, register, resolve
+from pallas_kernels._common import interpret_mode, next_pow2, prefer_on_gpu, register, resolve
 
 OP = "prefill_attention"
 _LOG2E = math.log2(math.e)
 DEFAULT_CHUNK = 2048  # query tokens per chunk of the reference (as the engine's prefill_chunk)
+# defaults measured on the H200 (bench_prefill_attention_4224a6c.json, 8B-like 128k: 327 ms
+# per layer against 483 ms with 2 stages, 388 ms with 64 x 64 blocks, 429 ms with 128 x 128)
 BLOCK_Q = 128         # queries per program
 BLOCK_K = 64          # keys per inner-loop step
-NUM_STAGES = 2        # Triton software-pipelining stages of the key loop
+NUM_STAGES = 3        # Triton software-pipelining stages of the key loop
 _TUNING = ("chunk", "block_q", "block_k", "num_warps", "num_stages")
 
 
@@ -247,10 +250,37 @@ def prefill_attention_cudnn(q, k, v, lengths, *, sm_scale=None, chunk=None, bloc
         raise ValueError(f"the cudnn implementation takes bfloat16, got {q.dtype}: use 'pallas'")
     T, D = q.shape[1], q.shape[3]
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, T)
+    # cuDNN masks the scores of keys past the length but still multiplies their V rows by 0:
+    # zero K/V there so garbage (NaN) in the padding stays out (one cheap pass over K/V)
+    keep = (jnp.arange(T, dtype=jnp.int32)[None, :] < lengths[:, None])[:, :, None, None]
+    k = jnp.where(keep, k, jnp.zeros((), k.dtype))
+    v = jnp.where(keep, v, jnp.zeros((), v.dtype))
     o = jax.nn.dot_product_attention(q, k, v, scale=D ** -0.5 if sm_scale is None else sm_scale,
                                      is_causal=True, key_value_seq_lengths=lengths,
                                      implementation="cudnn")
     return jnp.where((lengths > 0)[:, None, None, None], o, jnp.zeros((), o.dtype))
+
+
+@register(OP, "auto")
+def prefill_attention_auto(q, k, v, lengths, *, sm_scale=None, **tuning):
+    """The GPU default: cuDNN's flash attention for bfloat16 where the installed cuDNN accepts
+    the call at trace time, else the Pallas kernel (float32, no or too old cuDNN). Measured on
+    the H200 (``bench_prefill_attention``): cuDNN 1.2-1.6x faster than the kernel."""
+    if q.dtype == jnp.bfloat16:
+        try:
+            return prefill_attention_cudnn(q, k, v, lengths, sm_scale=sm_scale, **tuning)
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            _warn_no_cudnn(e)
+    return prefill_attention_pallas(q, k, v, lengths, sm_scale=sm_scale, **tuning)
+
+
+def _warn_no_cudnn(e):
+    import warnings
+    warnings.warn(f"prefill_attention: cuDNN flash attention unavailable ({type(e).__name__}: "
+                  f"{str(e)[:200]}); using the Pallas kernel", RuntimeWarning, stacklevel=3)
+
+
+prefer_on_gpu(OP, "auto")
 
 
 def prefill_attention(q, k, v, lengths, *, sm_scale=None, implementation=None, **tuning):
@@ -258,7 +288,8 @@ def prefill_attention(q, k, v, lengths, *, sm_scale=None, implementation=None, *
 
     q ``[B, T, Hq, D]``, k/v ``[B, T, H, D]`` (q's dtype, bf16 or f32), lengths ``[B]`` int32.
     ``sm_scale`` defaults to ``D ** -0.5``; ``implementation``: "pallas" / "xla" / "cudnn"
-    (GPU, bf16) / None (:func:`pallas_kernels._common.resolve`). ``tuning``: ``chunk`` (xla), ``block_q``,
+    (GPU, bf16) / "auto" (cuDNN where it applies, else Pallas; the GPU default) / None
+    (:func:`pallas_kernels._common.resolve`). ``tuning``: ``chunk`` (xla), ``block_q``,
     ``block_k``, ``num_warps``, ``num_stages`` (pallas); the other implementation ignores them.
     Returns o ``[B, T, Hq, D]`` in q's dtype.
     """
