@@ -9,7 +9,8 @@ run (a), hit rate, pages fetched and host->device MB per step, the timed fetch r
 the same run's bulk ``device_put`` rate, the pool as a share of the logical KV, device peak
 memory and host RSS, compile time and the bucket check (compilations of a shorter context
 with the same plan). A point measured in several files keeps the figures of the file named
-last. Writes ``OUT.md``, ``OUT.json`` and ``OUT.png`` (tokens/s against context, one panel
+last. A ``.log`` file (a run's printed output, for runs whose JSON was lost) gives the
+printed tables' figures, without memory, pages or bytes per step. Writes ``OUT.md``, ``OUT.json`` and ``OUT.png`` (tokens/s against context, one panel
 per shape and batch).
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 
 CONFIG_ORDER = ("a", "b", "c1", "c2", "c4", "d")
 STYLE = {"a": ("#8c8c8c", "s"), "b": ("#55a868", "o"), "c1": ("#c6dbef", "v"),
@@ -69,14 +71,60 @@ def rows_of(res: dict, path: str) -> list[dict]:
     return out
 
 
+def _num(tok: str):
+    return None if tok in ("-", "nan") else float(tok)
+
+
+def rows_of_log(text: str, path: str) -> list[dict]:
+    """Rows from the summary tables a bench_decode run prints (for runs whose JSON did not come
+    back): tok/s, step, split, hit rate, fetch GB/s, pool %, compile s; no memory figures."""
+    out, meta, bucket = [], {}, None
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"bench_decode on (.+?) \(jax (\S+), commit (\w+)\); bulk H2D ([\d.]+) GB/s",
+                     line)
+        if m:
+            meta = dict(device=m.group(1), jax=m.group(2), commit=m.group(3),
+                        bulk=float(m.group(4)))
+            continue
+        if line.startswith("no recompilation within a bucket:"):
+            bucket = 0 if line.split(":")[1].strip() == "True" else None
+            for r in out:
+                r.setdefault("bucket_compilations", bucket)
+            continue
+        t = line.split()
+        if not meta or len(t) != 15 or not t[1].isdigit() or not t[2].isdigit():
+            continue
+        shape, B, ctx, cfg = t[0], int(t[1]), int(t[2]), t[3]
+        out.append(dict(shape=shape, batch=B, context=ctx, config=cfg, selection_lag=0,
+                        tokens_per_s=float(t[4]), step_ms=float(t[5]),
+                        split_ms=dict(zip(("selector", "ensure", "fetch", "attention", "rest"),
+                                          map(_num, t[6:11]))),
+                        hit_rate=_num(t[11]), fetch_gbps=_num(t[12]), bulk_gbps=meta["bulk"],
+                        pool_fraction=None if cfg in ("a", "b") else _num(t[13]) / 100,
+                        compile_s=_num(t[14]), pages_fetched_per_step=None,
+                        h2d_mb_per_step=None, device_peak_gib=None, host_rss_gib=None,
+                        commit=meta["commit"], date=None, file=path, source="log"))
+    by_point = {}
+    for r in out:
+        by_point.setdefault((r["shape"], r["batch"], r["context"]), {})[r["config"]] = r
+    for point in by_point.values():
+        a, b = point.get("a"), point.get("b")
+        for r in point.values():
+            r["vs_b"] = r["tokens_per_s"] / b["tokens_per_s"] if b else None
+            r["vs_a"] = r["tokens_per_s"] / a["tokens_per_s"] if a else None
+    return out
+
+
 def merge(paths: list[str]) -> list[dict]:
     """Rows of every file, the last file winning per point, sorted by shape, batch, context and
     configuration."""
     rows: dict[tuple, dict] = {}
     for path in paths:
         with open(path) as f:
-            res = json.load(f)
-        for row in rows_of(res, path):
+            rows_in = (rows_of_log(f.read(), path) if path.endswith(".log")
+                       else rows_of(json.load(f), path))
+        for row in rows_in:
             key = (row["shape"], row["batch"], row["context"], row["config"],
                    row["selection_lag"])
             rows[key] = row
@@ -93,7 +141,7 @@ def markdown(rows: list[dict]) -> str:
     """One markdown table of the merged rows."""
     head = ("| shape | B | context | config | tok/s | ms/step | / b | x a | hit rate | "
             "pages in / step | H2D MB / step | fetch / bulk GB/s | pool % of KV | "
-            "device peak GiB | host RSS GiB | compile s | bucket recompiles |")
+            "device peak GiB | host RSS GiB | compile s | bucket recompiles | commit |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         name = r["config"] + (" (lag 1)" if r["selection_lag"] else "")
@@ -109,7 +157,27 @@ def markdown(rows: list[dict]) -> str:
             f"{_fmt(r['h2d_mb_per_step'], '.2f') if host else '-'} | {rate} | "
             f"{_fmt(100 * r['pool_fraction'], '.2f') if host and r['pool_fraction'] else '-'} | "
             f"{_fmt(r['device_peak_gib'], '.1f')} | {_fmt(r['host_rss_gib'], '.1f')} | "
-            f"{_fmt(r['compile_s'], '.1f')} | {_fmt(r['bucket_compilations'], 'd')} |")
+            f"{_fmt(r['compile_s'], '.1f')} | {_fmt(r['bucket_compilations'], 'd')} | "
+            f"{r['commit'] or '-'}{' (log)' if r.get('source') == 'log' else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def wide_markdown(rows: list[dict]) -> str:
+    """One row per point: tokens/s of each configuration, then c2 / b and c2 / a."""
+    cfgs = [c for c in CONFIG_ORDER if any(r["config"] == c for r in rows)]
+    head = ("| shape | B | context | " + " | ".join(f"{c} tok/s" for c in cfgs)
+            + " | c2 / b | c2 / a |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    points: dict[tuple, dict] = {}
+    for r in rows:
+        if r["selection_lag"] == 0:
+            points.setdefault((r["shape"], r["batch"], r["context"]), {})[r["config"]] = r
+    for (shape, batch, ctx), by in points.items():
+        c2 = by.get("c2")
+        lines.append(f"| {shape} | {batch} | {context_label(ctx)} | "
+                     + " | ".join(_fmt(by[c]["tokens_per_s"], ".1f") if c in by else "-"
+                                  for c in cfgs)
+                     + f" | {_fmt(c2 and c2['vs_b'], '.3f')} | {_fmt(c2 and c2['vs_a'], '.2f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -153,7 +221,8 @@ def plot(rows: list[dict], path: str, title: str = ""):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("files", nargs="+", help="bench_decode JSONs (the last one wins per point)")
+    ap.add_argument("files", nargs="+", help="bench_decode JSONs or logs (the last one wins per "
+                                             "point)")
     ap.add_argument("--out", required=True, help="output prefix: writes OUT.md, OUT.json, OUT.png")
     ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args(argv)
@@ -161,6 +230,8 @@ def main(argv=None):
     commits = sorted({r["commit"] for r in rows if r["commit"]})
     devices = set()
     for path in a.files:
+        if path.endswith(".log"):
+            continue
         with open(path) as f:
             res = json.load(f)
         devices.add((res.get("device"), res.get("jax_version")))
@@ -170,7 +241,8 @@ def main(argv=None):
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     table = markdown(rows)
     with open(a.out + ".md", "w") as f:
-        f.write(f"Commits {', '.join(commits)}; {'; '.join(meta['devices'])}\n\n" + table)
+        f.write(f"Commits {', '.join(commits)}; {'; '.join(meta['devices'])}\n\n"
+                + wide_markdown(rows) + "\n" + table)
     if not a.no_plot:
         plot(rows, a.out + ".png", title=f"decode grid, {', '.join(meta['devices'])}, "
                                          f"commit {', '.join(commits)}")

@@ -46,9 +46,11 @@ class CacheConfig:
         the same bucket share one compilation.
       strict: raise after a call if any selection was dropped (pool too small).
       dtype: KV dtype (None = the model's dtype).
-      prefill_chunk: tokens per prefill chunk (bounds prefill memory).
+      prefill_chunk: query tokens per chunk of the XLA prefill attention (bounds its memory;
+        the flash-attention implementations on the GPU do not need it).
       round_steps: decode steps per compiled round (stream granularity).
-      implementation: kernel implementation ("pallas", "xla" or None = per backend).
+      implementation: kernel implementation ("pallas", "xla" or None = per backend; with None
+        the GPU prefill attention is cuDNN's flash attention where it applies).
       schedule: host mode only. "step" (default): attention reads the pages a layer misses
         straight from the pinned host tier (zero-copy, inside the attention kernel), and one
         LRU ensure for all layers at the start of the next step installs the previous step's

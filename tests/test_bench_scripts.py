@@ -146,3 +146,23 @@ def test_summarize_grid_merges_runs(tmp_path):
     assert "| qwen1.5b | 1 | 1M | d |" in table and "| b (lag 1) |" in table
     assert json.loads((tmp_path / "grid.json").read_text())["meta"]["commits"] == ["aaa", "bbb"]
     assert (tmp_path / "grid.png").stat().st_size > 0
+
+
+def test_summarize_grid_reads_printed_tables():
+    """A run whose JSON was lost: the summary table bench_decode prints gives the rows."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import summarize_grid
+    log = """===== grid-h
+bench_decode on gpu:NVIDIA H200 (jax 0.11.2, commit abc1234); bulk H2D 52.8 GB/s; target overlap 0.885
+shape     B      ctx cfg     tok/s     step    sel    ens  fetch   attn   rest   hit  GB/s  pool% comp_s
+qwen1.5b  8   131072 b      3648.4    2.193   0.75   0.00   0.00   0.50   0.95     -     - 100.00    5.2
+qwen1.5b  8   131072 a       949.6    8.425   0.00   0.00   0.00   7.32   1.11     -     - 100.00    3.7
+qwen1.5b  8   131072 c1     1773.1    4.512   0.75   0.08   1.77   0.46   1.45 0.917  43.5   3.22    4.8
+no recompilation within a bucket: True
+"""
+    rows = {r["config"]: r for r in summarize_grid.rows_of_log(log, "x.log")}
+    assert sorted(rows) == ["a", "b", "c1"]
+    c1 = rows["c1"]
+    assert (c1["commit"], c1["bulk_gbps"], c1["hit_rate"], c1["fetch_gbps"]) == ("abc1234", 52.8, 0.917, 43.5)
+    assert c1["pool_fraction"] == 0.0322 and c1["bucket_compilations"] == 0
+    assert c1["vs_b"] == 1773.1 / 3648.4 and rows["b"]["hit_rate"] is None
