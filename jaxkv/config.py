@@ -48,6 +48,10 @@ class CacheConfig:
       dtype: KV dtype (None = the model's dtype).
       prefill_chunk: query tokens per chunk of the XLA prefill attention (bounds its memory;
         the flash-attention implementations on the GPU do not need it).
+      prefill_token_chunk: tokens per piece of a prefill layer's per-token work (norms,
+        projections, MLP), run one piece after another; bounds the activation memory of long
+        prompts (the MLP's float32 products take ~230 KiB per token at the 8B-like shape).
+        Prompt buckets up to this length run in one piece.
       round_steps: decode steps per compiled round (stream granularity).
       implementation: kernel implementation ("pallas", "xla" or None = per backend; with None
         the GPU prefill attention is cuDNN's flash attention where it applies).
@@ -87,6 +91,7 @@ class CacheConfig:
     strict: bool = False
     dtype: str | None = None
     prefill_chunk: int = 2048
+    prefill_token_chunk: int = 131072
     round_steps: int = 64
     implementation: str | None = None
     schedule: Literal["step", "scratch", "layer"] = "step"
@@ -118,7 +123,8 @@ class CacheConfig:
             raise ValueError(
                 f"CacheConfig.selector must be 'quest', 'indexer' or 'dense', got {self.selector!r}")
         for name, lo in (("page_size", 1), ("selected_pages", 1), ("prefill_chunk", 1),
-                         ("round_steps", 1), ("sink_pages", 0), ("recent_pages", 0)):
+                         ("prefill_token_chunk", 1), ("round_steps", 1), ("sink_pages", 0),
+                         ("recent_pages", 0)):
             object.__setattr__(self, name, _as_int(name, getattr(self, name), lo))
         for name in ("pool_pages", "max_context"):
             if getattr(self, name) is not None:
@@ -144,9 +150,10 @@ class CacheConfig:
         for name in ("strict",) + (("unroll_layers",) if self.unroll_layers is not None else ()):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"CacheConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        pc = self.prefill_chunk
-        if pc & (pc - 1) or pc < ps:
-            raise ValueError(f"prefill_chunk must be a power of two >= page_size ({ps}), got {pc}")
+        for name in ("prefill_chunk", "prefill_token_chunk"):
+            pc = getattr(self, name)
+            if pc & (pc - 1) or pc < ps:
+                raise ValueError(f"{name} must be a power of two >= page_size ({ps}), got {pc}")
 
 
 @jax.tree_util.register_dataclass

@@ -282,21 +282,45 @@ def _pack_pages(k, v, page_size):
     return kv.reshape(B, T // page_size, 2 * H * page_size * D)
 
 
+def _in_token_chunks(fn, chunk: int, *xs):
+    """``fn(*xs)`` for per-token work, ``chunk`` tokens at a time (``lax.map``: one piece's
+    intermediates live at once). xs: arrays ``[B, T, ...]``; fn returns arrays or a tuple of
+    arrays ``[B, T, ...]``. T <= chunk: one call. Otherwise T is padded with zeros to whole
+    pieces and the padding dropped from the results."""
+    B, T = xs[0].shape[:2]
+    if T <= chunk:
+        return fn(*xs)
+    n = -(-T // chunk)
+
+    def pieces(a):
+        a = jnp.pad(a, [(0, 0), (0, n * chunk - T)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(B, n, chunk, *a.shape[2:]), 1, 0)
+
+    out = jax.lax.map(lambda p: fn(*p), tuple(pieces(a) for a in xs))
+    return jax.tree.map(
+        lambda o: jnp.moveaxis(o, 0, 1).reshape(B, n * chunk, *o.shape[3:])[:, :T], out)
+
+
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("kv", "summaries", "dense"))
 def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, dense=()):
     """One layer over the bucketed prompt; writes its K/V pages and selector summaries.
 
     layer_params: params["layers"][layer]; x [B, T, d]; lengths [B] prompt lengths; layer
     int32 scalar (traced: one compilation serves every layer). Returns (x, kv, summaries, dense).
+    The per-token work (norms, projections, MLP) runs in pieces of
+    ``CacheConfig.prefill_token_chunk`` tokens; attention sees the whole prompt.
     """
     cfg, ps = plan.model, plan.page_size
     B, T, _ = x.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     lp = layer_params
-    h, q, k, v = llama.attention_inputs(lp, cfg, x, positions)
+    pieces = plan.cache.prefill_token_chunk
+    h, q, k, v = _in_token_chunks(lambda x, pos: llama.attention_inputs(lp, cfg, x, pos), pieces,
+                                  x, positions)
     attn = prefill_attention(q, k, v, lengths, implementation=plan.cache.implementation,
                              chunk=plan.cache.prefill_chunk)
-    x = llama.layer_output(lp, cfg, x, attn, axis_name=plan.axis_name)
+    x = _in_token_chunks(lambda x, a: llama.layer_output(lp, cfg, x, a, axis_name=plan.axis_name),
+                         pieces, x, attn)
 
     dt = jnp.dtype(plan.kv_dtype)
     pages = _pack_pages(k.astype(dt), v.astype(dt), ps)             # [B, n, R]

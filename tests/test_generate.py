@@ -86,6 +86,31 @@ def test_too_small_pool_counts_drops_and_strict_raises():
         _gen(dataclasses.replace(cache, pool_pages=6), prompts=PROMPTS[2:], max_new_tokens=8)
 
 
+@pytest.mark.parametrize("mode,max_context,new,piece", [("resident", None, NEW, 16),
+                                                        ("host", 52, 2, 32)])
+def test_prefill_in_token_pieces_equals_one_piece(mode, max_context, new, piece):
+    """prefill_token_chunk below the prompt bucket: the per-token work runs in pieces. The
+    bucket is 64 tokens (4 pieces of 16), or 52 with max_context=52 (2 pieces of 32, the
+    second padded)."""
+    kw = dict(mode=mode, selector="quest", page_size=4, selected_pages=4, max_context=max_context)
+    one = _gen(CacheConfig(**kw), max_new_tokens=new)
+    pieces = _gen(CacheConfig(**kw, prefill_token_chunk=piece), max_new_tokens=new)
+    assert pieces.stats["prompt_bucket"] == (64 if max_context is None else 52)
+    assert pieces.tokens == one.tokens
+
+
+def test_in_token_chunks_pads_a_bucket_that_is_not_a_multiple():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 40, 3)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40))
+    fn = lambda x, p: (x * 2.0, x.sum(-1) + p)  # noqa: E731  (per-token work)
+    whole = fn(x, pos)
+    for chunk in (16, 32, 64):
+        got = engine._in_token_chunks(fn, chunk, x, pos)
+        assert [g.shape for g in got] == [w.shape for w in whole]
+        for g, w in zip(got, whole):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_no_recompilation_for_new_prompts_temperature_and_length():
     cache = CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=4,
                         round_steps=8)  # a plan no other test compiles

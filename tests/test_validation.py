@@ -222,6 +222,7 @@ def test_device_memory_env_override(monkeypatch):
     (dict(mode="device"), "'host' or 'resident'"),
     (dict(selector="topk"), "'quest', 'indexer' or 'dense'"),
     (dict(prefill_chunk=24), "prefill_chunk must be a power of two"),
+    (dict(prefill_token_chunk=8, page_size=16), "prefill_token_chunk must be a power of two >= page_size"),
 ])
 def test_cache_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
