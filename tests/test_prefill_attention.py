@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from models.llama import gqa_attention
 from pallas_kernels import _common
@@ -219,3 +221,20 @@ def test_auto_falls_back_to_the_kernel_without_cudnn():
         out = prefill_attention(q, k, v, lens, implementation="auto")
     check(out, prefill_attention(q, k, v, lens, implementation="pallas"), jnp.bfloat16, seed,
           "auto (Pallas fallback) vs pallas")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(B=st.integers(1, 2), T=st.integers(1, 80), H=st.sampled_from([1, 2]),
+       G=st.sampled_from([1, 2, 3]), blocks=st.sampled_from([(16, 16), (32, 16), (16, 32)]),
+       data=st.data())
+def test_property_kernel_equals_direct_attention(B, T, H, G, blocks, data):
+    """Any prompt length, lengths in [0, T], GQA ratio and block shape: the kernel (interpret
+    mode) equals the direct masked attention on every row, with NaN in the padding."""
+    lengths = data.draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
+    seed = data.draw(st.integers(0, 2 ** 31 - 1))
+    q, k, v, lens = make_case(seed, B=B, T=T, Hq=G * H, H=H, D=16, dtype=jnp.float32,
+                              lengths=lengths)
+    want = gqa_attention(q, k, v, full_mask(T, lens))
+    got = prefill_attention(q, k, v, lens, implementation="pallas", block_q=blocks[0],
+                            block_k=blocks[1])
+    check(got, want, jnp.float32, seed, f"pallas B={B} T={T} lengths={lengths} blocks={blocks}")
