@@ -18,7 +18,7 @@ Shapes and dtypes (shared by both implementations):
 "xla" (the reference, the default off the GPU): ``models.llama.gqa_attention`` over query chunks
 of ``chunk`` tokens (default ``DEFAULT_CHUNK``), each attending all T keys under the mask above,
 so memory is ``O(B * Hq * chunk * T)``; T not a multiple of the chunk is padded with zero queries
-whose rows are dropped. Exactly the math of ``jaxkv.engine._prefill_attention``.
+whose rows are dropped. The same math as the engine's prefill attention before this op.
 
 "pallas" (Triton backend; ``interpret=True`` off the GPU): grid ``(cdiv(T, block_q), B * Hq)``;
 program ``(i, b * Hq + j)`` takes query block ``nQ - 1 - i`` (heaviest blocks launch first) of
@@ -40,6 +40,10 @@ float32 both dots run at ``Precision.HIGHEST`` (IEEE, no TF32) and the kernel ma
 reference to about 1e-5; in bfloat16 the cast of ``p`` adds a relative error of up to 2**-9 per
 weight on top of the output's own bf16 rounding, so kernel and reference agree to about 1e-2
 (relative to the magnitude of v).
+
+"cudnn" (GPU, bfloat16): cuDNN's flash attention through ``jax.nn.dot_product_attention``, with
+K/V past the length zeroed first. "auto" (the GPU default, ``prefer_on_gpu``): "cudnn" where the
+installed cuDNN accepts the call at trace time, else "pallas" (float32, no cuDNN).
 
 Tunables (keywords of :func:`prefill_attention`; each implementation ignores the other's):
 ``block_q`` (default ``BLOCK_Q``), ``block_k`` (default ``BLOCK_K``): powers of two >= 16, lowered
@@ -265,7 +269,7 @@ def prefill_attention_cudnn(q, k, v, lengths, *, sm_scale=None, chunk=None, bloc
 def prefill_attention_auto(q, k, v, lengths, *, sm_scale=None, **tuning):
     """The GPU default: cuDNN's flash attention for bfloat16 where the installed cuDNN accepts
     the call at trace time, else the Pallas kernel (float32, no or too old cuDNN). Measured on
-    the H200 (``bench_prefill_attention``): cuDNN 1.2-1.6x faster than the kernel."""
+    the H200 (``bench_prefill_attention``): cuDNN 1.2-1.7x faster than the kernel."""
     if q.dtype == jnp.bfloat16:
         try:
             return prefill_attention_cudnn(q, k, v, lengths, sm_scale=sm_scale, **tuning)
