@@ -10,8 +10,9 @@ the same run's bulk ``device_put`` rate, the pool as a share of the logical KV, 
 memory and host RSS, compile time and the bucket check (compilations of a shorter context
 with the same plan). A point measured in several files keeps the figures of the file named
 last. A ``.log`` file (a run's printed output, for runs whose JSON was lost) gives the
-printed tables' figures, without memory, pages or bytes per step. Writes ``OUT.md``, ``OUT.json`` and ``OUT.png`` (tokens/s against context, one panel
-per shape and batch).
+printed tables' figures, without memory, pages or bytes per step. Writes ``OUT.md`` (one
+row per point first, then the table above), ``OUT.json`` and ``OUT.png`` (tokens/s against
+context, one panel per shape and batch).
 """
 from __future__ import annotations
 
