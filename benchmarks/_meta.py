@@ -15,6 +15,22 @@ def commit() -> str:
         return "unknown"
 
 
+def time_calls(f, args, reps: int) -> float:
+    """Median seconds of ``reps`` calls ``f(*args)`` (each waited for), after one warm-up call."""
+    import time
+
+    import jax
+    import numpy as np
+
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
 def time_chained(body, init, args, iters: int, reps: int, unroll: int, warmups: int = 1) -> float:
     """Median seconds per ``body`` call in a jitted ``fori_loop`` of ``iters`` iterations, each
     making ``unroll`` chained calls ``c = body(i * unroll + u, c, *args)`` (the loop's own

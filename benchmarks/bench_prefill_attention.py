@@ -16,11 +16,9 @@ import datetime
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,16 +47,6 @@ def xla_chunk(Hq: int, T: int) -> int:
     """The reference's query chunk: at most 2048, scores of one chunk at most 4 GiB (f32)."""
     c = max(16, (4 << 30) // (Hq * T * 4))
     return max(16, min(2048, 1 << (c.bit_length() - 1), 1 << (T.bit_length() - 1)))
-
-
-def time_call(f, args, reps: int) -> float:
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def run(out_dir, quick=False, shapes=("8b", "qwen"), lengths=("32k", "128k"), reps=3,
@@ -98,7 +86,7 @@ def run(out_dir, quick=False, shapes=("8b", "qwen"), lengths=("32k", "128k"), re
                             rec["max_abs_err_vs_xla"] = float(jnp.max(jnp.abs(
                                 out.astype(jnp.float32) - refs.astype(jnp.float32))))
                     del out
-                    dt = time_call(f, (q, k, v, lens), 1 if quick else reps)
+                    dt = _meta.time_calls(f, (q, k, v, lens), 1 if quick else reps)
                     rec.update(ms=1e3 * dt, tflops=flops / dt / 1e12)
                     print(f"{shape:5s} T={T:7d} {name:20s} {1e3 * dt:10.2f} ms "
                           f"{flops / dt / 1e12:7.1f} TFLOP/s "

@@ -26,14 +26,7 @@ from pallas_kernels import dense_select  # noqa: E402
 
 
 def time_fn(f, *args, reps=20):
-    import time
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+    return _meta.time_calls(f, args, reps)
 
 
 def chain(ws_get, L, steps):

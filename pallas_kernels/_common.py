@@ -96,3 +96,22 @@ def largest_pow2_divisor(n: int, cap: int) -> int:
     while n % (p * 2) == 0 and p * 2 <= cap:
         p *= 2
     return p
+
+
+def online_softmax_step(m, l, acc, s, v, precision=None):
+    """One key block of a flash-attention online softmax inside a Triton kernel.
+
+    m, l [Q] float32 (running max in log2 units, running denominator), acc [Q, D] float32;
+    s [Q, K] float32 scores in log2 units (``-inf`` where masked); v [K, D]. Rows with no
+    allowed key so far keep ``m = -inf``, ``l = 0``, ``acc = 0``. ``p`` is cast to v's dtype
+    for ``p @ v`` (float32 accumulation). Returns the updated (m, l, acc).
+    """
+    from jax.experimental.pallas import triton as pltriton
+
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing allowed yet
+    alpha = jnp.exp2(m - m_use)
+    p = jnp.exp2(s - m_use[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
+    return m_new, l, acc

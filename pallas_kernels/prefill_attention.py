@@ -63,7 +63,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from models.llama import gqa_attention
-from pallas_kernels._common import interpret_mode, next_pow2, prefer_on_gpu, register, resolve
+from pallas_kernels._common import (interpret_mode, next_pow2, online_softmax_step,
+                                     prefer_on_gpu, register, resolve)
 
 OP = "prefill_attention"
 _LOG2E = math.log2(math.e)
@@ -180,13 +181,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, *, BQ, BK, G, scale2, precision
         if masked:
             key = k0 + kofs
             s = jnp.where((key <= qpos) & (key < length), s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing allowed yet
-        alpha = jnp.exp2(m - m_use)
-        p = jnp.exp2(s - m_use[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
-        return m_new, l, acc
+        return online_softmax_step(m, l, acc, s, v, precision)
 
     carry = (jnp.full((BQ,), -jnp.inf, jnp.float32), jnp.zeros((BQ,), jnp.float32),
              jnp.zeros((BQ, D), jnp.float32))

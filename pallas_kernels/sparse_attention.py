@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._common import interpret_mode, next_pow2, register, resolve
+from pallas_kernels._common import interpret_mode, next_pow2, online_softmax_step, register, resolve
 
 OP = "sparse_paged_attention"
 _LOG2E = math.log2(math.e)
@@ -341,13 +341,7 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter
             ok = in_pool
         s = pltriton.dot(q, k, trans_b=True, precision=precision) * scale2  # [G_pad, T] f32, log2 units
         s = jnp.where(ok[None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_use)
-        p = jnp.exp2(s - m_use[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
-        return m_new, l, acc
+        return online_softmax_step(m, l, acc, s, v, precision)
 
     init = (jnp.full((G_pad,), -jnp.inf, jnp.float32), jnp.zeros((G_pad,), jnp.float32),
             jnp.zeros((G_pad, D), jnp.float32))
