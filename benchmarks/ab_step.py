@@ -77,9 +77,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # noqa: E402
 import bench_decode as bd  # noqa: E402
 from jaxkv import CacheConfig, engine, lru, synthetic  # noqa: E402
-from pallas_kernels import _common, quest  # noqa: E402
-from pallas_kernels import sparse_attention as sa  # noqa: E402
-from pallas_kernels import dense_select as ds  # noqa: E402
+from jaxkv.kernels import _common, quest  # noqa: E402
+from jaxkv.kernels import sparse_attention as sa  # noqa: E402
+from jaxkv.kernels import dense_select as ds  # noqa: E402
 
 _EXH = ("xla_gpu_exhaustive_tiling_search", True)
 _CONC = ("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT")

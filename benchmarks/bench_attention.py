@@ -29,8 +29,8 @@ import numpy as np
 from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pallas_kernels import sparse_attention as sa  # noqa: E402
-from pallas_kernels.sparse_attention import AttentionTuning  # noqa: E402
+from jaxkv.kernels import sparse_attention as sa  # noqa: E402
+from jaxkv.kernels.sparse_attention import AttentionTuning  # noqa: E402
 
 FULL = dict(batches=(1, 8, 32), pages=(32, 64), H=8, G=4, D=128, ps=64, pool_gib=6.0,
             copy_mib=2048, target_s=0.02, min_iters=20, max_iters=400, reps=3, unroll=32,

@@ -24,8 +24,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # noqa: E402
-from pallas_kernels import sparse_attention as sa  # noqa: E402
-from pallas_kernels.sparse_attention import AttentionTuning  # noqa: E402
+from jaxkv.kernels import sparse_attention as sa  # noqa: E402
+from jaxkv.kernels.sparse_attention import AttentionTuning  # noqa: E402
 
 SHAPES = {"8b-b1": dict(B=1, H=8, G=4), "qwen-b8": dict(B=8, H=2, G=6),
           "qwen-b16": dict(B=16, H=2, G=6)}

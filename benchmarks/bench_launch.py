@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # noqa: E402
-from pallas_kernels import _common  # noqa: E402
+from jaxkv.kernels import _common  # noqa: E402
 
 KINDS = ("xla", "pallas", "mixed")
 ROWS, COLS = 8, 1024

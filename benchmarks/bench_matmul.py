@@ -108,7 +108,7 @@ def head_fn(mm, steps):
 
 
 def xla_mm(x, w):
-    """The model's own product (models.llama._matmul): bf16 result, upcast to f32."""
+    """The model's own product (jaxkv.models.llama._matmul): bf16 result, upcast to f32."""
     return jnp.einsum("mi,io->mo", x, w).astype(jnp.float32)
 
 

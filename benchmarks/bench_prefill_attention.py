@@ -23,7 +23,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # noqa: E402
-from pallas_kernels import prefill_attention as pa  # noqa: E402
+from jaxkv.kernels import prefill_attention as pa  # noqa: E402
 
 SHAPES = {"8b": dict(Hq=32, H=8, D=128), "qwen": dict(Hq=12, H=2, D=128)}
 QUICK_SHAPES = {"8b": dict(Hq=4, H=2, D=16), "qwen": dict(Hq=6, H=2, D=16)}

@@ -91,7 +91,7 @@ class VocabDecoder:
 
     @classmethod
     def from_gguf(cls, path) -> "VocabDecoder":
-        from models.gguf_loader import open_gguf
+        from jaxkv.models.gguf_loader import open_gguf
 
         r = open_gguf(path)
         return cls(r.fields["tokenizer.ggml.tokens"].contents(),
@@ -147,8 +147,8 @@ def _records(prompts, length_of) -> list[dict]:
 
 def prepare(data_dir: Path, gguf_path=None) -> Path:
     """Builds the full and quick prompt sets and writes them to ``data_dir``."""
-    from models import gguf_loader
-    from models.tokenizer import Tokenizer
+    from jaxkv.models import gguf_loader
+    from jaxkv.models.tokenizer import Tokenizer
 
     path = Path(gguf_path) if gguf_path else gguf_loader.default_model_path()
     tok = Tokenizer.from_gguf(path)
@@ -187,7 +187,7 @@ def load_prompts(data_dir: Path, which: str) -> list[dict]:
 
 
 def live_prompts(c: dict, gguf_path) -> list[dict]:
-    from models.tokenizer import Tokenizer
+    from jaxkv.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(gguf_path)
     ps = build_prompts(tok, lengths=c["lengths"], depths=c["depths"], trials=c["trials"],
@@ -251,7 +251,7 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
     import jax
 
     import jaxkv
-    from models import gguf_loader
+    from jaxkv.models import gguf_loader
 
     c = dict(QUICK if quick else FULL)
     if budgets:
@@ -343,7 +343,7 @@ def _find_gguf(data: Path | None) -> Path:
         found = sorted(Path(data).glob("*.gguf"))
         if found:
             return found[0]
-    from models import gguf_loader
+    from jaxkv.models import gguf_loader
     return gguf_loader.default_model_path()
 
 

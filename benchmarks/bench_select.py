@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels import dense_select as ds
-from pallas_kernels import indexer, quest, topk
+from jaxkv.kernels import dense_select as ds
+from jaxkv.kernels import indexer, quest, topk
 
 # Sweep-size variants trimmed so that ``--sizes 16384`` fits in ~90 s on the H200; the dropped
 # ones (full-row top-k tunings, scores bp16/bp32, topk sort/rounds, select_pallas_sort) are in

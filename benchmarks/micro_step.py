@@ -22,7 +22,7 @@ from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # noqa: E402
-from pallas_kernels import dense_select  # noqa: E402
+from jaxkv.kernels import dense_select  # noqa: E402
 
 
 def time_fn(f, *args, reps=20):

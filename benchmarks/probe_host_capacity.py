@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_decode as bd  # noqa: E402
 from jaxkv import CacheConfig, Sampling, engine, generate, synthetic  # noqa: E402
 from jaxkv import cache as kvcache  # noqa: E402
-from pallas_kernels import page_write  # noqa: E402
+from jaxkv.kernels import page_write  # noqa: E402
 
 GiB = 1 << 30
 INVALID = -1

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from jaxkv import CacheConfig, Sampling, compile_stats, engine
 from jaxkv.api import make_plan
-from models import configs, llama
+from jaxkv.models import configs, llama
 
 
 def build_state(plan, params, prompts, seed=0):

@@ -2,8 +2,46 @@
 
 Main entry point: :func:`jaxkv.generate`. Configuration: :class:`CacheConfig` (static) and
 :class:`Sampling` (traced). Lower level: :mod:`jaxkv.cache` (host-tier state),
-:mod:`jaxkv.lru` (static-shape LRU), :mod:`jaxkv.engine` (compiled prefill/decode).
+:mod:`jaxkv.lru` (static-shape LRU), :mod:`jaxkv.engine` (compiled prefill/decode),
+:mod:`jaxkv.kernels` (Pallas kernels with their jnp references), :mod:`jaxkv.models`
+(functional models, loaders, tokenizers).
 """
+import importlib.abc as _abc
+import importlib.util as _util
+import os as _os
+import sys as _sys
+
+
+class _SourceTree(_abc.MetaPathFinder):
+    """Source checkout run without an install (``PYTHONPATH=<repo>``): the repository's
+    top-level ``models/`` and ``pallas_kernels/`` serve as ``jaxkv.models`` and
+    ``jaxkv.kernels``, as pyproject's package-dir maps them in an install. Consulted after
+    every other finder, so an install's own mapping always wins."""
+
+    def __init__(self, folders: dict):
+        self.folders = folders
+
+    def find_spec(self, fullname, path=None, target=None):
+        folder = self.folders.get(fullname)
+        if folder is None:
+            return None
+        return _util.spec_from_file_location(fullname, _os.path.join(folder, "__init__.py"),
+                                             submodule_search_locations=[folder])
+
+
+def _map_source_tree():
+    root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    if not _os.path.isfile(_os.path.join(root, "pyproject.toml")):
+        return  # an installed distribution: jaxkv/models and jaxkv/kernels are real folders
+    folders = {f"{__name__}.{name}": _os.path.join(root, folder)
+               for name, folder in (("models", "models"), ("kernels", "pallas_kernels"))
+               if _os.path.isfile(_os.path.join(root, folder, "__init__.py"))}
+    if folders and not any(isinstance(f, _SourceTree) for f in _sys.meta_path):
+        _sys.meta_path.append(_SourceTree(folders))
+
+
+_map_source_tree()
+
 from jaxkv.config import CacheConfig, Sampling, greedy
 from jaxkv.spec import INVALID, CacheSpec
 

@@ -13,7 +13,7 @@ import numpy as np
 from jaxkv import cache as kvcache
 from jaxkv import compile_stats, engine, parallel, validation
 from jaxkv.config import CacheConfig, Sampling
-from models.configs import ModelConfig
+from jaxkv.models.configs import ModelConfig
 
 
 @dataclasses.dataclass
@@ -146,7 +146,7 @@ def generate(model: ModelConfig, params, prompts, *, max_new_tokens: int = 32,
 
     Args:
       model: the ModelConfig of ``params``.
-      params: the model's params pytree (models.llama layout).
+      params: the model's params pytree (jaxkv.models.llama layout).
       prompts: list of token-id lists (different lengths allowed).
       max_new_tokens: per request (traced: changing it does not recompile).
       sampling: :class:`Sampling` (default greedy); traced.
@@ -176,7 +176,7 @@ def generate(model: ModelConfig, params, prompts, *, max_new_tokens: int = 32,
 def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_tokens, seed, progress,
               mesh=None):
     if not isinstance(model, ModelConfig):
-        raise TypeError(f"model must be a models.configs.ModelConfig, got {type(model).__name__}")
+        raise TypeError(f"model must be a jaxkv.models.configs.ModelConfig, got {type(model).__name__}")
     cache = CacheConfig() if cache is None else cache
     if not isinstance(cache, CacheConfig):
         raise TypeError(f"cache must be a jaxkv.CacheConfig, got {type(cache).__name__}")

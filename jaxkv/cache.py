@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxkv import lru
 from jaxkv.spec import INVALID, CacheSpec
-from pallas_kernels import page_fetch, page_write
+from jaxkv.kernels import page_fetch, page_write
 
 
 @jax.tree_util.register_dataclass

@@ -51,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import jaxkv
-    from models import gguf_loader
-    from models.tokenizer import Tokenizer
+    from jaxkv.models import gguf_loader
+    from jaxkv.models.tokenizer import Tokenizer
 
     if args.file is not None:
         if not args.file.is_file():

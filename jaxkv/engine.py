@@ -25,11 +25,11 @@ from jaxkv import lru, selection
 from jaxkv.config import CacheConfig, Sampling
 from jaxkv.sampling import sample
 from jaxkv.spec import INVALID, CacheSpec
-from models import llama
-from models.configs import ModelConfig
-from pallas_kernels import dense_select, layer_lookup, page_fetch, page_write
-from pallas_kernels.prefill_attention import prefill_attention
-from pallas_kernels.sparse_attention import sparse_paged_attention
+from jaxkv.models import llama
+from jaxkv.models.configs import ModelConfig
+from jaxkv.kernels import dense_select, layer_lookup, page_fetch, page_write
+from jaxkv.kernels.prefill_attention import prefill_attention
+from jaxkv.kernels.sparse_attention import sparse_paged_attention
 
 
 # XLA options every decode round is compiled with (``round_compiler_options``). The round's

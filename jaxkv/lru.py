@@ -10,7 +10,7 @@ implementations, identical outputs (every field, fetch entries in the same order
   matrices that XLA fuses into a few wide kernels, one gather and one scatter on the page
   table. For small pools, where the cost is the number of kernels, not arithmetic.
 * ``method="pallas"``: "dense" as ONE Pallas kernel for all layers (grid over layers,
-  compare matrices in registers; ``pallas_kernels.lru_ensure``). R, S, Q <= ``PALLAS_MAX``
+  compare matrices in registers; ``jaxkv.kernels.lru_ensure``). R, S, Q <= ``PALLAS_MAX``
   (256). Interpret mode (slow) off the GPU.
 * ``method="auto"`` (default): where R*R + S*S + R*S + Q*S <= ``DENSE_MAX_ELEMS`` (2**20
   compare elements per layer): "pallas" on the GPU (or with ``JAXKV_IMPL=pallas``) when
@@ -29,7 +29,7 @@ Semantics, per layer and step (the plain-Python model in tests/lru_model.py is t
 6. Every resident requested page gets ``last_used = step``.
 7. Fetch entries (``fetch_src`` / ``fetch_dst`` / ``fetch_payload``) are compacted: the
    assigned misses in ascending page order at positions ``0 .. n - 1`` of the layer's row,
-   ``-1`` after (``pallas_kernels.page_fetch.fetch_layer_pages`` then only walks ``n``).
+   ``-1`` after (``jaxkv.kernels.page_fetch.fetch_layer_pages`` then only walks ``n``).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.spec import INVALID
-from pallas_kernels import _common, lru_ensure
+from jaxkv.kernels import _common, lru_ensure
 
 _BIG = jnp.iinfo(jnp.int32).max
 _SCAN_BLOCK = 64

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkv import cache as kvcache
 from jaxkv import engine, validation
-from models.configs import ModelConfig
+from jaxkv.models.configs import ModelConfig
 
 AXIS = "kv"
 # per-layer leaves split over the mesh: by rows (wo, w_down) or by output columns, part by part

@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from models import llama
-from pallas_kernels import dense_select, indexer, quest
+from jaxkv.models import llama
+from jaxkv.kernels import dense_select, indexer, quest
 
 
 def init_summaries(selector: str, num_layers: int, batch: int, num_pages: int,

@@ -33,10 +33,10 @@ import numpy as np
 from jaxkv import cache as kvcache
 from jaxkv import engine, selection
 from jaxkv.spec import INVALID
-from models import llama
-from pallas_kernels import page_write, quest
-from pallas_kernels import indexer as indexer_ops
-from pallas_kernels.sparse_attention import sparse_paged_attention
+from jaxkv.models import llama
+from jaxkv.kernels import page_write, quest
+from jaxkv.kernels import indexer as indexer_ops
+from jaxkv.kernels.sparse_attention import sparse_paged_attention
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # K/V bytes generated and written per fill call
 

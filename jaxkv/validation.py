@@ -193,8 +193,8 @@ def check_params(cfg, params) -> None:
     """Raise unless ``params`` has the tree structure, shapes and dtypes ``cfg`` implies."""
     want = _param_shapes(cfg)
     if not isinstance(params, dict):
-        raise TypeError(f"params must be the models.llama params dict, got {type(params).__name__}: "
-                        "load it with models.gguf_loader.load_gguf or llama.init_params")
+        raise TypeError(f"params must be the jaxkv.models.llama params dict, got {type(params).__name__}: "
+                        "load it with jaxkv.models.gguf_loader.load_gguf or llama.init_params")
     flat_want = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(want)}
     try:
         flat_got = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(params)}
@@ -224,7 +224,7 @@ _SHAPES_CACHE: dict = {}
 
 def _param_shapes(cfg):
     if cfg not in _SHAPES_CACHE:
-        from models import llama
+        from jaxkv.models import llama
         _SHAPES_CACHE[cfg] = llama.param_shapes(cfg)
     return _SHAPES_CACHE[cfg]
 

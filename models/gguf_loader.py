@@ -3,7 +3,7 @@
 Tensors are dequantized with ``gguf.quants.dequantize``. GGUF stores shapes in ggml order, so
 a numpy tensor is ``[out, in]``; jaxkv stores ``x @ W`` weights as ``[in, out]``. The GGUF
 converter permutes Q/K rows for interleaved-pair RoPE; they are un-permuted here for the
-half-split (NeoX) RoPE that ``models.llama`` uses.
+half-split (NeoX) RoPE that ``jaxkv.models.llama`` uses.
 """
 from __future__ import annotations
 
@@ -117,13 +117,13 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
     Args: ``path`` (default: ``default_model_path()``); ``dtype`` of the returned weights
     ("float32" or "bfloat16"; norms are cast too).
     Returns ``(ModelConfig, params)``: params as in models/llama.py, jax arrays
-    ``embed [V, d]``, ``layers`` (one dict per layer, fused as in ``models.llama.init_params``;
+    ``embed [V, d]``, ``layers`` (one dict per layer, fused as in ``jaxkv.models.llama.init_params``;
     weights ``[in, out]``),
     ``final_norm [d]`` and, when the file has ``output.weight``, ``lm_head [d, V]``.
     """
     import jax.numpy as jnp
-    from models.configs import ModelConfig
-    from models.llama import fuse_layer
+    from .configs import ModelConfig
+    from .llama import fuse_layer
 
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.configs import ModelConfig
+from .configs import ModelConfig
 
 Params = dict[str, Any]
 # attend(layer i32[], layer_params, h [B,T,d], q [B,T,Hq,D], k [B,T,H,D], v [B,T,H,D], carry)

@@ -82,7 +82,7 @@ class Tokenizer:
     def from_gguf(cls, path: str | os.PathLike | None = None, *, reader=None) -> "Tokenizer":
         """Builds the tokenizer from a GGUF file (default: the packaged SmolLM2 model)."""
         if reader is None:
-            from models.gguf_loader import default_model_path, open_gguf
+            from .gguf_loader import default_model_path, open_gguf
             reader = open_gguf(default_model_path() if path is None else path)
         model = _field(reader, "tokenizer.ggml.model")
         if model is None:

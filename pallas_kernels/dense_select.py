@@ -17,7 +17,7 @@ clamped to ``num_pages`` pages).
 ``dense_select`` needs no kernel: it reads no memory, it is an iota and a compare that XLA
 fuses into its consumer. ``select_top_pages`` (masking, top-k, ascending sort) is the shared
 second half of the scored selectors (Quest, indexer), whose Pallas kernels do the scoring.
-Its ``method="pallas"`` is one Pallas kernel for all of it (``pallas_kernels.topk``; ties go
+Its ``method="pallas"`` is one Pallas kernel for all of it (``jaxkv.kernels.topk``; ties go
 to the lowest page index); ``method="pallas_cmax"`` is the same kernel fed with chunk maxima
 (computed here in XLA; ``quest.quest_select`` takes them from its scores kernel), which
 never reads the whole row; the other methods are XLA top-k variants. ``"auto"`` is
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _common, topk
+from . import _common, topk
 
 INVALID = -1
 # XLA's fast GPU top-k kernel (custom call "__gpu$TopK") handles k <= 16 on [rows, n] inputs

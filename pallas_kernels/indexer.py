@@ -25,8 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _common
-from pallas_kernels.dense_select import num_valid_pages, select_top_pages
+from . import _common
+from .dense_select import num_valid_pages, select_top_pages
 
 OP = "indexer_scores"
 _MIN_DOT = 16  # Triton dot operands need every dimension >= 16

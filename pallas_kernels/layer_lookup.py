@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import _common, page_write
+from . import _common, page_write
 
 OP = "layer_lookup"
 INVALID = -1

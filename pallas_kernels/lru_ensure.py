@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _common
+from . import _common
 
 OP = "lru_ensure"
 MAX_SIZE = 256          # cap on R, S and Q (the [S, S] compare matrix is in registers)

@@ -36,8 +36,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _common
-from pallas_kernels import page_fetch
+from . import _common
+from . import page_fetch
 
 OP_TOKENS = "write_tokens"
 OP_PAGES = "write_pages"

@@ -15,7 +15,7 @@ Shapes and dtypes (shared by both implementations):
   implementations let them attend all ``lengths[b]`` keys; callers drop them).
 * Returns o ``[B, T, Hq, D]`` in q's dtype.
 
-"xla" (the reference, the default off the GPU): ``models.llama.gqa_attention`` over query chunks
+"xla" (the reference, the default off the GPU): ``jaxkv.models.llama.gqa_attention`` over query chunks
 of ``chunk`` tokens (default ``DEFAULT_CHUNK``), each attending all T keys under the mask above,
 so memory is ``O(B * Hq * chunk * T)``; T not a multiple of the chunk is padded with zero queries
 whose rows are dropped. The same math as the engine's prefill attention before this op.
@@ -62,8 +62,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from models.llama import gqa_attention
-from pallas_kernels._common import (interpret_mode, next_pow2, online_softmax_step,
+from jaxkv.models.llama import gqa_attention
+from ._common import (interpret_mode, next_pow2, online_softmax_step,
                                      prefer_on_gpu, register, resolve)
 
 OP = "prefill_attention"
@@ -110,7 +110,7 @@ def _pow2_block(name, value, default, T):
 
 
 # --------------------------------------------------------------------------------------------
-# Reference (pure jnp): models.llama.gqa_attention over query chunks.
+# Reference (pure jnp): jaxkv.models.llama.gqa_attention over query chunks.
 # --------------------------------------------------------------------------------------------
 @register(OP, "xla")
 @functools.partial(jax.jit, static_argnames=_TUNING + ("sm_scale",))
@@ -288,7 +288,7 @@ def prefill_attention(q, k, v, lengths, *, sm_scale=None, implementation=None, *
     q ``[B, T, Hq, D]``, k/v ``[B, T, H, D]`` (q's dtype, bf16 or f32), lengths ``[B]`` int32.
     ``sm_scale`` defaults to ``D ** -0.5``; ``implementation``: "pallas" / "xla" / "cudnn"
     (GPU, bf16) / "auto" (cuDNN where it applies, else Pallas; the GPU default) / None
-    (:func:`pallas_kernels._common.resolve`). ``tuning``: ``chunk`` (xla), ``block_q``,
+    (:func:`jaxkv.kernels._common.resolve`). ``tuning``: ``chunk`` (xla), ``block_q``,
     ``block_k``, ``num_warps``, ``num_stages`` (pallas); the other implementation ignores them.
     Returns o ``[B, T, Hq, D]`` in q's dtype.
     """

@@ -26,9 +26,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _common, topk
-from pallas_kernels import dense_select as ds
-from pallas_kernels.dense_select import num_valid_pages, select_top_pages
+from . import _common, topk
+from . import dense_select as ds
+from .dense_select import num_valid_pages, select_top_pages
 
 OP = "quest_scores"
 OP_CMAX = "quest_scores_cmax"  # scores + chunk maxima (top-k method "pallas_cmax")

@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._common import interpret_mode, next_pow2, online_softmax_step, register, resolve
+from ._common import interpret_mode, next_pow2, online_softmax_step, register, resolve
 
 OP = "sparse_paged_attention"
 _LOG2E = math.log2(math.e)

@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import _common
+from . import _common
 
 OP = "select_top_pages"
 INVALID = -1

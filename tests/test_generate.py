@@ -8,8 +8,8 @@ import pytest
 
 import jaxkv
 from jaxkv import CacheConfig, Sampling, engine
-from models import configs, llama
-from pallas_kernels import _common, dense_select, quest
+from jaxkv.models import configs, llama
+from jaxkv.kernels import _common, dense_select, quest
 from dense_reference import reference_greedy
 
 CFG = configs.tiny()

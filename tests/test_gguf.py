@@ -7,8 +7,8 @@ made by scripts/make_reference_logits.py with Hugging Face transformers (torch, 
 Logit tolerance (full model): both sides use the same dequantized Q4_1 weights in float32
 (transformers dequantizes with its own code), so differences come only from rounding and
 summation order through 30 layers. Measured max |diff| over all 49152 last-position logits
-(magnitude up to ~30): dense_reference (f64) vs transformers 3e-5..6e-5, models.llama (f32,
-CPU) vs transformers 4e-5..7e-5, models.llama vs dense_reference <= 1.3e-4. We allow 5e-3
+(magnitude up to ~30): dense_reference (f64) vs transformers 3e-5..6e-5, jaxkv.models.llama (f32,
+CPU) vs transformers 4e-5..7e-5, jaxkv.models.llama vs dense_reference <= 1.3e-4. We allow 5e-3
 absolute (~40x the measured error), still 20x below the smallest top-1/top-2 margin (0.1) on
 the fixture's greedy paths, so greedy continuations must be identical. The llama test runs
 with float32 matmul precision so that it also holds on a GPU (TF32 would not).
@@ -28,9 +28,9 @@ import pytest
 
 gguf = pytest.importorskip("gguf")  # not installed on the GPU machine  # noqa: E402
 
-from models import configs, llama
-from models.gguf_loader import GGUFError, _unpermute_rows, default_model_path, load_gguf, open_gguf
-from models.tokenizer import Tokenizer
+from jaxkv.models import configs, llama
+from jaxkv.models.gguf_loader import GGUFError, _unpermute_rows, default_model_path, load_gguf, open_gguf
+from jaxkv.models.tokenizer import Tokenizer
 from tests.dense_reference import reference_greedy, reference_logits
 
 FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_reference.npz"
@@ -179,7 +179,7 @@ def test_tiny_quantized_and_bf16(tmp_path):
 
 
 def test_dense_reference_matches_llama_tiny(tmp_path):
-    """dense_reference (numpy f64) vs models.llama.forward (f32) on a loaded tiny model with
+    """dense_reference (numpy f64) vs jaxkv.models.llama.forward (f32) on a loaded tiny model with
     biases and an untied head: the two independent forwards agree."""
     cfg = _tiny_cfg()
     params = _tiny_params(cfg, int(np.random.default_rng().integers(1 << 30)))
@@ -417,14 +417,14 @@ def test_dense_reference_matches_transformers(smollm64, ref):
     for i, ids in enumerate(_prompts(z, meta)):
         _check_logits("dense_reference", reference_logits(params, cfg, ids), z, i)
     # Greedy on two prompts only (plain text, chat with a system message): each f64 decode
-    # step streams 1 GB of weights; models.llama's greedy is checked on all four.
+    # step streams 1 GB of weights; jaxkv.models.llama's greedy is checked on all four.
     for i in (0, 3):
         assert reference_greedy(params, cfg, _prompts(z, meta)[i], 16) == z[f"greedy_{i}"].tolist(), i
 
 
 @pytest.mark.slow
 def test_llama_forward_matches_transformers(smollm, ref):
-    """models.llama.forward with dense_attend, all prompts in one right-padded batch; greedy
+    """jaxkv.models.llama.forward with dense_attend, all prompts in one right-padded batch; greedy
     decoding recomputes the padded batch (one compiled shape, lengths as the carry)."""
     cfg, params = smollm
     z, meta = ref

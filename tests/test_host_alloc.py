@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkv import CacheSpec, compile_stats
 from jaxkv import cache as kvcache
-from pallas_kernels import page_write
+from jaxkv.kernels import page_write
 
 GiB = 1 << 30
 

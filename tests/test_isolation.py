@@ -23,9 +23,9 @@ import pytest
 import jaxkv
 from jaxkv import CacheConfig, CacheSpec, engine
 from jaxkv import cache as kvcache
-from models import configs, llama
-from pallas_kernels import page_write
-from pallas_kernels.sparse_attention import sparse_paged_attention
+from jaxkv.models import configs, llama
+from jaxkv.kernels import page_write
+from jaxkv.kernels.sparse_attention import sparse_paged_attention
 from dense_reference import reference_greedy
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")

@@ -10,8 +10,8 @@ import pytest
 import jaxkv
 from jaxkv import CacheConfig, Sampling, engine, synthetic
 from jaxkv.api import make_plan
-from models import configs, llama
-from pallas_kernels import quest
+from jaxkv.models import configs, llama
+from jaxkv.kernels import quest
 
 CFG = configs.tiny()
 PARAMS = llama.init_params(CFG, seed=0)

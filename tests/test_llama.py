@@ -1,4 +1,4 @@
-"""Tests for models.configs and models.llama (functional Llama-family model)."""
+"""Tests for jaxkv.models.configs and jaxkv.models.llama (functional Llama-family model)."""
 import dataclasses
 import math
 
@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import configs
-from models import llama
-from models.configs import ModelConfig, get_config, tiny, with_indexer
+from jaxkv.models import configs
+from jaxkv.models import llama
+from jaxkv.models.configs import ModelConfig, get_config, tiny, with_indexer
 
 _fwd = jax.jit(llama.forward, static_argnums=(1, 4))
 _rope = jax.jit(llama.apply_rope, static_argnums=(2, 3))

@@ -35,7 +35,7 @@ def kernel_name(tmp_path, monkeypatch):
 
 def test_quickstart_notebook_runs(kernel_name):
     try:
-        from models.gguf_loader import default_model_path
+        from jaxkv.models.gguf_loader import default_model_path
         default_model_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))

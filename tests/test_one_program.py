@@ -13,7 +13,7 @@ import pytest
 
 from jaxkv import CacheConfig, Sampling, engine
 from jaxkv.api import make_plan
-from models import configs, llama
+from jaxkv.models import configs, llama
 
 
 def _compiled_round(cfg, cache_cfg, prompt_lens, max_new=8):
@@ -64,7 +64,7 @@ def test_fused_quest_update_copies_no_summaries_gpu(monkeypatch):
     """With the chunk-maxima top-k (forced here at a small size) the Quest summaries are
     updated inside the scores kernel through an input/output alias: the compiled round must
     not copy the summaries (nor the host tier) to make that alias."""
-    from pallas_kernels import dense_select
+    from jaxkv.kernels import dense_select
     monkeypatch.setattr(dense_select, "PALLAS_CMAX_MIN_COLUMNS", 1)
     engine._round_fn.cache_clear()
     cfg = configs.tiny(dtype="bfloat16", head_dim=64, num_kv_heads=2, num_heads=8)
@@ -84,7 +84,7 @@ def test_lagged_quest_copies_no_summaries_gpu(monkeypatch, mode):
     """Lagged selection (Quest over all layers at once on the summaries viewed as
     [1, L * B, ...]) still updates the summaries in place: the compiled round copies neither
     them nor the KV cache, in both modes."""
-    from pallas_kernels import dense_select
+    from jaxkv.kernels import dense_select
     monkeypatch.setattr(dense_select, "PALLAS_CMAX_MIN_COLUMNS", 1)
     engine._round_fn.cache_clear()
     cfg = configs.tiny(dtype="bfloat16", head_dim=64, num_kv_heads=2, num_heads=8)

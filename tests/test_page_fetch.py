@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from pallas_kernels import _common, page_fetch, page_write
+from jaxkv.kernels import _common, page_fetch, page_write
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from pallas_kernels import _common, page_write
+from jaxkv.kernels import _common, page_write
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 

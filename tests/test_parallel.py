@@ -24,7 +24,7 @@ import pytest
 
 import jaxkv
 from jaxkv import CacheConfig, parallel
-from models import configs, llama
+from jaxkv.models import configs, llama
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "parallel_cases.py"

@@ -1,5 +1,5 @@
-"""Tests of pallas_kernels.prefill_attention: the flash-attention kernel (interpret mode on CPU,
-Triton on GPU) vs the chunked reference vs a direct ``models.llama.gqa_attention`` call with the
+"""Tests of jaxkv.kernels.prefill_attention: the flash-attention kernel (interpret mode on CPU,
+Triton on GPU) vs the chunked reference vs a direct ``jaxkv.models.llama.gqa_attention`` call with the
 full [B, T, T] mask; NaN-poisoned padding; the reference's chunking; input validation; a CPU-only
 check that the kernel lowers to Triton for an H200; and one GPU comparison at a long prompt."""
 import jax
@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from models.llama import gqa_attention
-from pallas_kernels import _common
-from pallas_kernels import prefill_attention as pa
-from pallas_kernels.prefill_attention import prefill_attention
+from jaxkv.models.llama import gqa_attention
+from jaxkv.kernels import _common
+from jaxkv.kernels import prefill_attention as pa
+from jaxkv.kernels.prefill_attention import prefill_attention
 
 # f32: both dots at HIGHEST precision, only the summation order differs. bf16: the kernel casts
 # the probabilities to bf16 for p @ v (relative error <= 2**-9 per weight) and both round the

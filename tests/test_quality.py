@@ -23,8 +23,8 @@ PROMPT_TOKENS = 1000            # prompt + NEW fits one 1024-token context (64 p
 
 @pytest.fixture(scope="module")
 def smollm():
-    from models import gguf_loader
-    from models.tokenizer import Tokenizer
+    from jaxkv.models import gguf_loader
+    from jaxkv.models.tokenizer import Tokenizer
 
     try:
         path = gguf_loader.default_model_path()
@@ -121,7 +121,7 @@ def test_missing_haystack_package_names_pip_command(monkeypatch):
 
 
 def test_run_configs_pool_smaller_than_context():
-    from models.configs import smollm2_135m
+    from jaxkv.models.configs import smollm2_135m
 
     cfg = smollm2_135m()
     for length in (2048, 4096, 8192):

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lowering import lower_for_h200
-from pallas_kernels import _common
-from pallas_kernels import dense_select as ds
-from pallas_kernels import indexer, quest, topk
+from jaxkv.kernels import _common
+from jaxkv.kernels import dense_select as ds
+from jaxkv.kernels import indexer, quest, topk
 
 TOPK_METHODS = ("sort", "rounds", "chunked", "pallas", "pallas_cmax")
 
@@ -593,7 +593,7 @@ def test_topk_methods_agree_on_distinct_scores():
 
 
 def select_rule_numpy(scores, seq_lens, *, num_pages, k, page_size, num_sink_pages):
-    """The written-down selection rule (``pallas_kernels.topk`` docstring) in numpy: forced
+    """The written-down selection rule (``jaxkv.kernels.topk`` docstring) in numpy: forced
     pages +inf, NaN -inf, invalid pages out; stable sort by descending value (ties: lowest
     index first); the first k, ascending, -1 padded. scores [B, (H,) N]."""
     s = np.asarray(scores, np.float32)
@@ -718,7 +718,7 @@ def test_pallas_topk_matches_sort_on_distinct_scores():
 @pytest.mark.parametrize("env", [None, "pallas", "xla"])
 def test_auto_resolution(monkeypatch, env):
     """"auto" is the Pallas kernel on the GPU (or with JAXKV_IMPL=pallas), else XLA."""
-    from pallas_kernels import _common
+    from jaxkv.kernels import _common
     if env is None:
         monkeypatch.delenv("JAXKV_IMPL", raising=False)
     else:

@@ -39,8 +39,8 @@ import pytest
 
 from jaxkv import cache as kvcache
 from jaxkv.spec import INVALID, CacheSpec
-from pallas_kernels import page_write
-from pallas_kernels.sparse_attention import sparse_paged_attention
+from jaxkv.kernels import page_write
+from jaxkv.kernels.sparse_attention import sparse_paged_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 

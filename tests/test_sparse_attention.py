@@ -1,4 +1,4 @@
-"""Tests of pallas_kernels.sparse_attention: Pallas kernel (interpret mode on CPU, Triton on GPU)
+"""Tests of jaxkv.kernels.sparse_attention: Pallas kernel (interpret mode on CPU, Triton on GPU)
 vs the pure-jnp reference, the reference vs a float64 numpy softmax, merge_attention, and a
 CPU-only check that the kernel lowers to Triton IR for an H200 (power-of-two blocks etc.)."""
 import math
@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import sparse_attention as sa
-from pallas_kernels.sparse_attention import AttentionTuning, merge_attention, sparse_paged_attention
+from jaxkv.kernels import sparse_attention as sa
+from jaxkv.kernels.sparse_attention import AttentionTuning, merge_attention, sparse_paged_attention
 
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=1e-2, atol=1e-2)}
 LSE_TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=1e-4, atol=1e-4)}

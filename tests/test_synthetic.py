@@ -12,8 +12,8 @@ import pytest
 from jaxkv import cache as kvcache
 from jaxkv import engine, synthetic
 from jaxkv.config import CacheConfig, Sampling
-from models import configs, llama
-from pallas_kernels import quest
+from jaxkv.models import configs, llama
+from jaxkv.kernels import quest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 

@@ -21,8 +21,8 @@ import jaxkv
 from jaxkv import CacheConfig, CacheSpec, Sampling, api, engine, validation
 from jaxkv import cache as kvcache
 from jaxkv.cli import main as cli_main
-from models import configs, llama
-from models.gguf_loader import GGUFError, load_gguf
+from jaxkv.models import configs, llama
+from jaxkv.models.gguf_loader import GGUFError, load_gguf
 
 CFG = configs.tiny()
 PARAMS = llama.init_params(CFG, seed=0)
