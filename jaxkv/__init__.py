@@ -15,8 +15,9 @@ import sys as _sys
 class _SourceTree(_abc.MetaPathFinder):
     """Source checkout run without an install (``PYTHONPATH=<repo>``): the repository's
     top-level ``models/`` and ``pallas_kernels/`` serve as ``jaxkv.models`` and
-    ``jaxkv.kernels``, as pyproject's package-dir maps them in an install. Consulted after
-    every other finder, so an install's own mapping always wins."""
+    ``jaxkv.kernels``, as pyproject's package-dir maps them in an install. Consulted first,
+    so that the folders next to the imported ``jaxkv`` win over an editable install of
+    another checkout (git worktrees)."""
 
     def __init__(self, folders: dict):
         self.folders = folders
@@ -37,7 +38,7 @@ def _map_source_tree():
                for name, folder in (("models", "models"), ("kernels", "pallas_kernels"))
                if _os.path.isfile(_os.path.join(root, folder, "__init__.py"))}
     if folders and not any(isinstance(f, _SourceTree) for f in _sys.meta_path):
-        _sys.meta_path.append(_SourceTree(folders))
+        _sys.meta_path.insert(0, _SourceTree(folders))
 
 
 _map_source_tree()

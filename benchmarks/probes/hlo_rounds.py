@@ -1,0 +1,109 @@
+"""Lowered StableHLO of the default decode rounds and prefill layers, for checking that a
+refactor leaves the compiled programs unchanged.
+
+    PYTHONPATH=. python benchmarks/probes/hlo_rounds.py --out DIR [--impl pallas] [--texts]
+
+For each configuration (host tier and resident; quest, indexer and dense; exact and lagged
+selection; the other host schedules) it lowers one decode round and one prefill layer of a
+small model (bf16, head_dim 64 on GPU, where the Pallas kernels lower to Triton; f32 on CPU,
+where ``--impl pallas`` lowers the kernels in interpret mode, so their bodies are in the HLO)
+and writes the sha256 of each text to ``DIR/hlo_rounds.json`` (with ``--texts`` the texts
+too). Compare two such files with ``--compare A.json B.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+try:
+    from jaxkv.models import configs, llama
+except ImportError:  # trees before the jaxkv.models mapping
+    from models import configs, llama
+from jaxkv import CacheConfig, Sampling, engine
+from jaxkv.api import make_plan
+
+CASES = {
+    "resident_quest": dict(mode="resident", selector="quest"),
+    "resident_quest_lag": dict(mode="resident", selector="quest", selection_lag=1),
+    "resident_dense": dict(mode="resident", selector="dense"),
+    "resident_indexer": dict(mode="resident", selector="indexer"),
+    "host_quest": dict(mode="host", selector="quest"),
+    "host_quest_lag": dict(mode="host", selector="quest", selection_lag=1),
+    "host_dense": dict(mode="host", selector="dense"),
+    "host_indexer": dict(mode="host", selector="indexer"),
+    "host_indexer_lag": dict(mode="host", selector="indexer", selection_lag=1),
+    "host_quest_small_pool": dict(mode="host", selector="quest", pool_pages=12),
+    "host_quest_lag_small_pool": dict(mode="host", selector="quest", selection_lag=1,
+                                      pool_pages=12),
+    "host_quest_scratch": dict(mode="host", selector="quest", schedule="scratch"),
+    "host_quest_layer": dict(mode="host", selector="quest", schedule="layer"),
+    "host_quest_nocache": dict(mode="host", selector="quest", reuse=False),
+    "host_quest_dense2": dict(mode="host", selector="quest", dense_layers=1),
+    "host_quest_lag_dense2": dict(mode="host", selector="quest", selection_lag=1,
+                                  dense_layers=1),
+}
+
+
+def model_config(indexer: bool):
+    gpu = jax.default_backend() == "gpu"
+    kw = dict(dtype="bfloat16", head_dim=64, num_kv_heads=2, num_heads=8) if gpu else {}
+    cfg = configs.tiny(**kw)
+    return configs.with_indexer(cfg) if indexer else cfg
+
+
+def lower_case(name: str, kw: dict, impl: str | None) -> dict:
+    cfg = model_config(kw["selector"] == "indexer")
+    params = llama.init_params(cfg, seed=0)
+    ps = 16 if jax.default_backend() == "gpu" else 4
+    cache = CacheConfig(page_size=ps, selected_pages=4, implementation=impl, **kw)
+    lens = [300, 170] if ps == 16 else [30, 17]
+    plan = make_plan(cfg, cache, lens, 8, num_stop=4)
+    kv, summ = engine.init_kv(plan), engine.init_summaries(plan)
+    dense = engine.init_dense(plan)
+    state = engine.start_state(plan, kv, summ, lens, jnp.ones((plan.batch,), jnp.int32),
+                               jax.random.key(0), dense=dense)
+    rnd = engine.lower_decode_round(plan, params, state, Sampling.make(),
+                                    jnp.full((4,), -1, jnp.int32), jnp.int32(8)).as_text()
+    x = jnp.zeros((plan.batch, plan.prompt_len, cfg.d_model), cfg.dtype)
+    pre = engine.prefill_layer.lower(plan, params["layers"][0], jnp.int32(0), x,
+                                     jnp.asarray(lens, jnp.int32), kv, summ, dense).as_text()
+    return {"round": rnd, "prefill": pre}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--impl", default=None, help="implementation (default: per backend)")
+    ap.add_argument("--texts", action="store_true", help="also write the HLO texts")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"))
+    args = ap.parse_args()
+    if args.compare:
+        a, b = (json.load(open(p))["sha256"] for p in args.compare)
+        diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        print(f"{len(set(a) & set(b))} common programs, {len(diff)} differ: {diff}")
+        sys.exit(1 if diff else 0)
+    os.makedirs(args.out, exist_ok=True)
+    hashes = {}
+    for name in args.cases.split(","):
+        texts = lower_case(name, CASES[name], args.impl)
+        for part, text in texts.items():
+            key = f"{name}/{part}"
+            hashes[key] = hashlib.sha256(text.encode()).hexdigest()
+            if args.texts:
+                with open(os.path.join(args.out, f"{name}.{part}.mlir"), "w") as f:
+                    f.write(text)
+        print(name, hashes[f"{name}/round"][:12], hashes[f"{name}/prefill"][:12], flush=True)
+    with open(os.path.join(args.out, "hlo_rounds.json"), "w") as f:
+        json.dump({"backend": jax.default_backend(), "impl": args.impl,
+                   "jax": jax.__version__, "sha256": hashes}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
