@@ -1,6 +1,6 @@
 """Same-process A/B of variants of the whole decode step.
 
-    PYTHONPATH=. python3 benchmarks/ab_step.py --out DIR --variants fused_update,separate_update
+    PYTHONPATH=. python3 benchmarks/ab_step.py --out DIR --variants default,topk_full_row
     PYTHONPATH=. python3 benchmarks/ab_step.py --out DIR --variants default,exhaustive [--config c2]
 
 Run-to-run noise of a decode step on the H200 is a few percent, more than most single changes
@@ -10,48 +10,31 @@ one warm-up (compile) round, then ``--pairs`` turns in which every variant runs 
 order reversed every other turn (ABBA for two variants). The figure is, per variant, the median
 over turns of its step time divided by the first variant's.
 
-Variants (``VARIANTS``):
+Variants (``VARIANTS``): each one is a set of ``CacheConfig`` fields, ``jaxkv.Tuning`` fields
+and XLA compiler options (``Tuning.compiler_options``, added to the default ones); every
+variant is a plan of its own, so nothing is read at trace time.
+
 * ``default``: the engine as it is;
-* ``fused_update`` / ``separate_update``: the Quest summary update inside the scores kernel, or
-  XLA scatters before it (``quest.FUSE_UPDATE``, read when the round is traced);
-* ``merge_xla``: attention splits merged by XLA (three kernels) instead of the Pallas merge
-  kernel (``sparse_attention.MERGE``); ``k_copy``: Quest takes K from its own copy, not from the stacked K/V written to the cache
-  (``engine.SELECTOR_READS_STACKED_KV``); ``session8``: the engine as the eighth session left
-  it (XLA merge, K copy); ``scores_xla``: Quest's update + scores + chunk
-  maxima by the XLA reference (scatters, then one fusion) instead of the fused kernel;
-* ``exhaustive``: an XLA compiler option of the decode round (``Plan.compiler_options``): the
-  Triton GEMM autotuner searches its full tiling space. (``xla_gpu_experimental_enable_triton_tma``
-  is not accepted as a compile option by jax 0.11.2's GPU client.) ``autotune0``: no
-  autotuning (XLA's heuristic tilings).
+* ``exhaustive``: the Triton GEMM autotuner searches its full tiling space; ``autotune0``: no
+  autotuning (XLA's heuristic tilings);
 * ``pdl_off`` / ``pdl_on`` / ``pdl_launch``: programmatic dependent launch (Hopper) off, on,
   on with early-launch instructions; ``graph_serial`` / ``graph_concurrent``: the CUDA graph's
-  kernel ordering (``xla_gpu_command_buffer_scheduling_mode``; the engine's default is
-  concurrent, ``engine.ROUND_COMPILER_OPTIONS``), ``graph_xla``: without that default;
-  ``graph_while``: the decode while loop in the CUDA graph too (XLA's WHILE / CONDITIONAL
-  command types added to a full list of types; ``graph_list``: that list without them);
-  ``conc_multi_output`` / ``conc_heroless`` / ``conc_block_level`` / ``conc_all_triton``: the
-  concurrent graph plus one of XLA's experimental fusion passes.
+  kernel ordering (``xla_gpu_command_buffer_scheduling_mode``; the default is concurrent),
+  ``graph_xla``: no options at all (``Tuning(compiler_options=())``); ``graph_while``: the
+  decode while loop in the CUDA graph too (XLA's WHILE / CONDITIONAL command types added to a
+  full list of types; ``graph_list``: that list without them); ``conc_multi_output`` /
+  ``conc_heroless`` / ``conc_block_level`` / ``conc_all_triton``: one of XLA's experimental
+  fusion passes;
 * ``lagged``: ``CacheConfig(selection_lag=1)``: each step attends to the pages chosen with the
-  previous token's queries (``CACHE_CHANGES``), as the engine does it by default
-  (``engine.BATCH_LAGGED_SELECTION``); ``lagged_all_layers``: Quest selects for all layers at
-  once after the layer loop; ``lagged_per_layer``: per layer inside the loop, where it may
-  run beside the layer's other work.
-* ``steps2`` / ``steps4``: 2 / 4 decode steps per iteration of the round's while loop
-  (``engine.STEPS_PER_ITERATION``: one host round trip for the loop predicate per iteration);
-  ``lagged_steps2`` / ``lagged_steps4`` / ``lagged_all_layers_steps2``: with lagged selection.
-* ``unmasked_pages`` (host tier, c2): the layer's pages passed to the lookup kernel without the
-  XLA masking fusion (``engine.MASK_PAGES_BEFORE_LOOKUP``); ``lagged_unmasked_pages`` /
-  ``lagged_all_layers_unmasked_pages``: with lagged selection.
-* ``ensure_pallas256`` (host tier, c2): the LRU ensure's "auto" method takes the one-launch
-  Pallas kernel up to 256 requests / slots per layer (``lru.PALLAS_AUTO_MAX``; the default
-  is 128); ``lagged_ensure_pallas256``: with lagged selection. Meaningful at ``--batch 1``
-  (130 slots per layer), where the default runs the dense form. ``ensure_dense4m`` /
-  ``lagged_ensure_dense4m``: "auto" takes the dense form up to 4M compare elements per layer
-  (``lru.DENSE_MAX_ELEMS``), so Qwen-like B=8 with the 2x pool runs it instead of the sort.
-* ``lagged_install_ahead`` / ``lagged_install_previous`` (host tier, c2): the step start
-  installs the pages this step attends to (none read over PCIe; with the default pool
-  attention then takes no host operand; the default) or those the previous step attended to
-  (``engine.INSTALL_LAGGED_AHEAD``).
+  previous token's queries;
+* ``ensure_pallas256`` (host tier, c2): the LRU ensure's "auto" takes the one-launch Pallas
+  kernel up to 256 requests / slots per layer (``Tuning.ensure_pallas_max``); meaningful at
+  ``--batch 1``. ``ensure_dense4m``: "auto" takes the dense form up to 4M compare elements
+  per layer (``Tuning.ensure_dense_max_elems``), so Qwen-like B=8 with the 2x pool runs it
+  instead of the sort; ``ensure_sort``: the sort form always. ``lagged_*``: the same with
+  lagged selection.
+* ``topk_full_row``: Quest's top-k reads whole score rows (``Tuning(topk_cmax_min_pages=None)``)
+  instead of the chunk maxima.
 
 ``--batch`` sets the Qwen-like batch (default 8).
 
@@ -76,95 +59,60 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # noqa: E402
 import bench_decode as bd  # noqa: E402
-from jaxkv import CacheConfig, engine, lru, synthetic  # noqa: E402
+from jaxkv import CacheConfig, Tuning, engine, synthetic  # noqa: E402
 from jaxkv.kernels import _common, quest  # noqa: E402
-from jaxkv.kernels import sparse_attention as sa  # noqa: E402
-from jaxkv.kernels import dense_select as ds  # noqa: E402
 
 _EXH = ("xla_gpu_exhaustive_tiling_search", True)
 _CONC = ("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT")
 _CMD_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
-# Trace-time switches a variant may set: name -> (module, attribute). A variant lists the
-# switches it changes from the engine's defaults.
-SWITCHES = {
-    "fuse_update": (quest, "FUSE_UPDATE"),
-    "merge": (sa, "MERGE"),
-    "stacked_kv": (engine, "SELECTOR_READS_STACKED_KV"),
-    # the implementation of Quest's update + scores + chunk maxima op (env var; None = unset)
-    "update_scores_impl": (os.environ, "JAXKV_IMPL_" + quest.OP_UPDATE_CMAX.upper()),
-    # the engine's default XLA options of the round (engine.ROUND_COMPILER_OPTIONS)
-    "round_options": (engine, "ROUND_COMPILER_OPTIONS"),
-    # lagged Quest selection once for all layers after the loop, or per layer inside it
-    "batch_lagged": (engine, "BATCH_LAGGED_SELECTION"),
-    "steps": (engine, "STEPS_PER_ITERATION"),
-    "mask_pages": (engine, "MASK_PAGES_BEFORE_LOOKUP"),
-    "pallas_auto_max": (lru, "PALLAS_AUTO_MAX"),
-    "dense_max": (lru, "DENSE_MAX_ELEMS"),
-    "install_lagged_ahead": (engine, "INSTALL_LAGGED_AHEAD"),
-}
-# name -> (switch values, XLA compiler options)
+# name -> (Tuning fields, XLA compiler options added to Tuning's default ones)
 VARIANTS = {
     "default": ({}, ()),
-    "fused_update": ({"fuse_update": True}, ()),
-    "separate_update": ({"fuse_update": False}, ()),
     "exhaustive": ({}, (_EXH,)),
     "autotune0": ({}, (("xla_gpu_autotune_level", 0),)),
-    "merge_xla": ({"merge": "xla"}, ()),
-    "k_copy": ({"stacked_kv": False}, ()),
-    "scores_xla": ({"update_scores_impl": "xla"}, ()),
-    # the engine as the eighth session left it: split merge in XLA, Quest's K from its own copy
-    "session8": ({"merge": "xla", "stacked_kv": False}, ()),
     # programmatic dependent launch (Hopper): a kernel may start while its predecessor drains
     "pdl_off": ({}, (("xla_gpu_enable_pdl", False),)),
     "pdl_on": ({}, (("xla_gpu_enable_pdl", True),)),
     "pdl_launch": ({}, (("xla_gpu_enable_pdl", True), ("xla_gpu_enable_pdl_launch", True))),
     # how the CUDA graph of the round orders its kernels
     "graph_serial": ({}, (("xla_gpu_command_buffer_scheduling_mode", "SERIALIZE"),)),
-    # without the engine's default options: the graph ordered as XLA orders it by default
-    "graph_xla": ({"round_options": ()}, ()),
+    "graph_xla": ({"compiler_options": ()}, ()),
     "graph_concurrent": ({}, (_CONC,)),
     # the decode loop itself inside the CUDA graph (conditional nodes): no host round trip
     # for the loop predicate between steps (graph_list: the same command types without them)
     "graph_list": ({}, (("xla_gpu_enable_command_buffer", _CMD_TYPES),)),
     "graph_while": ({}, (("xla_gpu_enable_command_buffer", _CMD_TYPES + ",WHILE,CONDITIONAL"),)),
-    # XLA fusion passes (each with the concurrent graph): fewer glue kernels per layer?
-    "conc_multi_output": ({}, (_CONC, ("xla_gpu_unsupported_enable_triton_multi_output_fusion",
-                                       True))),
-    "conc_heroless": ({}, (_CONC, ("xla_gpu_experimental_enable_triton_heroless_priority_fusion",
-                                   True))),
-    "conc_block_level": ({}, (_CONC, ("xla_gpu_experimental_enable_fusion_block_level_rewriter",
-                                      True))),
-    "conc_all_triton": ({}, (_CONC, ("xla_gpu_experimental_all_fusions_with_triton", True))),
+    # XLA fusion passes: fewer glue kernels per layer?
+    "conc_multi_output": ({}, (("xla_gpu_unsupported_enable_triton_multi_output_fusion",
+                                True),)),
+    "conc_heroless": ({}, (("xla_gpu_experimental_enable_triton_heroless_priority_fusion",
+                            True),)),
+    "conc_block_level": ({}, (("xla_gpu_experimental_enable_fusion_block_level_rewriter",
+                               True),)),
+    "conc_all_triton": ({}, (("xla_gpu_experimental_all_fusions_with_triton", True),)),
     # pages chosen with the previous token's queries (CacheConfig.selection_lag, CACHE_CHANGES)
     "lagged": ({}, ()),
-    "lagged_all_layers": ({"batch_lagged": True}, ()),
-    "lagged_per_layer": ({"batch_lagged": False}, ()),
-    # decode steps per iteration of the round's while loop (one host round trip each)
-    "steps2": ({"steps": 2}, ()),
-    "steps4": ({"steps": 4}, ()),
-    "lagged_steps2": ({"steps": 2}, ()),
-    "lagged_steps4": ({"steps": 4}, ()),
-    "lagged_all_layers_steps2": ({"batch_lagged": True, "steps": 2}, ()),
-    # host tier, schedule "step": the layer's pages straight into the lookup kernel (no XLA
-    # masking fusion before it)
-    "unmasked_pages": ({"mask_pages": False}, ()),
-    "lagged_unmasked_pages": ({"mask_pages": False}, ()),
-    "lagged_all_layers_unmasked_pages": ({"batch_lagged": True, "mask_pages": False}, ()),
-    # host tier: the LRU ensure's "auto" takes the one-launch Pallas kernel up to 256 (padded)
-    # requests / slots per layer, as before lru.PALLAS_AUTO_MAX
-    "ensure_pallas256": ({"pallas_auto_max": 256}, ()),
-    "lagged_ensure_pallas256": ({"pallas_auto_max": 256}, ()),
-    # host tier: the LRU ensure's "auto" takes the dense form up to 4M compare elements per
-    # layer (lru.DENSE_MAX_ELEMS; the default 1M sends Qwen-like B=8 with the 2x pool to "sort")
-    "ensure_dense4m": ({"dense_max": 2 ** 22}, ()),
-    "lagged_ensure_dense4m": ({"dense_max": 2 ** 22}, ()),
-    # host tier, lagged: the step start installs this step's own pages (none read over PCIe)
-    # instead of the previous step's (engine.INSTALL_LAGGED_AHEAD, on by default)
-    "lagged_install_ahead": ({"install_lagged_ahead": True}, ()),
-    "lagged_install_previous": ({"install_lagged_ahead": False}, ()),
+    # the LRU ensure's form and thresholds (host tier)
+    "ensure_pallas256": ({"ensure_pallas_max": 256}, ()),
+    "lagged_ensure_pallas256": ({"ensure_pallas_max": 256}, ()),
+    "ensure_dense4m": ({"ensure_dense_max_elems": 2 ** 22}, ()),
+    "lagged_ensure_dense4m": ({"ensure_dense_max_elems": 2 ** 22}, ()),
+    "ensure_sort": ({"ensure_method": "sort"}, ()),
+    # Quest's top-k over whole score rows instead of chunk maxima
+    "topk_full_row": ({"topk_cmax_min_pages": None}, ()),
 }
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
 CACHE_CHANGES = {n: {"selection_lag": 1} for n in VARIANTS if n.startswith("lagged")}
+
+
+def variant_tuning(name: str, base: Tuning = Tuning()) -> Tuning:
+    """The ``Tuning`` of variant ``name``: its fields over ``base``, its XLA options added to
+    ``base``'s (an option of the same name replaces the base's)."""
+    fields, options = VARIANTS[name]
+    tuning = dataclasses.replace(base, **fields)
+    opts = dict(tuning.compiler_options)
+    opts.update(options)
+    return dataclasses.replace(tuning, compiler_options=tuple(opts.items()))
 
 
 def _accepted(names):
@@ -173,36 +121,12 @@ def _accepted(names):
     ok = []
     for n in names:
         try:
-            jax.jit(lambda x: x + 1).lower(1.0).compile(dict(VARIANTS[n][1]) or None)
+            jax.jit(lambda x: x + 1).lower(1.0).compile(
+                dict(variant_tuning(n).compiler_options) or None)
             ok.append(n)
         except Exception as e:  # noqa: BLE001 - any rejection drops the variant
             print(f"  {n}: compiler options rejected ({type(e).__name__}: {str(e)[:200]})")
     return ok
-
-
-def _get(obj, key):
-    return obj.get(key) if obj is os.environ else getattr(obj, key)
-
-
-def _set(obj, key, value):
-    if obj is not os.environ:
-        setattr(obj, key, value)
-    elif value is None:
-        os.environ.pop(key, None)
-    else:
-        os.environ[key] = value
-
-
-def _with_switches(values: dict, fn):
-    """Run ``fn()`` with the named switches set (restored afterwards)."""
-    saved = {k: _get(*SWITCHES[k]) for k in values}
-    try:
-        for k, v in values.items():
-            _set(*SWITCHES[k], v)
-        return fn()
-    finally:
-        for k, v in saved.items():
-            _set(*SWITCHES[k], v)
 
 
 def _traced_calls(op, fn):
@@ -221,7 +145,7 @@ def _traced_calls(op, fn):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--variants", default="fused_update,separate_update",
+    ap.add_argument("--variants", default="default,topk_full_row",
                     help=f"comma-separated, the first is the baseline; of {sorted(VARIANTS)}")
     ap.add_argument("--config", default="b", choices=("b", "c2"))
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
@@ -237,10 +161,11 @@ def main():
     names = _accepted(names)
     if len(names) < 2:
         raise SystemExit("fewer than two variants left")
+    base_tuning = Tuning()
     if a.quick:  # tiny model; the chunk-maxima top-k (and so the fused kernel) at any size
         shape, B, ctx, st = "tiny", 2, 256, bd.Settings(**bd.QUICK)
         cfg = bd.configs.tiny()
-        ds.PALLAS_CMAX_MIN_COLUMNS = 1
+        base_tuning = Tuning(topk_cmax_min_pages=1)
     else:
         shape, B, ctx, st = "qwen1.5b", a.batch, 131072, bd.Settings(page_size=64)
         cfg = bd.model_config(shape)
@@ -263,23 +188,20 @@ def main():
         cache = dataclasses.replace(cache, mode="host",
                                     pool_pages=min(B * (max_ctx // ps), 2 * one_x))
     plans, states, runs, traced = {}, {}, {}, {}
-    for i, name in enumerate(names):
-        # distinct plans (stop-list length) so variants that differ only in what is read at
-        # trace time (FUSE_UPDATE) still compile their own round
-        plans[name] = engine.Plan(model=cfg, batch=B, prompt_len=max_ctx,
-                                  cache=dataclasses.replace(cache, **CACHE_CHANGES.get(name, {})),
-                                  max_context=max_ctx, num_stop=4 + i,
-                                  compiler_options=VARIANTS[name][1])
+    for name in names:
+        cc = dataclasses.replace(cache, tuning=variant_tuning(name, base_tuning),
+                                 **CACHE_CHANGES.get(name, {}))
+        plans[name] = engine.Plan(model=cfg, batch=B, prompt_len=max_ctx, cache=cc,
+                                  max_context=max_ctx, num_stop=4)
         states[name] = bd.build_state(None, plans[name], lengths, synth=synth, seed=st.seed,
                                       chunk_bytes=st.chunk_bytes)
         runs[name] = []
     warm = {}
-    for name in list(names):  # warm-up: trace (with this variant's switches) and compile
+    for name in list(names):  # warm-up: trace and compile
         try:
-            (rec, states[name]), traced[name] = _with_switches(
-                VARIANTS[name][0], lambda: _traced_calls(
-                    quest.OP_UPDATE_CMAX,
-                    lambda: bd.run_decode(name, plans[name], params, states[name], st, rounds=1)))
+            (rec, states[name]), traced[name] = _traced_calls(
+                quest.OP_UPDATE_CMAX,
+                lambda: bd.run_decode(name, plans[name], params, states[name], st, rounds=1))
         except Exception as e:  # noqa: BLE001 - a variant that fails to compile is dropped
             print(f"  {name}: dropped, its round failed ({type(e).__name__}: {str(e)[:300]})")
             names.remove(name)
@@ -312,8 +234,10 @@ def main():
                shape=shape, batch=B, context=ctx, page_size=ps, selected_pages=k,
                config=a.config, pool_pages=plans[base].pool_pages if a.config == "c2" else None,
                salience=float(sal), simulated_overlap=float(sim), pairs=a.pairs,
-               variants={n: dict(switches=VARIANTS[n][0], cache_changes=CACHE_CHANGES.get(n, {}),
-                                 compiler_options={k_: str(v) for k_, v in VARIANTS[n][1]})
+               variants={n: dict(tuning={k_: str(v) for k_, v in VARIANTS[n][0].items()},
+                                 cache_changes=CACHE_CHANGES.get(n, {}),
+                                 compiler_options={k_: str(v) for k_, v in
+                                                   plans[n].tuning.compiler_options})
                          for n in names},
                baseline=base, results=summary, warmup=warm, compiles_after_warmup=compiles,
                fused_kernel_traced=traced,

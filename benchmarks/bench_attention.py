@@ -156,14 +156,6 @@ def run(out_dir, quick=False, with_select=True, shape="8b"):
                     rec(name, best_S, tuning, time_variant(best_S, tuning))
                 except Exception as e:  # noqa: BLE001
                     print(f"  B={B} K={K} {name} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            if best_S > 1:  # the same best split count with the splits merged by XLA
-                saved, sa.MERGE = sa.MERGE, "xla"
-                try:
-                    rec(f"S{best_S}_merge_xla", best_S, None, time_variant(best_S, None))
-                except Exception as e:  # noqa: BLE001
-                    print(f"  B={B} K={K} merge_xla FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                finally:
-                    sa.MERGE = saved
             xla_us = None
             if c["xla_reference"]:
                 try:
@@ -192,7 +184,7 @@ def run(out_dir, quick=False, with_select=True, shape="8b"):
                                            best=p["best"]["us"] <= 10.0)
     out = dict(benchmark="bench_attention", device=f"{dev.platform}:{dev.device_kind}",
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=_commit(),
-               jax_version=jax.__version__, quick=quick, shape=shape, merge=sa.MERGE,
+               jax_version=jax.__version__, quick=quick, shape=shape,
                hbm_copy_gbps=gbps,
                pool_rows=n_rows, pool_gib=n_rows * R * 2 / 2**30, implementation=impl,
                config={k: v for k, v in c.items()}, targets=TARGETS, checks=checks, points=points,

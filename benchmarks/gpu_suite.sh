@@ -108,7 +108,7 @@ for s in $STAGES; do
     steady) run steady 300 $PY benchmarks/bench_fetch.py --only-steady --budget-s 240 --out "$OUT" ;;
     ab) flags=${XLA_FLAGS:-}
         [ "${AB_DUMP:-0}" = 1 ] && flags="$flags --xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_round.*"
-        XLA_FLAGS=$flags run ab ${AB_LIMIT:-500} $PY benchmarks/ab_step.py --variants ${AB_VARIANTS:-fused_update,separate_update} \
+        XLA_FLAGS=$flags run ab ${AB_LIMIT:-500} $PY benchmarks/ab_step.py --variants ${AB_VARIANTS:-default,topk_full_row} \
           --config ${AB_CONFIG:-b} --pairs ${AB_PAIRS:-6} --tag "${AB_TAG:-$JAXKV_COMMIT}" --out "$OUT"
         [ -d "$OUT/hlo" ] && tar -czf "$OUT/ab_hlo.tgz" -C "$OUT" hlo && rm -rf "$OUT/hlo" ;;
     quality) run quality 400 $PY benchmarks/bench_quality.py --out "$OUT" ;;

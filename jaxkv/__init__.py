@@ -43,10 +43,11 @@ def _map_source_tree():
 
 _map_source_tree()
 
-from jaxkv.config import CacheConfig, Sampling, greedy
+from jaxkv.config import CacheConfig, Sampling, Tuning, greedy
 from jaxkv.spec import INVALID, CacheSpec
 
-__all__ = ["CacheConfig", "CacheSpec", "GenerateResult", "INVALID", "Sampling", "generate", "greedy"]
+__all__ = ["CacheConfig", "CacheSpec", "GenerateResult", "INVALID", "Sampling", "Tuning", "generate",
+           "greedy"]
 __version__ = "0.1.0"
 
 

@@ -166,13 +166,14 @@ def _global_rows(local, layer, per_layer):
 
 
 def ensure_resident(spec: CacheSpec, cache: HostTierCache, requests, protect, *,
-                    layers=None, implementation=None):
+                    layers=None, implementation=None, **ensure_options):
     """Make requested pages resident: LRU ensure of all given layers, then ONE fetch launch.
 
     Args:
       requests: [Lr, R] int32 logical pages per layer (-1 padding; duplicates fine).
       protect: [Lr, Q] int32 logical pages that must stay resident (-1 padding).
       layers: [Lr] int32 layer ids of the rows of ``requests`` (default: all L layers).
+      ensure_options: ``lru.ensure``'s method and thresholds.
     Returns:
       (cache, slots [Lr, R] int32 global pool rows of each request, -1 if padding/dropped).
     """
@@ -181,7 +182,7 @@ def ensure_resident(spec: CacheSpec, cache: HostTierCache, requests, protect, *,
     layers = jnp.asarray(layers, jnp.int32)
     res = lru.ensure(cache.page_table[layers], cache.slot_owner[layers],
                      cache.last_used[layers], requests, protect, cache.step,
-                     implementation=implementation)
+                     implementation=implementation, **ensure_options)
     lcol = layers[:, None]
     src = _global_rows(res.fetch_src, lcol, spec.num_logical_pages)
     dst = _global_rows(res.fetch_dst, lcol, spec.num_slots)

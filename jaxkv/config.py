@@ -19,10 +19,61 @@ KV_DTYPES = ("float32", "bfloat16", "float16")
 IMPLEMENTATIONS = ("pallas", "xla")
 
 
-def _as_int(name: str, v, minimum: int):
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Performance settings of the compiled programs: static (part of the jit key, so a new
+    value recompiles), and none of them changes a result. The defaults are the measured best
+    on the H200 (docs/decisions.md has the figures); benchmarks vary them, users rarely need to.
+
+    Attributes:
+      compiler_options: XLA options of the compiled decode round, as (name, value) pairs. The
+        default orders the round's CUDA graph by buffer dependencies so independent kernels may
+        overlap (1.2-1.7% off the Qwen-like B=8 step). Options this XLA rejects are dropped
+        with a warning; the CPU backend accepts and ignores this one.
+      topk_method: top-k of the scored selectors (Quest, indexer): "auto" or one of
+        ``jaxkv.kernels.dense_select.TOPK_METHODS``.
+      topk_cmax_min_pages: with "auto" and the Pallas implementation, rows of at least this
+        many pages take the chunk-maxima top-k ("pallas_cmax": the scores kernel writes chunk
+        maxima, the top-k kernel reads only those and the chosen chunks); None: never.
+      ensure_method: the LRU ensure's form, "auto" | "dense" | "sort" | "pallas" (identical
+        results; ``jaxkv.lru``).
+      ensure_dense_max_elems: "auto" takes the sort-free compare-matrix form up to this many
+        compare elements per layer (R*R + S*S + R*S + Q*S), the sort form above.
+      ensure_pallas_max: "auto" with the Pallas implementation runs the compare-matrix form as
+        one Pallas kernel when R, S and Q are at most this (above 128 the kernel's matrices
+        spill registers).
+    """
+
+    compiler_options: tuple = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)
+    topk_method: str = "auto"
+    topk_cmax_min_pages: int | None = 2048
+    ensure_method: str = "auto"
+    ensure_dense_max_elems: int = 2 ** 20
+    ensure_pallas_max: int = 128
+
+    def __post_init__(self):
+        opts = self.compiler_options
+        if not isinstance(opts, (tuple, list)) or not all(
+                isinstance(o, (tuple, list)) and len(o) == 2 and isinstance(o[0], str) for o in opts):
+            raise ValueError("Tuning.compiler_options must be (name, value) pairs, e.g. "
+                             f"(('xla_gpu_autotune_level', 0),), got {opts!r}")
+        object.__setattr__(self, "compiler_options", tuple(tuple(o) for o in opts))
+        topk = ("auto", "sort", "rounds", "chunked", "pallas", "pallas_cmax")
+        if self.topk_method not in topk:
+            raise ValueError(f"Tuning.topk_method must be one of {topk}, got {self.topk_method!r}")
+        if self.ensure_method not in ("auto", "dense", "sort", "pallas"):
+            raise ValueError("Tuning.ensure_method must be 'auto', 'dense', 'sort' or 'pallas', "
+                             f"got {self.ensure_method!r}")
+        if self.topk_cmax_min_pages is not None:
+            _as_int("topk_cmax_min_pages", self.topk_cmax_min_pages, 1, "Tuning")
+        _as_int("ensure_dense_max_elems", self.ensure_dense_max_elems, 0, "Tuning")
+        _as_int("ensure_pallas_max", self.ensure_pallas_max, 0, "Tuning")
+
+
+def _as_int(name: str, v, minimum: int, owner: str = "CacheConfig"):
     """v as a Python int >= minimum (numpy ints accepted, bools and floats refused)."""
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < minimum:
-        raise ValueError(f"CacheConfig.{name} must be an int >= {minimum}, got {v!r}")
+        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {v!r}")
     return int(v)
 
 
@@ -33,7 +84,8 @@ class CacheConfig:
     Attributes:
       mode: "host" (full KV in pinned host memory, device pool as LRU cache) or
         "resident" (every page on device; the baseline). One switch, same math.
-      selector: "quest", "indexer" or "dense" (every valid page).
+      selector: a registered page selector (``jaxkv.selectors``): "quest", "indexer" or
+        "dense" (every valid page).
       page_size: tokens per page (power of two).
       selected_pages: k, pages selected per request, layer and KV head per step
         (ignored by "dense").
@@ -78,6 +130,7 @@ class CacheConfig:
         its attention, so it can run beside the rest of the step. An approximation: it
         changes which pages are read (about 1 in 9 on real text, see BENCHMARKS.md), never
         the pages the sinks / current page rule forces. Quest and indexer only.
+      tuning: :class:`Tuning`, performance settings that never change results.
     """
 
     mode: Mode = "host"
@@ -99,8 +152,11 @@ class CacheConfig:
     unroll_layers: bool | None = None
     dense_layers: int = 0
     selection_lag: int = 0
+    tuning: Tuning = Tuning()
 
     def __post_init__(self):
+        if not isinstance(self.tuning, Tuning):
+            raise ValueError(f"CacheConfig.tuning must be a jaxkv.Tuning, got {self.tuning!r}")
         if not isinstance(self.dense_layers, int) or isinstance(self.dense_layers, bool) \
                 or self.dense_layers < 0:
             raise ValueError(f"CacheConfig.dense_layers must be an int >= 0, got {self.dense_layers!r}")
@@ -114,14 +170,15 @@ class CacheConfig:
         if self.selection_lag > 1:
             raise ValueError(f"CacheConfig.selection_lag must be 0 (exact) or 1 (pages chosen "
                              f"with the previous token's queries), got {self.selection_lag}")
-        if self.selection_lag and self.selector == "dense":
-            raise ValueError("CacheConfig.selection_lag=1 needs selector 'quest' or 'indexer' "
-                             "(the dense selector reads every page): set selection_lag=0")
+        from jaxkv import selectors  # the registry (imports the kernels: not at module level)
+        if self.selector not in selectors.names():
+            raise ValueError(f"CacheConfig.selector must be one of {selectors.names()}, "
+                             f"got {self.selector!r}")
+        if self.selection_lag and not selectors.get(self.selector).scored:
+            raise ValueError(f"CacheConfig.selection_lag=1 needs a scored selector (the "
+                             f"{self.selector!r} selector reads every page): set selection_lag=0")
         if self.mode not in ("host", "resident"):
             raise ValueError(f"CacheConfig.mode must be 'host' or 'resident', got {self.mode!r}")
-        if self.selector not in ("quest", "indexer", "dense"):
-            raise ValueError(
-                f"CacheConfig.selector must be 'quest', 'indexer' or 'dense', got {self.selector!r}")
         for name, lo in (("page_size", 1), ("selected_pages", 1), ("prefill_chunk", 1),
                          ("prefill_token_chunk", 1), ("round_steps", 1), ("sink_pages", 0),
                          ("recent_pages", 0)):

@@ -12,9 +12,10 @@ implementations, identical outputs (every field, fetch entries in the same order
 * ``method="pallas"``: "dense" as ONE Pallas kernel for all layers (grid over layers,
   compare matrices in registers; ``jaxkv.kernels.lru_ensure``). R, S, Q <= ``PALLAS_MAX``
   (256). Interpret mode (slow) off the GPU.
-* ``method="auto"`` (default): where R*R + S*S + R*S + Q*S <= ``DENSE_MAX_ELEMS`` (2**20
+* ``method="auto"`` (default): where R*R + S*S + R*S + Q*S <= ``dense_max_elems`` (2**20
   compare elements per layer): "pallas" on the GPU (or with ``JAXKV_IMPL=pallas``) when
-  R, S, Q <= ``PALLAS_AUTO_MAX`` (128), else "dense"; bigger shapes: "sort".
+  R, S, Q <= ``pallas_max`` (128), else "dense"; bigger shapes: "sort" (the engine takes both
+  thresholds from ``jaxkv.Tuning``).
 
 Semantics, per layer and step (the plain-Python model in tests/lru_model.py is the spec):
 
@@ -38,27 +39,20 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxkv.spec import INVALID
 from jaxkv.kernels import _common, lru_ensure
+from jaxkv.kernels._common import INVALID
+from jaxkv.kernels.lru_ensure import ensure_layer_dense as _ensure_layer_dense
 
 _BIG = jnp.iinfo(jnp.int32).max
 _SCAN_BLOCK = 64
 METHODS = ("auto", "dense", "sort", "pallas")
 # Largest R, S and Q of the one-kernel "pallas" method (its [S, S] matrix is in registers).
 PALLAS_MAX = lru_ensure.MAX_SIZE
-# Per-layer compare elements up to which "auto" picks "dense". XLA fuses each compare into
-# its reduction (nothing of that size is materialized), so the cost is arithmetic against the
-# sort path's kernel count. Measured on the H200 (2026-11-29, 32 / 28 layers per call): the
-# small-pool layout (R=32, S=64, Q=4: 7424 elements) dense 40 us vs sort 45-52 us; the decode
-# engine's per-step ensure at 8B-like 128k B=1 (R=256, S=520: 0.47M) dense 86 us vs sort
-# 100 us; Qwen-like 128k B=8 (R=512, S=1040: 1.9M) dense 132 us vs sort 88 us.
+# Defaults of ``resolve_method``'s thresholds (``jaxkv.Tuning`` holds the engine's; the
+# measurements behind both are in docs/decisions.md). "dense" fuses each compare into its
+# reduction, so its cost is arithmetic against the sort path's kernel count; above 128 the
+# Pallas kernel pads to 256 and its compare matrices spill registers.
 DENSE_MAX_ELEMS = 2 ** 20
-# Largest R, S and Q for which "auto" picks the Pallas kernel. Above 128 the kernel pads to
-# 256 and its [256, 256] compare matrices spill registers: at the Qwen-like B=1 engine shape
-# (R = 64, S = 130, 28 layers, a stream with the measured 0.885 overlap) the kernel took
-# 60.8 us per step against dense 35.9 and sort 32.3 (benchmarks/bench_ensure.py,
-# bench_ensure_b1_1e327e5.json); at 65 slots (padded to 128) it is level with dense (23-29 us
-# against 21.9). Read when an ensure is traced.
 PALLAS_AUTO_MAX = 128
 
 
@@ -180,104 +174,30 @@ def _ensure_layer(page_table, slot_owner, last_used, requests, protect, payload,
     return page_table, slot_owner, last_used, slots, fetch_src, fetch_dst, fetch_payload, counts
 
 
-def _ensure_layer_dense(page_table, slot_owner, last_used, requests, protect, payload, step):
-    """One layer, sort-free: the same outputs as :func:`_ensure_layer` (fetch entries in the
-    same order too) from fixed-size compare matrices ([R, R], [S, S], [R, S], [Q, S]) that
-    XLA fuses into a few elementwise+reduce kernels; one gather and one scatter on
-    ``page_table``, none on the [S] state. Shapes as in :func:`_ensure_layer`."""
-    P = page_table.shape[0]
-    S = slot_owner.shape[0]
-    R = requests.shape[0]
-    i_r = jnp.arange(R, dtype=jnp.int32)
-    i_s = jnp.arange(S, dtype=jnp.int32)
-
-    valid = (requests >= 0) & (requests < P)
-    req = jnp.where(valid, requests, P).astype(jnp.int32)
-    pvalid = (protect >= 0) & (protect < P)
-    # One gather for requests and protected pages together.
-    both = jnp.concatenate([jnp.clip(requests, 0, P - 1), jnp.clip(protect, 0, P - 1)])
-    looked = page_table[both]
-    cur = jnp.where(valid, looked[:R], INVALID)              # [R] current slot (every copy)
-    pslot = jnp.where(pvalid, looked[R:], INVALID)           # [Q]
-
-    # [R, R]: duplicates (an earlier equal request) and "strictly smaller page" relations.
-    eq = req[:, None] == req[None, :]
-    first = valid & ~jnp.any(eq & (i_r[None, :] < i_r[:, None]), axis=1)
-    less = valid[None, :] & (req[None, :] < req[:, None])    # [i, j]: req[j] < req[i]
-    hit = first & (cur >= 0)
-    miss = first & (cur < 0)
-    # The rank of a missed page among the missed pages (same for copies).
-    rank = jnp.sum(less & miss[None, :], axis=1, dtype=jnp.int32)
-
-    # [R, S] / [Q, S]: protected slots = slots of resident requested pages (every copy has
-    # the same slot, so no need to wait for ``first``) and of resident protected pages.
-    used_slot = jnp.any(cur[:, None] == i_s[None, :], axis=0)
-    prot = used_slot | jnp.any(pslot[:, None] == i_s[None, :], axis=0)
-    # [S, S]: victim order = stable sort position of the key (ties by slot index).
-    key = jnp.where(prot, _BIG, jnp.where(slot_owner < 0, -1, last_used))
-    before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None])
-                                               & (i_s[None, :] < i_s[:, None]))
-    vrank = jnp.sum(before, axis=1, dtype=jnp.int32)        # [S] a permutation of 0..S-1
-    n_free = jnp.sum(~prot, dtype=jnp.int32)
-    n_assigned = jnp.minimum(jnp.sum(miss, dtype=jnp.int32), n_free)
-
-    # The missed page of rank k takes the slot of victim rank k (k < n_assigned).
-    missing = valid & (cur < 0)                              # every copy of a missed page
-    assigned_any = missing & (rank < n_free)
-    take = assigned_any[:, None] & (rank[:, None] == vrank[None, :])  # [R, S]
-    new_slot = jnp.sum(jnp.where(take, i_s[None, :], 0), axis=1, dtype=jnp.int32)
-    slots = jnp.where(cur >= 0, cur, jnp.where(assigned_any, new_slot, INVALID))
-    assigned = first & assigned_any
-
-    # Dense [S] state updates, straight from the per-slot ranks (no wait for ``new_slot``).
-    installed = vrank < n_assigned
-    new_owner = jnp.sum(jnp.where(miss[:, None] & (rank[:, None] == vrank[None, :]),
-                                  req[:, None], 0), axis=0, dtype=jnp.int32)
-    evicted = installed & (slot_owner >= 0)
-    # One scatter for the page table: evictions -> -1 and installs -> slot (disjoint pages:
-    # an evicted page is resident, an installed one was not).
-    idx = jnp.concatenate([jnp.where(evicted, slot_owner, P), jnp.where(assigned, req, P)])
-    val = jnp.concatenate([jnp.full((S,), INVALID, jnp.int32), new_slot])
-    page_table = page_table.at[idx].set(val, mode="drop")
-    slot_owner = jnp.where(installed, new_owner, slot_owner)
-    last_used = jnp.where(used_slot | installed, step, last_used)
-
-    # Fetch entries compacted at the front in page order: entry k is the miss of rank k
-    # ([R, R] select), -1 from n_assigned on.
-    put = assigned[:, None] & (rank[:, None] == i_r[None, :])  # [i, position]
-    anyput = jnp.any(put, axis=0)
-
-    def place(v):
-        return jnp.where(anyput, jnp.sum(jnp.where(put, v[:, None], 0), axis=0,
-                                         dtype=jnp.int32), INVALID)
-
-    counts = jnp.stack([
-        jnp.sum(hit), jnp.sum(miss), jnp.sum(evicted), jnp.sum(miss & ~assigned)
-    ]).astype(jnp.int32)
-    return (page_table, slot_owner, last_used, slots, place(req), place(new_slot),
-            place(payload), counts)
-
-
-def resolve_method(method: str, R: int, S: int, Q: int, implementation: str | None = None) -> str:
+def resolve_method(method: str, R: int, S: int, Q: int, implementation: str | None = None, *,
+                   dense_max_elems: int = DENSE_MAX_ELEMS,
+                   pallas_max: int = PALLAS_AUTO_MAX) -> str:
     """The implementation ``ensure(..., method=method)`` runs for R requests, S slots and Q
     protected pages per layer: "pallas", "dense" or "sort". "auto": if
-    R*R + S*S + R*S + Q*S <= DENSE_MAX_ELEMS, "pallas" when the Pallas implementation is
+    R*R + S*S + R*S + Q*S <= dense_max_elems, "pallas" when the Pallas implementation is
     selected (``JAXKV_IMPL=pallas``, or on the GPU unless ``JAXKV_IMPL=xla``) and
-    R, S, Q <= PALLAS_AUTO_MAX, else "dense"; otherwise "sort"."""
+    R, S, Q <= pallas_max, else "dense"; otherwise "sort"."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method == "pallas" and max(R, S, Q) > PALLAS_MAX:
         raise ValueError(f"method 'pallas' needs R, S, Q <= {PALLAS_MAX}, got {R}, {S}, {Q}")
     if method == "auto":
-        if R * R + S * S + R * S + Q * S > DENSE_MAX_ELEMS:
+        if R * R + S * S + R * S + Q * S > dense_max_elems:
             return "sort"
         pallas = _common.implementation_name(implementation) == "pallas"
-        return "pallas" if pallas and max(R, S, Q) <= min(PALLAS_AUTO_MAX, PALLAS_MAX) else "dense"
+        return "pallas" if pallas and max(R, S, Q) <= min(pallas_max, PALLAS_MAX) else "dense"
     return method
 
 
 def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=None,
-           method: str = "auto", implementation: str | None = None) -> EnsureResult:
+           method: str = "auto", implementation: str | None = None, *,
+           dense_max_elems: int = DENSE_MAX_ELEMS,
+           pallas_max: int = PALLAS_AUTO_MAX) -> EnsureResult:
     """Make the requested pages of every layer resident (fixed shapes, all layers at once).
 
     Args:
@@ -292,6 +212,7 @@ def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=N
         :func:`resolve_method`); all give identical results. "pallas" writes the new page
         table into ``page_table``'s buffer (donate it under jit to avoid a copy).
       implementation: "pallas" | "xla" | None: what "auto" may use (``_common``'s rule).
+      dense_max_elems, pallas_max: the thresholds of "auto" (:func:`resolve_method`).
     Returns:
       :class:`EnsureResult`.
     """
@@ -300,7 +221,7 @@ def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=N
     if payload is None:
         payload = jnp.full(requests.shape, INVALID, jnp.int32)
     name = resolve_method(method, requests.shape[-1], slot_owner.shape[-1], protect.shape[-1],
-                          implementation)
+                          implementation, dense_max_elems=dense_max_elems, pallas_max=pallas_max)
     args = (page_table, slot_owner, last_used, requests, protect.astype(jnp.int32),
             payload.astype(jnp.int32), step)
     if name == "pallas":

@@ -43,3 +43,13 @@ def sample(logits, s: Sampling, key):
         lambda: _sample_plain(logits, s, key),
         lambda: _sample_filtered(logits, s, key),
     ])
+
+
+def agree(tok, axis_name):
+    """Tensor parallelism: every device takes the first device's tokens [B]. The devices
+    compute identical logits and sample with the same key; this makes agreement (and so the
+    shared while-loop condition) certain at the cost of one [B] int32 all-reduce."""
+    if axis_name is None:
+        return tok
+    first = jax.lax.axis_index(axis_name) == 0
+    return jax.lax.psum(jnp.where(first, tok, jnp.zeros_like(tok)), axis_name)

@@ -12,7 +12,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-INVALID = -1  # "no page" / "not resident" / "empty slot" in every index array
+from jaxkv.kernels._common import INVALID  # noqa: F401 - "no page" in every index array
 
 _DTYPES = ("float32", "bfloat16", "float16")
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import cache as kvcache
-from jaxkv import engine, selection
+from jaxkv import engine, selectors
 from jaxkv.spec import INVALID
 from jaxkv.models import llama
 from jaxkv.kernels import page_write, quest
@@ -265,7 +265,7 @@ def build_state(plan: engine.Plan, lengths, *, synth: Synthetic = Synthetic(), s
     lengths = _check_lengths(plan, lengths)
     lay = layout(plan, synth, chunk_bytes)
     kv = engine.init_kv(plan, poison=poison)
-    summaries, _ = selection.split_ahead(engine.init_summaries(plan), plan.lagged)
+    summaries, _ = selectors.split_ahead(engine.init_summaries(plan), plan.lagged)
     dst = kv.host_kv if lay.host else kv.pool
     fn = _fill_fn(lay, dst.sharding, tuple(s.sharding for s in summaries))
     key = np.uint32(seed % 2**32)
@@ -322,7 +322,7 @@ def reuse_state(plan: engine.Plan, state: engine.DecodeState, lengths, *, seed: 
         summ = ()
     else:
         summ = tuple(state.summaries if summaries is None else summaries)
-        want, _ = selection.split_ahead(
+        want, _ = selectors.split_ahead(
             jax.eval_shape(functools.partial(engine.init_summaries, plan)), plan.lagged)
         if len(summ) == len(want) + 1:  # a lagged state's pages: chosen again below
             summ = summ[:-1]
@@ -356,9 +356,7 @@ def _trace(plan: engine.Plan, params, state: engine.DecodeState, tokens):
             q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
             tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)
             kv = kvcache.write_resident(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
-            summ, pages = selection.update_and_select(
-                plan.cache.selector, summ, layer, lp, cfg, h, q1, k1, pos, num_pages=Np,
-                k=kp, page_size=ps, num_sink_pages=plan.cache.sink_pages, implementation=impl)
+            summ, pages = plan.selector.update_select(plan, summ, layer, lp, h, q1, tok_kv, pos)
             rows = jnp.where(pages >= 0, layer * P + b_idx[:, None, None] * Np + pages, INVALID)
             out, _ = sparse_paged_attention(q1, kv.pool, rows, pages, pos + 1, page_size=ps,
                                             num_kv_heads=H, implementation=impl)

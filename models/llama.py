@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..kernels.prefill_attention import gqa_attention  # noqa: F401 - part of the model API
 from .configs import ModelConfig
 
 Params = dict[str, Any]
@@ -115,10 +116,9 @@ def apply_rope(x, positions, theta: float, rot_dim: int | None = None):
 # Layout: ``params["layers"]`` is a tuple with one dict per layer (not arrays stacked on a
 # layer axis), and the projections that read the same input are fused: ``wqkv`` = [wq | wk | wv]
 # and ``w_gate_up`` = [w_gate | w_up] along the output axis. Both are measured choices
-# (benchmarks/micro_step.py, H200, 8B-like layer): an unrolled decode step slices a stacked
-# [L, ...] weight with a copy on every step (XLA cannot hand cuBLAS a sub-buffer), and a
-# single-token K or V projection on its own is rewritten by XLA into a slow
-# multiply-and-reduce; per-layer fused weights read at 4.0 TB/s against 1.2 TB/s.
+# (docs/decisions.md): an unrolled decode step would slice a stacked [L, ...] weight with a
+# copy on every step (XLA cannot hand cuBLAS a sub-buffer), and XLA rewrites a single-token K
+# or V projection on its own into a slow multiply-and-reduce.
 # ``unfuse_layer`` / ``stacked_layers`` give the textbook view (wq, wk, wv, w_gate, w_up,
 # stacked) for references and tests; ``fuse_layers`` builds the layout from it.
 
@@ -368,32 +368,6 @@ def final_logits(params: Params, cfg: ModelConfig, x) -> jax.Array:
     if cfg.tie_embeddings:
         return _matmul("btd,vd->btv", h, params["embed"])
     return _matmul("btd,dv->btv", h, params["lm_head"])
-
-
-def gqa_attention(q, k, v, mask, sm_scale: float | None = None) -> jax.Array:
-    """Masked softmax attention with grouped KV heads (pure jnp reference).
-
-    q [B, T, Hq, D], k [B, S, H, D], v [B, S, H, D], mask [B, T, S] bool (True = attend).
-    Query head i uses KV head i // (Hq // H). Returns [B, T, Hq, D] in q.dtype; a query with
-    no allowed key gets zeros. Keys masked for every query may hold NaN/garbage.
-    """
-    B, T, Hq, D = q.shape
-    H = k.shape[2]
-    G = Hq // H
-    scale = D ** -0.5 if sm_scale is None else sm_scale
-    qg = q.reshape(B, T, H, G, D)
-    s = jnp.einsum("bthgd,bshd->bhgts", qg, k, preferred_element_type=jnp.float32) * scale
-    m5 = mask[:, None, None, :, :]
-    s = jnp.where(m5, s, -jnp.inf)
-    mx = jnp.max(s, axis=-1, keepdims=True)
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    p = jnp.where(m5, jnp.exp(s - mx), 0.0)
-    den = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(den > 0, den, 1.0)
-    used = jnp.any(mask, axis=1)[:, :, None, None]  # [B, S, 1, 1]: key used by some query
-    v = jnp.where(used, v, jnp.zeros((), v.dtype))
-    o = jnp.einsum("bhgts,bshd->bthgd", p, v.astype(jnp.float32))
-    return o.reshape(B, T, Hq, D).astype(q.dtype)
 
 
 def dense_attend(layer, layer_params, h, q, k, v, carry):

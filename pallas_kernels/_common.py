@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 Implementation = Literal["pallas", "xla"]
+INVALID = -1  # "no page" / "not resident" / "empty slot" in every index array
 _REGISTRY: dict[str, dict[str, Callable]] = {}
 _GPU_DEFAULT: dict[str, str] = {}
 

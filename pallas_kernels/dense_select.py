@@ -37,21 +37,31 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _common, topk
+from ._common import INVALID
 
-INVALID = -1
 # XLA's fast GPU top-k kernel (custom call "__gpu$TopK") handles k <= 16 on [rows, n] inputs
 # with n >= 1024; a larger k falls back to sorting every row. "rounds" stays on the fast
 # kernel by taking 16 at a time and masking what was taken; "chunked" shrinks the sorts.
 _FAST_TOPK_MAX_K = 16
 TOPK_METHODS = ("auto", "sort", "rounds", "chunked", "pallas", "pallas_cmax")
 PALLAS_TOPK_MAX_COLUMNS = 4096
-# "auto" in quest.quest_select takes "pallas_cmax" (scores kernel writes chunk maxima, top-k
-# kernel reads only those and the chosen chunks) for rows of at least this many pages with the
-# "pallas" implementation (None = never). H200, k = 32 (bench_select, 2026-11-29, ef65d14):
-# whole Quest selection at 2048 pages, B=8, 2 KV heads 19.5 us vs 21.8 us (scores kernel +
-# full-row top-k kernel); at 16384 pages, B=1, 8 KV heads 34.7 vs 52.1 us (top-k alone 13.3
-# vs 25.0 us). Below 2048 pages not measured.
-PALLAS_CMAX_MIN_COLUMNS = 2048
+# Default of ``cmax_min_pages`` (``resolve_topk_method``; the engine's ``Tuning``): from this
+# many pages the chunk-maxima top-k beats the full-row kernel on the H200 (docs/decisions.md).
+CMAX_MIN_PAGES = 2048
+
+
+def resolve_topk_method(num_pages: int, implementation, method: str,
+                        cmax_min_pages: int | None = CMAX_MIN_PAGES) -> str:
+    """The top-k method a scored selector runs for rows of ``num_pages`` pages: "auto" becomes
+    "pallas_cmax" (its scores kernel writes chunk maxima; the top-k kernel reads only those
+    and the chosen chunks) when the implementation is "pallas" and ``num_pages >=
+    cmax_min_pages`` (None: never); otherwise ``method`` as given (``select_top_pages``
+    resolves the remaining "auto")."""
+    if (method == "auto" and cmax_min_pages is not None
+            and _common.implementation_name(implementation) == "pallas"
+            and num_pages >= cmax_min_pages):
+        return "pallas_cmax"
+    return method
 
 
 def num_valid_pages(seq_lens: jax.Array, page_size: int, num_pages: int) -> jax.Array:
@@ -100,7 +110,7 @@ def _topk_indices(x: jax.Array, k: int, method: str) -> tuple[jax.Array, jax.Arr
     "sort": one ``lax.top_k``. "rounds": ``lax.top_k`` 16 at a time, masking taken entries to
     -inf between rounds (exact; an entry taken twice can only be -inf and becomes -1 later).
     "chunked": ``_topk_chunked``. "auto": chunked (the fastest XLA method for k = 32 on the
-    H200 at 512-16384 columns; benchmarks/results/micro_step.json).
+    H200 at 512-16384 columns; docs/decisions.md).
     """
     if method == "auto":
         method = "chunked"

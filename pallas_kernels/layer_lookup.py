@@ -31,9 +31,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from . import _common, page_write
+from ._common import INVALID
 
 OP = "layer_lookup"
-INVALID = -1
 
 
 def _check(pages, active, tok_page, tok_offset, tok_kv, page_table, pool, record, page_size):

@@ -1,7 +1,7 @@
 """The LRU ``ensure`` of all layers as ONE Pallas kernel (small pools).
 
 Grid ``(L,)``: program ``l`` runs exactly the sort-free algorithm of
-``jaxkv.lru._ensure_layer_dense`` (the "xla" reference here; semantics in ``jaxkv.lru``) on
+:func:`ensure_layer_dense` (the "xla" reference here; semantics in ``jaxkv.lru``) on
 layer ``l``, with the compare matrices ([R, R], [S, S], [R, S], [Q, S]) held in registers:
 one launch per step instead of XLA's dozen small kernels. Outputs are bit-identical to the
 reference (fetch entries in the same order too).
@@ -26,10 +26,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import _common
+from ._common import INVALID
 
 OP = "lru_ensure"
 MAX_SIZE = 256          # cap on R, S and Q (the [S, S] compare matrix is in registers)
-_INVALID = -1
 _BIG = jnp.iinfo(jnp.int32).max
 
 
@@ -56,19 +56,19 @@ def _ensure_kernel(step_ref, pt_ref, so_ref, lu_ref, req_ref, prot_ref, pay_ref,
     i_r, i_s, i_q = _iota(Rp), _iota(Sp), _iota(Qp)
     in_r, in_s = i_r < R, i_s < S
 
-    requests = plgpu.load(req_ref.at[l, i_r], mask=in_r, other=_INVALID)
-    protect = plgpu.load(prot_ref.at[l, i_q], mask=i_q < Q, other=_INVALID)
-    payload = plgpu.load(pay_ref.at[l, i_r], mask=in_r, other=_INVALID)
-    slot_owner = plgpu.load(so_ref.at[l, i_s], mask=in_s, other=_INVALID)
+    requests = plgpu.load(req_ref.at[l, i_r], mask=in_r, other=INVALID)
+    protect = plgpu.load(prot_ref.at[l, i_q], mask=i_q < Q, other=INVALID)
+    payload = plgpu.load(pay_ref.at[l, i_r], mask=in_r, other=INVALID)
+    slot_owner = plgpu.load(so_ref.at[l, i_s], mask=in_s, other=INVALID)
     last_used = plgpu.load(lu_ref.at[l, i_s], mask=in_s, other=0)
     step = step_ref[0]
 
     valid = (requests >= 0) & (requests < P)
     req = jnp.where(valid, requests, P)
     pvalid = (protect >= 0) & (protect < P)
-    cur = plgpu.load(pt_ref.at[l, jnp.where(valid, requests, 0)], mask=valid, other=_INVALID)
+    cur = plgpu.load(pt_ref.at[l, jnp.where(valid, requests, 0)], mask=valid, other=INVALID)
     pslot = plgpu.load(pt_ref.at[l, jnp.where(pvalid, protect, 0)], mask=pvalid,
-                       other=_INVALID)
+                       other=INVALID)
 
     # [R, R]: first copies, and "strictly smaller page" for the miss ranks.
     eq = req[:, None] == req[None, :]
@@ -95,7 +95,7 @@ def _ensure_kernel(step_ref, pt_ref, so_ref, lu_ref, req_ref, prot_ref, pay_ref,
     assigned_any = missing & (rank < n_free)
     match = rank[:, None] == vrank[None, :]                  # [R, S]
     new_slot = _sum(jnp.where(assigned_any[:, None] & match, i_s[None, :], 0), axis=1)
-    slots = jnp.where(cur >= 0, cur, jnp.where(assigned_any, new_slot, _INVALID))
+    slots = jnp.where(cur >= 0, cur, jnp.where(assigned_any, new_slot, INVALID))
     assigned = first & assigned_any
 
     installed = vrank < n_assigned
@@ -105,7 +105,7 @@ def _ensure_kernel(step_ref, pt_ref, so_ref, lu_ref, req_ref, prot_ref, pay_ref,
     # Page table in place: evictions first, then installs (disjoint pages); masked lanes
     # aim past the row (P), which interpret mode drops and the GPU never touches.
     plgpu.store(pt_out.at[l, jnp.where(evicted, slot_owner, P)],
-                jnp.full((Sp,), _INVALID, jnp.int32), mask=evicted)
+                jnp.full((Sp,), INVALID, jnp.int32), mask=evicted)
     plgpu.store(pt_out.at[l, jnp.where(assigned, req, P)], new_slot, mask=assigned)
     plgpu.store(so_out.at[l, i_s], jnp.where(installed, new_owner, slot_owner), mask=in_s)
     plgpu.store(lu_out.at[l, i_s], jnp.where(used_slot | installed, step, last_used),
@@ -117,7 +117,7 @@ def _ensure_kernel(step_ref, pt_ref, so_ref, lu_ref, req_ref, prot_ref, pay_ref,
     anyput = _sum(put, axis=0) > 0
 
     def place(v):
-        return jnp.where(anyput, _sum(jnp.where(put, v[:, None], 0), axis=0), _INVALID)
+        return jnp.where(anyput, _sum(jnp.where(put, v[:, None], 0), axis=0), INVALID)
 
     plgpu.store(src_out.at[l, i_r], place(req), mask=in_r)
     plgpu.store(dst_out.at[l, i_r], place(new_slot), mask=in_r)
@@ -177,14 +177,91 @@ def ensure_layers_pallas(page_table, slot_owner, last_used, requests, protect, p
     )(*args))
 
 
+def ensure_layer_dense(page_table, slot_owner, last_used, requests, protect, payload, step):
+    """One layer of the LRU ensure, sort-free (the kernel's pure-jnp reference; ``jaxkv.lru``
+    gives the semantics and its sort form the same outputs, fetch entries in the same order
+    too), from fixed-size compare matrices ([R, R], [S, S], [R, S], [Q, S]) that
+    XLA fuses into a few elementwise+reduce kernels; one gather and one scatter on
+    ``page_table``, none on the [S] state. Shapes: page_table [P], slot_owner / last_used [S], requests / payload [R], protect [Q] int32; step int32 scalar."""
+    P = page_table.shape[0]
+    S = slot_owner.shape[0]
+    R = requests.shape[0]
+    i_r = jnp.arange(R, dtype=jnp.int32)
+    i_s = jnp.arange(S, dtype=jnp.int32)
+
+    valid = (requests >= 0) & (requests < P)
+    req = jnp.where(valid, requests, P).astype(jnp.int32)
+    pvalid = (protect >= 0) & (protect < P)
+    # One gather for requests and protected pages together.
+    both = jnp.concatenate([jnp.clip(requests, 0, P - 1), jnp.clip(protect, 0, P - 1)])
+    looked = page_table[both]
+    cur = jnp.where(valid, looked[:R], INVALID)              # [R] current slot (every copy)
+    pslot = jnp.where(pvalid, looked[R:], INVALID)           # [Q]
+
+    # [R, R]: duplicates (an earlier equal request) and "strictly smaller page" relations.
+    eq = req[:, None] == req[None, :]
+    first = valid & ~jnp.any(eq & (i_r[None, :] < i_r[:, None]), axis=1)
+    less = valid[None, :] & (req[None, :] < req[:, None])    # [i, j]: req[j] < req[i]
+    hit = first & (cur >= 0)
+    miss = first & (cur < 0)
+    # The rank of a missed page among the missed pages (same for copies).
+    rank = jnp.sum(less & miss[None, :], axis=1, dtype=jnp.int32)
+
+    # [R, S] / [Q, S]: protected slots = slots of resident requested pages (every copy has
+    # the same slot, so no need to wait for ``first``) and of resident protected pages.
+    used_slot = jnp.any(cur[:, None] == i_s[None, :], axis=0)
+    prot = used_slot | jnp.any(pslot[:, None] == i_s[None, :], axis=0)
+    # [S, S]: victim order = stable sort position of the key (ties by slot index).
+    key = jnp.where(prot, _BIG, jnp.where(slot_owner < 0, -1, last_used))
+    before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None])
+                                               & (i_s[None, :] < i_s[:, None]))
+    vrank = jnp.sum(before, axis=1, dtype=jnp.int32)        # [S] a permutation of 0..S-1
+    n_free = jnp.sum(~prot, dtype=jnp.int32)
+    n_assigned = jnp.minimum(jnp.sum(miss, dtype=jnp.int32), n_free)
+
+    # The missed page of rank k takes the slot of victim rank k (k < n_assigned).
+    missing = valid & (cur < 0)                              # every copy of a missed page
+    assigned_any = missing & (rank < n_free)
+    take = assigned_any[:, None] & (rank[:, None] == vrank[None, :])  # [R, S]
+    new_slot = jnp.sum(jnp.where(take, i_s[None, :], 0), axis=1, dtype=jnp.int32)
+    slots = jnp.where(cur >= 0, cur, jnp.where(assigned_any, new_slot, INVALID))
+    assigned = first & assigned_any
+
+    # Dense [S] state updates, straight from the per-slot ranks (no wait for ``new_slot``).
+    installed = vrank < n_assigned
+    new_owner = jnp.sum(jnp.where(miss[:, None] & (rank[:, None] == vrank[None, :]),
+                                  req[:, None], 0), axis=0, dtype=jnp.int32)
+    evicted = installed & (slot_owner >= 0)
+    # One scatter for the page table: evictions -> -1 and installs -> slot (disjoint pages:
+    # an evicted page is resident, an installed one was not).
+    idx = jnp.concatenate([jnp.where(evicted, slot_owner, P), jnp.where(assigned, req, P)])
+    val = jnp.concatenate([jnp.full((S,), INVALID, jnp.int32), new_slot])
+    page_table = page_table.at[idx].set(val, mode="drop")
+    slot_owner = jnp.where(installed, new_owner, slot_owner)
+    last_used = jnp.where(used_slot | installed, step, last_used)
+
+    # Fetch entries compacted at the front in page order: entry k is the miss of rank k
+    # ([R, R] select), -1 from n_assigned on.
+    put = assigned[:, None] & (rank[:, None] == i_r[None, :])  # [i, position]
+    anyput = jnp.any(put, axis=0)
+
+    def place(v):
+        return jnp.where(anyput, jnp.sum(jnp.where(put, v[:, None], 0), axis=0,
+                                         dtype=jnp.int32), INVALID)
+
+    counts = jnp.stack([
+        jnp.sum(hit), jnp.sum(miss), jnp.sum(evicted), jnp.sum(miss & ~assigned)
+    ]).astype(jnp.int32)
+    return (page_table, slot_owner, last_used, slots, place(req), place(new_slot),
+            place(payload), counts)
+
+
 @_common.register(OP, "xla")
 def ensure_layers_reference(page_table, slot_owner, last_used, requests, protect, payload,
                             step):
-    """Pure-jnp reference: ``jaxkv.lru._ensure_layer_dense`` vmapped over layers. Shapes and
+    """Pure-jnp reference: :func:`ensure_layer_dense` vmapped over layers. Shapes and
     result as :func:`ensure_layers_pallas`."""
-    from jaxkv import lru  # jaxkv.lru imports this module
-
-    return jax.vmap(lru._ensure_layer_dense, in_axes=(0, 0, 0, 0, 0, 0, None))(
+    return jax.vmap(ensure_layer_dense, in_axes=(0, 0, 0, 0, 0, 0, None))(
         *(jnp.asarray(a).astype(jnp.int32)
           for a in (page_table, slot_owner, last_used, requests, protect, payload)),
         jnp.asarray(step, jnp.int32))

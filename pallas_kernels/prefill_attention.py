@@ -15,7 +15,7 @@ Shapes and dtypes (shared by both implementations):
   implementations let them attend all ``lengths[b]`` keys; callers drop them).
 * Returns o ``[B, T, Hq, D]`` in q's dtype.
 
-"xla" (the reference, the default off the GPU): ``jaxkv.models.llama.gqa_attention`` over query chunks
+"xla" (the reference, the default off the GPU): :func:`gqa_attention` over query chunks
 of ``chunk`` tokens (default ``DEFAULT_CHUNK``), each attending all T keys under the mask above,
 so memory is ``O(B * Hq * chunk * T)``; T not a multiple of the chunk is padded with zero queries
 whose rows are dropped. The same math as the engine's prefill attention before this op.
@@ -62,7 +62,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxkv.models.llama import gqa_attention
 from ._common import (interpret_mode, next_pow2, online_softmax_step,
                                      prefer_on_gpu, register, resolve)
 
@@ -110,8 +109,33 @@ def _pow2_block(name, value, default, T):
 
 
 # --------------------------------------------------------------------------------------------
-# Reference (pure jnp): jaxkv.models.llama.gqa_attention over query chunks.
-# --------------------------------------------------------------------------------------------
+# References (pure jnp): masked GQA softmax attention, and the op over query chunks.
+def gqa_attention(q, k, v, mask, sm_scale: float | None = None) -> jax.Array:
+    """Masked softmax attention with grouped KV heads (pure jnp reference).
+
+    q [B, T, Hq, D], k [B, S, H, D], v [B, S, H, D], mask [B, T, S] bool (True = attend).
+    Query head i uses KV head i // (Hq // H). Returns [B, T, Hq, D] in q.dtype; a query with
+    no allowed key gets zeros. Keys masked for every query may hold NaN/garbage.
+    """
+    B, T, Hq, D = q.shape
+    H = k.shape[2]
+    G = Hq // H
+    scale = D ** -0.5 if sm_scale is None else sm_scale
+    qg = q.reshape(B, T, H, G, D)
+    s = jnp.einsum("bthgd,bshd->bhgts", qg, k, preferred_element_type=jnp.float32) * scale
+    m5 = mask[:, None, None, :, :]
+    s = jnp.where(m5, s, -jnp.inf)
+    mx = jnp.max(s, axis=-1, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    p = jnp.where(m5, jnp.exp(s - mx), 0.0)
+    den = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(den > 0, den, 1.0)
+    used = jnp.any(mask, axis=1)[:, :, None, None]  # [B, S, 1, 1]: key used by some query
+    v = jnp.where(used, v, jnp.zeros((), v.dtype))
+    o = jnp.einsum("bhgts,bshd->bthgd", p, v.astype(jnp.float32))
+    return o.reshape(B, T, Hq, D).astype(q.dtype)
+
+
 @register(OP, "xla")
 @functools.partial(jax.jit, static_argnames=_TUNING + ("sm_scale",))
 def prefill_attention_xla(q, k, v, lengths, *, sm_scale=None, chunk=None, block_q=None,

@@ -33,25 +33,13 @@ from .dense_select import num_valid_pages, select_top_pages
 OP = "quest_scores"
 OP_CMAX = "quest_scores_cmax"  # scores + chunk maxima (top-k method "pallas_cmax")
 OP_UPDATE_CMAX = "quest_update_scores_cmax"  # decode-step summary update + OP_CMAX, one launch
-# No per-op default: the backend's (Pallas on the GPU). At B=1 with 8 KV heads (G=4) XLA's
-# fusion of the literal formula was faster on the H200 (bench_select 2026-11-29, scores alone:
-# 16k pages 15.7 vs 24.1 us); in the decode step at Qwen-like B=8 (G=6) it made the step
-# 0.7 ms slower (benchmarks/results/bench_decode_qwen_128k_b8_s3.json): it multiplies per
-# query head, the kernel once per group.
+# No per-op default: the backend's (Pallas on the GPU). XLA's fusion of the literal formula
+# multiplies per query head, the kernel once per group: faster alone at G=4, slower in the
+# decode step at G=6 (docs/decisions.md).
 # Elements of each summary array one program reads (block_pages * block_heads * D).
 _BLOCK_ELEMS = 8192
-# Default of the kernels' ``unmasked`` option (plain block loads inside the sequence). H200
-# (bench_select, ef65d14): scores 25.0 vs 26.1 us at 16k pages B=1, 9.4 vs 11.6 us at the
-# Qwen-like B=8 shape (whole selection 17.3 vs 19.5 us there, unchanged at 16k). Off until it
-# is measured inside the decode step.
-UNMASKED_LOADS = False
-# quest_update_select with the "pallas_cmax" top-k folds the summary update into the scores
-# kernel (one launch instead of the update's two XLA scatters and the kernel). False: the
-# separate path (benchmarks/ab_step.py measures both in one process).
-FUSE_UPDATE = True
-# The query-group sums (Qp, Qn of ``_group_q``) stay one XLA reduction per layer: summing
-# them inside the scores kernel (every program reloading its group) measured 25 us per step
-# slower at the Qwen-like B=8 shape (benchmarks/results/ab_step_ec1582e.json; removed).
+# The query-group sums (Qp, Qn of ``_group_q``) are one XLA reduction per layer, outside the
+# scores kernel, so that each program does not reload its group (docs/decisions.md).
 
 
 def _check(q, kmax, kmin):
@@ -248,16 +236,16 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
 
 
 def quest_scores_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, block_pages=None,
-                        num_warps=4, unmasked=None, eviction_policy=None, interpret=None):
+                        num_warps=4, unmasked=False, eviction_policy=None, interpret=None):
     """Quest scores with the Pallas kernel. Shapes as ``quest_scores_reference`` except the
     result is [B, H, Np_pad] f32 (Np rounded up to a multiple of ``block_pages``; padding
     columns are -inf). D must be a power of two. Tuning (static): ``block_pages`` (power of
     two), ``num_warps``, ``unmasked`` (plain loads for blocks that lie inside the sequence,
-    masked loads only for the block holding its end; default ``UNMASKED_LOADS``),
+    masked loads only for the block holding its end),
     ``eviction_policy`` (Triton load hint, e.g. "evict_first")."""
     return _scores_call(q, kmax, kmin, layer, seq_lens, page_size=page_size, chunk=None,
                         block_pages=block_pages, num_warps=num_warps,
-                        unmasked=UNMASKED_LOADS if unmasked is None else unmasked,
+                        unmasked=unmasked,
                         eviction_policy=eviction_policy, interpret=interpret)[0]
 
 
@@ -283,7 +271,7 @@ def quest_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, *
 
 
 def quest_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, chunk,
-                             block_pages=None, num_warps=4, unmasked=None, eviction_policy=None,
+                             block_pages=None, num_warps=4, unmasked=False, eviction_policy=None,
                              interpret=None):
     """The scores kernel writing chunk maxima too (result as ``quest_scores_cmax_reference``,
     ``Np_pad`` a multiple of ``max(block_pages, chunk)``). A program covers
@@ -291,7 +279,7 @@ def quest_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, chunk
     larger). Tuning as ``quest_scores_pallas``."""
     return _scores_call(q, kmax, kmin, layer, seq_lens, page_size=page_size, chunk=chunk,
                         block_pages=block_pages, num_warps=num_warps,
-                        unmasked=UNMASKED_LOADS if unmasked is None else unmasked,
+                        unmasked=unmasked,
                         eviction_policy=eviction_policy, interpret=interpret)
 
 
@@ -324,30 +312,21 @@ def quest_update_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, k_new, position
 @_common.register(OP_UPDATE_CMAX, "pallas")
 def quest_update_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, k_new, positions, *,
                                     page_size, chunk, block_pages=None, num_warps=4,
-                                    unmasked=None, eviction_policy=None, interpret=None):
+                                    unmasked=False, eviction_policy=None, interpret=None):
     """The scores + chunk-maxima kernel folding the new token into its page's summary first
     (kmax / kmin aliased in place: one launch instead of two scatters and the scores).
     Result as :func:`quest_update_scores_cmax_xla` (scores padded as
     ``quest_scores_cmax_pallas``)."""
     return _scores_call(q, kmax, kmin, layer, seq_lens, page_size=page_size, chunk=chunk,
                         block_pages=block_pages, num_warps=num_warps,
-                        unmasked=UNMASKED_LOADS if unmasked is None else unmasked,
+                        unmasked=unmasked,
                         eviction_policy=eviction_policy, interpret=interpret,
                         update=(k_new, positions))
 
 
-def _topk_method(np_: int, implementation, topk_method: str) -> str:
-    """"auto" -> "pallas_cmax" for rows of ``>= dense_select.PALLAS_CMAX_MIN_COLUMNS`` pages
-    when the implementation is "pallas" (the rule of :func:`quest_select`)."""
-    if (topk_method == "auto" and ds.PALLAS_CMAX_MIN_COLUMNS is not None
-            and _common.implementation_name(implementation) == "pallas"
-            and np_ >= ds.PALLAS_CMAX_MIN_COLUMNS):
-        return "pallas_cmax"
-    return topk_method
-
-
 def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, page_size,
-                        num_sink_pages, implementation=None, topk_method="auto"):
+                        num_sink_pages, implementation=None, topk_method="auto",
+                        cmax_min_pages=ds.CMAX_MIN_PAGES):
     """One decode step of Quest for one layer: :func:`quest_update` then :func:`quest_select`.
 
     q [B, Hq, D]; kmax, kmin [L, B, Np, H, D]; layer int32 scalar; seq_lens [B] int32 (tokens
@@ -355,14 +334,16 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
     then reads its K in place: no slice kernel); positions [B] int32 (-1 = inactive). Returns (kmax,
     kmin, pages [B, H, k] int32). With the "pallas_cmax" top-k the update runs inside the
     scores kernel (op ``quest_update_scores_cmax``: one launch; summaries updated in place when
-    they are donated or loop-carried)."""
+    they are donated or loop-carried). ``topk_method`` / ``cmax_min_pages``: as in
+    :func:`quest_select`."""
     np_ = kmax.shape[2]
-    method = _topk_method(np_, implementation, topk_method)
-    if method != "pallas_cmax" or not FUSE_UPDATE:
+    method = ds.resolve_topk_method(np_, implementation, topk_method, cmax_min_pages)
+    if method != "pallas_cmax":
         kmax, kmin = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size)
         return kmax, kmin, quest_select(q, kmax, kmin, layer, seq_lens, k=k, page_size=page_size,
                                         num_sink_pages=num_sink_pages,
-                                        implementation=implementation, topk_method=method)
+                                        implementation=implementation, topk_method=method,
+                                        cmax_min_pages=cmax_min_pages)
     chunk = topk.default_cmax_chunk(np_, k)
     fn = _common.resolve(OP_UPDATE_CMAX, implementation)
     scores, cmax, kmax, kmin = fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, k_new,
@@ -374,9 +355,9 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
 
 
 @functools.partial(jax.jit, static_argnames=("k", "page_size", "num_sink_pages",
-                                             "implementation", "topk_method"))
+                                             "implementation", "topk_method", "cmax_min_pages"))
 def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages,
-                 implementation=None, topk_method="auto"):
+                 implementation=None, topk_method="auto", cmax_min_pages=ds.CMAX_MIN_PAGES):
     """Quest top-``k`` pages per KV head.
 
     q: [B, Hq, D] (post-RoPE query); kmax, kmin: [L, B, Np, H, D] (whole, all layers);
@@ -386,13 +367,13 @@ def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages
     ``topk_method``: a ``dense_select.TOPK_METHODS`` name. "pallas_cmax": the scores op writes
     chunk maxima too (``quest_scores_with_chunk_max``, ``implementation`` picks its kernel or
     reference) and the Pallas top-k kernel reads only those and the chosen chunks. "auto"
-    takes it for rows of ``>= dense_select.PALLAS_CMAX_MIN_COLUMNS`` pages when the
-    implementation is "pallas" (disabled while that is None), else ``select_top_pages``'s auto.
+    takes it for rows of ``>= cmax_min_pages`` pages when the implementation is "pallas" (None:
+    never; ``dense_select.resolve_topk_method``), else ``select_top_pages``'s auto.
     """
     np_ = kmax.shape[2]
     layer = jnp.asarray(layer, jnp.int32)
     sel_kw = dict(num_pages=np_, k=k, page_size=page_size, num_sink_pages=num_sink_pages)
-    topk_method = _topk_method(np_, implementation, topk_method)
+    topk_method = ds.resolve_topk_method(np_, implementation, topk_method, cmax_min_pages)
     if topk_method == "pallas_cmax":
         chunk = topk.default_cmax_chunk(np_, k)
         scores, cmax = quest_scores_with_chunk_max(q, kmax, kmin, layer, seq_lens,

@@ -23,10 +23,9 @@ runs an online softmax (f32) over its share of the K entries, ``pages_per_iter``
 loaded as ``[pages_per_iter * ps, D]`` K and V tiles straight from the pool rows (masked loads:
 invalid pages and tokens are not fetched). Small pages are grouped so a tile holds >= 16 tokens
 (the ``tl.dot`` minimum), so no multiply+sum fallback is needed. Each split writes a normalised
-partial ``[G, D]`` and its log-sum-exp. A second Pallas kernel (``MERGE = "pallas"``, one
-program per (b, kv head, block of D)) merges the splits and writes ``[B, Hq, D]`` in q's dtype:
-one launch where XLA's merge took three (exp, weighted sum, convert); ``MERGE = "xla"`` keeps
-the XLA fusion (``_merge_lse``).
+partial ``[G, D]`` and its log-sum-exp. A second Pallas kernel (one program per (b, kv head,
+block of D)) merges the splits and writes ``[B, Hq, D]`` in q's dtype: one launch where an XLA
+merge takes three (exp, weighted sum, convert).
 """
 from __future__ import annotations
 
@@ -48,9 +47,6 @@ _LN2 = math.log(2.0)
 # Default split heuristic: aim for about this many programs (a few per SM on an H200's 132 SMs).
 TARGET_PROGRAMS = 512
 MIN_CHUNKS_PER_SPLIT = 1  # H200 sweep (bench_attention.json): one chunk per split is best at B=1
-# How the Pallas path merges its splits: "pallas" (the merge kernel) or "xla" (_merge_lse).
-# Read when a call is traced.
-MERGE = "pallas"
 _MERGE_SPLITS_PER_ITER = 32  # splits loaded per step of the merge kernel's loop
 _MERGE_DIM_BLOCK = 32        # head-dim elements per merge program
 _MERGE_TILE_ELEMS = 8192     # largest [splits, group rows, dims] tile loaded at once
@@ -356,20 +352,18 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter
 
 @register(OP, "pallas")
 @functools.partial(jax.jit, static_argnames=("page_size", "num_kv_heads", "sm_scale", "num_splits",
-                                             "tuning", "merge"))
+                                             "tuning"))
 def sparse_paged_attention_pallas(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads,
                                   sm_scale=None, num_splits=None, tuning=None, host=None,
-                                  host_rows=None, merge=None):
-    """Pallas (Triton) kernel. Shapes as in :func:`sparse_paged_attention`; ``merge``: how the
-    splits are merged, "pallas" or "xla" (None: ``MERGE``)."""
+                                  host_rows=None):
+    """Pallas (Triton) kernel. Shapes as in :func:`sparse_paged_attention`."""
     return _pallas_impl(q, pool, block_rows, page_index, seq_lens, page_size=page_size,
                         num_kv_heads=num_kv_heads, sm_scale=sm_scale, num_splits=num_splits,
-                        tuning=tuning, interpret=interpret_mode(), host=host, host_rows=host_rows,
-                        merge=merge)
+                        tuning=tuning, interpret=interpret_mode(), host=host, host_rows=host_rows)
 
 
 def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv_heads, sm_scale,
-                 num_splits, tuning, interpret, host=None, host_rows=None, merge=None):
+                 num_splits, tuning, interpret, host=None, host_rows=None):
     _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads, host, host_rows)
     if block_rows.shape[-1] == 0:
         return _empty(q)
@@ -419,14 +413,11 @@ def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv
         interpret=interpret,
         name="sparse_paged_attention",
     )(*operands)
-    if S > 1 and (merge or MERGE) == "pallas":
+    if S > 1:
         return merge_splits_pallas(o_part, lse_part, num_q_heads=Hq, out_dtype=q.dtype,
                                    interpret=interpret)
     o_part, lse_part = o_part[:, :, :, :G], lse_part[:, :, :, :G]
-    if S == 1:
-        out, lse = o_part[:, :, 0], lse_part[:, :, 0]
-    else:
-        out, lse = _merge_lse(o_part, lse_part, axis=2)
+    out, lse = o_part[:, :, 0], lse_part[:, :, 0]
     return out.reshape(B, Hq, D).astype(q.dtype), lse.reshape(B, Hq)
 
 
@@ -447,6 +438,5 @@ def sparse_paged_attention(q, pool, block_rows, page_index, seq_lens, *, page_si
     """
     fn = resolve(OP, implementation)
     extra = {} if host is None else dict(host=host, host_rows=host_rows)
-    # MERGE read here, outside the jit, so that changing it retraces (a static argument)
     return fn(q, pool, block_rows, page_index, seq_lens, page_size=page_size, num_kv_heads=num_kv_heads,
-              sm_scale=sm_scale, num_splits=num_splits, tuning=tuning, merge=MERGE, **extra)
+              sm_scale=sm_scale, num_splits=num_splits, tuning=tuning, **extra)

@@ -45,9 +45,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import _common
+from ._common import INVALID
 
 OP = "select_top_pages"
-INVALID = -1
 _INT_MIN = -(2**31)
 _KEY_POS_INF = 0x7F800000  # _float_key(+inf)
 

@@ -46,19 +46,19 @@ def test_paired_measurement_alternates_b_and_c2(tmp_path):
 
 
 def test_ab_step_traces_each_variant_once(tmp_path):
-    """ab_step --quick: the separate variant's round does not use the fused kernel, a
-    compiler-options variant (fused, the default) compiles its own round that does, and
-    nothing recompiles after the warm-up."""
+    """ab_step --quick: the full-row top-k variant's round does not use the fused Quest
+    kernel, a compiler-options variant (the chunk-maxima top-k, forced at the quick size)
+    compiles its own round that does, and nothing recompiles after the warm-up."""
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, str(root / "benchmarks" / "ab_step.py"), "--quick",
-                    "--variants", "separate_update,exhaustive",
+                    "--variants", "topk_full_row,exhaustive",
                     "--pairs", "1", "--out", str(tmp_path)], check=True, cwd=root,
                    env={**os.environ, "PYTHONPATH": str(root)})
     out = json.loads((tmp_path / "ab_step.json").read_text())
     t = out["fused_kernel_traced"]
-    assert t["separate_update"] == 0 < t["exhaustive"]
-    assert out["variants"]["exhaustive"]["compiler_options"]
-    assert out["variants"]["separate_update"]["switches"] == {"fuse_update": False}
+    assert t["topk_full_row"] == 0 < t["exhaustive"]
+    assert "xla_gpu_exhaustive_tiling_search" in out["variants"]["exhaustive"]["compiler_options"]
+    assert out["variants"]["topk_full_row"]["tuning"] == {"topk_cmax_min_pages": "None"}
     assert all(len(out["results"][n]["step_ms"]) == 1 for n in t)
     assert out["compiles_after_warmup"] == {n: 0 for n in t}
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import CacheConfig, Sampling, engine
+from jaxkv import CacheConfig, Sampling, Tuning, engine
 from jaxkv.models import configs, llama
 from jaxkv.kernels import _common, dense_select, quest
 from dense_reference import reference_greedy
@@ -153,17 +153,15 @@ def test_sampling_is_seeded_and_valid():
 @pytest.mark.parametrize("cmax_min_pages", [None, 1])
 def test_pallas_kernels_end_to_end_interpret(resident_quest, monkeypatch, cmax_min_pages):
     """The decode loop with every op on its Pallas kernel (interpret mode on CPU); with
-    ``cmax_min_pages=1`` Quest takes the chunk-maxima top-k at this size, so the summary
-    update runs inside the scores kernel (``quest_update_select``)."""
-    if cmax_min_pages is not None:  # read at trace time: drop the rounds traced without it
-        monkeypatch.setattr(dense_select, "PALLAS_CMAX_MIN_COLUMNS", cmax_min_pages)
-        engine._round_fn.cache_clear()
-        jax.clear_caches()
+    ``Tuning(topk_cmax_min_pages=1)`` Quest takes the chunk-maxima top-k at this size, so the
+    summary update runs inside the scores kernel (``quest_update_select``)."""
+    if cmax_min_pages is not None:
         fused = []
         monkeypatch.setitem(_common._REGISTRY[quest.OP_UPDATE_CMAX], "pallas", _spy(
             quest.quest_update_scores_cmax_pallas, fused))
+    tuning = Tuning(topk_cmax_min_pages=cmax_min_pages)
     host = _gen(CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=4,
-                            implementation="pallas"), max_new_tokens=4)
+                            implementation="pallas", tuning=tuning), max_new_tokens=4)
     assert [t[:4] for t in resident_quest.tokens] == host.tokens
     if cmax_min_pages is not None:
         assert fused, "the fused update + scores kernel was not traced"

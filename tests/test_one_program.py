@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxkv import CacheConfig, Sampling, engine
+from jaxkv import CacheConfig, Sampling, Tuning, engine
 from jaxkv.api import make_plan
 from jaxkv.models import configs, llama
 
@@ -64,18 +64,15 @@ def test_fused_quest_update_copies_no_summaries_gpu(monkeypatch):
     """With the chunk-maxima top-k (forced here at a small size) the Quest summaries are
     updated inside the scores kernel through an input/output alias: the compiled round must
     not copy the summaries (nor the host tier) to make that alias."""
-    from jaxkv.kernels import dense_select
-    monkeypatch.setattr(dense_select, "PALLAS_CMAX_MIN_COLUMNS", 1)
-    engine._round_fn.cache_clear()
     cfg = configs.tiny(dtype="bfloat16", head_dim=64, num_kv_heads=2, num_heads=8)
     plan, hlo = _compiled_round(cfg, CacheConfig(mode="host", selector="quest", page_size=16,
-                                                 selected_pages=4, implementation="pallas"),
+                                                 selected_pages=4, implementation="pallas",
+                                                 tuning=Tuning(topk_cmax_min_pages=1)),
                                 [300, 170])
     _check(plan, hlo)
     summ = engine.init_summaries(plan)[0].shape
     assert "quest_update_quest_scores_cmax" in hlo
     assert not _copies_of(hlo, summ), _copies_of(hlo, summ)[:3]
-    engine._round_fn.cache_clear()
 
 
 @pytest.mark.gpu
@@ -84,18 +81,16 @@ def test_lagged_quest_copies_no_summaries_gpu(monkeypatch, mode):
     """Lagged selection (Quest over all layers at once on the summaries viewed as
     [1, L * B, ...]) still updates the summaries in place: the compiled round copies neither
     them nor the KV cache, in both modes."""
-    from jaxkv.kernels import dense_select
-    monkeypatch.setattr(dense_select, "PALLAS_CMAX_MIN_COLUMNS", 1)
-    engine._round_fn.cache_clear()
     cfg = configs.tiny(dtype="bfloat16", head_dim=64, num_kv_heads=2, num_heads=8)
     plan, hlo = _compiled_round(cfg, CacheConfig(mode=mode, selector="quest", page_size=16,
                                                  selected_pages=4, implementation="pallas",
-                                                 selection_lag=1), [300, 170])
+                                                 selection_lag=1,
+                                                 tuning=Tuning(topk_cmax_min_pages=1)),
+                                [300, 170])
     _check(plan, hlo)
     summ = engine.init_summaries(plan)[0].shape
     assert "quest_update_quest_scores_cmax" in hlo
     assert not _copies_of(hlo, summ), _copies_of(hlo, summ)[:3]
-    engine._round_fn.cache_clear()
 
 
 def test_decode_round_is_one_program_lagged_cpu():
@@ -105,26 +100,27 @@ def test_decode_round_is_one_program_lagged_cpu():
     _check(plan, hlo)
 
 
+def _plan_with(tuning):
+    return make_plan(configs.tiny(), CacheConfig(mode="resident", selector="quest", page_size=4,
+                                                 selected_pages=4, tuning=tuning), [30], 8,
+                     num_stop=4)
+
+
 def test_round_compiler_options_defaults_and_override():
-    """The round compiles with the engine's default XLA options; a plan's own pair of the same
-    name overrides the default, other pairs are added."""
-    plan = make_plan(configs.tiny(), CacheConfig(mode="resident", selector="quest", page_size=4,
-                                                 selected_pages=4), [30], 8, num_stop=4)
-    assert engine.round_compiler_options(plan) == dict(engine.ROUND_COMPILER_OPTIONS)
-    name = engine.ROUND_COMPILER_OPTIONS[0][0]
-    other = dataclasses.replace(plan, compiler_options=((name, "SERIALIZE"),
-                                                        ("xla_gpu_autotune_level", 0)))
-    assert engine.round_compiler_options(other) == {name: "SERIALIZE", "xla_gpu_autotune_level": 0}
+    """The round compiles with Tuning's XLA options: the default ones, or the plan's own."""
+    default = Tuning().compiler_options
+    assert engine.round_compiler_options(_plan_with(Tuning())) == dict(default)
+    name = default[0][0]
+    opts = ((name, "SERIALIZE"), ("xla_gpu_autotune_level", 0))
+    got = engine.round_compiler_options(_plan_with(Tuning(compiler_options=opts)))
+    assert got == {name: "SERIALIZE", "xla_gpu_autotune_level": 0}
 
 
-def test_round_compiler_options_unknown_default_dropped(monkeypatch):
-    """A default option this XLA does not know is left out with a warning, not an error."""
-    monkeypatch.setattr(engine, "ROUND_COMPILER_OPTIONS",
-                        (("xla_no_such_option_for_jaxkv", True),) + engine.ROUND_COMPILER_OPTIONS)
-    plan = make_plan(configs.tiny(), CacheConfig(mode="resident", selector="quest", page_size=4,
-                                                 selected_pages=4), [30], 8, num_stop=4)
+def test_round_compiler_options_unknown_dropped():
+    """An option this XLA does not know is left out with a warning, not an error."""
+    default = Tuning().compiler_options
+    plan = _plan_with(Tuning(compiler_options=(("xla_no_such_option_for_jaxkv", True),) + default))
     with pytest.warns(UserWarning, match="xla_no_such_option_for_jaxkv"):
         got = engine.round_compiler_options(plan)
     assert "xla_no_such_option_for_jaxkv" not in got
-    assert got == dict(engine._accepted_options(engine.ROUND_COMPILER_OPTIONS[1:],
-                                                jax.default_backend()))
+    assert got == dict(engine._accepted_options(default, jax.default_backend()))

@@ -247,20 +247,18 @@ def test_quest_select_cmax_exact(impl):
     check_selection(got, seq_lens, num_pages=Np, **kw)
 
 
-def test_quest_select_auto_cmax_switch(monkeypatch):
-    """"auto" takes "pallas_cmax" from ``PALLAS_CMAX_MIN_COLUMNS`` pages on (None: never) and
-    only with the "pallas" implementation."""
-    def jaxpr(np_, impl):
+def test_quest_select_auto_cmax_rule():
+    """"auto" takes "pallas_cmax" from ``cmax_min_pages`` pages on (None: never) and only
+    with the "pallas" implementation."""
+    def jaxpr(np_, impl, cmax_min_pages):
         meta = jnp.zeros((1, 1, np_, 1, 16))
         return str(jax.make_jaxpr(lambda q, m, l: quest.quest_select(
-            q, m, m, 0, l, k=4, page_size=1, num_sink_pages=1, implementation=impl))(
-                jnp.zeros((1, 1, 16)), meta, jnp.array([np_])))
-    monkeypatch.setattr(ds, "PALLAS_CMAX_MIN_COLUMNS", None)
-    assert "quest_scores_cmax" not in jaxpr(33, "pallas")
-    monkeypatch.setattr(ds, "PALLAS_CMAX_MIN_COLUMNS", 32)
-    assert "quest_scores_cmax" in jaxpr(34, "pallas")
-    assert "quest_scores_cmax" not in jaxpr(31, "pallas")
-    assert "quest_scores_cmax" not in jaxpr(35, "xla")
+            q, m, m, 0, l, k=4, page_size=1, num_sink_pages=1, implementation=impl,
+            cmax_min_pages=cmax_min_pages))(jnp.zeros((1, 1, 16)), meta, jnp.array([np_])))
+    assert "quest_scores_cmax" not in jaxpr(33, "pallas", None)
+    assert "quest_scores_cmax" in jaxpr(34, "pallas", 32)
+    assert "quest_scores_cmax" not in jaxpr(31, "pallas", 32)
+    assert "quest_scores_cmax" not in jaxpr(35, "xla", 32)
 
 
 def test_quest_select_k_larger_than_num_pages():
@@ -798,9 +796,8 @@ def test_pallas_topk_cmax_lowers_for_gpu(shape, k, chunk):
 
 @pytest.mark.parametrize("unmasked,chunk,bp", [(False, 16, None), (True, 16, None),
                                                (True, 8, 16)])
-def test_quest_cmax_lowers_for_gpu(no_interpret, monkeypatch, unmasked, chunk, bp):
+def test_quest_cmax_lowers_for_gpu(no_interpret, unmasked, chunk, bp):
     """pallas_cmax at 16k pages: scores+cmax kernel and top-k kernel, no XLA sort / top-k."""
-    monkeypatch.setattr(quest, "UNMASKED_LOADS", unmasked)
     meta = S((4, 1, 16384, 8, 128), jnp.bfloat16)
     args = (S((1, 32, 128), jnp.bfloat16), meta, meta, S((), jnp.int32), S((1,), jnp.int32))
     if bp is None:
@@ -816,12 +813,10 @@ def test_quest_cmax_lowers_for_gpu(no_interpret, monkeypatch, unmasked, chunk, b
         assert lower_for_h200(fn, *args).count("__gpu$xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("L,B,Np,H,G,D,unmasked", [(4, 8, 2058, 2, 6, 128, False),
-                                                   (4, 1, 16384, 8, 4, 128, True)])
-def test_quest_update_select_lowers_for_gpu(no_interpret, monkeypatch, L, B, Np, H, G, D, unmasked):
+@pytest.mark.parametrize("L,B,Np,H,G,D", [(4, 8, 2058, 2, 6, 128), (4, 1, 16384, 8, 4, 128)])
+def test_quest_update_select_lowers_for_gpu(no_interpret, L, B, Np, H, G, D):
     """The fused update + scores kernel and the top-k kernel: two Triton calls, no scatter,
     sort or top-k left in XLA (Qwen-like 128k B=8 and 8B-like 1M B=1 shapes)."""
-    monkeypatch.setattr(quest, "UNMASKED_LOADS", unmasked)
     fn = functools.partial(quest.quest_update_select, k=32, page_size=64, num_sink_pages=1,
                            implementation="pallas")
     meta = S((L, B, Np, H, D), jnp.bfloat16)

@@ -1,0 +1,115 @@
+"""Prefill: the prompt through the model layer by layer, its K/V written page by page into
+the host tier (or the resident pool) and the selector's summaries filled.
+
+:func:`prefill_layer` runs one layer over the whole (bucketed) prompt; the caller loops over
+layers, so long prompts show progress and only one layer's K/V is on device at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import selectors
+from jaxkv.config import Sampling
+from jaxkv.kernels import page_write
+from jaxkv.kernels.prefill_attention import prefill_attention
+from jaxkv.models import llama
+from jaxkv.plan import Plan
+from jaxkv.sampling import agree, sample
+from jaxkv.spec import INVALID
+
+
+def _pack_pages(k, v, page_size):
+    """k, v [B, T, H, D] -> rows [B, T/ps, R] in the row layout [2, H, ps, D]."""
+    B, T, H, D = k.shape
+    kv = jnp.stack([k, v], axis=2)                             # [B, T, 2, H, D]
+    kv = kv.reshape(B, T // page_size, page_size, 2, H, D)
+    kv = kv.transpose(0, 1, 3, 4, 2, 5)                        # [B, n, 2, H, ps, D]
+    return kv.reshape(B, T // page_size, 2 * H * page_size * D)
+
+
+def _in_token_chunks(fn, chunk: int, *xs):
+    """``fn(*xs)`` for per-token work, ``chunk`` tokens at a time (``lax.map``: one piece's
+    intermediates live at once). xs: arrays ``[B, T, ...]``; fn returns arrays or a tuple of
+    arrays ``[B, T, ...]``. T <= chunk: one call. Otherwise T is padded with zeros to whole
+    pieces and the padding dropped from the results."""
+    B, T = xs[0].shape[:2]
+    if T <= chunk:
+        return fn(*xs)
+    n = -(-T // chunk)
+
+    def pieces(a):
+        a = jnp.pad(a, [(0, 0), (0, n * chunk - T)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(B, n, chunk, *a.shape[2:]), 1, 0)
+
+    out = jax.lax.map(lambda p: fn(*p), tuple(pieces(a) for a in xs))
+    return jax.tree.map(
+        lambda o: jnp.moveaxis(o, 0, 1).reshape(B, n * chunk, *o.shape[3:])[:, :T], out)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("kv", "summaries", "dense"))
+def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, dense=()):
+    """One layer over the bucketed prompt; writes its K/V pages and selector summaries.
+
+    layer_params: params["layers"][layer]; x [B, T, d]; lengths [B] prompt lengths; layer
+    int32 scalar (traced: one compilation serves every layer). Returns (x, kv, summaries, dense).
+    The per-token work (norms, projections, MLP) runs in pieces of
+    ``CacheConfig.prefill_token_chunk`` tokens; attention sees the whole prompt.
+    """
+    cfg, ps = plan.model, plan.page_size
+    B, T, _ = x.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    lp = layer_params
+    pieces = plan.cache.prefill_token_chunk
+    h, q, k, v = _in_token_chunks(lambda x, pos: llama.attention_inputs(lp, cfg, x, pos), pieces,
+                                  x, positions)
+    attn = prefill_attention(q, k, v, lengths, implementation=plan.cache.implementation,
+                             chunk=plan.cache.prefill_chunk)
+    x = _in_token_chunks(lambda x, a: llama.layer_output(lp, cfg, x, a, axis_name=plan.axis_name),
+                         pieces, x, attn)
+
+    dt = jnp.dtype(plan.kv_dtype)
+    pages = _pack_pages(k.astype(dt), v.astype(dt), ps)             # [B, n, R]
+    n = T // ps
+    j = jnp.arange(n, dtype=jnp.int32)
+    used = j[None, :] * ps < lengths[:, None]
+    logical = jnp.arange(B, dtype=jnp.int32)[:, None] * plan.pages_per_seq + j[None, :]
+    rows = jnp.where(used, layer * plan.spec.num_logical_pages + logical, INVALID).reshape(-1)
+    impl = plan.cache.implementation
+    if plan.cache.mode == "host":
+        host_kv = page_write.write_pages(kv.host_kv, rows, pages.reshape(B * n, -1),
+                                         implementation=impl)
+        kv = dataclasses.replace(kv, host_kv=page_write.keep_on_host(host_kv))
+    else:
+        kv = dataclasses.replace(kv, pool=page_write.write_pages(
+            kv.pool, rows, pages.reshape(B * n, -1), implementation=impl))
+    if plan.cache.mode == "host" and plan.num_dense:
+        drows = jnp.where(layer < plan.num_dense, rows, INVALID)
+        dense = dataclasses.replace(dense, pool=page_write.write_pages(
+            dense.pool, drows, pages.reshape(B * n, -1), implementation=impl))
+    selector = plan.selector
+    summ, ahead = selectors.split_ahead(summaries, plan.lagged)
+    summ = selector.fill(plan, summ, layer, lp, h, k, positions, lengths)
+    if plan.lagged:  # the first decode step's pages, chosen with the prompt's last query
+        last = jnp.maximum(lengths - 1, 0)
+        h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)             # [B, 1, d]
+        q_last = jnp.take_along_axis(q, last[:, None, None, None], axis=1)[:, 0]  # [B, Hq, D]
+        pages = selector.first_pages(plan, summ, layer, lp, h_last, q_last, lengths)
+        summ = summ + (ahead.at[layer].set(pages),)
+    return x, kv, summ, dense
+
+
+@functools.partial(jax.jit, static_argnames=("plan",))
+def embed_prompt(plan: Plan, params, tokens):
+    return llama.embed(params, plan.model, tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",))
+def first_token(plan: Plan, params, x, lengths, sampling: Sampling, key):
+    """Sample the first new token from the prompt's last position. x [B, T, d] -> [B]."""
+    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)   # [B, 1, d]
+    logits = llama.final_logits(params, plan.model, last)[:, 0]
+    return agree(sample(logits, sampling, key), plan.axis_name)

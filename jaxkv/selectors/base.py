@@ -1,0 +1,78 @@
+"""The selector protocol and its registry (see the package docstring)."""
+from __future__ import annotations
+
+_REGISTRY: dict[str, "Selector"] = {}
+
+
+class Selector:
+    """One page selector. Stateless: every method takes the static plan
+    (``jaxkv.plan.Plan``) and the arrays it works on; instances are registered by name.
+
+    Shapes: L layers, B requests, Np pages per sequence, H KV heads, Hq query heads, D head
+    dim, T prompt tokens, k = ``plan.k`` selected pages per request, layer and KV head.
+    """
+
+    name: str = ""
+    #: Whether lagged selection may choose the next step's pages of every layer at once after
+    #: the step's layer loop (:meth:`update_select_all_layers`, one launch of each kernel
+    #: instead of one per layer); otherwise each layer selects inside the loop.
+    selects_all_layers: bool = False
+    #: Whether the selection reads the summaries at all (False: every valid page).
+    scored: bool = True
+
+    def init(self, plan) -> tuple:
+        """Empty summaries of all layers (a tuple of device arrays; () for none)."""
+        raise NotImplementedError
+
+    def fill(self, plan, summaries: tuple, layer, layer_params, h, k, positions,
+             lengths) -> tuple:
+        """Fill layer ``layer``'s summaries from a prompt: h [B, T, d] normed hidden states,
+        k [B, T, H, D] post-RoPE keys, positions [B, T], lengths [B] prompt lengths."""
+        raise NotImplementedError
+
+    def update_select(self, plan, summaries: tuple, layer, layer_params, h, q, kv_new,
+                      positions, *, ahead: bool = False):
+        """One decode step of one layer: fold the new token into the summaries, then select.
+
+        h [B, 1, d] normed hidden state, q [B, Hq, D] the query, kv_new [B, 2, H, D] the new
+        token's K/V, positions [B] its position (-1: inactive request). ``ahead``: select for
+        the next token (position + 1) with this query (lagged selection). Returns
+        (summaries, pages [B, H, k'])."""
+        raise NotImplementedError
+
+    def first_pages(self, plan, summaries: tuple, layer, layer_params, h_last, q_last,
+                    lengths):
+        """Lagged selection's first pages: what the prompt's last query selects for the
+        first decode token (position ``lengths``). h_last [B, 1, d], q_last [B, Hq, D].
+        Returns pages [B, H, k]."""
+        raise ValueError(f"lagged selection needs a scored selector, not {self.name!r}")
+
+    def update_select_all_layers(self, plan, summaries: tuple, q, kv_new, positions):
+        """Lagged selection for every layer at once (``selects_all_layers``): q [L, B, Hq,
+        D], kv_new [L, B, 2, H, D], positions [L, B] (-1: no update and no selection).
+        Returns (summaries, ahead [L, B, H, k]): the pages for position + 1."""
+        raise NotImplementedError
+
+
+def register(cls):
+    """Class decorator: register one instance of a :class:`Selector` subclass by its name."""
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def get(name: str) -> Selector:
+    """The selector registered as ``name``."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown selector {name!r}; choose one of {names()}") from None
+
+
+def names() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def split_ahead(summaries: tuple, lagged: bool):
+    """(the selector's own summaries, ``ahead`` or None): with lagged selection the pages of
+    the next step are the tuple's last array."""
+    return (tuple(summaries[:-1]), summaries[-1]) if lagged else (tuple(summaries), None)

@@ -1,0 +1,87 @@
+"""The decode state: what the compiled decode loop carries from step to step (donated
+between rounds), and its construction after a prefill."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import cache as kvcache
+from jaxkv.plan import Plan
+from jaxkv.spec import INVALID
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything the decode loop carries (donated between rounds).
+
+    kv: HostTierCache (host mode) or ResidentCache. summaries: selector summaries.
+    lengths [B]: tokens in the cache = position of ``last_token``. last_token [B]: the next
+    token to feed. done [B] bool. n_generated [B]: tokens produced so far. key: PRNG key.
+    """
+
+    kv: object
+    summaries: tuple
+    lengths: jax.Array
+    last_token: jax.Array
+    done: jax.Array
+    n_generated: jax.Array
+    key: jax.Array
+    lookahead: tuple = ()
+    dense: object = ()
+
+
+def init_kv(plan: Plan, *, poison: bool = False, traced: bool = False):
+    """``traced``: build inside a jit / shard_map (see kvcache.init_cache)."""
+    if plan.cache.mode == "host":
+        return kvcache.init_cache(plan.spec, poison=poison, traced=traced)
+    return kvcache.init_resident(plan.spec, poison=poison, traced=traced)
+
+
+def init_dense(plan: Plan, *, poison: bool = False, traced: bool = False):
+    """Device copy of the dense layers' K/V (host mode with CacheConfig.dense_layers > 0)."""
+    if plan.cache.mode != "host" or plan.num_dense == 0:
+        return ()
+    return kvcache.init_resident(plan.dense_spec, poison=poison, traced=traced)
+
+
+def start_state(plan: Plan, kv, summaries, lengths, last_token, key, *, done=None,
+                n_generated: int = 1, lookahead=None, dense=()) -> DecodeState:
+    """The decode state right after a prefill: lengths [B] (tokens in the cache), last_token [B]
+    (the next token to feed), ``done`` [B] bool (default all False), every request's
+    ``n_generated`` set to the given count, empty per-step selections (``lookahead`` default:
+    ``init_lookahead(plan)``)."""
+    B = plan.batch
+    return DecodeState(
+        kv=kv, summaries=summaries, lengths=jnp.asarray(lengths, jnp.int32),
+        last_token=jnp.asarray(last_token, jnp.int32),
+        done=jnp.zeros((B,), jnp.bool_) if done is None else jnp.asarray(done),
+        n_generated=jnp.full((B,), n_generated, jnp.int32), key=key,
+        lookahead=init_lookahead(plan) if lookahead is None else lookahead, dense=dense)
+
+
+def init_lookahead(plan: Plan):
+    """Per-step scheduling: the previous step's selections [L, R] (and, "scratch", the scratch
+    rows they were fetched into)."""
+    if not plan.per_step:
+        return ()
+    shape = (plan.model.num_layers, plan.requests_per_layer)
+    if plan.in_place:
+        return (jnp.full(shape, INVALID, jnp.int32),)
+    return (jnp.full(shape, INVALID, jnp.int32), jnp.full(shape, INVALID, jnp.int32))
+
+
+def init_summaries(plan: Plan):
+    """The selector's empty summaries; with lagged selection followed by ``ahead``
+    [L, B, H, k] int32, all -1 (no page)."""
+    m = plan.model
+    ahead = ((jnp.full((m.num_layers, plan.batch, m.num_kv_heads, plan.k), INVALID, jnp.int32),)
+             if plan.lagged else ())
+    return tuple(plan.selector.init(plan)) + ahead
+
+
+def state_shardings(state: DecodeState):
+    """Output shardings that keep every leaf where it is (the host tier stays pinned)."""
+    return jax.tree.map(lambda a: a.sharding, state)
