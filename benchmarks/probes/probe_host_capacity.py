@@ -21,7 +21,7 @@ size of the tier means a device copy):
   decode   one engine.decode_round on the filled state
   generate jaxkv.generate with a short prompt and max_context sized to the tier (prefill_layer)
 
-  PYTHONPATH=. python3 benchmarks/probe_host_capacity.py --tier-gb 28 --free-gb 16 --out $OUT
+  PYTHONPATH=. python3 benchmarks/probes/probe_host_capacity.py --tier-gb 28 --free-gb 16 --out $OUT
 
 Without a GPU (or with ``--tiny``) it runs the same stages on the tiny model (no ballast),
 which is how CI keeps the script working.
@@ -42,7 +42,7 @@ os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "100")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 from benchmarks import bench_decode as bd  # noqa: E402
 from jaxkv import CacheConfig, Sampling, engine, generate, synthetic  # noqa: E402
 from jaxkv import cache as kvcache  # noqa: E402

@@ -1,6 +1,6 @@
 """Decode-shaped weight matmuls: how fast does one layer's set of projections read its weights?
 
-    PYTHONPATH=. python3 benchmarks/bench_matmul.py --out DIR [--quick]
+    PYTHONPATH=. python3 benchmarks/probes/bench_matmul.py --out DIR [--quick]
 
 A decode step at small batch is a chain of matrix-vector-like products (M = batch rows) whose
 cost is reading the weights. The per-kernel trace of the Qwen-like B=8 step showed XLA's
@@ -46,9 +46,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 import _meta  # noqa: E402
-from micro_step import time_fn  # noqa: E402
 
 # (d_model, q_dim + 2 * kv_dim, q_dim, ffn, vocab) of the two benchmark shapes (models/configs.py)
 SHAPES = {
@@ -123,7 +122,7 @@ MATMULS = {"io": xla_mm, "oi": xla_mm_oi}
 def timed(fn, args, options, reps):
     """Median seconds of ``fn(*args)`` compiled with the XLA ``options`` (after a warm-up)."""
     compiled = jax.jit(fn).lower(*args).compile(options or None)
-    return time_fn(compiled, *args, reps=reps)
+    return _meta.time_calls(compiled, args, reps)
 
 
 def rel_err(mm, x, mats, options):
