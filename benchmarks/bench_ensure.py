@@ -32,7 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # noqa: E402
 from bench_fetch import _ensure_fn  # noqa: E402
 from jaxkv import lru  # noqa: E402
-from micro_step import time_fn  # noqa: E402
 
 
 def stream(rng, T, L, B, H, k, Np, overlap, Q):
@@ -72,7 +71,7 @@ def time_variant(fn, reqs, prot, L, P, S, reps):
         return jax.lax.fori_loop(0, T, body, init)[3]
 
     counts = run(reqs, prot)
-    return time_fn(run, reqs, prot, reps=reps) / T * 1e6, (np.asarray(counts) / T).tolist()
+    return _meta.time_calls(run, (reqs, prot), reps) / T * 1e6, (np.asarray(counts) / T).tolist()
 
 
 def main():

@@ -11,7 +11,7 @@
 #   64-token pages; the JSON, tagged with the stage and $JAXKV_COMMIT, is saved after every
 #   point); benchmarks/summarize_grid.py merges them into one table and plot;
 #   grid-e (8B-like B=8 128k) and grid-f (8B-like B=1 1M) have 128 GiB tiers: two-GPU kind (RAM)
-# capacity: a host tier larger than the free device memory (probe_host_capacity.py; 28 vs 16 GiB)
+# capacity: a host tier larger than the free device memory (probes/probe_host_capacity.py; 28 vs 16 GiB)
 # abc-8b, abc-qwen: the issue-6 headline ratios (128k; a, b, c2 in one run; 8B-like B=1, Qwen-like B=8;
 #   then b and c2 re-measured alternately $PAIRS times (default 8): the target is the median pair ratio)
 #   abc-8b-lag, abc-qwen-lag: the same with CacheConfig(selection_lag=1) for b and c2;
@@ -20,11 +20,11 @@
 # tp-b8: only the tensor-parallel 8B-like B=8 128k part of tp
 # grid-*: GRID_CONFIGS / GRID_POOLS override the configurations (default a,b,c,d / 1,2,4)
 # topo: the GPUs' PCIe / NUMA topology
-# matmul: decode-shaped weight products, XLA's default vs cuBLAS (bench_matmul.py)
+# matmul: decode-shaped weight products, XLA's default vs cuBLAS (probes/bench_matmul.py)
 # matmul-opts: the Qwen-like B=8 products under XLA option variants ($MATMUL_VARIANTS) and
 #   weight layouts ($MATMUL_LAYOUTS: io = [in, out], oi = [out, in])
-# matmul-l2: each projection with its weight from HBM vs from L2 (bench_matmul.py --l2)
-# launch: the per-kernel floor of chained tiny kernels, XLA / Pallas, PDL on and off (bench_launch.py)
+# matmul-l2: each projection with its weight from HBM vs from L2 (probes/bench_matmul.py --l2)
+# launch: the per-kernel floor of chained tiny kernels, XLA / Pallas, PDL on and off (probes/bench_launch.py)
 # locality: fetch rate by where the fetched pages lie in the host tier (bench_fetch --only-locality)
 # steady: per-step slopes of the fetch loop, XLA's DMA and bulk device_put (bench_fetch --only-steady)
 # ab: same-process A/B of decode-step variants (ab_step.py; $AB_VARIANTS, $AB_CONFIG b|c2,
@@ -95,15 +95,15 @@ for s in $STAGES; do
           --pairs ${PAIRS:-8} --out "$OUT" ;;
     topo) run topo 60 bash -c "nvidia-smi topo -m; lscpu | grep -i -E 'numa|socket|model name'; \
         $PY -c 'import sys; sys.path.insert(0, \"benchmarks\"); import _numa, json; print(json.dumps(_numa.gpu_numa()))'" ;;
-    capacity) run capacity 300 $PY benchmarks/probe_host_capacity.py --tier-gb 28 --free-gb 16 --out "$OUT"
+    capacity) run capacity 300 $PY benchmarks/probes/probe_host_capacity.py --tier-gb 28 --free-gb 16 --out "$OUT"
         # the optimized HLO of each probed program, as one file (the device returns few files)
         [ -d "$OUT/hlo" ] && tar -czf "$OUT/capacity_hlo.tgz" -C "$OUT" hlo && rm -rf "$OUT/hlo" ;;
-    matmul) run matmul 200 $PY benchmarks/bench_matmul.py --out "$OUT" ;;
-    matmul-opts) run matmul_opts 300 $PY benchmarks/bench_matmul.py --shapes qwen1.5b --batches 8 \
+    matmul) run matmul 200 $PY benchmarks/probes/bench_matmul.py --out "$OUT" ;;
+    matmul-opts) run matmul_opts 300 $PY benchmarks/probes/bench_matmul.py --shapes qwen1.5b --batches 8 \
         --variants ${MATMUL_VARIANTS:-xla,cublas,exhaustive} --layouts ${MATMUL_LAYOUTS:-io} --out "$OUT" ;;
-    matmul-l2) run matmul_l2 240 $PY benchmarks/bench_matmul.py --l2 --shapes qwen1.5b,8b --batches 1,8 \
+    matmul-l2) run matmul_l2 240 $PY benchmarks/probes/bench_matmul.py --l2 --shapes qwen1.5b,8b --batches 1,8 \
         --out "$OUT" ;;
-    launch) run launch 120 $PY benchmarks/bench_launch.py --out "$OUT" ;;
+    launch) run launch 120 $PY benchmarks/probes/bench_launch.py --out "$OUT" ;;
     locality) run locality 200 $PY benchmarks/bench_fetch.py --only-locality --out "$OUT" ;;
     steady) run steady 300 $PY benchmarks/bench_fetch.py --only-steady --budget-s 240 --out "$OUT" ;;
     ab) flags=${XLA_FLAGS:-}

@@ -1,6 +1,6 @@
 """Plot bench_decode.json: decode tokens/s per configuration, and the step-time split.
 
-    PYTHONPATH=. python3 benchmarks/plot_decode.py benchmarks/results/bench_decode.json [out.png]
+    PYTHONPATH=. python3 benchmarks/plot_decode.py DIR/bench_decode.json [out.png]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Plot bench_fetch.py results: fetch GB/s vs pages per step, one line per page size.
 
-Usage: PYTHONPATH=. python3 benchmarks/plot_fetch.py benchmarks/results/bench_fetch.json [out.png]
+Usage: PYTHONPATH=. python3 benchmarks/plot_fetch.py DIR/bench_fetch.json [out.png]
 """
 from __future__ import annotations
 

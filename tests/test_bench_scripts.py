@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_matmul_quick(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_matmul.py"), "--quick",
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probes" / "bench_matmul.py"), "--quick",
                     "--shapes", "qwen1.5b", "--batches", "1", "--steps", "1", "--reps", "1",
                     "--out", str(tmp_path)], check=True, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -65,7 +65,7 @@ def test_source_rows_layouts():
 
 def test_bench_launch_quick(tmp_path):
     """bench_launch --quick: every chain (XLA, Pallas, mixed; PDL on and off) computes right."""
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_launch.py"), "--quick",
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probes" / "bench_launch.py"), "--quick",
                     "--out", str(tmp_path)], check=True, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
     rows = json.loads((tmp_path / "bench_launch.json").read_text())["rows"]
@@ -86,7 +86,7 @@ def test_bench_prefill_attention_quick(tmp_path):
 
 def test_bench_matmul_l2_quick(tmp_path):
     """bench_matmul --l2: one row per projection with both timings."""
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_matmul.py"), "--quick", "--l2",
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probes" / "bench_matmul.py"), "--quick", "--l2",
                     "--shapes", "qwen1.5b", "--batches", "8", "--steps", "1", "--reps", "1",
                     "--out", str(tmp_path)], check=True, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -275,12 +275,12 @@ def test_gpu_bench_decode_quick(tmp_path):
 
 
 def test_probe_host_capacity_runs_tiny(tmp_path):
-    """benchmarks/probe_host_capacity.py (the GPU probe for host tiers larger than the free
+    """benchmarks/probes/probe_host_capacity.py (the GPU probe for host tiers larger than the free
     device memory) runs its stages on the tiny model, so the script stays working off the GPU."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks import probe_host_capacity
+    from benchmarks.probes import probe_host_capacity
 
     rec = probe_host_capacity.main(["--tiny", "--out", str(tmp_path)])
     assert [r["stage"] for r in rec["stages"]] == ["alloc_prog", "fill_prog", "variants", "fill",

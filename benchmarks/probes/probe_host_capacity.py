@@ -1,9 +1,10 @@
 """Does a host tier larger than the device's free memory work? (a GPU probe)
 
-On the H200 the synthetic fill of a 128.2 GiB host tier (8B-like, B=8, 128k) failed with
-"Out of memory while trying to allocate 128.25GiB with allocator GPU_0_bfc" in
-``jit__fill_chunk``: something in that program holds a device buffer the size of the whole
-pinned tier. Every earlier run had a tier that also fit the device, so none could show it.
+A program that touches the whole pinned tier must not hold a device buffer of its size: with a
+tier larger than the free device memory such a program fails with a device out-of-memory error
+(e.g. "Out of memory while trying to allocate 128.25GiB with allocator GPU_0_bfc"), and only a
+tier that does not fit the device can show it. docs/benchmark-log.md (sixth and seventh
+sessions) has the runs that found and fixed such a program.
 
 This probe takes the device down to ``--free-gb`` GiB of free memory with a ballast array,
 then, for a Qwen-like host tier of ``--tier-gb`` GiB (larger than that), runs each program that
@@ -11,8 +12,9 @@ touches the whole tier and records, per stage: ok / the error, the device alloca
 bytes, and the compiled memory analysis (device temp / argument / output bytes; a temp the
 size of the tier means a device copy):
 
-  alloc_prog the zeroed tier: the old in-program allocator's memory analysis (compile only),
-            then kvcache.host_zeros (run: seconds, host RSS)
+  alloc_prog the zeroed tier: the in-program allocator's memory analysis (a jitted jnp.zeros
+            typed to host memory; compile only), then kvcache.host_zeros (run: seconds,
+            host RSS)
   fill_prog the fill chunk's compiled memory analysis (nothing run)
   variants  compile-only memory analysis of the smallest programs writing into a donated
             pinned-host array of the tier's shape (Pallas write_pages with and without the
@@ -21,7 +23,7 @@ size of the tier means a device copy):
   decode   one engine.decode_round on the filled state
   generate jaxkv.generate with a short prompt and max_context sized to the tier (prefill_layer)
 
-  PYTHONPATH=. python3 benchmarks/probe_host_capacity.py --tier-gb 28 --free-gb 16 --out $OUT
+  PYTHONPATH=. python3 benchmarks/probes/probe_host_capacity.py --tier-gb 28 --free-gb 16 --out $OUT
 
 Without a GPU (or with ``--tiny``) it runs the same stages on the tiny model (no ballast),
 which is how CI keeps the script working.
@@ -42,7 +44,7 @@ os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "100")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 from benchmarks import bench_decode as bd  # noqa: E402
 from jaxkv import CacheConfig, Sampling, engine, generate, synthetic  # noqa: E402
 from jaxkv import cache as kvcache  # noqa: E402
@@ -135,8 +137,9 @@ def main(argv=None) -> dict:
     lengths = [ctx - 2 * ps]
 
     def alloc_program():
-        """The zeroed tier: the in-program allocator (jnp.zeros typed to host, as init_kv did
-        before 2026-11-29: compile-only) and kvcache.host_zeros (run: seconds, host RSS)."""
+        """The zeroed tier: the in-program allocator (a jitted jnp.zeros typed to host memory,
+        which XLA computes in device memory: compile-only) and kvcache.host_zeros (run:
+        seconds, host RSS)."""
         spec, host = plan.spec, kvcache.host_sharding()
         old = jax.jit(lambda: jax.device_put(jnp.zeros(spec.host_shape, spec.dtype),
                                              jax.memory.Space.Host), out_shardings=host)

@@ -1,6 +1,6 @@
 """Micro-benchmarks behind the decode-step layout choices (8B-like shapes, bf16).
 
-    PYTHONPATH=. python3 benchmarks/micro_step.py --out DIR [--quick]
+    PYTHONPATH=. python3 benchmarks/probes/micro_step.py --out DIR [--quick]
 
 1. Weight layout: an unrolled 8-layer chain of x @ W[l] with W stacked [L, d, n] (XLA slices
    each layer, which may copy) against one array per layer.
@@ -20,13 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 import _meta  # noqa: E402
 from jaxkv.kernels import dense_select  # noqa: E402
-
-
-def time_fn(f, *args, reps=20):
-    return _meta.time_calls(f, args, reps)
 
 
 def chain(ws_get, L, steps):
@@ -69,7 +65,7 @@ def main():
         }
         nbytes = sum(L * d * m * 2 for m in shapes.values())
         for name, (get, ws) in variants.items():
-            t = time_fn(chain(get, L, steps), x, ws) / steps
+            t = _meta.time_calls(chain(get, L, steps), (x, ws), 20) / steps
             rows.append(dict(part="weights", B=B, variant=name, us_per_layer=t / L * 1e6,
                              hbm_gbs=nbytes / t / 1e9))
         del st, per, fused_qkv, fused_gu, per_qkv, per_gu
@@ -85,7 +81,7 @@ def main():
                 def body(i, c):
                     return c + fn(s + c[0, 0].astype(s.dtype) * 1e-9)[0, 0]
                 return lax.fori_loop(0, 50, body, jnp.zeros((1, 1), jnp.int32))
-            t = time_fn(jax.jit(loop), s) / 50
+            t = _meta.time_calls(jax.jit(loop), (s,), 20) / 50
             rows.append(dict(part="topk", N=n, variant=method, us=t * 1e6))
     print(f"{'part':8s} {'shape':8s} {'variant':20s} {'us':>9s} {'GB/s':>7s}")
     for r in rows:

@@ -1,6 +1,6 @@
 """Decode step time of jaxkv's compiled round for a few cache configurations (one shape).
 
-PYTHONPATH=. python3 benchmarks/profile_step.py --model llama3-8b --layers 32 --context 32768
+PYTHONPATH=. python3 benchmarks/probes/profile_step.py --model llama3-8b --layers 32 --context 32768
 Builds the cache by a real prefill of random tokens, then times ``engine.decode_round``
 (warm-up round first, so compile time is excluded) and prints ms per step and tokens/s.
 """
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import sys
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/ (trace_summary)
 
 from jaxkv import CacheConfig, Sampling, compile_stats, engine
 from jaxkv.api import make_plan

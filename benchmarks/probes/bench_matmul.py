@@ -1,11 +1,10 @@
 """Decode-shaped weight matmuls: how fast does one layer's set of projections read its weights?
 
-    PYTHONPATH=. python3 benchmarks/bench_matmul.py --out DIR [--quick]
+    PYTHONPATH=. python3 benchmarks/probes/bench_matmul.py --out DIR [--quick]
 
 A decode step at small batch is a chain of matrix-vector-like products (M = batch rows) whose
-cost is reading the weights. The per-kernel trace of the Qwen-like B=8 step showed XLA's
-Triton GEMM fusions at ~3.0 TB/s against the ~4 TB/s a large copy reaches
-(``bench_decode_qwen_128k_b8_trace_7fdd4b1.json``: 113 GEMMs, 1.03 ms of a 2.6 ms step).
+cost is reading the weights. In the per-kernel trace of the Qwen-like B=8 step (113 GEMMs per
+step) XLA's Triton GEMM fusions read at ~3.0 TB/s against the ~4 TB/s a large copy reaches.
 This script times a chain of ``layers`` layers, each ``x @ wqkv``, ``@ wo``, ``@ w_gate_up``,
 ``@ w_down`` with the model's shapes (distinct weights per layer, so nothing stays in L2),
 plus the ``lm_head`` alone, under several compilations:
@@ -16,18 +15,11 @@ plus the ``lm_head`` alone, under several compilations:
 * ``autotune0``: no autotuning, XLA's heuristic tilings;
 
 and with the weights stored input-major ``[in, out]`` (the model's layout, ``y = x @ W``) or
-output-major ``[out, in]`` (``--layouts io,oi``; ``bench_matmul_layouts_b7eac6d.json``: no
-gain at M=8).
+output-major ``[out, in]`` (``--layouts io,oi``).
 
-A split-K Pallas kernel for few rows was measured too (commit 716615a,
-``benchmarks/results/bench_matmul_716615a.json``): slower than XLA's default at every shape
-(Qwen-like B=8: 43-54 us per layer over eight tilings against 39 us), so it was removed.
-
-The MLP as one Pallas kernel (gate/up, SiLU x up and down in one launch, deterministic partial
-sums; ``pallas_kernels/swiglu_mlp.py`` and ``--mlp`` at commit 5bdd21e) was measured too
-(``bench_matmul_mlp_{qwen,8b}_5bdd21e.json``): XLA's four kernels were faster at every tiling
-(Qwen-like M=8 30.9 us per layer against 36.7-53.5 us; 8B-like M=1 88.3 against 94.8-134.4
-us), so it was removed.
+What these figures decided (cuBLAS, output-major weights, the tiling search, no autotuning, and
+the kernels measured against XLA's products: a split-K Pallas matmul and the MLP as one Pallas
+kernel) is in docs/decisions.md.
 
 ``--l2``: each projection alone with its weight read from HBM (a distinct weight per layer) or
 from L2 (one shared weight): how much of a product's time the weight read is.
@@ -46,9 +38,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 import _meta  # noqa: E402
-from micro_step import time_fn  # noqa: E402
 
 # (d_model, q_dim + 2 * kv_dim, q_dim, ffn, vocab) of the two benchmark shapes (models/configs.py)
 SHAPES = {
@@ -123,7 +114,7 @@ MATMULS = {"io": xla_mm, "oi": xla_mm_oi}
 def timed(fn, args, options, reps):
     """Median seconds of ``fn(*args)`` compiled with the XLA ``options`` (after a warm-up)."""
     compiled = jax.jit(fn).lower(*args).compile(options or None)
-    return time_fn(compiled, *args, reps=reps)
+    return _meta.time_calls(compiled, args, reps)
 
 
 def rel_err(mm, x, mats, options):

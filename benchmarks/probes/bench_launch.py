@@ -1,6 +1,6 @@
 """What one more kernel costs in a compiled decode step: chains of tiny dependent kernels.
 
-    PYTHONPATH=. python3 benchmarks/bench_launch.py --out DIR [--quick]
+    PYTHONPATH=. python3 benchmarks/probes/bench_launch.py --out DIR [--quick]
 
 The Qwen-like B=8 decode step runs ~17 kernels per layer (4 weight products, 5 Pallas kernels,
 the rest XLA fusions), most of them far from any bandwidth or compute limit. So the step is
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 import _meta  # noqa: E402
 from jaxkv.kernels import _common  # noqa: E402
 

@@ -13,7 +13,7 @@ host memory? Issue 2 asks the Pallas fetch for >= 0.95 of the bulk host->device 
 - ``ce_batch``: ``cudaMemcpyBatchAsync`` (one call per step for all pages), if the runtime has it.
 
 Needs CuPy (on the GPU machine's image; not a jaxkv dependency). Writes probe_pcie_gather.json.
-Run:  python3 benchmarks/probe_pcie_gather.py --out DIR
+Run:  python3 benchmarks/probes/probe_pcie_gather.py --out DIR
 """
 from __future__ import annotations
 
