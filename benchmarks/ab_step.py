@@ -75,8 +75,9 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # noqa: E402
-import bench_decode as bd  # noqa: E402
-from jaxkv import CacheConfig, engine, lru, synthetic  # noqa: E402
+import decode_lib as bd  # noqa: E402
+import synthetic  # noqa: E402
+from jaxkv import CacheConfig, engine, lru  # noqa: E402
 from jaxkv.kernels import _common, quest  # noqa: E402
 from jaxkv.kernels import sparse_attention as sa  # noqa: E402
 from jaxkv.kernels import dense_select as ds  # noqa: E402
@@ -270,8 +271,8 @@ def main():
                                   cache=dataclasses.replace(cache, **CACHE_CHANGES.get(name, {})),
                                   max_context=max_ctx, num_stop=4 + i,
                                   compiler_options=VARIANTS[name][1])
-        states[name] = bd.build_state(None, plans[name], lengths, synth=synth, seed=st.seed,
-                                      chunk_bytes=st.chunk_bytes)
+        states[name] = synthetic.build_state(plans[name], lengths, synth=synth, seed=st.seed,
+                                             chunk_bytes=st.chunk_bytes)
         runs[name] = []
     warm = {}
     for name in list(names):  # warm-up: trace (with this variant's switches) and compile
