@@ -58,8 +58,9 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # noqa: E402
-import bench_decode as bd  # noqa: E402
-from jaxkv import CacheConfig, Tuning, engine, synthetic  # noqa: E402
+import decode_lib as bd  # noqa: E402
+import synthetic  # noqa: E402
+from jaxkv import CacheConfig, Tuning, engine  # noqa: E402
 from jaxkv.kernels import _common, quest  # noqa: E402
 
 _EXH = ("xla_gpu_exhaustive_tiling_search", True)
@@ -193,8 +194,8 @@ def main():
                                  **CACHE_CHANGES.get(name, {}))
         plans[name] = engine.Plan(model=cfg, batch=B, prompt_len=max_ctx, cache=cc,
                                   max_context=max_ctx, num_stop=4)
-        states[name] = bd.build_state(None, plans[name], lengths, synth=synth, seed=st.seed,
-                                      chunk_bytes=st.chunk_bytes)
+        states[name] = synthetic.build_state(plans[name], lengths, synth=synth, seed=st.seed,
+                                             chunk_bytes=st.chunk_bytes)
         runs[name] = []
     warm = {}
     for name in list(names):  # warm-up: trace and compile

@@ -11,28 +11,12 @@
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from jaxkv.decode import (_decode_round, _round_fn, decode_round, decode_step,  # noqa: F401
                           lower_decode_round)
 from jaxkv.plan import Plan, _accepted_options, round_compiler_options  # noqa: F401
 from jaxkv.prefill import _in_token_chunks, embed_prompt, first_token, prefill_layer  # noqa: F401
 from jaxkv.residency import pool_only_reads  # noqa: F401
 from jaxkv.sampling import agree  # noqa: F401
-from jaxkv.spec import INVALID
 from jaxkv.state import (DecodeState, init_dense, init_kv, init_lookahead,  # noqa: F401
                          init_summaries, start_state, state_shardings)
 
-
-def forced_ahead(plan: Plan, lengths):
-    """Lagged selection without a prompt query (synthetic contexts): every layer's first
-    pages are only the forced ones, the sink pages and the page of the token at position
-    ``lengths`` [B]. Returns ``ahead`` [L, B, H, k] int32, ascending, -1 padded."""
-    L, B, H, k = plan.model.num_layers, plan.batch, plan.model.num_kv_heads, plan.k
-    sinks = plan.cache.sink_pages
-    cur = (jnp.asarray(lengths, jnp.int32) // plan.page_size)[:, None]
-    j = jnp.arange(k, dtype=jnp.int32)[None, :]
-    pages = jnp.where(j < jnp.minimum(sinks, cur + 1), j,
-                      jnp.where((j == sinks) & (cur >= sinks), cur, INVALID))
-    pages = jnp.where(pages < plan.pages_per_seq, pages, INVALID)
-    return jnp.broadcast_to(pages[None, :, None, :], (L, B, H, k))

@@ -223,7 +223,7 @@ class TensorParallel:
 
     def map_state(self, fn, state: engine.DecodeState) -> engine.DecodeState:
         """``fn(one device's DecodeState) -> DecodeState`` (traceable; e.g.
-        ``synthetic.reuse_state``) on every device's shard in one jit(shard_map); ``state``
+        ``benchmarks/synthetic.py``'s ``reuse_state``) on every device's shard in one jit(shard_map); ``state``
         is donated. The per-request fields ``fn`` returns must not depend on the device.
         Compiles on every call (``fn`` is the cache key): for set-up, not for loops."""
         sh = self._state_shardings(state)

@@ -1,6 +1,14 @@
-"""Test configuration: GPU tests (marker ``gpu``) are skipped unless JAX sees a GPU."""
+"""Test configuration: GPU tests (marker ``gpu``) are skipped unless JAX sees a GPU; the
+benchmark modules (benchmarks/: ``synthetic``, ``decode_lib``, ...) import by name."""
+import sys
+from pathlib import Path
+
 import jax
 import pytest
+
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+if BENCHMARKS not in sys.path:
+    sys.path.insert(0, BENCHMARKS)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -84,15 +84,15 @@ def case_pallas():
 
 
 def case_bench_decode():
-    """benchmarks/bench_decode.py --devices 2, a quick subset (synthetic fill on every device,
-    rebinding through map_state, decode rounds over the mesh)."""
+    """The decode benchmark (benchmarks/decode_lib.py) on 2 devices, a quick subset (synthetic
+    fill on every device, rebinding through map_state, decode rounds over the mesh)."""
     import tempfile
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import bench_decode
-    st = bench_decode.Settings(configs=("b", "c2"), probe_steps=0, devices=2)
+    import decode_lib
+    st = decode_lib.Settings(configs=("b", "c2"), probe_steps=0, devices=2)
     with tempfile.TemporaryDirectory() as d:
-        res = bench_decode.run(d, quick=True, batches=[2], settings=st, prefill=(64,), plot=False)
+        res = decode_lib.run(d, quick=True, batches=[2], settings=st, prefill=(64,), plot=False)
         files = sorted(os.listdir(d))
     cases = res["cases"]
     return {"files": files, "devices": res["devices"],

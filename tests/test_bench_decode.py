@@ -1,17 +1,31 @@
-"""benchmarks/bench_decode.py off the GPU: the quick run, and what its JSON keeps when a
-configuration fails part-way through a point (the figures already measured stay)."""
+"""The decode benchmark off the GPU (benchmarks/decode_lib.py and its command line
+bench_decode.py): the quick run, and what its JSON keeps when a configuration fails part-way
+through a point (the figures already measured stay)."""
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_decode  # noqa: E402
+import decode_lib  # benchmarks/ (tests/conftest.py puts it on sys.path)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_command_line_quick(tmp_path):
+    """bench_decode.py --quick: the arguments reach the library, the JSON lands in --out."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--quick",
+                    "--batches", "1", "--configs", "b", "--prefill", "none", "--probe-steps", "0",
+                    "--overlap", "0.7", "--no-plot", "--tag", "cli", "--out", str(tmp_path)],
+                   check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    res = json.loads((tmp_path / "bench_decode_cli.json").read_text())
+    assert res["complete"] and res["tag"] == "cli" and res["prefill"] == []
+    assert res["selection"]["target_overlap"] == 0.7 and res["settings"]["configs"] == ["b"]
+    assert [r["config"] for c in res["cases"] for r in c["results"]] == ["b"]
 
 
 def test_failed_configuration_keeps_the_finished_ones(tmp_path, monkeypatch):
-    real = bench_decode.run_decode
+    real = decode_lib.run_decode
     calls = []
 
     def flaky(name, *a, **kw):
@@ -20,10 +34,10 @@ def test_failed_configuration_keeps_the_finished_ones(tmp_path, monkeypatch):
             raise RuntimeError("simulated out of memory")
         return real(name, *a, **kw)
 
-    monkeypatch.setattr(bench_decode, "run_decode", flaky)
-    st = bench_decode.Settings(configs=("b", "a"), probe_steps=0)
-    res = bench_decode.run(str(tmp_path), quick=True, batches=[1], settings=st, prefill=(),
-                           plot=False)
+    monkeypatch.setattr(decode_lib, "run_decode", flaky)
+    st = decode_lib.Settings(configs=("b", "a"), probe_steps=0)
+    res = decode_lib.run(str(tmp_path), quick=True, batches=[1], settings=st, prefill=(),
+                         plot=False)
     disk = json.loads((tmp_path / "bench_decode.json").read_text())
     first = disk["cases"][0]
     assert [r["config"] for r in first["results"]] == ["b"]      # measured before the failure
@@ -35,9 +49,9 @@ def test_failed_configuration_keeps_the_finished_ones(tmp_path, monkeypatch):
 def test_paired_measurement_alternates_b_and_c2(tmp_path):
     """--pairs: b and c2 re-measured alternately (ABBA) in one process, without recompiling;
     the per-pair ratios and their median land in the case's JSON."""
-    st = bench_decode.Settings(configs=("b", "c2"), pools=(2,), probe_steps=0, pairs=3)
-    res = bench_decode.run(str(tmp_path), quick=True, batches=[1], settings=st, prefill=(),
-                           plot=False)
+    st = decode_lib.Settings(configs=("b", "c2"), pools=(2,), probe_steps=0, pairs=3)
+    res = decode_lib.run(str(tmp_path), quick=True, batches=[1], settings=st, prefill=(),
+                         plot=False)
     pr = res["cases"][0]["paired"]
     assert pr["pairs"] == 3 and len(pr["ratios"]) == 3 and pr["compilations"] == 0
     assert pr["min_ratio"] <= pr["median_ratio"] <= pr["max_ratio"]
@@ -49,11 +63,10 @@ def test_ab_step_traces_each_variant_once(tmp_path):
     """ab_step --quick: the full-row top-k variant's round does not use the fused Quest
     kernel, a compiler-options variant (the chunk-maxima top-k, forced at the quick size)
     compiles its own round that does, and nothing recompiles after the warm-up."""
-    root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, str(root / "benchmarks" / "ab_step.py"), "--quick",
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab_step.py"), "--quick",
                     "--variants", "topk_full_row,exhaustive",
-                    "--pairs", "1", "--out", str(tmp_path)], check=True, cwd=root,
-                   env={**os.environ, "PYTHONPATH": str(root)})
+                    "--pairs", "1", "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
     out = json.loads((tmp_path / "ab_step.json").read_text())
     t = out["fused_kernel_traced"]
     assert t["topk_full_row"] == 0 < t["exhaustive"]
@@ -66,10 +79,10 @@ def test_ab_step_traces_each_variant_once(tmp_path):
 def test_lagged_selection_run(tmp_path):
     """--selection-lag 1: the sparse configs run with CacheConfig(selection_lag=1), the dense
     baseline (a) without it; the JSON's settings say so."""
-    st = bench_decode.Settings(configs=("a", "b", "c2"), pools=(2,), probe_steps=0,
-                               selection_lag=1)
-    res = bench_decode.run(str(tmp_path), quick=True, batches=[1], settings=st, prefill=(),
-                           plot=False)
+    st = decode_lib.Settings(configs=("a", "b", "c2"), pools=(2,), probe_steps=0,
+                             selection_lag=1)
+    res = decode_lib.run(str(tmp_path), quick=True, batches=[1], settings=st, prefill=(),
+                         plot=False)
     assert res["settings"]["selection_lag"] == 1
     assert [r["config"] for r in res["cases"][0]["results"]] == ["b", "a", "c2"]
     assert all(r["tokens_per_s"] > 0 for r in res["cases"][0]["results"])

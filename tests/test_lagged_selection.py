@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import CacheConfig, Sampling, engine, selectors, synthetic
+from jaxkv import CacheConfig, Sampling, engine, selectors
 from jaxkv.api import make_plan
 from jaxkv.models import configs, llama
 from jaxkv.kernels import quest
@@ -178,28 +178,6 @@ def test_pages_are_chosen_one_step_ahead():
     np.testing.assert_array_equal(np.asarray(ahead[0]), np.asarray(want1))
     nxt = (np.asarray(lengths) + 1) // 4
     assert all(c in row for c, rows in zip(nxt, np.asarray(want1)) for row in rows)
-
-
-def test_forced_ahead_and_synthetic_state_decode():
-    cache = CacheConfig(mode="host", selection_lag=1, page_size=4, selected_pages=4,
-                        sink_pages=2, max_context=64, round_steps=4)
-    plan = make_plan(CFG, cache, [9, 30], 8, num_stop=1)
-    ahead = np.asarray(engine.forced_ahead(plan, jnp.asarray([1, 30], jnp.int32)))
-    assert ahead.shape == (CFG.num_layers, 2, CFG.num_kv_heads, 4)
-    np.testing.assert_array_equal(ahead[0, 0, 0], [0, -1, -1, -1])  # the sink page 0 is page 0
-    np.testing.assert_array_equal(ahead[-1, 1, 1], [0, 1, 7, -1])    # sinks, then page 30 // 4
-    st = synthetic.build_state(plan, [9, 30])
-    np.testing.assert_array_equal(np.asarray(st.summaries[-1][:, 0, 0]),
-                                  np.broadcast_to([0, 1, 2, -1], (CFG.num_layers, 4)))
-    st, toks, steps = engine.decode_round(plan, PARAMS, st, Sampling.make(),
-                                          jnp.full((1,), -1, jnp.int32), jnp.int32(4))
-    assert int(steps) == 4 and (np.asarray(toks) >= 0).all()
-    # a lagged state is rebound to the exact plan (and back) without its pages
-    exact = make_plan(CFG, dataclasses.replace(cache, selection_lag=0), [9, 30], 8, num_stop=1)
-    st = synthetic.reuse_state(exact, st, [9, 30])
-    assert len(st.summaries) == 2
-    st = synthetic.reuse_state(plan, st, [9, 30])
-    assert len(st.summaries) == 3
 
 
 @pytest.mark.gpu

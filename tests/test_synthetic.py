@@ -1,21 +1,21 @@
-"""Tests of jaxkv.synthetic (synthetic decode states, selection traces, overlap calibration) and
-a smoke run of benchmarks/bench_decode.py, on the tiny model (CPU)."""
+"""Tests of benchmarks/synthetic.py (synthetic decode states, selection traces, overlap
+calibration) and a smoke run of benchmarks/decode_lib.py, on the tiny model (CPU)."""
 import dataclasses
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import decode_lib  # benchmarks/ (tests/conftest.py puts it on sys.path)
+import synthetic
 from jaxkv import cache as kvcache
-from jaxkv import engine, synthetic
+from jaxkv import engine
+from jaxkv.api import make_plan
 from jaxkv.config import CacheConfig, Sampling
 from jaxkv.models import configs, llama
 from jaxkv.kernels import quest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 CFG = configs.tiny()
 PARAMS = llama.init_params(CFG, seed=0)
@@ -180,6 +180,29 @@ def test_trace_selections_mirrors_the_engine():
         synthetic.trace_selections(_plan("host"), PARAMS, st, fed)
 
 
+def test_forced_ahead_and_lagged_state_decode():
+    """Lagged selection: a synthetic state's first step reads the forced pages only."""
+    cache = CacheConfig(mode="host", selection_lag=1, page_size=4, selected_pages=4,
+                        sink_pages=2, max_context=64, round_steps=4)
+    plan = make_plan(CFG, cache, [9, 30], 8, num_stop=1)
+    ahead = np.asarray(synthetic.forced_ahead(plan, jnp.asarray([1, 30], jnp.int32)))
+    assert ahead.shape == (CFG.num_layers, 2, CFG.num_kv_heads, 4)
+    np.testing.assert_array_equal(ahead[0, 0, 0], [0, -1, -1, -1])  # the sink page 0 is page 0
+    np.testing.assert_array_equal(ahead[-1, 1, 1], [0, 1, 7, -1])    # sinks, then page 30 // 4
+    st = synthetic.build_state(plan, [9, 30])
+    np.testing.assert_array_equal(np.asarray(st.summaries[-1][:, 0, 0]),
+                                  np.broadcast_to([0, 1, 2, -1], (CFG.num_layers, 4)))
+    st, toks, steps = engine.decode_round(plan, PARAMS, st, Sampling.make(),
+                                          jnp.full((1,), -1, jnp.int32), jnp.int32(4))
+    assert int(steps) == 4 and (np.asarray(toks) >= 0).all()
+    # a lagged state is rebound to the exact plan (and back) without its pages
+    exact = make_plan(CFG, dataclasses.replace(cache, selection_lag=0), [9, 30], 8, num_stop=1)
+    st = synthetic.reuse_state(exact, st, [9, 30])
+    assert len(st.summaries) == 2
+    st = synthetic.reuse_state(plan, st, [9, 30])
+    assert len(st.summaries) == 3
+
+
 def test_selection_overlap_counts():
     base = np.array([0, 3, 5, 9])
     same = np.broadcast_to(base, (3, 2, 1, 2, 4))
@@ -203,10 +226,9 @@ def test_salience_sets_the_overlap_and_calibrates():
 
 
 def test_measure_overlap_on_tiny_model():
-    import bench_decode
     toks = np.random.default_rng(SEED).integers(3, CFG.vocab_size, 64)
-    r = bench_decode.measure_overlap(CFG, PARAMS, toks, context=64, steps=6, page_size=PS,
-                                     selected_tokens=64)          # k = every page
+    r = decode_lib.measure_overlap(CFG, PARAMS, toks, context=64, steps=6, page_size=PS,
+                                   selected_tokens=64)            # k = every page
     # only the page that opens at position 60 is new
     assert r["excl_forced_mean"] == 1.0 and r["mean"] > 0.95
     assert r["prompt_tokens"] == 58 and len(r["per_layer"]) == CFG.num_layers
@@ -214,10 +236,9 @@ def test_measure_overlap_on_tiny_model():
 
 
 def test_bench_decode_quick_smoke(tmp_path):
-    import bench_decode
-    st = bench_decode.Settings(configs=("c2", "d"), probe_steps=0)
-    res = bench_decode.run(str(tmp_path), quick=True, batches=[2], settings=st, prefill=(),
-                           overlap_target=0.7, plot=False)
+    st = decode_lib.Settings(configs=("c2", "d"), probe_steps=0)
+    res = decode_lib.run(str(tmp_path), quick=True, batches=[2], settings=st, prefill=(),
+                         overlap_target=0.7, plot=False)
     case = res["cases"][0]
     assert "error" not in case, case
     got = {r["config"]: r for r in case["results"]}
@@ -265,8 +286,7 @@ def test_gpu_fill_and_decode_host_equals_resident():
 @pytest.mark.gpu
 def test_gpu_bench_decode_quick(tmp_path):
     """The whole benchmark path (fills, calibration, probe, a-d, splits, prefill) at tiny size."""
-    import bench_decode
-    res = bench_decode.run(str(tmp_path), quick=True, overlap_target=0.8, plot=False)
+    res = decode_lib.run(str(tmp_path), quick=True, overlap_target=0.8, plot=False)
     assert all("error" not in c for c in res["cases"]), res["cases"]
     assert all("error" not in p for p in res["prefill"]), res["prefill"]
     got = {r["config"] for r in res["cases"][0]["results"]}

@@ -45,8 +45,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
-from benchmarks import bench_decode as bd  # noqa: E402
-from jaxkv import CacheConfig, Sampling, engine, generate, synthetic  # noqa: E402
+from benchmarks import decode_lib as bd  # noqa: E402
+from benchmarks import synthetic  # noqa: E402
+from jaxkv import CacheConfig, Sampling, engine, generate  # noqa: E402
 from jaxkv import cache as kvcache  # noqa: E402
 from jaxkv.kernels import page_write  # noqa: E402
 

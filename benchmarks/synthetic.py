@@ -1,4 +1,5 @@
-"""Synthetic long contexts: a ready-to-decode :class:`engine.DecodeState` without a prefill.
+"""Synthetic long contexts for the benchmarks: a ready-to-decode :class:`engine.DecodeState`
+without a prefill.
 
 :func:`build_state` fills the host tier (or the resident pool) of a :class:`engine.Plan` with
 random K/V page by page on the device, in chunks written with ``page_write.write_pages`` (a
@@ -6,6 +7,8 @@ random K/V page by page on the device, in chunks written with ``page_write.write
 ``kmax``/``kmin``, indexer page sums) from the same keys, so selection is consistent with
 the data. :func:`reuse_state` rebinds a filled tier to another plan (pool size, selector,
 round length) and resets the sequence lengths, so one fill serves several configurations.
+Both take ``tp`` (a ``jaxkv.parallel.TensorParallel``) to fill and rebind every device's
+shard of a tensor-parallel state (each device draws its own stream).
 
 Key model (per layer, request, KV head and page ``p``; ``n_t ~ N(0, I)`` per token):
 ``k_t = c_p + exp(salience * g_p) * n_t`` with a page centre ``c_p ~ N(0, center_scale^2 I)``
@@ -31,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import cache as kvcache
-from jaxkv import engine, selectors
+from jaxkv import engine, parallel, selectors
 from jaxkv.spec import INVALID
 from jaxkv.models import llama
 from jaxkv.kernels import page_write, quest
@@ -232,13 +235,27 @@ def _check_lengths(plan: engine.Plan, lengths) -> np.ndarray:
     return lengths.astype(np.int32)
 
 
+def forced_ahead(plan: engine.Plan, lengths):
+    """Lagged selection without a prompt query: every layer's first pages are only the forced
+    ones, the sink pages and the page of the token at position ``lengths`` [B]. Returns
+    ``ahead`` [L, B, H, k] int32, ascending, -1 padded."""
+    L, B, H, k = plan.model.num_layers, plan.batch, plan.model.num_kv_heads, plan.k
+    sinks = plan.cache.sink_pages
+    cur = (jnp.asarray(lengths, jnp.int32) // plan.page_size)[:, None]
+    j = jnp.arange(k, dtype=jnp.int32)[None, :]
+    pages = jnp.where(j < jnp.minimum(sinks, cur + 1), j,
+                      jnp.where((j == sinks) & (cur >= sinks), cur, INVALID))
+    pages = jnp.where(pages < plan.pages_per_seq, pages, INVALID)
+    return jnp.broadcast_to(pages[None, :, None, :], (L, B, H, k))
+
+
 def _fresh(plan: engine.Plan, kv, summaries, lengths: np.ndarray, seed: int) -> engine.DecodeState:
     """The state to decode from; ``summaries`` the selector's own (no lagged ``ahead``): with
     lagged selection there is no prompt query to select with, so the first step reads the
-    forced pages only (``engine.forced_ahead``)."""
+    forced pages only (:func:`forced_ahead`)."""
     summaries = tuple(summaries)
     if plan.lagged:
-        summaries += (engine.forced_ahead(plan, lengths),)
+        summaries += (forced_ahead(plan, lengths),)
     rng = np.random.default_rng([seed, 7])
     last = rng.integers(3, plan.model.vocab_size, plan.batch).astype(np.int32)
     return engine.start_state(plan, kv, summaries, lengths, last, jax.random.key(seed),
@@ -246,17 +263,21 @@ def _fresh(plan: engine.Plan, kv, summaries, lengths: np.ndarray, seed: int) -> 
 
 
 def build_state(plan: engine.Plan, lengths, *, synth: Synthetic = Synthetic(), seed: int = 0,
-                poison: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> engine.DecodeState:
+                poison: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                tp: parallel.TensorParallel | None = None) -> engine.DecodeState:
     """A DecodeState for ``plan`` whose requests hold ``lengths`` tokens of synthetic context.
 
     Args:
-      plan: the engine plan (host or resident mode, any selector).
+      plan: the engine plan (host or resident mode, any selector); with ``tp``, one device's
+        plan.
       lengths: [B] context tokens per request, in [1, plan.max_context - 1].
       synth: the key/value model (:class:`Synthetic`).
       seed: the data depend only on (seed, layer, request, page, synth), not on the chunking,
         the batch or the capacity; the first tokens to feed are random ids.
       poison: fill the device pool with NaN first (tests).
       chunk_bytes: K/V bytes generated per fill call (bounds device scratch memory).
+      tp: fill every device's shard of a tensor-parallel state over ``tp``'s mesh, each
+        device with its own stream (device 0's data are those of ``tp=None``).
     Returns:
       DecodeState: the tier holds every page with a token ``< lengths[b]`` (whole pages: the
       tail of the last page is random too, as after a padded prefill), summaries cover the
@@ -264,10 +285,14 @@ def build_state(plan: engine.Plan, lengths, *, synth: Synthetic = Synthetic(), s
     """
     lengths = _check_lengths(plan, lengths)
     lay = layout(plan, synth, chunk_bytes)
-    kv = engine.init_kv(plan, poison=poison)
-    summaries, _ = selectors.split_ahead(engine.init_summaries(plan), plan.lagged)
+    if tp is None:
+        kv, summaries = engine.init_kv(plan, poison=poison), engine.init_summaries(plan)
+    else:
+        kv, summaries = tp.init_kv(plan, poison=poison), tp.init_summaries(plan) or ()
+    summaries, _ = selectors.split_ahead(summaries, plan.lagged)
     dst = kv.host_kv if lay.host else kv.pool
-    fn = _fill_fn(lay, dst.sharding, tuple(s.sharding for s in summaries))
+    shardings = (dst.sharding, tuple(s.sharding for s in summaries))
+    fn = _fill_fn(lay, *shardings) if tp is None else _tp_fill_fn(tp, lay, *shardings)
     key = np.uint32(seed % 2**32)
     sal = jnp.float32(synth.salience)
     C, ps = lay.chunk_pages, plan.page_size
@@ -278,11 +303,36 @@ def build_state(plan: engine.Plan, lengths, *, synth: Synthetic = Synthetic(), s
                 dst, summaries = fn(dst, summaries, np.int32(layer), np.int32(b), np.int32(j0),
                                     np.int32(lengths[b]), key, sal)
     kv = dataclasses.replace(kv, host_kv=dst) if lay.host else dataclasses.replace(kv, pool=dst)
-    return _fresh(plan, kv, summaries, lengths, seed)
+    if tp is None:
+        return _fresh(plan, kv, summaries, lengths, seed)
+    # every device's shard gets its fresh state (forced pages, first tokens) in reuse_state
+    state = engine.start_state(plan, kv, tuple(summaries), lengths,
+                               jnp.zeros((plan.batch,), jnp.int32), jax.random.key(seed),
+                               n_generated=0, lookahead=tp.init_lookahead(plan))
+    return reuse_state(plan, state, lengths, seed=seed, tp=tp)
+
+
+@functools.lru_cache(maxsize=8)
+def _tp_fill_fn(tp: parallel.TensorParallel, lay: _Layout, dst_sharding, summ_shardings):
+    """The fill chunk on every device's shard of ``tp``'s mesh (the key mixed with the
+    device's index: an independent stream per device)."""
+    PS = jax.sharding.PartitionSpec
+
+    def local(dst, summ, layer, b, j0, length, key, sal):
+        key = key ^ (jax.lax.axis_index(parallel.AXIS).astype(jnp.uint32) * _U32(0x9E3779B1))
+        dst, summ = _fill_chunk(lay, dst[0], tuple(a[0] for a in summ), layer, b, j0, length,
+                                key, sal)
+        return dst[None], tuple(a[None] for a in summ)
+
+    smap = jax.shard_map(local, mesh=tp.mesh,
+                         in_specs=(PS(parallel.AXIS), PS(parallel.AXIS)) + (PS(),) * 6,
+                         out_specs=(PS(parallel.AXIS), PS(parallel.AXIS)), check_vma=False)
+    return jax.jit(smap, donate_argnums=(0, 1), out_shardings=(dst_sharding, summ_shardings))
 
 
 def reuse_state(plan: engine.Plan, state: engine.DecodeState, lengths, *, seed: int = 0,
-                summaries=None, poison: bool = False) -> engine.DecodeState:
+                summaries=None, poison: bool = False,
+                tp: parallel.TensorParallel | None = None) -> engine.DecodeState:
     """Rebind the filled tier of ``state`` to ``plan`` and restart at ``lengths``.
 
     ``plan`` must have the same model, batch, page size, capacity, KV dtype and mode as the
@@ -293,7 +343,15 @@ def reuse_state(plan: engine.Plan, state: engine.DecodeState, lengths, *, seed: 
     selector). ``state`` must not be used afterwards (its buffers move to the result).
     Tokens after ``lengths`` that an earlier run wrote are overwritten before they are read
     (attention masks positions ``>= length``; a page's summary restarts at its first token).
+    ``tp``: ``state`` is a tensor-parallel state over ``tp``'s mesh and ``plan`` one device's
+    plan; every device's shard is rebound (``summaries`` must be None).
     """
+    if tp is not None:
+        if summaries is not None:
+            raise ValueError("reuse_state: summaries= needs tp=None")
+        lengths = [int(x) for x in np.asarray(lengths).reshape(-1)]
+        return tp.map_state(lambda s: reuse_state(plan, s, lengths, seed=seed, poison=poison),
+                            state)
     lengths = _check_lengths(plan, lengths)
     spec = plan.spec
     kv = state.kv
