@@ -17,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 import numpy as np
 
 from jaxkv import lru
@@ -24,8 +25,7 @@ from jaxkv.spec import INVALID, CacheSpec
 from jaxkv.kernels import page_fetch, page_write
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class CacheCounters:
     """int32 scalar counters, summed over layers and steps.
 
@@ -68,8 +68,7 @@ class CacheCounters:
         return d
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class HostTierCache:
     host_kv: jax.Array
     pool: jax.Array
@@ -232,8 +231,7 @@ def tick(cache: HostTierCache) -> HostTierCache:
     return dataclasses.replace(cache, step=cache.step + 1)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class ResidentCache:
     """The baseline: every (layer, logical page) row on device, ``pool`` [L*P, R].
 

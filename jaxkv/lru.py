@@ -34,10 +34,10 @@ Semantics, per layer and step (the plain-Python model in tests/lru_model.py is t
 """
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jaxkv.kernels import _common, lru_ensure
 from jaxkv.kernels._common import INVALID
@@ -86,8 +86,7 @@ def _prefix(x, reduce, identity, combine):
     return combine(local, excl[..., None]).reshape(x.shape[:-1] + (nb * c,))[..., :n]
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class EnsureResult:
     """Output of :func:`ensure` for ``L`` layers and ``R`` requests per layer.
 

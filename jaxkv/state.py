@@ -2,18 +2,17 @@
 between rounds), and its construction after a prefill."""
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jaxkv import cache as kvcache
 from jaxkv.plan import Plan
 from jaxkv.spec import INVALID
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class DecodeState:
     """Everything the decode loop carries (donated between rounds).
 
