@@ -9,6 +9,11 @@ small model (bf16, head_dim 64 on GPU, where the Pallas kernels lower to Triton;
 where ``--impl pallas`` lowers the kernels in interpret mode, so their bodies are in the HLO)
 and writes the sha256 of each text to ``DIR/hlo_rounds.json`` (with ``--texts`` the texts
 too). Compare two such files with ``--compare A.json B.json``.
+
+A Pallas kernel lowered for the GPU is embedded as Triton MLIR bytecode that carries source
+locations (file and line of every op), so moving kernel code changes the bytes but not the
+program. Each such blob is replaced by the sha256 of its Triton IR printed without debug
+info before hashing.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import sys
 
 import jax
@@ -48,6 +54,43 @@ CASES = {
     "host_quest_lag_dense2": dict(mode="host", selector="quest", selection_lag=1,
                                   dense_layers=1),
 }
+
+
+_IR = re.compile(r'ir = "((?:[^"\\]|\\.)*)"')
+
+
+def _unescape(s: str) -> bytes:
+    """An MLIR string attribute's bytes (``\\XX`` hex escapes)."""
+    out, i = bytearray(), 0
+    while i < len(s):
+        if s[i] != "\\":
+            out += s[i].encode()
+            i += 1
+        elif s[i + 1] in "\\\"":
+            out.append(ord(s[i + 1]))
+            i += 2
+        else:
+            out.append(int(s[i + 1:i + 3], 16))
+            i += 3
+    return bytes(out)
+
+
+def _triton_ir(bytecode: bytes) -> str:
+    from jax._src.lib import triton
+    from jax._src.lib.mlir import ir
+    ctx = ir.Context()
+    triton.dialect.register_dialect(ctx)
+    with ctx:
+        return ir.Module.parse(bytecode).operation.get_asm(enable_debug_info=False)
+
+
+def normalize(text: str) -> str:
+    """``text`` with every embedded Triton kernel replaced by the sha256 of its IR without
+    source locations."""
+    def one(m):
+        ir_text = _triton_ir(_unescape(m.group(1)))
+        return 'ir = "sha256:' + hashlib.sha256(ir_text.encode()).hexdigest() + '"'
+    return _IR.sub(one, text)
 
 
 def model_config(indexer: bool):
@@ -92,7 +135,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     hashes = {}
     for name in args.cases.split(","):
-        texts = lower_case(name, CASES[name], args.impl)
+        texts = {k: normalize(v) for k, v in lower_case(name, CASES[name], args.impl).items()}
         for part, text in texts.items():
             key = f"{name}/{part}"
             hashes[key] = hashlib.sha256(text.encode()).hexdigest()
