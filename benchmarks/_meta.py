@@ -34,7 +34,8 @@ def time_calls(f, args, reps: int) -> float:
 def time_chained(body, init, args, iters: int, reps: int, unroll: int, warmups: int = 1) -> float:
     """Median seconds per ``body`` call in a jitted ``fori_loop`` of ``iters`` iterations, each
     making ``unroll`` chained calls ``c = body(i * unroll + u, c, *args)`` (the loop's own
-    per-iteration cost, ~10 us on GPU, is spread over them as in an unrolled layer loop)."""
+    per-iteration cost, ~10 us on GPU (docs/decisions.md), is spread over them as in an
+    unrolled layer loop)."""
     import time
 
     import jax

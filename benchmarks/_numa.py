@@ -3,8 +3,8 @@
 The host tier is read over PCIe from pinned pages; pages on the other socket's memory cross
 the inter-socket link first. Under Linux's default first-touch policy the pinned pages land
 on the node of the thread that allocates them, so binding the process to the GPU's local CPUs
-before JAX starts should also place the tier (not verified: the H200 machines seen so far
-have one NUMA node, where binding changes nothing).
+before JAX starts should also place the tier (unverified: the H200 machines at hand have one
+NUMA node, where binding changes nothing; docs/decisions.md).
 """
 from __future__ import annotations
 

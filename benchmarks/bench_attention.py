@@ -41,7 +41,8 @@ QUICK = dict(batches=(1,), pages=(2,), H=2, G=2, D=16, ps=16, pool_gib=2 ** -10,
              copy_mib=1, target_s=0.0, min_iters=2, max_iters=2, reps=1, unroll=2,
              l2_mib=0, split_factors=(1, 2), tunings=((1, 8, 2),), xla_reference=True)
 # The Qwen-like decode shape (2 KV heads x 128, 12 query heads: groups of 6), B=8, 32 pages:
-# the attention of the issue-6 headline step, its layers chained as in the step (28).
+# the attention of the headline decode step (Qwen-like B=8 at 128k), its layers chained as in
+# the step (28).
 QWEN = dict(FULL, batches=(8,), pages=(32,), H=2, G=6, unroll=28,
             split_factors=(0.125, 0.25, 0.5, 1),
             tunings=((1, 4, 2), (1, 8, 2), (2, 4, 2), (2, 4, 3), (2, 8, 3), (1, 2, 2), (1, 4, 4)))
@@ -58,7 +59,8 @@ def _time_loop(body, init, args, iters, reps, unroll=1):
 
     With ``unroll`` > 1 each loop iteration makes ``unroll`` chained calls (call index
     ``i * unroll + u``), so the loop's own per-iteration cost (a host round trip on GPU,
-    ~10 us) is spread over ``unroll`` calls, as in a decode step's unrolled layer loop.
+    ~10 us: docs/decisions.md) is spread over ``unroll`` calls, as in a decode step's unrolled
+    layer loop.
     """
     from _meta import time_chained  # benchmarks/ is on sys.path when the script runs
     # warm-up: compile, then one more run (XLA:CPU finishes some compilation lazily)

@@ -5,16 +5,13 @@
 Shape: the Qwen-like decode engine at batch B (28 layers, 2 KV heads x 32 selected pages per
 request, 2048 pages per request, the 2x pool: B * 130 slots per layer (``--slots-per-request``),
 2 pinned pages per request). Each step every (layer, request, head) keeps its selection but
-for a share ``1 - overlap`` of pages drawn anew (``--overlap``, 0.885 = the step-to-step
-overlap measured on real text, ``selection_overlap.json``), so the ensure sees the engine's
+for a share ``1 - overlap`` of pages drawn anew (``--overlap``, default 0.885: Quest's
+step-to-step overlap on real text, docs/decisions.md), so the ensure sees the engine's
 misses and evictions. Variants: ``auto`` (``lru.ensure``'s default method), ``dense``,
 ``sort``, ``pallas`` (the one-launch kernel; sizes over its cap are skipped) and
 ``pallas_w<n>`` (the kernel with ``n`` warps). The figure is the time per step of a jitted
 ``fori_loop`` over the stream (median of ``--reps`` runs), and the hits / misses / dropped
 per step.
-
-One pool per request (``lru.ensure(parts=B)``, commits 7156dc9 and 1e327e5, removed again)
-was measured with this script too: ``bench_ensure_*_7156dc9.json``.
 """
 from __future__ import annotations
 

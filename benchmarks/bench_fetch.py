@@ -56,7 +56,9 @@ DEVICE = SingleDeviceSharding(DEV0, memory_kind="device")
 HEADS = {"8x128": (8, 128), "3x64": (3, 64)}
 
 
-UNROLL = 4  # fetches (or ensure steps) per loop iteration; a GPU loop iteration costs ~10 us
+# Fetches (or ensure steps) per loop iteration: a GPU loop iteration costs ~10 us
+# (docs/decisions.md), spread over them.
+UNROLL = 4
 
 
 def _variants(itemsize: int) -> dict[str, dict]:

@@ -40,9 +40,9 @@ from jax import lax
 from jaxkv.kernels import dense_select as ds
 from jaxkv.kernels import indexer, quest, topk
 
-# Sweep-size variants trimmed so that ``--sizes 16384`` fits in ~90 s on the H200; the dropped
-# ones (full-row top-k tunings, scores bp16/bp32, topk sort/rounds, select_pallas_sort) are in
-# benchmarks/results/bench_select_s3.json.
+# Sweep-size variants limited so that ``--sizes 16384`` fits in ~90 s on the H200: full-row
+# top-k tunings, scores bp16/bp32, topk sort/rounds and select_pallas_sort are not run at the
+# sweep size (their figures: docs/decisions.md).
 FULL = dict(sizes=(1024, 4096, 16384), L=4, B=1, H=8, G=4, D=128, HI=64, DI=128, ps=64, k=32,
             sinks=1, iters=200, reps=5, copy_mib=1024, sweep_at=16384,
             quest_blocks=((4, 4),),  # default: 8 pages, 4 warps
@@ -79,7 +79,9 @@ def _commit() -> str:
     return commit()
 
 
-UNROLL = 8  # body calls per loop iteration (spreads the loop's ~10 us/iteration GPU cost)
+# Body calls per loop iteration: they spread the loop's ~10 us per-iteration GPU cost
+# (docs/decisions.md).
+UNROLL = 8
 
 
 def _time_loop(body, init, iters, reps, args=()):
@@ -98,8 +100,8 @@ def _time_loop(body, init, iters, reps, args=()):
 def _hbm_copy_gbps(mib, iters, reps):
     """Device copy bandwidth (bytes read + written per second): the best of a bf16 and an f32
     elementwise pass over a ``mib`` MiB array, ONE pass per loop iteration (no unrolling:
-    chained elementwise calls fuse into one kernel that reads and writes once, which made the
-    old probe report several times the HBM peak), behind an optimization barrier."""
+    chained elementwise calls fuse into one kernel that reads and writes once, so an unrolled
+    probe reports several times the HBM peak), behind an optimization barrier."""
     from _meta import time_chained  # benchmarks/ is on sys.path when the script runs
     best = 0.0
     for dt in (jnp.bfloat16, jnp.float32):

@@ -654,9 +654,8 @@ def _paired(out, plan_b, plan_c, params, host_state, lengths, synth, st: Setting
     own state throughout, after one warm-up and one discarded round from ``lengths``: never
     restarted, the host LRU keeps learning the hot pages as in a long generation (a cold
     restart per measurement would time the LRU's warm-up). Single runs of one configuration
-    vary by about 5% on the H200, so the headline ratio is the median of the per-pair
-    ratios. Adds ``out["paired"]``; returns the
-    host state."""
+    vary by about 5% on the H200 (docs/decisions.md), so the headline ratio is the median of
+    the per-pair ratios. Adds ``out["paired"]``; returns the host state."""
     t0 = time.perf_counter()
     states = {"b": synthetic.build_state(plan_b, lengths, synth=synth, seed=st.seed,
                                          chunk_bytes=st.chunk_bytes, tp=tp),

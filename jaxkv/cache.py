@@ -37,8 +37,10 @@ class CacheCounters:
     dropped: missed pages that found no slot and were left out of attention (per-layer
       scheduling, pool smaller than the step's working set; pool-only attention of the
       lagged "step" schedule, which its pool bound makes impossible).
-    overflow: per-step scheduling: pages of the previous step that found no pool slot to
-      stay in (they were served from scratch rows; attention lost nothing).
+    overflow: per-step scheduling: pages of the step-start install (the previous step's
+      selections, or with lagged selection this step's own pages) that found no pool slot to
+      stay in; attention reads them from scratch rows or in place from the host tier (with
+      pool-only attention they would count as ``dropped``, which its pool bound rules out).
     pages_fetched: host->device rows moved into the pool; host_reads: (KV head, page)
     entries attention read in place from the host tier (each 1/H of a page row); tokens_written:
     token rows written through to the host (per layer).
@@ -104,8 +106,8 @@ def host_zeros(shape: tuple, dtype, sharding: jax.sharding.Sharding) -> jax.Arra
 
     A jitted ``jnp.zeros`` with a pinned_host output is computed on the device and then
     copied out (its compiled temp is the whole array): a host tier larger than the free
-    device memory then fails with a device out-of-memory error (H200, 2026-11-29, 28 GiB tier
-    with 16 GiB free). Here the source is ``np.zeros`` (calloc: pages that are only read stay
+    device memory then fails with a device out-of-memory error (measured:
+    docs/decisions.md). Here the source is ``np.zeros`` (calloc: pages that are only read stay
     the kernel's shared zero page, so it costs no RAM beside the pinned buffer), placed with
     ``jax.device_put``, which also types the result as host memory (a loop carry keeps it).
     ``sharding``: any sharding with ``memory_kind="pinned_host"`` (one device or a mesh).

@@ -28,7 +28,7 @@ class Tuning:
     Attributes:
       compiler_options: XLA options of the compiled decode round, as (name, value) pairs. The
         default orders the round's CUDA graph by buffer dependencies so independent kernels may
-        overlap (1.2-1.7% off the Qwen-like B=8 step). Options this XLA rejects are dropped
+        overlap (a faster step: docs/decisions.md). Options this XLA rejects are dropped
         with a warning; the CPU backend accepts and ignores this one.
       topk_method: top-k of the scored selectors (Quest, indexer): "auto" or one of
         ``jaxkv.kernels.dense_select.TOPK_METHODS``.
@@ -122,13 +122,14 @@ class CacheConfig:
       dense_layers: the first N layers attend densely to every page (as Quest does for its
         first 2 layers); in "host" mode their K/V are also kept fully on device.
       unroll_layers: unroll the per-token layer loop (None: on GPU, where a loop iteration
-        costs a host round trip of ~10 us; off elsewhere, for compile time).
+        costs a host round trip, ~10 us on the H200 (docs/decisions.md); off elsewhere, for
+        compile time).
       selection_lag: 0 (default): each step's pages are chosen with that step's own queries
         (exact Quest / indexer). 1: they are chosen one step ahead, with the previous token's
         queries (the prompt's last token for the first step), plus the step's own page,
-        always included; the selector's work then no longer sits between a layer's query and
+        always included; the selector's work then does not sit between a layer's query and
         its attention, so it can run beside the rest of the step. An approximation: it
-        changes which pages are read (about 1 in 9 on real text, see BENCHMARKS.md), never
+        changes which pages are read (about 1 in 9 on real text: docs/decisions.md), never
         the pages the sinks / current page rule forces. Quest and indexer only.
       tuning: :class:`Tuning`, performance settings that never change results.
     """

@@ -8,8 +8,9 @@ Every op in this package is one public function with two registered implementati
 ``resolve(op, implementation)`` picks one: an explicit argument wins, then the
 ``JAXKV_IMPL_<OP>`` environment variable (one op, e.g. ``JAXKV_IMPL_QUEST_SCORES=xla``), then
 ``JAXKV_IMPL`` (``pallas`` / ``xla``), then the default: Pallas on GPU
-(unless the op's module measured XLA faster there and said so with ``prefer_on_gpu``), the
-XLA reference on other backends (interpret mode is for tests, not for speed).
+(unless the op's module registered another GPU default with ``prefer_on_gpu``, where that
+one is faster there: prefill attention's "auto"), the XLA reference on other backends
+(interpret mode is for tests, not for speed).
 """
 from __future__ import annotations
 
@@ -61,8 +62,8 @@ def implementation_name(implementation: str | None = None) -> str:
 
 
 def prefer_on_gpu(op: str, implementation: str) -> None:
-    """Make ``implementation`` the GPU default of ``op`` (where it measured faster than the
-    kernel); an explicit argument or ``JAXKV_IMPL`` still wins."""
+    """Make ``implementation`` the GPU default of ``op`` (for an op whose Pallas kernel is not
+    the fastest implementation there); an explicit argument or ``JAXKV_IMPL`` still wins."""
     _GPU_DEFAULT[op] = implementation
 
 

@@ -23,9 +23,9 @@ to the lowest page index); ``method="pallas_cmax"`` is the same kernel fed with 
 never reads the whole row; the other methods are XLA top-k variants. ``"auto"`` is
 ``"pallas"`` on the GPU for rows of up to ``PALLAS_TOPK_MAX_COLUMNS`` pages and ``"chunked"``
 for longer rows and off the GPU (interpret mode is slow), unless ``JAXKV_IMPL`` says
-otherwise. On the H200 (bench_select, k = 32, 8 rows): the kernel takes 10.2 / 15.1 / 26.2 us
-at 1k / 4k / 16k pages, "chunked" 15.0 / 17.1 / 22.5 us (one program per row leaves most
-SMs idle on long rows).
+otherwise. The kernel runs one program per row, which leaves most SMs idle on long rows:
+on the H200 it is faster than "chunked" up to 4k pages and slower at 16k (k = 32, 8 rows;
+docs/decisions.md).
 """
 from __future__ import annotations
 

@@ -33,9 +33,8 @@ from .dense_select import num_valid_pages, select_top_pages
 OP = "quest_scores"
 OP_CMAX = "quest_scores_cmax"  # scores + chunk maxima (top-k method "pallas_cmax")
 OP_UPDATE_CMAX = "quest_update_scores_cmax"  # decode-step summary update + OP_CMAX, one launch
-# No per-op default: the backend's (Pallas on the GPU). XLA's fusion of the literal formula
-# multiplies per query head, the kernel once per group: faster alone at G=4, slower in the
-# decode step at G=6 (docs/decisions.md).
+# No per-op default: the backend's (Pallas on the GPU). XLA's scores are faster than the
+# kernel alone but make the decode step slower (docs/decisions.md).
 # Elements of each summary array one program reads (block_pages * block_heads * D).
 _BLOCK_ELEMS = 8192
 # The query-group sums (Qp, Qn of ``_group_q``) are one XLA reduction per layer, outside the
@@ -99,8 +98,8 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
     ``update`` the new token's key is folded into its page's summary first (as
     :func:`quest_update`): every program computes that page's updated row and its score (one
     [Hb, D] row), uses that score for the page, and the program whose pages hold it writes
-    the row back (a per-element select over whole blocks cost registers: 240 per thread,
-    9.8 us against 7.7 us for the scores alone at the Qwen-like B=8 shape)."""
+    the row back (a per-element select over whole blocks instead costs registers and time:
+    docs/decisions.md)."""
     layer_ref, lens_ref, qp_ref, qn_ref, kmax_ref, kmin_ref = refs[:6]
     refs = refs[6:]
     if update:

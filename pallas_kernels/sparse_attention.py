@@ -46,7 +46,7 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 # Default split heuristic: aim for about this many programs (a few per SM on an H200's 132 SMs).
 TARGET_PROGRAMS = 512
-MIN_CHUNKS_PER_SPLIT = 1  # H200 sweep (bench_attention.json): one chunk per split is best at B=1
+MIN_CHUNKS_PER_SPLIT = 1  # one chunk per split: the fastest split count at B=1 (docs/decisions.md)
 _MERGE_SPLITS_PER_ITER = 32  # splits loaded per step of the merge kernel's loop
 _MERGE_DIM_BLOCK = 32        # head-dim elements per merge program
 _MERGE_TILE_ELEMS = 8192     # largest [splits, group rows, dims] tile loaded at once
@@ -320,7 +320,7 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter
             in_host = ok & (rows < 0) & (hrows >= 0)
             any_host = jnp.max(in_host.astype(jnp.int32)) > 0
             # Most tiles have no missed page, so the host loads sit in a branch of their own
-            # (compiled in line, masked, they cost 0.5-4 us per layer: bench_attention_host.json).
+            # (compiled in line and masked, they slow every tile: docs/decisions.md).
             if ppi == 1:  # a tile is one page: from the pool or from the host tier, never both
                 k, v = lax.cond(any_host, lambda: load_from(host_ref, hrows, in_host),
                                 lambda: load_from(pool_ref, rows, in_pool))
