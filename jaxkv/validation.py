@@ -87,7 +87,7 @@ def pinned_reservation_bytes(tier_bytes: int, limit_bytes: int) -> int:
     that size (from 2 MiB) until the request fits, and the new region takes that size, capped
     by what is left under the limit. So a 64.1 GiB tier reserves a 128 GiB region under a
     140 GiB limit, but 70 GiB under a 70 GiB one; two such 128 GiB regions, one per GPU,
-    exceed a 256 GiB machine's RAM and the process is killed (docs/decisions.md).
+    take all of a 256 GiB machine's RAM and the process is killed (docs/decisions.md).
     """
     region = _REGION0
     while region < tier_bytes:
