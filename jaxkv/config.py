@@ -84,8 +84,9 @@ class CacheConfig:
     Attributes:
       mode: "host" (full KV in pinned host memory, device pool as LRU cache) or
         "resident" (every page on device; the baseline). One switch, same math.
-      selector: a registered page selector (``jaxkv.selectors``): "quest", "indexer" or
-        "dense" (every valid page).
+      selector: a registered page selector (``jaxkv.selectors``): "quest", "indexer",
+        "dense" (every valid page) or "oracle" (exact attention mass per page from a full copy
+        of the keys; resident only, for measuring what a selector could keep).
       page_size: tokens per page (power of two).
       selected_pages: k, pages selected per request, layer and KV head per step
         (ignored by "dense").
@@ -175,6 +176,9 @@ class CacheConfig:
         if self.selector not in selectors.names():
             raise ValueError(f"CacheConfig.selector must be one of {selectors.names()}, "
                              f"got {self.selector!r}")
+        if self.mode == "host" and not selectors.get(self.selector).host_tier:
+            raise ValueError(f"CacheConfig.selector={self.selector!r} keeps a full copy of the "
+                             "keys on device and runs resident only: set mode='resident'")
         if self.selection_lag and not selectors.get(self.selector).scored:
             raise ValueError(f"CacheConfig.selection_lag=1 needs a scored selector (the "
                              f"{self.selector!r} selector reads every page): set selection_lag=0")

@@ -19,6 +19,9 @@ class Selector:
     selects_all_layers: bool = False
     #: Whether the selection reads the summaries at all (False: every valid page).
     scored: bool = True
+    #: Whether it may run with the host tier (False: a measurement device that keeps a full
+    #: copy of the keys on device, resident mode only).
+    host_tier: bool = True
 
     def init(self, plan) -> tuple:
         """Empty summaries of all layers (a tuple of device arrays; () for none)."""
