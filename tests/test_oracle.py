@@ -94,3 +94,49 @@ def test_oracle_with_every_page_equals_dense():
 def test_oracle_is_resident_only():
     with pytest.raises(ValueError, match="resident only: set mode='resident'"):
         CacheConfig(mode="host", selector="oracle")
+
+
+@pytest.mark.parametrize("selector", ["quest_rescore", "quest_rescore_exact"])
+def test_rescore_host_equals_resident_and_full_budget_equals_dense(selector):
+    """Two-stage selection: host tier == resident token for token; with a budget that covers
+    the context it gives dense decoding's tokens (exact keys)."""
+    kw = dict(selector=selector, page_size=4, selected_pages=3)
+    res = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                         cache=CacheConfig(mode="resident", **kw))
+    host = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                          cache=CacheConfig(mode="host", **kw))
+    assert host.tokens == res.tokens
+    if selector == "quest_rescore_exact":
+        dense = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                               cache=CacheConfig(mode="resident", selector="dense", page_size=4))
+        full = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                              cache=CacheConfig(mode="resident", selector=selector, page_size=4,
+                                                selected_pages=16))
+        assert full.tokens == dense.tokens
+
+
+def test_rescore_candidates_match_numpy():
+    """The second stage's scores on the candidates equal the numpy mass restricted to them."""
+    from jaxkv.selectors import rescore
+    rng = _rng()
+    B, Np, ps, H, G, D = 2, 8, 4, 2, 3, 8
+    q = rng.normal(size=(B, H * G, D)).astype(np.float32)
+    keys = rng.normal(size=(B, Np, ps, H, D)).astype(np.float32)
+    positions = np.array([29, 13], np.int32)
+    cand = np.array([[[0, 2, 5, 7], [0, 1, 3, -1]], [[0, 1, 2, 3], [0, 3, -1, -1]]], np.int32)
+    got = np.asarray(rescore.candidate_mass(jnp.asarray(q), jnp.asarray(keys),
+                                            jnp.ones((B, Np, ps, H), jnp.float32),
+                                            jnp.asarray(cand), jnp.asarray(positions), ps))
+    for b in range(B):
+        n = positions[b] + 1
+        for h in range(H):
+            c = cand[b, h]
+            mass = np.zeros(Np)
+            toks = [(p, t) for p in c[c >= 0] for t in range(ps) if p * ps + t < n]
+            for g in range(G):  # per query head: softmax over the candidates' valid tokens
+                s = np.array([keys[b, p, t, h] @ q[b, h * G + g] for p, t in toks]) / np.sqrt(D)
+                w = np.exp(s - s.max())
+                for (p, _), wi in zip(toks, w / w.sum()):
+                    mass[p] += wi
+            want = np.where(c >= 0, mass[np.clip(c, 0, Np - 1)], -np.inf)
+            np.testing.assert_allclose(got[b, h], want, rtol=1e-5, atol=1e-6)

@@ -15,6 +15,6 @@ each layer attends to at the next step (:func:`split_ahead`).
 from __future__ import annotations
 
 from jaxkv.selectors.base import Selector, get, names, register, split_ahead
-from jaxkv.selectors import dense, indexer, oracle, quest  # noqa: F401 - register them
+from jaxkv.selectors import dense, indexer, oracle, quest, rescore  # noqa: F401 - register
 
 __all__ = ["Selector", "get", "names", "register", "split_ahead"]
