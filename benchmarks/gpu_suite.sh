@@ -16,7 +16,8 @@
 #   then b and c2 re-measured alternately $PAIRS times (default 8): the target is the median pair ratio)
 #   abc-8b-lag, abc-qwen-lag: the same with CacheConfig(selection_lag=1) for b and c2;
 #   abc-qwen-b16, abc-qwen-b16-lag: Qwen-like at B=16
-# quality-lag: retrieval quality with exact and lagged selection ($QUALITY_BUDGETS, default 1024)
+# quality: RULER retrieval (bench_quality.py; $QUALITY_GGUF, $QUALITY_LENGTHS (default 2048),
+#   $QUALITY_ARGS, $QUALITY_TAG); quality-lag: only dense and the lagged Quest runs
 # tp-b8: only the tensor-parallel 8B-like B=8 128k part of tp
 # grid-*: GRID_CONFIGS / GRID_POOLS override the configurations (default a,b,c,d / 1,2,4)
 # topo: the GPUs' PCIe / NUMA topology
@@ -111,9 +112,13 @@ for s in $STAGES; do
         XLA_FLAGS=$flags run ab ${AB_LIMIT:-500} $PY benchmarks/ab_step.py --variants ${AB_VARIANTS:-default,topk_full_row} \
           --config ${AB_CONFIG:-b} --pairs ${AB_PAIRS:-6} --tag "${AB_TAG:-$JAXKV_COMMIT}" --out "$OUT"
         [ -d "$OUT/hlo" ] && tar -czf "$OUT/ab_hlo.tgz" -C "$OUT" hlo && rm -rf "$OUT/hlo" ;;
-    quality) run quality 400 $PY benchmarks/bench_quality.py --out "$OUT" ;;
-    quality-lag) run quality_lag ${QUALITY_LIMIT:-300} $PY benchmarks/bench_quality.py --budgets ${QUALITY_BUDGETS:-1024} \
-          --lagged --tag "lag_$JAXKV_COMMIT" --out "$OUT" ;;
+    quality|quality-lag)
+        # RULER cases from benchmarks/quality_data; the GGUF is not in the GPU image: QUALITY_GGUF.
+        # A run cut short keeps its finished runs; copy its JSON into OUT and run again (--resume).
+        sel=(); [ $s = quality-lag ] && sel=(--runs dense 'quest*-lag')
+        run quality ${QUALITY_LIMIT:-560} $PY benchmarks/bench_quality.py --gguf "${QUALITY_GGUF:?set QUALITY_GGUF=path.gguf}" \
+          --lengths ${QUALITY_LENGTHS:-2048} ${sel[@]+"${sel[@]}"} ${QUALITY_ARGS:-} --tag "${QUALITY_TAG:-ruler_$JAXKV_COMMIT}" \
+          --resume --out "$OUT" ;;
     tp) run tp_tests 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_parallel.py -o addopts="-ra"
         n=$($PY -c 'import jax; print(jax.device_count())')
         run tp_decode 400 $PY benchmarks/bench_decode.py --devices "$n" --shape 8b --contexts 128k \

