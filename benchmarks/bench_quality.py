@@ -591,18 +591,18 @@ def markdown(out: dict) -> str:
              "the host tier (device pool smaller than the context), exact selection; "
              "`-lag`: pages chosen with the previous token's queries (`selection_lag=1`); "
              "`-resident`: every page on device.", "",
-             "## RULER score (100 x mean per-case string_match_all)", "", head, sep]
-    for L in lengths:
-        for t in tasks + ["all"]:
-            row = [score(r, None if t == "all" else t) if (r := find(L, n)) else "-" for n in names]
-            lines.append(f"| {'**all**' if t == 'all' else t} | {L} | " + " | ".join(row) + " |")
-    lines += ["", "## Share of dense retrievals kept (cases dense gets fully right that the run "
-              "also gets fully right)", "", head, sep]
-    for L in lengths:
-        for t in tasks + ["all"]:
-            row = [kept(r, None if t == "all" else t) if (r := find(L, n)) else "-" for n in names]
-            lines.append(f"| {'**all**' if t == 'all' else t} | {L} | " + " | ".join(row) + " |")
-    lines += ["", "## Prompt tokens (mean; RULER fills the target length in its haystack's "
+             ]
+    for title, cell in (("RULER score (100 x mean per-case string_match_all)", score),
+                        ("Share of dense retrievals kept (cases dense gets fully right that the "
+                         "run also gets fully right)", kept)):
+        lines += [f"## {title}", "", head, sep]
+        for L in lengths:
+            for t in tasks + ["all"]:
+                row = [cell(r, None if t == "all" else t) if (r := find(L, n)) else "-"
+                       for n in names]
+                lines.append(f"| {'**all**' if t == 'all' else t} | {L} | " + " | ".join(row) + " |")
+        lines.append("")
+    lines += ["## Prompt tokens (mean; RULER fills the target length in its haystack's "
               "steps: 500 words of essay, 25 lines of repeat / needle text)", "",
               "| task | " + " | ".join(str(L) for L in lengths) + " |",
               "|---|" + "---|" * len(lengths)]

@@ -134,3 +134,10 @@ class RescoreExactKeys(Rescore):
     """The second stage on keys in the KV dtype: how much the int8 copy costs."""
     name = "quest_rescore_exact"
     key_bits = 16
+
+
+@register
+class RescoreWide(Rescore):
+    """The first stage keeps 8x the budget: how much of the loss is the first stage's recall."""
+    name = "quest_rescore8"
+    candidates = 8
