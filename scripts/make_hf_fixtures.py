@@ -45,7 +45,7 @@ import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from reference_common import ROOT, greedy_with_margins
 
 # Training text for the tiny tokenizers (written for this script).
 CORPUS = """\
@@ -237,15 +237,7 @@ def make_fixture(name: str, spec: dict, out_root: str, seed: int) -> None:
         return model(torch.tensor([seq], dtype=torch.long), position_ids=pos).logits[0].numpy()
 
     lg = logits_of(list(ids))
-    seq, greedy, margin = list(ids), [], []
-    last = lg[-1]
-    for _ in range(N_GREEDY):
-        two = np.sort(last)[-2:]
-        nxt = int(np.argmax(last))
-        greedy.append(nxt)
-        margin.append(float(two[1] - two[0]))
-        seq.append(nxt)
-        last = logits_of(seq)[-1]
+    greedy, margin = greedy_with_margins(logits_of, list(ids), lg[-1], N_GREEDY)
 
     res: dict[str, np.ndarray] = {
         "ids": ids.astype(np.int32), "start": np.array(start, np.int32),

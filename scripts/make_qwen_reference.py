@@ -36,7 +36,7 @@ import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from reference_common import ROOT, greedy_with_margins, our_tokenizer_module
 OUT = os.path.join(ROOT, "tests", "fixtures", "qwen2_5_coder_reference.npz")
 
 TOOLS = [{"type": "function", "function": {
@@ -78,15 +78,6 @@ TOP_K_LAST = 1024
 N_GREEDY = 16
 
 
-def _our_tokenizer_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("_jaxkv_tokenizer",
-                                                  os.path.join(ROOT, "models", "tokenizer.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gguf", required=True)
@@ -101,7 +92,7 @@ def main() -> None:
     path = os.path.abspath(os.path.expanduser(args.gguf))
     d, name = os.path.split(path)
     torch.set_num_threads(os.cpu_count() or 1)
-    ours = _our_tokenizer_module().Tokenizer.from_gguf(reader=gguf.GGUFReader(path))
+    ours = our_tokenizer_module().Tokenizer.from_gguf(reader=gguf.GGUFReader(path))
     hf_tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
 
@@ -127,15 +118,7 @@ def main() -> None:
         last = np.argsort(-lg[-1], kind="stable")[:TOP_K_LAST]
         out[f"last_top_ids_{i}"] = last.astype(np.int32)
         out[f"last_top_logits_{i}"] = lg[-1][last].astype(np.float32)
-        seq, greedy, margin = list(ids), [], []
-        row = lg[-1]
-        for _ in range(N_GREEDY):
-            two = np.sort(row)[-2:]
-            nxt = int(np.argmax(row))
-            greedy.append(nxt)
-            margin.append(float(two[1] - two[0]))
-            seq.append(nxt)
-            row = logits_of(seq)[-1]
+        greedy, margin = greedy_with_margins(logits_of, ids, lg[-1], N_GREEDY)
         out[f"greedy_{i}"] = np.asarray(greedy, np.int32)
         out[f"greedy_margin_{i}"] = np.asarray(margin, np.float32)
         print(f"prompt {i}: {len(ids)} tokens -> {ours.decode(greedy)!r}; min margin {min(margin):.3f}")
