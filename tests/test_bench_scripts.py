@@ -166,3 +166,17 @@ no recompilation within a bucket: True
     assert (c1["commit"], c1["bulk_gbps"], c1["hit_rate"], c1["fetch_gbps"]) == ("abc1234", 52.8, 0.917, 43.5)
     assert c1["pool_fraction"] == 0.0322 and c1["bucket_compilations"] == 0
     assert c1["vs_b"] == 1773.1 / 3648.4 and rows["b"]["hit_rate"] is None
+
+
+def test_bench_real_model_quick(tmp_path):
+    """bench_real_model --quick on the tiny qwen2 checkpoint: every configuration runs, the
+    host tier's tokens equal the resident cache's."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_real_model.py"), "--quick",
+                    "--model", str(ROOT / "tests" / "fixtures" / "hf_qwen2"), "--contexts", "256",
+                    "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    doc = json.loads((tmp_path / "bench_real_model.json").read_text())
+    assert [r["config"] for r in doc["rows"]] == ["dense", "resident", "host"]
+    assert [c["host_equals_resident"] for c in doc["checks"]] == [True]
+    host = doc["rows"][2]
+    assert 0 < host["hit_rate"] < 1 and host["bytes_host_to_device_per_step"] > 0

@@ -1,6 +1,7 @@
 """GGUF loader, tokenizer and end-to-end logits parity with an independent implementation.
 
-Fast tests use tiny GGUF files written here with ``gguf.GGUFWriter``. Tests marked ``slow``
+Fast tests use tiny GGUF files written here with ``gguf.GGUFWriter`` (llama and qwen2
+architectures, RoPE scaling metadata and ``rope_freqs`` factors, pre-tokenizer names). Tests marked ``slow``
 load the packaged SmolLM2-135M (Q4_1) and compare against tests/fixtures/smollm2_reference.npz,
 made by scripts/make_reference_logits.py with Hugging Face transformers (torch, float32).
 
@@ -51,12 +52,18 @@ def _tiny_cfg(**kw):
     return configs.tiny(**{**base, **kw})
 
 
-def _write_gguf(path, cfg, params, *, arch="llama", quant=None, raw_tensors=None, skip=()):
-    """Writes params (numpy, jaxkv layout) as a llama GGUF. quant: {tensor name: qtype};
-    raw_tensors: {name: (uint8 bytes array, qtype)} replacing a tensor; skip: names left out."""
+def _write_gguf(path, cfg, params, *, arch="llama", quant=None, raw_tensors=None, skip=(),
+                extra_tensors=None, meta=None):
+    """Writes params (numpy, jaxkv layout) as a GGUF of architecture ``arch`` (Q/K rows
+    permuted for interleaved RoPE only for "llama", as the converters do). quant: {tensor name:
+    qtype}; raw_tensors: {name: (uint8 bytes array, qtype)} replacing a tensor; skip: names left
+    out; extra_tensors: {name: float32 array} added; meta: callable(writer) adding metadata."""
     quant = quant or {}
     raw_tensors = raw_tensors or {}
     w = gguf.GGUFWriter(str(path), arch)
+    if meta is not None:
+        meta(w)
+    perm = _permute_rows if arch == "llama" else (lambda x, n: x)
     w.add_name("tiny-test")
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position)
@@ -87,12 +94,12 @@ def _write_gguf(path, cfg, params, *, arch="llama", quant=None, raw_tensors=None
     for i in range(cfg.num_layers):
         b = f"blk.{i}."
         put(b + "attn_norm.weight", lp["attn_norm"][i])
-        put(b + "attn_q.weight", _permute_rows(lp["wq"][i].T, cfg.num_heads))
-        put(b + "attn_k.weight", _permute_rows(lp["wk"][i].T, cfg.num_kv_heads))
+        put(b + "attn_q.weight", perm(lp["wq"][i].T, cfg.num_heads))
+        put(b + "attn_k.weight", perm(lp["wk"][i].T, cfg.num_kv_heads))
         put(b + "attn_v.weight", lp["wv"][i].T)
         if "bq" in lp:
-            put(b + "attn_q.bias", _permute_rows(lp["bq"][i], cfg.num_heads))
-            put(b + "attn_k.bias", _permute_rows(lp["bk"][i], cfg.num_kv_heads))
+            put(b + "attn_q.bias", perm(lp["bq"][i], cfg.num_heads))
+            put(b + "attn_k.bias", perm(lp["bk"][i], cfg.num_kv_heads))
             put(b + "attn_v.bias", lp["bv"][i])
         put(b + "attn_output.weight", lp["wo"][i].T)
         put(b + "ffn_norm.weight", lp["mlp_norm"][i])
@@ -102,6 +109,8 @@ def _write_gguf(path, cfg, params, *, arch="llama", quant=None, raw_tensors=None
     put("output_norm.weight", params["final_norm"])
     if "lm_head" in params:
         put("output.weight", params["lm_head"].T)
+    for name, arr in (extra_tensors or {}).items():
+        w.add_tensor(name, np.ascontiguousarray(arr, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -464,3 +473,155 @@ def test_llama_forward_matches_transformers(smollm, ref):
     greedy = np.stack(outs, axis=1)
     for b in range(B):
         assert greedy[b].tolist() == z[f"greedy_{b}"].tolist(), b
+
+
+# --------------------------------------------------------------------------- qwen2, RoPE scaling
+
+def _forward_np(cfg, params, n=13, start=0):
+    tokens = np.arange(n, dtype=np.int32)[None] * 7 % cfg.vocab_size
+    with jax.default_matmul_precision("float32"):
+        out, _ = llama.forward(params, cfg, jnp.asarray(tokens),
+                               jnp.arange(start, start + n, dtype=jnp.int32)[None],
+                               llama.dense_attend, None)
+    return np.asarray(out)
+
+
+def test_qwen2_architecture_keeps_qk_rows(tmp_path):
+    """qwen2 files store Q/K rows (and biases) in NeoX order: loaded as they are, they give the
+    same params as the llama-architecture file of the same model with permuted rows."""
+    cfg = _tiny_cfg()
+    params = _tiny_params(cfg, int(np.random.default_rng().integers(1 << 30)))
+    got_cfg, got = load_gguf(_write_gguf(tmp_path / "q.gguf", cfg, params, arch="qwen2"))
+    assert got_cfg == dataclasses.replace(cfg, name="tiny-test")
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    _, from_llama = load_gguf(_write_gguf(tmp_path / "l.gguf", cfg, params, arch="llama"))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(from_llama)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_qwen2_quantized_types(tmp_path):
+    """Q5_0 and Q8_0 (with Q4_K and Q6_K the types of the Qwen2.5-Coder file; gguf-py cannot
+    quantize the K types, which tests/test_qwen_model.py covers) in a qwen2 file."""
+    cfg = _tiny_cfg()
+    params = _tiny_params(cfg, 5)
+    Q = gguf.GGMLQuantizationType
+    quant = {"blk.0.attn_q.weight": Q.Q5_0, "blk.1.ffn_gate.weight": Q.Q5_0,
+             "output.weight": Q.Q8_0}
+    _, got = load_gguf(_write_gguf(tmp_path / "q.gguf", cfg, params, arch="qwen2", quant=quant))
+    gl = llama.stacked_layers(got, cfg)
+    lp = jax.tree.map(np.asarray, llama.stacked_layers(params, cfg))
+
+    def qdq(a, t):
+        return gguf.quants.dequantize(gguf.quants.quantize(a.astype(np.float32), t), t)
+
+    np.testing.assert_array_equal(np.asarray(gl["wq"][0]), qdq(lp["wq"][0].T, Q.Q5_0).T)
+    np.testing.assert_array_equal(np.asarray(gl["w_gate"][1]), qdq(lp["w_gate"][1].T, Q.Q5_0).T)
+    np.testing.assert_array_equal(np.asarray(got["lm_head"]), qdq(params["lm_head"].T, Q.Q8_0).T)
+
+
+def test_rope_freqs_tensor_equals_llama3_scaling(tmp_path):
+    """A Llama-3.1 GGUF carries its scaling as rope_freqs.weight (one divisor per frequency);
+    loaded as RopeScaling('factors') it gives the llama3-scaled model's logits."""
+    cfg = _tiny_cfg(head_dim=16, rope_theta=10000.0, max_position=4096)
+    params = _tiny_params(cfg, 3)
+    l3 = configs.RopeScaling("llama3", factor=8.0, original_max_position=32, low_freq_factor=1.0,
+                             high_freq_factor=4.0)
+    plain = 1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16)
+    factors = (plain / l3.inv_freq(10000.0, 16)).astype(np.float32)
+    assert factors.min() == pytest.approx(1.0) and factors.max() == pytest.approx(8.0)
+    got_cfg, got = load_gguf(_write_gguf(tmp_path / "f.gguf", cfg, params,
+                                         extra_tensors={"rope_freqs.weight": factors}))
+    assert got_cfg.rope_scaling.kind == "factors" and len(got_cfg.rope_scaling.factors) == 8
+    want = _forward_np(dataclasses.replace(cfg, rope_scaling=l3), params, start=900)
+    np.testing.assert_allclose(_forward_np(got_cfg, got, start=900), want, atol=2e-4)
+    assert np.abs(_forward_np(cfg, params, start=900) - want).max() > 1e-2
+
+
+@pytest.mark.parametrize("kind,extra,want", [
+    ("linear", {}, configs.RopeScaling("linear", factor=4.0)),
+    ("yarn", {"orig": 128}, configs.RopeScaling("yarn", factor=4.0, original_max_position=128)),
+])
+def test_rope_scaling_metadata(tmp_path, kind, extra, want):
+    cfg = _tiny_cfg()
+
+    def meta(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType(kind))
+        w.add_rope_scaling_factor(4.0)
+        if "orig" in extra:
+            w.add_rope_scaling_orig_ctx_len(extra["orig"])
+
+    got_cfg, _ = load_gguf(_write_gguf(tmp_path / "s.gguf", cfg, _tiny_params(cfg, 0), meta=meta))
+    assert got_cfg.rope_scaling == want
+
+
+def test_unsupported_rope_scaling(tmp_path):
+    cfg = _tiny_cfg()
+    path = _write_gguf(tmp_path / "s.gguf", cfg, _tiny_params(cfg, 0),
+                       meta=lambda w: w.add_string("llama.rope.scaling.type", "longrope"))
+    with pytest.raises(GGUFError, match=r"unsupported RoPE scaling type 'longrope'"):
+        load_gguf(path)
+
+
+# --------------------------------------------------------------------------- pre-tokenizers
+
+def _tokenizer_gguf(path, pre):
+    """A GGUF holding only a byte-level tokenizer (256 byte tokens, no merges)."""
+    from tokenizers import pre_tokenizers
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    if pre is not None:
+        w.add_string("tokenizer.ggml.pre", pre)
+    toks = sorted(pre_tokenizers.ByteLevel.alphabet())
+    w.add_array("tokenizer.ggml.tokens", toks)
+    w.add_array("tokenizer.ggml.token_type", [1] * len(toks))
+    w.add_uint32("tokenizer.ggml.eos_token_id", 0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("pre,text,want", [
+    ("gpt2", "x 2024567", ["x", "Ġ2024567"]),
+    ("smollm", "x 2024", ["x", "Ġ", "2", "0", "2", "4"]),
+    ("llama-bpe", "x 2024567", ["x", "Ġ", "202", "456", "7"]),
+    ("llama-bpe", "I'M here\n\n", ["I", "'M", "Ġhere", "ĊĊ"]),
+    ("qwen2", "x 2024", ["x", "Ġ", "2", "0", "2", "4"]),
+    ("qwen2", "I'M here", ["I", "'M", "Ġhere"]),
+])
+def test_pre_tokenizer_by_name(pre, text, want):
+    from jaxkv.models.tokenizer import _byte_level_pre_tokenizer
+    normalizer, pt = _byte_level_pre_tokenizer(pre)
+    if normalizer is not None:
+        text = normalizer.normalize_str(text)
+    assert [p for p, _ in pt.pre_tokenize_str(text)] == want
+
+
+def test_unknown_pre_tokenizer_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown GGUF pre-tokenizer tokenizer.ggml.pre='tekken'"
+                                         r".*Supported:.*llama-bpe.*qwen2.*smollm"):
+        Tokenizer.from_gguf(_tokenizer_gguf(tmp_path / "t.gguf", "tekken"))
+    with pytest.warns(UserWarning, match="no tokenizer.ggml.pre"):
+        tok = Tokenizer.from_gguf(_tokenizer_gguf(tmp_path / "d.gguf", None))
+    assert tok.decode(tok.encode("héllo 12")) == "héllo 12"
+
+
+def test_qwen2_pre_normalizes_nfc(tmp_path):
+    tok = Tokenizer.from_gguf(_tokenizer_gguf(tmp_path / "q.gguf", "qwen2"))
+    assert tok.encode("e\u0301") == tok.encode("\u00e9")
+    gpt = Tokenizer.from_gguf(_tokenizer_gguf(tmp_path / "g.gguf", "gpt2"))
+    assert gpt.encode("e\u0301") != gpt.encode("\u00e9")
+
+
+def test_chat_template_errors(tok):
+    from jaxkv.models.tokenizer import render_chat_template
+    with pytest.raises(ValueError, match="chat template: TemplateError: no tools here"):
+        render_chat_template("{{ raise_exception('no tools here') }}", [])
+    with pytest.raises(ValueError, match="chat template: TemplateSyntaxError"):
+        render_chat_template("{% if %}", [])
+    assert render_chat_template("{{ messages[0] | tojson }}", [{"role": "u", "content": "Zürich"}]) == \
+        '{"role": "u", "content": "Zürich"}'
+    with pytest.raises(TypeError, match="list of dicts"):
+        tok.apply_chat_template("hello")

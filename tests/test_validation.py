@@ -411,6 +411,7 @@ def write_tiny_gguf(path, cfg=CFG, *, meta=None, replace=None, tokenizer=True):
         w.add_uint32(k, v)
     if tokenizer:
         w.add_string("tokenizer.ggml.model", "gpt2")
+        w.add_string("tokenizer.ggml.pre", "gpt2")
         w.add_array("tokenizer.ggml.tokens", _byte_tokens())
         w.add_array("tokenizer.ggml.token_type", [1] * 256)
     lay = jax.tree.map(np.asarray, llama.stacked_layers(p, cfg))
