@@ -166,3 +166,18 @@ no recompilation within a bucket: True
     assert (c1["commit"], c1["bulk_gbps"], c1["hit_rate"], c1["fetch_gbps"]) == ("abc1234", 52.8, 0.917, 43.5)
     assert c1["pool_fraction"] == 0.0322 and c1["bucket_compilations"] == 0
     assert c1["vs_b"] == 1773.1 / 3648.4 and rows["b"]["hit_rate"] is None
+
+
+def test_bench_cpu_quick(tmp_path):
+    """bench_cpu --quick (random tiny model, no transformers): a row per mode with positive
+    speeds, the issue's comparison figures recorded, and the markdown table."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu.py"), "--quick",
+                    "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
+    res = json.loads((tmp_path / "bench_cpu.json").read_text())
+    assert [(r["mode"], r["prompt_tokens"]) for r in res["jaxkv"]] == [("resident", 128),
+                                                                      ("host", 128)]
+    assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+               for r in res["jaxkv"])
+    assert res["transformers"]["source"].startswith("issue 34")
+    assert "| resident | 128 |" in (tmp_path / "bench_cpu.md").read_text()
