@@ -4,12 +4,12 @@ resident (dense selector) and host tier (Quest).
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/bench_cpu.py --out DIR \\
         [--lengths 512 2048 8192] [--new 32] [--reps 2] [--torch-python /path/to/python]
-    # smoke test with a random tiny model (no GGUF, no torch), about a minute:
+    # smoke test with a random tiny model (no GGUF, no torch), about half a minute:
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/bench_cpu.py --out DIR --quick
 
-Per mode and prompt length: one call to compile (its compile time is reported), then
-``--reps`` timed calls of ``generate`` (random token ids, ``--new`` new tokens, greedy); the
-figures are the best and the median of ``stats["prefill_tokens_per_s"]`` (the whole prefill:
+Per mode and prompt length (8k: 8192 less the new tokens, the model's context): one call to
+compile (its compile time is reported), then ``--reps`` timed calls of ``generate`` (random
+token ids, ``--new`` new tokens, greedy); the figures are the best and the median of ``stats["prefill_tokens_per_s"]`` (the whole prefill:
 embedding, the layers, the first token) and ``stats["decode_tokens_per_s"]``. Also per length:
 the time of the prefill attention alone (the default implementation, one layer's shapes, times
 the layer count), so the rest of the prefill (the per-token work) can be read per token: the
@@ -72,6 +72,7 @@ def torch_worker(lengths: list[int], new: int, reps: int, gguf: str) -> list[dic
     model.eval()
     rows = []
     for n in lengths:
+        n = min(n, model.config.max_position_embeddings - new)
         ids = torch.tensor([_prompt(n, model.config.vocab_size)])
         pre, dec = [], []
         for rep in range(reps + 1):  # the first call warms up
@@ -147,6 +148,7 @@ def run_jaxkv(args, cfg, params) -> list[dict]:
              "host": dict(mode="host", selector="quest")}
     rows = []
     for n in args.lengths:
+        n = min(n, cfg.max_position - args.new)  # 8k: the prompt leaves room for the new tokens
         attn = attention_seconds(cfg, n, max(1, args.reps))
         for mode in args.modes:
             cache = jaxkv.CacheConfig(**modes[mode])
