@@ -285,6 +285,27 @@ def sparse_paged_attention_xla(q, pool, block_rows, page_index, seq_lens, *, pag
 BLOCKED_CHUNK = 32  # selection entries (pages) per chunk of the blocked formulation (CPU)
 
 
+def _gather_heads(arr, rows, num_kv_heads, page_size, head_dim):
+    """K/V of head h of row ``rows[b, h, i]`` of ``arr`` [N, R] (rows [B, H, C]) as a device
+    array [B, H, C, 2, ps, D]. A host-memory ``arr`` (the pinned host tier) is gathered on the
+    host (``compute_on("device_host")``: one gather of the entries' own heads, where a copy per
+    row would cost a loop iteration each) and the result moved to device memory."""
+    H, ps, D = num_kv_heads, page_size, head_dim
+    heads = jnp.arange(H, dtype=jnp.int32)[None, :, None]
+
+    def gather(a, r, h):
+        return a.reshape(a.shape[0], 2, H, ps, D)[r, :, h]
+
+    if jax.typeof(arr).memory_space != jax.memory.Space.Host:
+        return gather(arr, rows, heads)
+    from jax.experimental.compute_on import compute_on
+
+    host = jax.memory.Space.Host
+    out = compute_on(gather, compute_type="device_host", out_memory_spaces=host)(
+        arr, jax.device_put(rows, host), jax.device_put(heads, host))
+    return jax.device_put(out, jax.memory.Space.Device)
+
+
 @register(OP, "blocked")
 @functools.partial(jax.jit, static_argnames=("page_size", "num_kv_heads", "sm_scale", "num_splits",
                                              "tuning", "merge"))
@@ -338,9 +359,7 @@ def sparse_paged_attention_blocked(q, pool, block_rows, page_index, seq_lens, *,
         if host is not None:
             hrows = take(host_rows)
             in_host = ~in_pool & (hrows >= 0)
-            rows_h = _gather_rows(host, jnp.where(in_host, hrows, 0).reshape(-1))
-            hh = jnp.arange(H)
-            kv_h = jnp.moveaxis(rows_h.reshape(B, H, C, 2, H, ps, D)[:, hh, :, :, hh], 0, 1)
+            kv_h = _gather_heads(host, jnp.where(in_host, hrows, 0), H, ps, D)  # [B, H, C, 2, ps, D]
             k = jnp.where(in_host[..., None, None], kv_h[:, :, :, 0], k)
             v = jnp.where(in_host[..., None, None], kv_h[:, :, :, 1], v)
             in_pool = in_pool | in_host
