@@ -127,7 +127,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
 def _decode_round(plan: Plan, params, state: DecodeState, sampling: Sampling, stop_ids, max_new):
     N, B = plan.cache.round_steps, plan.batch
     buf = jnp.full((B, N), INVALID, jnp.int32)
-    if plan.layer_unroll < plan.model.num_layers:
+    if plan.layer_unroll < plan.model.num_layers and llama.rolled_weights() == "stack":
         # a rolled layer loop scans stacked weights: stack them once per round, not per step
         params = dict(params, layers=llama.stack_layer_tree(params["layers"]))
 

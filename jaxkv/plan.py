@@ -73,6 +73,15 @@ class Plan:
         return self.model.num_layers if unroll else 1
 
     @property
+    def prefill_token_chunk(self) -> int:
+        """Tokens per piece of a prefill layer's per-token work (``CacheConfig``'s, or the
+        backend's default: 131072 on the GPU, 512 elsewhere, at least a page)."""
+        chunk = self.cache.prefill_token_chunk
+        if chunk is None:
+            chunk = 131072 if jax.default_backend() == "gpu" else max(512, self.page_size)
+        return chunk
+
+    @property
     def num_pinned(self) -> int:
         return self.cache.sink_pages + self.cache.recent_pages
 

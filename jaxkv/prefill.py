@@ -57,13 +57,13 @@ def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, de
     layer_params: params["layers"][layer]; x [B, T, d]; lengths [B] prompt lengths; layer
     int32 scalar (traced: one compilation serves every layer). Returns (x, kv, summaries, dense).
     The per-token work (norms, projections, MLP) runs in pieces of
-    ``CacheConfig.prefill_token_chunk`` tokens; attention sees the whole prompt.
+    ``plan.prefill_token_chunk`` tokens; attention sees the whole prompt.
     """
     cfg, ps = plan.model, plan.page_size
     B, T, _ = x.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     lp = layer_params
-    pieces = plan.cache.prefill_token_chunk
+    pieces = plan.prefill_token_chunk
     h, q, k, v = _in_token_chunks(lambda x, pos: llama.attention_inputs(lp, cfg, x, pos), pieces,
                                   x, positions)
     attn = prefill_attention(q, k, v, lengths, implementation=plan.cache.implementation,

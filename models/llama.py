@@ -37,13 +37,30 @@ def _dtype(cfg: ModelConfig):
     return jnp.dtype(cfg.dtype)
 
 
+class LayerWeight:
+    """One weight matrix per layer, chosen by a traced layer index inside a rolled layer loop
+    (``run_layers(..., weights="switch")``): ``_matmul`` applies it as a ``lax.switch``
+    over one product per layer, so each product reads its layer's array in place (no copy
+    of a slice of stacked weights)."""
+
+    def __init__(self, index, arrays: tuple):
+        self.index, self.arrays = index, tuple(arrays)
+
+    @property
+    def dtype(self):
+        return self.arrays[0].dtype
+
+
 def _matmul(spec: str, x, w):
-    """einsum in the operands' dtype, result float32.
+    """einsum in the operands' dtype, result float32 (``w``: an array or a ``LayerWeight``).
 
     For bf16 operands the product is returned in bf16 (the GPU kernels accumulate in f32)
     and then upcast: asking XLA for an f32 result directly (preferred_element_type) makes
     XLA:GPU convert the whole weight matrix to f32 on every call, which triples the bytes a
     memory-bound decode step reads."""
+    if isinstance(w, LayerWeight):
+        products = [functools.partial(_matmul, spec, w=a) for a in w.arrays]
+        return jax.lax.switch(w.index, products, x)
     if x.dtype == jnp.float32 or w.dtype == jnp.float32:
         return jnp.einsum(spec, x.astype(jnp.float32), w.astype(jnp.float32),
                           preferred_element_type=jnp.float32)
@@ -112,6 +129,8 @@ def apply_rope(x, positions, theta: float, rot_dim: int | None = None,
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     if scaling is not None and scaling.attention_factor != 1.0:
         cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+    if jax.default_backend() != "gpu":  # XLA:CPU fuses cos / sin into the rotation and
+        cos, sin = jax.lax.optimization_barrier((cos, sin))  # evaluates them once per head
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., :half], xf[..., half:rot]
     out = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
@@ -398,15 +417,31 @@ def dense_attend(layer, layer_params, h, q, k, v, carry):
     return gqa_attention(q, k, v, mask), carry
 
 
+def rolled_weights(mode: str | None = None) -> str:
+    """How a rolled layer loop reads a per-layer tuple of weights: ``mode``, else the backend's
+    default: "stack" on the GPU (stacked [L, ...] arrays, one slice per layer; a conditional
+    would cost a host round trip there), "switch" elsewhere (each matrix product a
+    ``lax.switch`` over the layers' own arrays: XLA:CPU copies a dynamic slice of a stacked
+    weight before a dot, which triples a decode step's weight traffic)."""
+    if mode is None:
+        mode = "stack" if jax.default_backend() == "gpu" else "switch"
+    if mode not in ("stack", "switch"):
+        raise ValueError(f"rolled_weights must be 'stack', 'switch' or None, got {mode!r}")
+    return mode
+
+
 def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn, carry, *,
-               start: int = 0, stop: int | None = None, unroll: int = 1, axis_name=None):
+               start: int = 0, stop: int | None = None, unroll: int = 1, axis_name=None,
+               weights: str | None = None):
     """Layers ``[start, stop)`` (static) of the model: x [B, T, d] -> (x, carry).
 
     ``params["layers"]`` is the per-layer tuple (then ``unroll >= stop - start`` runs a Python
-    loop over the layers, each reading its own weight arrays, and a smaller ``unroll`` stacks
-    them for a `lax.scan`: a copy, see ``stack_layer_tree``) or already stacked (a dict of
-    [L, ...] arrays: always a `lax.scan`). `attend` gets the global layer index (int32).
-    ``axis_name``: tensor-parallel mesh axis (see :func:`layer_output`).
+    loop over the layers, each reading its own weight arrays, and a smaller ``unroll`` runs a
+    `lax.scan` whose body reads the weights as ``rolled_weights(weights)`` says: "stack"
+    stacks them (a copy, see ``stack_layer_tree``), "switch" passes each matrix as a
+    :class:`LayerWeight` and stacks only the vectors (norm weights, biases)) or already
+    stacked (a dict of [L, ...] arrays: always a `lax.scan`). `attend` gets the global layer
+    index (int32). ``axis_name``: tensor-parallel mesh axis (see :func:`layer_output`).
     """
     stop = cfg.num_layers if stop is None else stop
     if stop <= start:
@@ -426,7 +461,21 @@ def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn,
             for i in range(start, stop):
                 c, _ = body(c, (jnp.int32(i), lps[i]))
             return c
-        lps = stack_layer_tree(lps[start:stop])
+        if rolled_weights(weights) == "switch":
+            mats = {n: tuple(lp[n] for lp in lps[start:stop]) for n, a in lps[start].items()
+                    if a.ndim >= 2}
+            vecs = stack_layer_tree([{n: a for n, a in lp.items() if n not in mats}
+                                     for lp in lps[start:stop]])
+            inner = body
+
+            def body(c, xs):  # noqa: F811 - the matrices of layer ``layer`` by switch
+                layer, lp = xs
+                lp = {**lp, **{n: LayerWeight(layer - start, m) for n, m in mats.items()}}
+                return inner(c, (layer, lp))
+
+            lps = vecs
+        else:
+            lps = stack_layer_tree(lps[start:stop])
     elif (start, stop) != (0, cfg.num_layers):
         lps = jax.tree.map(lambda a: a[start:stop], lps)
     layers = jnp.arange(start, stop, dtype=jnp.int32)

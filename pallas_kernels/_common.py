@@ -8,9 +8,10 @@ Every op in this package is one public function with two registered implementati
 ``resolve(op, implementation)`` picks one: an explicit argument wins, then the
 ``JAXKV_IMPL_<OP>`` environment variable (one op, e.g. ``JAXKV_IMPL_QUEST_SCORES=xla``), then
 ``JAXKV_IMPL`` (``pallas`` / ``xla``), then the default: Pallas on GPU
-(unless the op's module registered another GPU default with ``prefer_on_gpu``, where that
-one is faster there: prefill attention's "auto"), the XLA reference on other backends
-(interpret mode is for tests, not for speed).
+(unless the op's module measured another implementation faster there and said so with
+``prefer_on_gpu``), the XLA reference on other backends (interpret mode is for tests, not for
+speed) unless the op's module registered a faster formulation for the CPU and said so with
+``prefer_on_cpu``. An explicit ``"xla"`` (argument or environment) always gives the reference.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ Implementation = Literal["pallas", "xla"]
 INVALID = -1  # "no page" / "not resident" / "empty slot" in every index array
 _REGISTRY: dict[str, dict[str, Callable]] = {}
 _GPU_DEFAULT: dict[str, str] = {}
+_CPU_DEFAULT: dict[str, str] = {}
 
 
 def backend() -> str:
@@ -67,6 +69,13 @@ def prefer_on_gpu(op: str, implementation: str) -> None:
     _GPU_DEFAULT[op] = implementation
 
 
+def prefer_on_cpu(op: str, implementation: str) -> None:
+    """Make ``implementation`` the default of ``op`` off the GPU (a pure-jnp formulation that
+    measured faster on XLA:CPU than the reference); an explicit argument or ``JAXKV_IMPL``
+    still wins, so ``"xla"`` keeps naming the reference."""
+    _CPU_DEFAULT[op] = implementation
+
+
 def resolve(op: str, implementation: str | None = None) -> Callable:
     """Return the registered implementation of ``op`` (see module docstring for the rule)."""
     impls = _REGISTRY.get(op)
@@ -74,8 +83,8 @@ def resolve(op: str, implementation: str | None = None) -> Callable:
         raise KeyError(f"no implementations registered for op {op!r}")
     per_op = os.environ.get(f"JAXKV_IMPL_{op.upper()}")  # e.g. JAXKV_IMPL_QUEST_SCORES=xla
     name = implementation_name(implementation or per_op)
-    if implementation is None and not per_op and not os.environ.get("JAXKV_IMPL") and on_gpu():
-        name = _GPU_DEFAULT.get(op, name)
+    if implementation is None and not per_op and not os.environ.get("JAXKV_IMPL"):
+        name = (_GPU_DEFAULT if on_gpu() else _CPU_DEFAULT).get(op, name)
     if name not in impls:
         raise ValueError(f"op {op!r} has no implementation {name!r}; choose one of {sorted(impls)}")
     return impls[name]

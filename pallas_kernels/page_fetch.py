@@ -23,7 +23,9 @@ unspecified); source rows may repeat.
 The ``"xla"`` reference is pure jnp: a ``fori_loop`` of ``dynamic_slice`` +
 ``jax.device_put(..., Space.Device)`` per entry when the source is in host memory (the
 only XLA form that reads a pinned_host array without copying all of it; slow on GPU, a
-correctness fallback), a vectorized gather/scatter when it is a device array.
+correctness fallback), a vectorized gather/scatter when it is a device array. ``"compact"``
+(the CPU default) is the same copies over the valid entries only, moved to the front first:
+a decode step lists every layer's selections and most of them need no copy.
 """
 from __future__ import annotations
 
@@ -258,6 +260,33 @@ def fetch_pages_reference(host_kv, pool, src_rows, dst_rows, **tuning):
     """Pure-jnp reference of :func:`fetch_pages` (tunables are accepted and ignored)."""
     del tuning
     return copy_rows_reference(host_kv, pool, src_rows, dst_rows)
+
+
+@_common.register(OP, "compact")
+def fetch_pages_compact(host_kv, pool, src_rows, dst_rows, **tuning):
+    """The reference's copies with a loop over the valid entries only (a stable sort moves them
+    to the front; the loop's trip count is their number). A device ``host_kv`` takes the
+    reference's vectorized form."""
+    del tuning
+    if not _is_host(host_kv):
+        return copy_rows_reference(host_kv, pool, src_rows, dst_rows)
+    _check(host_kv, pool, src_rows, dst_rows)
+    Ns, Nd = host_kv.shape[0], pool.shape[0]
+    src_rows = jnp.asarray(src_rows, jnp.int32)
+    dst_rows = jnp.asarray(dst_rows, jnp.int32)
+    ok = (src_rows >= 0) & (src_rows < Ns) & (dst_rows >= 0) & (dst_rows < Nd)
+    order = jnp.argsort(~ok, stable=True)
+    src_c, dst_c = src_rows[order], dst_rows[order]
+
+    def body(m, pool):
+        row = jax.lax.dynamic_slice_in_dim(host_kv, src_c[m], 1, 0)
+        row = jax.device_put(row, jax.memory.Space.Device)
+        return jax.lax.dynamic_update_slice_in_dim(pool, row, dst_c[m], 0)
+
+    return jax.lax.fori_loop(0, jnp.sum(ok), body, pool)
+
+
+_common.prefer_on_cpu(OP, "compact")
 
 
 def is_traced(x) -> bool:

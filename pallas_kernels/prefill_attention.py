@@ -63,7 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ._common import (interpret_mode, next_pow2, online_softmax_step,
-                                     prefer_on_gpu, register, resolve)
+                      prefer_on_cpu, prefer_on_gpu, register, resolve)
 
 OP = "prefill_attention"
 _LOG2E = math.log2(math.e)
@@ -73,6 +73,7 @@ DEFAULT_CHUNK = 2048  # query tokens per chunk of the reference (as the engine's
 BLOCK_Q = 128         # queries per program
 BLOCK_K = 64          # keys per inner-loop step
 NUM_STAGES = 3        # Triton software-pipelining stages of the key loop
+BLOCKED_TILE = 256    # query and key tokens per tile of the "blocked" formulation (CPU)
 _TUNING = ("chunk", "block_q", "block_k", "num_warps", "num_stages")
 
 
@@ -166,6 +167,94 @@ def prefill_attention_xla(q, k, v, lengths, *, sm_scale=None, chunk=None, block_
     out = lax.map(lambda c: one(lax.dynamic_slice_in_dim(qp, c * C, C, axis=1), c * C),
                   jnp.arange(n, dtype=jnp.int32))  # [n, B, C, Hq, D]
     return out.transpose(1, 0, 2, 3, 4).reshape(B, n * C, Hq, D)[:, :T]
+
+
+# --------------------------------------------------------------------------------------------
+# Blocked causal formulation in pure jnp (the default off the GPU): skips the tiles above the
+# diagonal and past the longest prompt.
+# --------------------------------------------------------------------------------------------
+@register(OP, "blocked")
+@functools.partial(jax.jit, static_argnames=_TUNING + ("sm_scale",))
+def prefill_attention_blocked(q, k, v, lengths, *, sm_scale=None, chunk=None, block_q=None,
+                              block_k=None, num_warps=None, num_stages=None):
+    """Flash-attention tiling in jnp: ``block_q`` x ``block_q`` tiles (default ``BLOCKED_TILE``,
+    lowered to ``next_pow2(T)`` for short T; ``block_k`` must be None or equal), a
+    ``fori_loop`` over query blocks and, inside, over the key blocks up to the diagonal with an
+    online softmax (base-2 exponent, float32; the denominator comes out of ``p @ [v, 1]``).
+    Tiles above the diagonal and past the longest prompt are not computed (about half the
+    reference's work at full length); query blocks past the longest prompt get zeros. Only the
+    tiles that straddle the diagonal or a prompt's end are masked (their V rows past the length
+    zeroed). The other tunables are ignored."""
+    del chunk, num_warps, num_stages
+    _check(q, k, v, lengths)
+    B, T, Hq, D = q.shape
+    H = k.shape[2]
+    G = Hq // H
+    if q.size == 0:
+        return jnp.zeros_like(q)
+    C = BLOCKED_TILE if block_q is None else int(block_q)
+    if C < 1:
+        raise ValueError(f"block_q={C} must be >= 1")
+    if block_k is not None and int(block_k) != C:
+        raise ValueError(f"the blocked implementation takes square tiles: block_k={block_k} "
+                         f"must be None or block_q ({C})")
+    C = min(C, next_pow2(T))
+    n = -(-T // C)
+    scale = (D ** -0.5 if sm_scale is None else float(sm_scale)) * _LOG2E
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, T)
+    pad = ((0, 0), (0, n * C - T), (0, 0), (0, 0))
+    # qb [B, H, n, C * G, D]: query rows (t, g) of a block in one matrix per KV head.
+    # float32: the scale (with log2 e) folds into q, so the max reads the product directly;
+    # bfloat16 q is scaled after the product, in float32, as the reference does
+    q_scale, s_scale = (scale, None) if q.dtype == jnp.float32 else (None, scale)
+    qb = q if q_scale is None else q * jnp.float32(q_scale)
+    qb = jnp.pad(qb, pad).reshape(B, n, C, H, G, D).transpose(0, 3, 1, 2, 4, 5)
+    qb = qb.reshape(B, H, n, C * G, D)
+    kb = jnp.pad(k, pad).reshape(B, n, C, H, D).transpose(0, 3, 1, 2, 4)   # [B, H, n, C, D]
+    # V with a column of ones: p @ [v, 1] also gives the softmax denominator (no sum pass)
+    vb = jnp.concatenate([v, jnp.ones(v.shape[:-1] + (1,), v.dtype)], axis=-1)
+    vb = jnp.pad(vb, pad).reshape(B, n, C, H, D + 1).transpose(0, 3, 1, 2, 4)  # [B, H, n, C, D+1]
+    n_full = jnp.min(lengths) // C              # key blocks inside every prompt: no mask
+    n_used = (jnp.max(lengths) + C - 1) // C    # blocks holding some prompt's token
+    row = lax.broadcasted_iota(jnp.int32, (C * G, C), 0) // G   # query offset of a score row
+    col = lax.broadcasted_iota(jnp.int32, (C * G, C), 1)        # key offset of a score column
+
+    def tile(i, j, carry, masked):
+        m, acc, qi = carry   # acc [B, H, C * G, D + 1]: sum of p * v, and of p (last column)
+        kj = lax.dynamic_index_in_dim(kb, j, axis=2, keepdims=False)     # [B, H, C, D]
+        vj = lax.dynamic_index_in_dim(vb, j, axis=2, keepdims=False)
+        s = jnp.einsum("bhqd,bhkd->bhqk", qi, kj, preferred_element_type=jnp.float32)
+        if s_scale is not None:
+            s = s * s_scale
+        if masked:
+            key = j * C + col
+            ok = (key <= i * C + row)[None] & (key[None] < lengths[:, None, None])   # [B, CG, C]
+            s = jnp.where(ok[:, None], s, -jnp.inf)
+            kv_ok = (j * C + col[0])[None, :] < lengths[:, None]                     # [B, C]
+            vj = jnp.where(kv_ok[:, None, :, None], vj, jnp.zeros((), vj.dtype))
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # rows with no allowed key so far
+        alpha = jnp.exp2(m - m_use)
+        p = jnp.exp2(s - m_use[..., None])
+        pv = jnp.einsum("bhqk,bhkd->bhqd", p, vj.astype(jnp.float32))
+        return m_new, acc * alpha[..., None] + pv, qi
+
+    def query_block(i, out):
+        qi = lax.dynamic_index_in_dim(qb, i, axis=2, keepdims=False)     # [B, H, C * G, D]
+        carry = (jnp.full((B, H, C * G), -jnp.inf, jnp.float32),
+                 jnp.zeros((B, H, C * G, D + 1), jnp.float32), qi)
+        lo = jnp.minimum(i, n_full)
+        carry = lax.fori_loop(0, lo, lambda j, c: tile(i, j, c, False), carry)
+        carry = lax.fori_loop(lo, jnp.minimum(i + 1, n_used), lambda j, c: tile(i, j, c, True),
+                              carry)
+        _, acc, _ = carry
+        l = acc[..., D:]
+        o = (acc[..., :D] / jnp.where(l > 0, l, 1.0)).astype(q.dtype)
+        return lax.dynamic_update_index_in_dim(out, o, i, axis=2)
+
+    out = lax.fori_loop(0, n_used, query_block, jnp.zeros((B, H, n, C * G, D), q.dtype))
+    out = out.reshape(B, H, n, C, G, D).transpose(0, 2, 3, 1, 4, 5).reshape(B, n * C, Hq, D)
+    return out[:, :T]
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,6 +393,7 @@ def _warn_no_cudnn(e):
 
 
 prefer_on_gpu(OP, "auto")
+prefer_on_cpu(OP, "blocked")
 
 
 def prefill_attention(q, k, v, lengths, *, sm_scale=None, implementation=None, **tuning):

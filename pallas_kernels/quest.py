@@ -339,6 +339,11 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
     method = ds.resolve_topk_method(np_, implementation, topk_method, cmax_min_pages)
     if method != "pallas_cmax":
         kmax, kmin = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size)
+        if _common.implementation_name(implementation) != "pallas":
+            # the XLA scores then read the summaries after the in-place update: fused with it,
+            # they would recompute the update from the old arrays, and XLA would copy both
+            # whole [L, ...] arrays (every layer of every step) to keep the old ones alive
+            kmax, kmin = lax.optimization_barrier((kmax, kmin))
         return kmax, kmin, quest_select(q, kmax, kmin, layer, seq_lens, k=k, page_size=page_size,
                                         num_sink_pages=num_sink_pages,
                                         implementation=implementation, topk_method=method,

@@ -39,7 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ._common import interpret_mode, next_pow2, online_softmax_step, register, resolve
+from ._common import (interpret_mode, next_pow2, online_softmax_step, prefer_on_cpu, register,
+                      resolve)
 
 OP = "sparse_paged_attention"
 _LOG2E = math.log2(math.e)
@@ -275,6 +276,115 @@ def sparse_paged_attention_xla(q, pool, block_rows, page_index, seq_lens, *, pag
     o = o / jnp.where(l > 0, l, 1.0)[..., None]
     lse = jnp.where(l > 0, m[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
     return o.reshape(B, Hq, D).astype(q.dtype), lse.reshape(B, Hq)
+
+
+# --------------------------------------------------------------------------------------------
+# Blocked formulation in pure jnp (the default off the GPU): reads only the entries up to the
+# last valid one, a chunk at a time, with an online softmax.
+# --------------------------------------------------------------------------------------------
+BLOCKED_CHUNK = 32  # selection entries (pages) per chunk of the blocked formulation (CPU)
+
+
+def _gather_heads(arr, rows, num_kv_heads, page_size, head_dim):
+    """K/V of head h of row ``rows[b, h, i]`` of ``arr`` [N, R] (rows [B, H, C]) as a device
+    array [B, H, C, 2, ps, D]. A host-memory ``arr`` (the pinned host tier) is gathered on the
+    host (``compute_on("device_host")``: one gather of the entries' own heads, where a copy per
+    row would cost a loop iteration each) and the result moved to device memory."""
+    H, ps, D = num_kv_heads, page_size, head_dim
+    heads = jnp.arange(H, dtype=jnp.int32)[None, :, None]
+
+    def gather(a, r, h):
+        return a.reshape(a.shape[0], 2, H, ps, D)[r, :, h]
+
+    if jax.typeof(arr).memory_space != jax.memory.Space.Host:
+        return gather(arr, rows, heads)
+    from jax.experimental.compute_on import compute_on
+
+    host = jax.memory.Space.Host
+    out = compute_on(gather, compute_type="device_host", out_memory_spaces=host)(
+        arr, jax.device_put(rows, host), jax.device_put(heads, host))
+    return jax.device_put(out, jax.memory.Space.Device)
+
+
+@register(OP, "blocked")
+@functools.partial(jax.jit, static_argnames=("page_size", "num_kv_heads", "sm_scale", "num_splits",
+                                             "tuning", "merge"))
+def sparse_paged_attention_blocked(q, pool, block_rows, page_index, seq_lens, *, page_size,
+                                   num_kv_heads, sm_scale=None, num_splits=None, tuning=None,
+                                   host=None, host_rows=None, merge=None):
+    """The reference's math a chunk of ``BLOCKED_CHUNK`` entries at a time: a ``fori_loop``
+    over the chunks up to the last valid entry of any (request, head) gathers each chunk's K/V
+    (from the pool, or from ``host`` like the reference) and folds it into an online softmax
+    (float32). A dense selection over a long context bucket reads only the pages in use, and
+    no [B, H, K, 2, ps, D] copy of the whole selection is made. The chunk is
+    ``tuning.pages_per_iter`` when given (any int >= 1); ``num_splits``, the rest of
+    ``tuning`` and ``merge`` are ignored."""
+    del num_splits, merge
+    _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads, host, host_rows)
+    if block_rows.shape[-1] == 0:
+        return _empty(q)
+    B, Hq, D = q.shape
+    H, ps = num_kv_heads, page_size
+    G, K = Hq // H, block_rows.shape[-1]
+    C = BLOCKED_CHUNK if tuning is None or tuning.pages_per_iter is None else tuning.pages_per_iter
+    C = int(C)
+    if C < 1:
+        raise ValueError(f"pages_per_iter={C} must be >= 1")
+    C = min(C, K)
+    n = -(-K // C)
+    scale = (1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
+    pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, n * C - K)), constant_values=-1)  # noqa: E731
+    block_rows, page_index = pad(block_rows), pad(page_index)
+    has_src = block_rows >= 0
+    if host is not None:
+        host_rows = pad(host_rows)
+        has_src = has_src | (host_rows >= 0)
+    valid = has_src & (page_index >= 0)                                       # [B, H, nC]
+    last = jnp.max(jnp.where(valid, jnp.arange(n * C, dtype=jnp.int32) + 1, 0))
+    heads = jnp.arange(H, dtype=jnp.int32)[None, :, None]
+    qf = q.astype(jnp.float32).reshape(B, H, G, D) * scale
+    tok = jnp.arange(ps, dtype=jnp.int32)
+
+    def chunk(c, carry):
+        m, l, acc = carry
+        # the [N, 2, H, ps, D] view is taken here, inside the loop: a view of the caller's pool
+        # outside it makes XLA apply the caller's in-place write to both views (two buffers)
+        # and copy the whole pool every call
+        pool5 = pool.reshape(pool.shape[0], 2, H, ps, D)
+        take = lambda a: lax.dynamic_slice_in_dim(a, c * C, C, axis=2)  # noqa: E731
+        rows, pidx = take(block_rows), take(page_index)
+        in_pool = rows >= 0
+        prow = jnp.where(in_pool, rows, 0)
+        k, v = pool5[prow, 0, heads], pool5[prow, 1, heads]                   # [B, H, C, ps, D]
+        if host is not None:
+            hrows = take(host_rows)
+            in_host = ~in_pool & (hrows >= 0)
+            kv_h = _gather_heads(host, jnp.where(in_host, hrows, 0), H, ps, D)  # [B, H, C, 2, ps, D]
+            k = jnp.where(in_host[..., None, None], kv_h[:, :, :, 0], k)
+            v = jnp.where(in_host[..., None, None], kv_h[:, :, :, 1], v)
+            in_pool = in_pool | in_host
+        ok = ((in_pool & (pidx >= 0))[..., None]
+              & (pidx[..., None] * ps + tok < seq_lens[:, None, None, None]))   # [B, H, C, ps]
+        k = k.reshape(B, H, C * ps, D).astype(jnp.float32)
+        v = jnp.where(ok[..., None], v.astype(jnp.float32), 0.0).reshape(B, H, C * ps, D)
+        s = jnp.einsum("bhgd,bhtd->bhgt", qf, k, precision=lax.Precision.HIGHEST)
+        s = jnp.where(ok.reshape(B, H, 1, C * ps), s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # nothing valid yet
+        alpha = jnp.exp(m - m_use)
+        p = jnp.exp(s - m_use[..., None])
+        pv = jnp.einsum("bhgt,bhtd->bhgd", p, v, precision=lax.Precision.HIGHEST)
+        return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
+
+    init = (jnp.full((B, H, G), -jnp.inf, jnp.float32), jnp.zeros((B, H, G), jnp.float32),
+            jnp.zeros((B, H, G, D), jnp.float32))
+    m, l, acc = lax.fori_loop(0, (last + C - 1) // C, chunk, init)
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    return o.reshape(B, Hq, D).astype(q.dtype), lse.reshape(B, Hq)
+
+
+prefer_on_cpu(OP, "blocked")
 
 
 # --------------------------------------------------------------------------------------------

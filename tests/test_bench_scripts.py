@@ -180,3 +180,18 @@ def test_bench_real_model_quick(tmp_path):
     assert [c["host_equals_resident"] for c in doc["checks"]] == [True]
     host = doc["rows"][2]
     assert 0 < host["hit_rate"] < 1 and host["bytes_host_to_device_per_step"] > 0
+
+
+def test_bench_cpu_quick(tmp_path):
+    """bench_cpu --quick (random tiny model, no transformers): a row per mode with positive
+    speeds, the issue's comparison figures recorded, and the markdown table."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu.py"), "--quick",
+                    "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
+    res = json.loads((tmp_path / "bench_cpu.json").read_text())
+    assert [(r["mode"], r["prompt_tokens"]) for r in res["jaxkv"]] == [("resident", 128),
+                                                                      ("host", 128)]
+    assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+               for r in res["jaxkv"])
+    assert res["transformers"]["source"].startswith("issue 34")
+    assert "| resident | 128 |" in (tmp_path / "bench_cpu.md").read_text()

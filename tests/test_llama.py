@@ -412,6 +412,44 @@ def test_forward_equals_incremental_decode(variant):
         np.testing.assert_allclose(g, r, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("start,stop", [(0, 3), (1, 3)])
+def test_rolled_weights_switch_equals_stack_and_unrolled(start, stop):
+    """A rolled layer loop reading each matrix through a per-layer switch ("switch", the CPU
+    default) == stacked weights ("stack") == the unrolled loop, with an attend that uses the
+    layer index and the indexer's projections (their matrices are switched too)."""
+    seed = _seed()
+    cfg = with_indexer(tiny(num_layers=3, num_heads=9, num_kv_heads=3, qkv_bias=True),
+                       heads=4, dim=16)
+    params = llama.init_params(cfg, seed)
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((B_, 4, cfg.d_model)), jnp.float32)
+    shape = (cfg.num_layers, B_, 4, cfg.num_kv_heads, cfg.head_dim)
+    carry = {"k": jnp.zeros(shape), "v": jnp.zeros(shape), "pos": _pos(B_, 4)}
+
+    def attend(layer, lp, h, q, k, v, c):
+        attn, c = _cache_attend(layer, lp, h, q, k, v, c)
+        qi, w, _ = llama.indexer_inputs(lp, cfg, h, c["pos"])
+        return attn + 1e-3 * jnp.sum(w)[..., None, None, None] * qi.sum(), c
+
+    def run(weights, unroll):
+        f = lambda p, x, c: llama.run_layers(p, cfg, x, _pos(B_, 4), attend, c,  # noqa: E731
+                                             start=start, stop=stop, unroll=unroll,
+                                             weights=weights)
+        return jax.jit(f)(params, x, carry), jax.jit(f).lower(params, x, carry).as_text()
+
+    (x_sw, c_sw), txt = run("switch", 1)
+    (x_st, c_st), _ = run("stack", 1)
+    (x_un, c_un), _ = run(None, stop - start)
+    assert "case" in txt  # one lax.switch per matrix product
+    for got in ((x_st, c_st), (x_un, c_un)):
+        np.testing.assert_allclose(x_sw, got[0], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(c_sw["k"], got[1]["k"], rtol=1e-6, atol=1e-6)
+    assert llama.rolled_weights("stack") == "stack"
+    assert llama.rolled_weights() == ("stack" if jax.default_backend() == "gpu" else "switch")
+    with pytest.raises(ValueError, match="rolled_weights must be"):
+        llama.rolled_weights("scan")
+
+
 # --------------------------------------------------------------------------- indexer
 
 def test_indexer_inputs():

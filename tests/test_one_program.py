@@ -48,6 +48,24 @@ def test_decode_round_is_one_program_cpu():
     assert re.search(r"\[" + dims + r"\][^\n]*S\(5\)", hlo) or "pinned_host" in hlo
 
 
+@pytest.mark.parametrize("mode,selector,lens", [("host", "quest", [2000]),
+                                                ("host", "quest", [300, 170]),
+                                                ("resident", "quest", [2000]),
+                                                ("resident", "dense", [2000])])
+def test_cpu_round_copies_no_cache_array(mode, selector, lens):
+    """CPU defaults (blocked attention, layers rolled with switched weights): no copy of the
+    pool, the host tier or the Quest summaries anywhere in the round. (A view of the pool taken
+    outside the attention's chunk loop, or the XLA Quest scores fused with the in-place
+    summary update, each made XLA:CPU copy a whole array in every layer of every step; both
+    show from about 2000 tokens, not at a few hundred.)"""
+    cfg = configs.tiny(num_layers=3, max_position=4096)
+    plan, hlo = _compiled_round(cfg, CacheConfig(mode=mode, selector=selector, page_size=16,
+                                                 selected_pages=4), lens)
+    shapes = [plan.spec.pool_shape, plan.spec.host_shape]
+    shapes += [a.shape for a in jax.tree.leaves(engine.init_summaries(plan))]
+    for shape in shapes:
+        assert not _copies_of(hlo, shape), (shape, _copies_of(hlo, shape)[:3])
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["pallas"])
 def test_decode_round_is_one_program_gpu(impl):

@@ -1,4 +1,5 @@
-"""fetch_pages: Pallas kernel (interpret mode on CPU) and jnp reference vs a numpy oracle.
+"""fetch_pages: Pallas kernel (interpret mode on CPU), jnp reference and its "compact" CPU form vs
+a numpy oracle.
 
 Also: the Triton lowering of every kernel variant for an (abstract) H200, a jitted
 fori_loop with a pinned_host carry (write + fetch, like probe4) and GPU-only checks
@@ -77,6 +78,8 @@ def test_fetch_matches_reference(rng, heads, page_size, dtype):
     np.testing.assert_array_equal(got, expect)
     ref = run_fetch(host, src, dst, n_pool, DTYPES[dtype], "xla")
     np.testing.assert_array_equal(ref, expect)
+    np.testing.assert_array_equal(run_fetch(host, src, dst, n_pool, DTYPES[dtype], "compact"),
+                                  expect)
 
 
 @pytest.mark.parametrize("tuning", [
@@ -110,15 +113,15 @@ def test_fetch_edge_cases(rng):
         for s, d in zip(src, dst):
             if 0 <= s < 9 and 0 <= d < 6:
                 expect[d] = host[s]
-        for impl in ("pallas", "xla"):
+        for impl in ("pallas", "xla", "compact"):
             got = run_fetch(host, src, dst, 6, jnp.float32, impl)
             np.testing.assert_array_equal(got, expect, err_msg=f"{impl} {src} {dst}")
 
 
 def test_fetch_from_device_array(rng):
-    """Both implementations also work when the source is a device array."""
+    """Every implementation also works when the source is a device array."""
     host, src, dst, expect = make_case(rng, 10, 7, 512, 6, jnp.bfloat16)
-    for impl in ("pallas", "xla"):
+    for impl in ("pallas", "xla", "compact"):
         pool = jnp.full((7, 512), jnp.nan, jnp.bfloat16)
         out = page_fetch.fetch_pages(jnp.asarray(host, jnp.bfloat16), pool, jnp.asarray(src),
                                      jnp.asarray(dst), implementation=impl)
@@ -189,7 +192,8 @@ def _loop(impl, L, P, S, H, D, ps, T):
             rows = jnp.arange(L, dtype=jnp.int32) * P + t // ps
             offs = jnp.full((L,), t % ps, jnp.int32)
             host = page_write.keep_on_host(page_write.write_tokens(
-                host, rows, offs, kv[t], page_size=ps, implementation=impl))
+                host, rows, offs, kv[t], page_size=ps,
+                implementation="xla" if impl == "compact" else impl))
             pool = page_fetch.fetch_pages(host, pool, fsrc[t], fdst[t], implementation=impl)
             return host, pool
         return jax.lax.fori_loop(0, T, body, (host, pool))
@@ -220,7 +224,7 @@ def _loop_case(rng, L, P, S, H, D, ps, T, M):
     return host, kv, fsrc, fdst, h.reshape(L * P, R), pool
 
 
-@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("impl", ["pallas", "xla", "compact"])
 def test_fetch_and_write_in_fori_loop_with_host_carry(rng, impl):
     L, P, S, H, D, ps, T, M = 2, 5, 4, 3, 64, 2, 6, 5
     host, kv, fsrc, fdst, want_host, want_pool = _loop_case(rng, L, P, S, H, D, ps, T, M)

@@ -1,7 +1,8 @@
 """Tests of jaxkv.kernels.prefill_attention: the flash-attention kernel (interpret mode on CPU,
-Triton on GPU) vs the chunked reference vs a direct ``jaxkv.models.llama.gqa_attention`` call with the
-full [B, T, T] mask; NaN-poisoned padding; the reference's chunking; input validation; a CPU-only
-check that the kernel lowers to Triton for an H200; and one GPU comparison at a long prompt."""
+Triton on GPU) and the blocked jnp formulation (the CPU default) vs the chunked reference vs a
+direct ``jaxkv.models.llama.gqa_attention`` call with the full [B, T, T] mask; NaN-poisoned
+padding; the reference's chunking; input validation; a CPU-only check that the kernel lowers to
+Triton for an H200; and one GPU comparison at a long prompt."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,7 +88,35 @@ def test_kernel_matches_references(T, Hq, H, D, dtype, lengths, tuning):
             assert (f32(out[b]) == 0).all() and (f32(ref[b]) == 0).all(), f"length 0 (seed {seed})"
 
 
-@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def check_blocked(q, k, v, lens, seed, what, **tuning):
+    """The blocked formulation vs direct attention: equal on every query row below the longest
+    prompt (rows of a shorter prompt's padding included), zeros in the query blocks past it."""
+    T = q.shape[1]
+    out = prefill_attention(q, k, v, lens, implementation="blocked", **tuning)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert np.isfinite(f32(out)).all(), f"non-finite blocked output (seed {seed})"
+    tile = min(tuning.get("block_q") or pa.BLOCKED_TILE, _common.next_pow2(T))
+    computed = -(-int(np.max(np.asarray(lens))) // tile) * tile
+    rows = (slice(None), slice(0, min(computed, T)))
+    check(out, gqa_attention(q, k, v, full_mask(T, lens)), q.dtype.type, seed, what, rows=rows)
+    assert (f32(out)[:, computed:] == 0).all(), f"{what}: blocks past the prompts (seed {seed})"
+    return out
+
+
+@pytest.mark.parametrize("T,Hq,H,D,dtype,lengths,tuning", CASES)
+def test_blocked_matches_direct_attention(T, Hq, H, D, dtype, lengths, tuning):
+    """The blocked formulation (default and small tiles) with NaN in k/v past each prompt."""
+    seed = fresh_seed()
+    q, k, v, lens = make_case(seed, B=2 if lengths is None else len(lengths), T=T, Hq=Hq, H=H,
+                              D=D, dtype=dtype, lengths=lengths)
+    for tile in (None, 16):
+        out = check_blocked(q, k, v, lens, seed, f"blocked tile {tile}", block_q=tile)
+        for b, n in enumerate(np.asarray(lens)):
+            if n == 0:
+                assert (f32(out[b]) == 0).all(), f"length 0 (seed {seed})"
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla", "blocked"])
 def test_poisoned_padding(implementation):
     """NaN in q, k and v at every position >= length: valid query rows stay finite and equal the
     reference on clean inputs; a length-0 prompt gives zeros."""
@@ -98,8 +127,9 @@ def test_poisoned_padding(implementation):
     pad = (np.arange(T)[None, :] >= np.asarray(lengths)[:, None])[:, :, None, None]
     qp, kp, vp = (jnp.where(pad, jnp.nan, x) for x in (q, k, v))
     clean = gqa_attention(q, k, v, full_mask(T, lens))
+    tuning = {"pallas": dict(block_q=32, block_k=16), "blocked": dict(block_q=16)}
     out = prefill_attention(qp, kp, vp, lens, implementation=implementation,
-                            **(dict(block_q=32, block_k=16) if implementation == "pallas" else {}))
+                            **tuning.get(implementation, {}))
     for b, n in enumerate(lengths):
         rows = (b, slice(0, n))
         assert np.isfinite(f32(out)[rows]).all(), f"b={b}: NaN leaked into valid rows (seed {seed})"
@@ -128,9 +158,30 @@ def test_sm_scale_and_default_implementation():
           direct, jnp.float32, seed, "pallas sm_scale")
     check(prefill_attention(q, k, v, lens, sm_scale=0.3, implementation="xla"), direct,
           jnp.float32, seed, "xla sm_scale")
-    assert set(_common.implementations(pa.OP)) == {"pallas", "xla", "cudnn", "auto"}
+    check(prefill_attention(q, k, v, lens, sm_scale=0.3, implementation="blocked", block_q=16),
+          direct, jnp.float32, seed, "blocked sm_scale")
+    assert set(_common.implementations(pa.OP)) == {"pallas", "xla", "blocked", "cudnn", "auto"}
     if jax.default_backend() != "gpu":
-        assert _common.resolve(pa.OP) is pa.prefill_attention_xla
+        assert _common.resolve(pa.OP) is pa.prefill_attention_blocked
+        assert _common.resolve(pa.OP, "xla") is pa.prefill_attention_xla
+
+
+def test_cpu_default_and_environment(monkeypatch):
+    """Off the GPU the default is the blocked formulation; JAXKV_IMPL=xla (or the per-op
+    variable) gives the reference, an explicit argument wins over both."""
+    monkeypatch.setattr(_common, "on_gpu", lambda: False)
+    for var in ("JAXKV_IMPL", "JAXKV_IMPL_PREFILL_ATTENTION"):
+        monkeypatch.delenv(var, raising=False)
+    assert _common.resolve(pa.OP) is pa.prefill_attention_blocked
+    monkeypatch.setenv("JAXKV_IMPL", "xla")
+    assert _common.resolve(pa.OP) is pa.prefill_attention_xla
+    assert _common.resolve(pa.OP, "blocked") is pa.prefill_attention_blocked
+    monkeypatch.delenv("JAXKV_IMPL")
+    monkeypatch.setenv("JAXKV_IMPL_PREFILL_ATTENTION", "xla")
+    assert _common.resolve(pa.OP) is pa.prefill_attention_xla
+    monkeypatch.setattr(_common, "on_gpu", lambda: True)
+    monkeypatch.delenv("JAXKV_IMPL_PREFILL_ATTENTION")
+    assert _common.resolve(pa.OP) is pa.prefill_attention_auto
 
 
 def _bad(B=2, T=32, Hq=4, H=2, D=32, kdtype=jnp.float32, lshape=None, qrank=4, kT=None):
@@ -139,7 +190,7 @@ def _bad(B=2, T=32, Hq=4, H=2, D=32, kdtype=jnp.float32, lshape=None, qrank=4, k
     return q, k, k, jnp.zeros(lshape or (B,), jnp.int32)
 
 
-@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+@pytest.mark.parametrize("implementation", ["pallas", "xla", "blocked"])
 @pytest.mark.parametrize("args,match", [
     (_bad(qrank=3), "q must be rank 4"),
     (_bad(kT=16), r"k/v shape .* must be \[B=2, T=32"),
@@ -163,6 +214,10 @@ def test_bad_kernel_arguments():
         prefill_attention(q, k, v, lens, implementation="pallas", block_k=8)
     with pytest.raises(ValueError, match="chunk=0 must be >= 1"):
         prefill_attention(q, k, v, lens, implementation="xla", chunk=0)
+    with pytest.raises(ValueError, match="square tiles: block_k=16 must be None or block_q"):
+        prefill_attention(q, k, v, lens, implementation="blocked", block_q=32, block_k=16)
+    with pytest.raises(ValueError, match="block_q=0 must be >= 1"):
+        prefill_attention(q, k, v, lens, implementation="blocked", block_q=0)
     with pytest.raises(TypeError, match="unknown tuning keywords"):
         prefill_attention(q, k, v, lens, block_m=64)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
@@ -238,3 +293,18 @@ def test_property_kernel_equals_direct_attention(B, T, H, G, blocks, data):
     got = prefill_attention(q, k, v, lens, implementation="pallas", block_q=blocks[0],
                             block_k=blocks[1])
     check(got, want, jnp.float32, seed, f"pallas B={B} T={T} lengths={lengths} blocks={blocks}")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(B=st.integers(1, 3), T=st.integers(1, 80), H=st.sampled_from([1, 2]),
+       G=st.sampled_from([1, 2, 3]), tile=st.sampled_from([1, 8, 16, 32, 128]), data=st.data())
+def test_property_blocked_equals_direct_attention(B, T, H, G, tile, data):
+    """Any prompt length, lengths in [0, T], GQA ratio and tile (a multiple of T or not, larger
+    than T): the blocked formulation equals the direct masked attention below the longest
+    prompt, with NaN in the padding."""
+    lengths = data.draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
+    seed = data.draw(st.integers(0, 2 ** 31 - 1))
+    q, k, v, lens = make_case(seed, B=B, T=T, Hq=G * H, H=H, D=16, dtype=jnp.float32,
+                              lengths=lengths)
+    check_blocked(q, k, v, lens, seed, f"blocked B={B} T={T} lengths={lengths} tile={tile}",
+                  block_q=tile)

@@ -1,6 +1,7 @@
 """Tests of jaxkv.kernels.sparse_attention: Pallas kernel (interpret mode on CPU, Triton on GPU)
-vs the pure-jnp reference, the reference vs a float64 numpy softmax, merge_attention, and a
-CPU-only check that the kernel lowers to Triton IR for an H200 (power-of-two blocks etc.)."""
+and the blocked jnp formulation (the CPU default) vs the pure-jnp reference, the reference vs a
+float64 numpy softmax, merge_attention, and a CPU-only check that the kernel lowers to Triton IR
+for an H200 (power-of-two blocks etc.)."""
 import math
 
 import jax
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv.kernels import _common
 from jaxkv.kernels import sparse_attention as sa
 from jaxkv.kernels.sparse_attention import AttentionTuning, merge_attention, sparse_paged_attention
 
@@ -120,6 +122,62 @@ def test_kernel_matches_reference(B, H, G, D, ps, K, dtype, num_splits):
     check(lse, ref_l, dtype, seed, "lse", LSE_TOL)
 
 
+@pytest.mark.parametrize("B,H,G,D,ps,K,dtype,num_splits", CASES + [
+    (2, 3, 3, 64, 16, 40, jnp.float32, None),   # more entries than one default chunk
+    (3, 2, 2, 32, 4, 37, jnp.bfloat16, None),
+])
+def test_blocked_matches_reference(B, H, G, D, ps, K, dtype, num_splits):
+    """The blocked formulation with chunks of 3 and the default entries (a chunk past the
+    last valid entry is skipped), from the pool and with half the pages on a host array."""
+    del num_splits
+    seed = fresh_seed()
+    case, static = make_case(seed, B=B, H=H, G=G, D=D, ps=ps, K=K, dtype=dtype,
+                             max_pages=max(2, 24 // ps, K))
+    ref_o, ref_l = sparse_paged_attention(**case, **static, implementation="xla")
+    split, _ = split_to_host(case, seed)
+    for chunk in (None, 3):
+        tuning = AttentionTuning(pages_per_iter=chunk)
+        for name, c in (("pool", case), ("host", split)):
+            out, lse = sparse_paged_attention(**c, **static, tuning=tuning, implementation="blocked")
+            assert out.shape == case["q"].shape and out.dtype == dtype
+            assert np.isfinite(np.asarray(out, np.float32)).all(), f"{name} {chunk} (seed {seed})"
+            check(out, ref_o, dtype, seed, f"blocked {name} chunk {chunk} out")
+            check(lse, ref_l, dtype, seed, f"blocked {name} chunk {chunk} lse", LSE_TOL)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_blocked_reads_a_pinned_host_array(dtype):
+    """With the host tier in pinned_host memory (inside jit, as in the decode round) the
+    blocked formulation gathers the entries' heads on the host: same result as the reference's
+    row-by-row copies."""
+    from jax.sharding import SingleDeviceSharding
+    pinned = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    seed = fresh_seed()
+    case, static = make_case(seed, B=2, H=3, G=3, D=64, ps=16, K=9, dtype=dtype, max_pages=9)
+    ref_o, ref_l = sparse_paged_attention(**case, **static, implementation="xla")
+    split, _ = split_to_host(case, seed, on_host=lambda a: jax.device_put(a, pinned))
+    assert split["host"].sharding.memory_kind == "pinned_host"
+    for impl in ("blocked", "xla"):
+        out, lse = jax.jit(lambda c: sparse_paged_attention(
+            **c, **static, tuning=AttentionTuning(pages_per_iter=4), implementation=impl))(split)
+        check(out, ref_o, dtype, seed, f"{impl} out")
+        check(lse, ref_l, dtype, seed, f"{impl} lse", LSE_TOL)
+
+
+def test_blocked_is_the_cpu_default(monkeypatch):
+    monkeypatch.setattr(_common, "on_gpu", lambda: False)
+    for var in ("JAXKV_IMPL", "JAXKV_IMPL_SPARSE_PAGED_ATTENTION"):
+        monkeypatch.delenv(var, raising=False)
+    assert _common.resolve(sa.OP) is sa.sparse_paged_attention_blocked
+    assert _common.resolve(sa.OP, "xla") is sa.sparse_paged_attention_xla
+    monkeypatch.setattr(_common, "on_gpu", lambda: True)
+    assert _common.resolve(sa.OP) is sa.sparse_paged_attention_pallas
+    case, static = make_case(fresh_seed(), B=1, H=1, G=1, D=16, ps=16, K=2, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="pages_per_iter=0 must be >= 1"):
+        sparse_paged_attention(**case, **static, tuning=AttentionTuning(pages_per_iter=0),
+                               implementation="blocked")
+
+
 def split_to_host(case, seed, on_host=None):
     """Move a random half of the selected pages to a separate "host" array (random row order,
     NaN-poisoned spare rows) and poison their pool rows: entries then read block_rows = -1 and
@@ -180,7 +238,7 @@ def test_empty_selection_and_scale():
     rows = case["block_rows"].at[1, 1].set(jnp.asarray([0, 1, -1, -1]))
     case["block_rows"] = rows
     case["page_index"] = case["page_index"].at[1, 1].set(jnp.asarray([50, 51, 0, 0]))
-    for impl in ("xla", "pallas"):
+    for impl in ("xla", "pallas", "blocked"):
         out, lse = sparse_paged_attention(**case, **static, sm_scale=0.125, num_splits=2, implementation=impl)
         assert (np.asarray(out[0]) == 0).all() and np.isneginf(np.asarray(lse[0])).all(), impl
         assert (np.asarray(out[1, 2:]) == 0).all() and np.isneginf(np.asarray(lse[1, 2:])).all(), impl
@@ -194,7 +252,7 @@ def test_zero_entries():
     case, static = make_case(fresh_seed(), B=2, H=2, G=2, D=16, ps=16, K=3, dtype=jnp.bfloat16)
     case["block_rows"] = case["block_rows"][:, :, :0]
     case["page_index"] = case["page_index"][:, :, :0]
-    for impl in ("xla", "pallas"):
+    for impl in ("xla", "pallas", "blocked"):
         out, lse = sparse_paged_attention(**case, **static, implementation=impl)
         assert out.shape == (2, 4, 16) and out.dtype == jnp.bfloat16 and (np.asarray(out, np.float32) == 0).all()
         assert lse.shape == (2, 4) and np.isneginf(np.asarray(lse)).all()
@@ -213,8 +271,10 @@ def test_duplicates_count_as_listed():
     static = dict(page_size=16, num_kv_heads=1)
     ref = sparse_paged_attention(**case, **static, implementation="xla")
     out = sparse_paged_attention(**case, **static, num_splits=2, implementation="pallas")
+    blocked = sparse_paged_attention(**case, **static, implementation="blocked",
+                                     tuning=AttentionTuning(pages_per_iter=3))
     o64, l64 = dense_f64(case, **static)
-    for got in (ref, out):
+    for got in (ref, out, blocked):
         check(got[0], o64, jnp.float32, seed, "out")
         check(got[1], l64, jnp.float32, seed, "lse")
 

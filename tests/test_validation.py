@@ -128,6 +128,19 @@ def test_pool_larger_than_host_tier_is_clamped():
     assert plan.pool_pages == plan.spec.num_logical_pages == 2 * plan.pages_per_seq
 
 
+def test_prefill_token_chunk_default_per_backend(monkeypatch):
+    """None: 131072 tokens on the GPU, 512 elsewhere (at least a page); a value is kept."""
+    cfg = configs.tiny()
+    plan = lambda **kw: api.make_plan(cfg, CacheConfig(**kw), [40], 8, 4)  # noqa: E731
+    assert CacheConfig().prefill_token_chunk is None
+    assert plan().prefill_token_chunk == 512
+    assert plan(mode="resident", selector="dense", page_size=1024, sink_pages=0,
+                recent_pages=0, selected_pages=1).prefill_token_chunk == 1024
+    assert plan(prefill_token_chunk=64).prefill_token_chunk == 64
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert plan().prefill_token_chunk == 131072
+
+
 def test_host_tier_over_pinned_host_cap(monkeypatch):
     monkeypatch.setenv(validation.HOST_LIMIT_OVERRIDE_ENV, "0.0001")  # 100 KiB cap
     with pytest.raises(ValueError, match=r"pinned host memory, over the cap of 0.00 GiB: set "
