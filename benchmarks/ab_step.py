@@ -35,8 +35,14 @@ variant is a plan of its own, so nothing is read at trace time.
   lagged selection.
 * ``topk_full_row``: Quest's top-k reads whole score rows (``Tuning(topk_cmax_min_pages=None)``)
   instead of the chunk maxima.
+* ``dense``: the dense selector (every page; resident config only); ``rescore`` /
+  ``rescore8``: the two-stage selectors ``quest_rescore`` / ``quest_rescore8`` (Quest picks 4x /
+  8x the budget, the int8 key copy re-ranks them); ``lagged_rescore8``: with
+  ``selection_lag=1``.
 
-``--batch`` sets the Qwen-like batch (default 8).
+``--shape`` picks the model shape: ``qwen1.5b`` (default; 64-token pages, ``--batch`` requests,
+default 8) or ``8b`` (Llama-3-8B-like, 16-token pages, ``--batch`` 1). Each variant holds its
+own KV cache: at 128k, four Qwen-like B=8 variants or five 8B-like B=1 ones fit the H200.
 
 Variants whose options the compiler rejects, or whose round fails to compile or run, are
 reported and dropped.
@@ -101,9 +107,18 @@ VARIANTS = {
     "ensure_sort": ({"ensure_method": "sort"}, ()),
     # Quest's top-k over whole score rows instead of chunk maxima
     "topk_full_row": ({"topk_cmax_min_pages": None}, ()),
+    # other selectors (CACHE_CHANGES): dense attention, the two-stage rescoring selectors
+    "dense": ({}, ()),
+    "rescore": ({}, ()),
+    "rescore8": ({}, ()),
+    "lagged_rescore8": ({}, ()),
 }
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
 CACHE_CHANGES = {n: {"selection_lag": 1} for n in VARIANTS if n.startswith("lagged")}
+CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
+                     rescore={"selector": "quest_rescore"},
+                     rescore8={"selector": "quest_rescore8"},
+                     lagged_rescore8={"selector": "quest_rescore8", "selection_lag": 1})
 
 
 def variant_tuning(name: str, base: Tuning = Tuning()) -> Tuning:
@@ -151,7 +166,9 @@ def main():
     ap.add_argument("--config", default="b", choices=("b", "c2"))
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     ap.add_argument("--pairs", type=int, default=6)
-    ap.add_argument("--batch", type=int, default=8, help="requests (Qwen-like shape)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="requests (default 8 for qwen1.5b, 1 for 8b)")
+    ap.add_argument("--shape", default="qwen1.5b", choices=("qwen1.5b", "8b"))
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
     names = a.variants.split(",")
@@ -168,7 +185,9 @@ def main():
         cfg = bd.configs.tiny()
         base_tuning = Tuning(topk_cmax_min_pages=1)
     else:
-        shape, B, ctx, st = "qwen1.5b", a.batch, 131072, bd.Settings(page_size=64)
+        shape, ctx = a.shape, 131072
+        B = a.batch or (8 if shape == "qwen1.5b" else 1)
+        st = bd.Settings(page_size=64 if shape == "qwen1.5b" else 16)
         cfg = bd.model_config(shape)
     ps, k = st.page_size, st.k
     max_ctx = -(-(ctx + st.round_steps * (2 * a.pairs + 4)) // ps) * ps

@@ -28,7 +28,7 @@
 # launch: the per-kernel floor of chained tiny kernels, XLA / Pallas, PDL on and off (probes/bench_launch.py)
 # locality: fetch rate by where the fetched pages lie in the host tier (bench_fetch --only-locality)
 # steady: per-step slopes of the fetch loop, XLA's DMA and bulk device_put (bench_fetch --only-steady)
-# ab: same-process A/B of decode-step variants (ab_step.py; $AB_VARIANTS, $AB_CONFIG b|c2,
+# ab: same-process A/B of decode-step variants (ab_step.py; $AB_VARIANTS, $AB_SHAPE, $AB_CONFIG b|c2,
 #   $AB_PAIRS; AB_DUMP=1 also returns the optimized HLO of every compiled round as ab_hlo.tgz)
 # Every stage writes its log and JSON under OUTDIR; a short summary is printed last.
 set -uo pipefail
@@ -109,7 +109,7 @@ for s in $STAGES; do
     steady) run steady 300 $PY benchmarks/bench_fetch.py --only-steady --budget-s 240 --out "$OUT" ;;
     ab) flags=${XLA_FLAGS:-}
         [ "${AB_DUMP:-0}" = 1 ] && flags="$flags --xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_round.*"
-        XLA_FLAGS=$flags run ab ${AB_LIMIT:-500} $PY benchmarks/ab_step.py --variants ${AB_VARIANTS:-default,topk_full_row} \
+        XLA_FLAGS=$flags run ab ${AB_LIMIT:-500} $PY benchmarks/ab_step.py --variants ${AB_VARIANTS:-default,topk_full_row} --shape ${AB_SHAPE:-qwen1.5b} \
           --config ${AB_CONFIG:-b} --pairs ${AB_PAIRS:-6} --tag "${AB_TAG:-$JAXKV_COMMIT}" --out "$OUT"
         [ -d "$OUT/hlo" ] && tar -czf "$OUT/ab_hlo.tgz" -C "$OUT" hlo && rm -rf "$OUT/hlo" ;;
     quality|quality-lag)

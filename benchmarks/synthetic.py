@@ -35,6 +35,7 @@ import numpy as np
 
 from jaxkv import cache as kvcache
 from jaxkv import engine, parallel, selectors
+from jaxkv.selectors import rescore
 from jaxkv.spec import INVALID
 from jaxkv.models import llama
 from jaxkv.kernels import page_write, quest
@@ -74,7 +75,8 @@ class _Layout:
     num_logical_pages: int
     kv_dtype: str
     model_dtype: str
-    selector: str
+    selector: str      # "quest", "indexer" or "dense" (what the summaries hold)
+    key_bits: int      # rescoring selectors: precision of their key copy (0: no copy)
     index_dim: int
     chunk_pages: int
     center_scale: float
@@ -155,6 +157,7 @@ def _index_summary(ikeys, valid, model_dtype):
 # --------------------------------------------------------------------------------------
 def _fill_chunk(lay: _Layout, dst, summaries, layer, b, j0, length, key, salience):
     """Generate pages ``[j0, j0 + chunk)`` of (layer, b), write the used ones, update summaries."""
+    summaries_in = summaries
     H, D, ps, C = lay.num_kv_heads, lay.head_dim, lay.page_size, lay.chunk_pages
     kv_dt, m_dt = jnp.dtype(lay.kv_dtype), jnp.dtype(lay.model_dtype)
     pages = j0 + jnp.arange(C, dtype=jnp.int32)
@@ -170,6 +173,8 @@ def _fill_chunk(lay: _Layout, dst, summaries, layer, b, j0, length, key, salienc
         out = {"row": row.reshape(-1)}                                # [2, H, ps, D] flat
         if lay.selector == "quest":
             out["kmax"], out["kmin"] = _quest_summary(row[0], valid, kv_dt)
+            if lay.key_bits:
+                out["keys"], out["scales"] = rescore.quantize(row[0], lay.key_bits)
         elif lay.selector == "indexer":
             ik = _page_index_keys(pk, salience, dI=lay.index_dim, ps=ps)
             out["isum"] = _index_summary(ik, valid, m_dt)
@@ -182,9 +187,14 @@ def _fill_chunk(lay: _Layout, dst, summaries, layer, b, j0, length, key, salienc
     if lay.host:
         dst = page_write.keep_on_host(dst)
     if lay.selector == "quest":
-        kmax, kmin = summaries
+        kmax, kmin = summaries[:2]
         summaries = (kmax.at[layer, b, pages].set(out["kmax"], mode="drop"),
                      kmin.at[layer, b, pages].set(out["kmin"], mode="drop"))
+        if lay.key_bits:  # the key copy [L, B, H, Np, ps, D]: page rows of every head
+            keys, scales = summaries_in[2:]
+            keys = keys.at[layer, b, :, pages].set(out["keys"].astype(keys.dtype), mode="drop")
+            scales = scales.at[layer, b, :, pages].set(out["scales"], mode="drop")
+            summaries += (keys, scales)
     elif lay.selector == "indexer":
         summaries = (summaries[0].at[layer, b, pages].set(out["isum"], mode="drop"),)
     return dst, summaries
@@ -196,13 +206,23 @@ def _fill_fn(lay: _Layout, dst_sharding, summ_shardings):
                    out_shardings=(dst_sharding, summ_shardings))
 
 
+def _summary_kind(selector) -> str:
+    if isinstance(selector, selectors.quest.Quest):  # Quest and the two-stage rescorers
+        return "quest"
+    if selector.name not in ("indexer", "dense"):
+        raise ValueError(f"synthetic contexts have no fill for the {selector.name!r} selector")
+    return selector.name
+
+
 def layout(plan: engine.Plan, synth: Synthetic, chunk_bytes: int) -> _Layout:
     """The static fill layout of ``plan`` (the fill chunk's compile key)."""
     return _Layout(
         num_kv_heads=plan.model.num_kv_heads, head_dim=plan.model.head_dim,
         page_size=plan.page_size, pages_per_seq=plan.pages_per_seq,
         num_logical_pages=plan.spec.num_logical_pages, kv_dtype=plan.kv_dtype,
-        model_dtype=plan.model.dtype, selector=plan.cache.selector,
+        model_dtype=plan.model.dtype, selector=_summary_kind(plan.selector),
+        key_bits=getattr(plan.selector, "key_bits", 0) if isinstance(plan.selector,
+                                                                     rescore.Rescore) else 0,
         index_dim=plan.model.indexer_dim, chunk_pages=_chunk_pages(plan, chunk_bytes),
         center_scale=float(synth.center_scale), value_scale=float(synth.value_scale),
         host=plan.cache.mode == "host", implementation=plan.cache.implementation)

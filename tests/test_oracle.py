@@ -124,8 +124,8 @@ def test_rescore_candidates_match_numpy():
     keys = rng.normal(size=(B, Np, ps, H, D)).astype(np.float32)
     positions = np.array([29, 13], np.int32)
     cand = np.array([[[0, 2, 5, 7], [0, 1, 3, -1]], [[0, 1, 2, 3], [0, 3, -1, -1]]], np.int32)
-    got = np.asarray(rescore.candidate_mass(jnp.asarray(q), jnp.asarray(keys),
-                                            jnp.ones((B, Np, ps, H), jnp.float32),
+    got = np.asarray(rescore.candidate_mass(jnp.asarray(q), jnp.asarray(np.moveaxis(keys, 3, 1)),
+                                            jnp.ones((B, H, Np, ps), jnp.float32),
                                             jnp.asarray(cand), jnp.asarray(positions), ps))
     for b in range(B):
         n = positions[b] + 1
@@ -140,3 +140,43 @@ def test_rescore_candidates_match_numpy():
                     mass[p] += wi
             want = np.where(c >= 0, mass[np.clip(c, 0, Np - 1)], -np.inf)
             np.testing.assert_allclose(got[b, h], want, rtol=1e-5, atol=1e-6)
+
+
+def test_rescore_top_candidates_follow_the_rule():
+    """The final choice over the candidates equals the shared selection rule applied to the
+    candidates' masses scattered into a full row (every other page -inf), and a numpy
+    reference: forced sinks and current page, then most mass, ascending, -1 last."""
+    from jaxkv.selectors import rescore
+    from jaxkv.kernels import dense_select
+    rng = _rng()
+    B, H, Np, C, k, ps, sinks = 3, 2, 40, 12, 5, 4, 1
+    seq_lens = np.array([150, 37, 9], np.int32)
+    cand = np.full((B, H, C), -1, np.int32)
+    for b in range(B):
+        n = -(-seq_lens[b] // ps)
+        for h in range(H):
+            others = rng.permutation(np.arange(sinks, n - 1))[:C - 2 - h]
+            c = np.unique(np.concatenate([np.arange(sinks), [n - 1], others]))
+            cand[b, h, :len(c)] = c
+    mass = np.where(cand >= 0, rng.random((B, H, C)), -np.inf).astype(np.float32)
+    got = np.asarray(rescore.top_candidates(jnp.asarray(mass), jnp.asarray(cand),
+                                            jnp.asarray(seq_lens), k=k, page_size=ps,
+                                            num_pages=Np, num_sink_pages=sinks))
+    full = np.full((B, H, Np), -np.inf, np.float32)
+    for b in range(B):
+        for h in range(H):
+            ok = cand[b, h] >= 0
+            full[b, h, cand[b, h][ok]] = mass[b, h][ok]
+    want = np.asarray(dense_select.select_top_pages(
+        jnp.asarray(full), jnp.asarray(seq_lens), num_pages=Np, k=k, page_size=ps,
+        num_sink_pages=sinks, method="sort"))
+    for b in range(B):  # numpy: forced first, then by mass; ascending, -1 padded
+        n = -(-seq_lens[b] // ps)
+        for h in range(H):
+            c, m = cand[b, h], mass[b, h]
+            score = {int(p): (np.inf if p < sinks or p == n - 1 else float(v))
+                     for p, v in zip(c, m) if p >= 0}
+            best = sorted(sorted(score, key=lambda p: -score[p])[:k])
+            ref = best + [-1] * (k - len(best))
+            assert got[b, h].tolist() == ref
+            assert want[b, h].tolist() == ref

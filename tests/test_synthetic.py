@@ -92,6 +92,26 @@ def test_fill_matches_summaries_and_is_chunking_invariant():
     assert not np.array_equal(_tier(plan, c)[0, 0, 0], ta[0, 0, 0])
 
 
+def test_rescore_key_copy_is_the_tiers_keys_quantized():
+    """A two-stage selector's fill: Quest's summaries as for Quest, and the key copy
+    [L, B, H, Np, ps, D] equal to the tier's keys quantized (int8 with a scale per token)."""
+    from jaxkv.selectors import rescore
+    synth = synthetic.Synthetic(salience=0.4)
+    q = synthetic.build_state(_plan("resident"), LENGTHS, synth=synth, seed=SEED)
+    plan = _plan("resident", "quest_rescore")
+    st = synthetic.build_state(plan, LENGTHS, synth=synth, seed=SEED)
+    for x, y in zip(q.summaries, st.summaries[:2]):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    keys = _tier(plan, st)[:, :, :, 0].transpose(0, 1, 3, 2, 4, 5)       # [L, B, H, Np, ps, D]
+    vals, scale = rescore.quantize(jnp.asarray(keys), 8)
+    for b, n in enumerate(LENGTHS):
+        nv = -(-n // PS)
+        np.testing.assert_array_equal(np.asarray(st.summaries[2])[:, b, :, :nv],
+                                      np.asarray(vals)[:, b, :, :nv])
+        np.testing.assert_array_equal(np.asarray(st.summaries[3])[:, b, :, :nv],
+                                      np.asarray(scale)[:, b, :, :nv])
+
+
 def test_indexer_page_sums_cover_valid_tokens_only():
     cfg = configs.with_indexer(CFG, heads=4, dim=16)
     synth = synthetic.Synthetic(salience=0.3)

@@ -5,10 +5,14 @@ device copy of every key, and the best k are kept.
 The first stage is cheap and has a high recall at a wider budget; the second is exact up to
 the key copy's precision and reads only the candidates' keys. The key copy lives with the
 summaries on the device (int8 with a scale per token and KV head, or the KV dtype), so the
-selector works with the host tier as well as resident.
+selector works with the host tier as well as resident. Its device bytes per token are
+``num_kv_heads * (head_dim + 4)`` per layer with int8 keys: a quarter of the logical K+V at
+bf16 plus the scales.
 
-Summaries: Quest's ``(kmax, kmin)`` [L, B, Np, H, D], then ``keys`` [L, B, Np, ps, H, D]
-(int8 or the KV dtype) and ``scales`` [L, B, Np, ps, H] float32 (ones for the KV dtype).
+Summaries: Quest's ``(kmax, kmin)`` [L, B, Np, H, D], then ``keys`` [L, B, H, Np, ps, D]
+(int8 or the KV dtype) and ``scales`` [L, B, H, Np, ps] float32 (ones for the KV dtype):
+head-major, so one KV head's candidate pages are contiguous rows of the copy. The final
+choice is a top-k over the candidates only (``top_candidates``), never over the whole row.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxkv.kernels import dense_select
 from jaxkv.kernels import quest as quest_kernels
+from jaxkv.kernels._common import INVALID
 from jaxkv.selectors.base import register
 from jaxkv.selectors.quest import Quest, _select_kw
 
@@ -33,20 +38,18 @@ def quantize(k, bits: int):
 
 
 def candidate_mass(q, keys, scales, cand, positions, page_size):
-    """Attention mass on candidate pages. q [B, Hq, D]; keys [B, Np, ps, H, D] (one layer);
-    scales [B, Np, ps, H]; cand [B, H, C] pages (-1: none); positions [B]: tokens at indices
+    """Attention mass on candidate pages. q [B, Hq, D]; keys [B, H, Np, ps, D] (one layer);
+    scales [B, H, Np, ps]; cand [B, H, C] pages (-1: none); positions [B]: tokens at indices
     <= positions[b] are valid. Returns [B, H, C] float32: per KV head, the softmax mass over
     the candidates' valid tokens, summed over the group's query heads (-inf for -1)."""
-    B, Np, ps, H, D = keys.shape
+    B, H, Np, ps, D = keys.shape
     G = q.shape[1] // H
     idx = jnp.clip(cand, 0, Np - 1)                                      # [B, H, C]
-    kt = jnp.moveaxis(keys, 3, 1)                                        # [B, H, Np, ps, D]
-    st = jnp.moveaxis(scales, 3, 1)                                      # [B, H, Np, ps]
-    k = jnp.take_along_axis(kt, idx[..., None, None], axis=2)            # [B, H, C, ps, D]
-    sc = jnp.take_along_axis(st, idx[..., None], axis=2)                 # [B, H, C, ps]
-    kf = k.astype(jnp.float32) * sc[..., None]
+    k = jnp.take_along_axis(keys, idx[..., None, None], axis=2)          # [B, H, C, ps, D]
+    sc = jnp.take_along_axis(scales, idx[..., None], axis=2)             # [B, H, C, ps]
     qg = q.reshape(B, H, G, D).astype(jnp.float32)
-    s = jnp.einsum("bhgd,bhctd->bhgct", qg, kf) * D ** -0.5
+    s = jnp.einsum("bhgd,bhctd->bhgct", qg, k.astype(jnp.float32))
+    s = s * (sc * D ** -0.5)[:, :, None]
     tok = idx[..., None] * ps + jnp.arange(ps, dtype=jnp.int32)          # [B, H, C, ps]
     valid = (cand[..., None] >= 0) & (tok <= positions[:, None, None, None])
     s = jnp.where(valid[:, :, None], s, -jnp.inf)
@@ -55,6 +58,27 @@ def candidate_mass(q, keys, scales, cand, positions, page_size):
     den = jnp.sum(p, axis=(-2, -1), keepdims=True)
     mass = jnp.sum(jnp.sum(p, axis=-1) / jnp.where(den[..., 0] > 0, den[..., 0], 1.0), axis=2)
     return jnp.where(cand >= 0, mass, -jnp.inf)
+
+
+def top_candidates(mass, cand, seq_lens, *, k: int, page_size: int, num_pages: int,
+                   num_sink_pages: int):
+    """The ``k`` candidates of most ``mass`` under the selector convention
+    (``jaxkv.kernels.dense_select``): the sink pages and the current page among the
+    candidates are forced, rows ascending, ``-1`` last. mass, cand [B, H, C]; seq_lens [B]."""
+    C = cand.shape[-1]
+    n_valid = dense_select.num_valid_pages(seq_lens, page_size, num_pages)[:, None, None]
+    ok = (cand >= 0) & (cand < n_valid)
+    forced = ok & ((cand < num_sink_pages) | (cand == n_valid - 1))
+    x = jnp.where(forced, jnp.inf, jnp.where(ok, mass, -jnp.inf))
+    if C < k:  # top_k needs k <= C: pad with never-selected columns
+        pad = [(0, 0), (0, 0), (0, k - C)]
+        x = jnp.pad(x, pad, constant_values=-jnp.inf)
+        cand = jnp.pad(cand, pad, constant_values=INVALID)
+    vals, j = jax.lax.top_k(x, k)
+    pages = jnp.take_along_axis(cand, j, axis=-1)
+    big = jnp.int32(2**31 - 1)
+    pages = jnp.sort(jnp.where(vals == -jnp.inf, big, pages), axis=-1)
+    return jnp.where(pages == big, INVALID, pages)
 
 
 @register
@@ -68,7 +92,7 @@ class Rescore(Quest):
 
     def init(self, plan) -> tuple:
         m = plan.model
-        shape = (m.num_layers, plan.batch, plan.pages_per_seq, plan.page_size, m.num_kv_heads)
+        shape = (m.num_layers, plan.batch, m.num_kv_heads, plan.pages_per_seq, plan.page_size)
         dt = jnp.int8 if self.key_bits == 8 else jnp.dtype(plan.kv_dtype)
         return super().init(plan) + (jnp.zeros(shape + (m.head_dim,), dt),
                                      jnp.zeros(shape, jnp.float32))
@@ -77,9 +101,10 @@ class Rescore(Quest):
         qsumm = super().fill(plan, summaries[:2], layer, layer_params, h, k, positions, lengths)
         B, T, H, D = k.shape
         ps = plan.page_size
-        vals, scale = quantize(k.reshape(B, T // ps, ps, H, D), self.key_bits)
-        keys = summaries[2].at[layer, :, :T // ps].set(vals.astype(summaries[2].dtype))
-        scales = summaries[3].at[layer, :, :T // ps].set(scale)
+        kt = jnp.moveaxis(k.reshape(B, T // ps, ps, H, D), 3, 1)        # [B, H, T/ps, ps, D]
+        vals, scale = quantize(kt, self.key_bits)
+        keys = summaries[2].at[layer, :, :, :T // ps].set(vals.astype(summaries[2].dtype))
+        scales = summaries[3].at[layer, :, :, :T // ps].set(scale)
         return qsumm + (keys, scales)
 
     def _candidates_k(self, plan) -> int:
@@ -89,16 +114,8 @@ class Rescore(Quest):
         keys = jax.lax.dynamic_index_in_dim(summaries[2], layer, 0, keepdims=False)
         scales = jax.lax.dynamic_index_in_dim(summaries[3], layer, 0, keepdims=False)
         mass = candidate_mass(q, keys, scales, cand, positions, plan.page_size)
-        B, H, _ = cand.shape
-        Np = plan.pages_per_seq
-        full = jnp.full((B, H, Np), -jnp.inf, jnp.float32)
-        b = jnp.arange(B)[:, None, None]
-        h = jnp.arange(H)[None, :, None]
-        full = full.at[b, h, jnp.where(cand >= 0, cand, Np)].set(mass, mode="drop")
-        return dense_select.select_top_pages(
-            full, seq_lens, num_pages=Np, k=plan.k, page_size=plan.page_size,
-            num_sink_pages=plan.cache.sink_pages, method=plan.tuning.topk_method,
-            implementation=plan.cache.implementation)
+        return top_candidates(mass, cand, seq_lens, k=plan.k, page_size=plan.page_size,
+                              num_pages=plan.pages_per_seq, num_sink_pages=plan.cache.sink_pages)
 
     def update_select(self, plan, summaries, layer, layer_params, h, q, kv_new, positions, *,
                       ahead=False):
@@ -107,13 +124,16 @@ class Rescore(Quest):
         kmax, kmin, cand = quest_kernels.quest_update_select(
             q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions, **kw)
         ps, Np = plan.page_size, plan.pages_per_seq
-        k_new = kv_new if kv_new.ndim == 3 else kv_new[:, 0]
+        k_new = kv_new if kv_new.ndim == 3 else kv_new[:, 0]                # [B, H, D]
         vals, scale = quantize(k_new, self.key_bits)
-        b = jnp.arange(k_new.shape[0])
-        page = jnp.where(positions >= 0, positions // ps, Np)  # Np: out of range, dropped
-        keys = summaries[2].at[layer, b, page, positions % ps].set(
+        B, H = k_new.shape[:2]
+        b = jnp.arange(B)[:, None]
+        hh = jnp.arange(H)[None, :]
+        page = jnp.where(positions >= 0, positions // ps, Np)[:, None]  # Np: dropped
+        slot = (positions % ps)[:, None]
+        keys = summaries[2].at[layer, b, hh, page, slot].set(
             vals.astype(summaries[2].dtype), mode="drop")
-        scales = summaries[3].at[layer, b, page, positions % ps].set(scale, mode="drop")
+        scales = summaries[3].at[layer, b, hh, page, slot].set(scale, mode="drop")
         summ = (kmax, kmin, keys, scales)
         return summ, self._rescore(plan, summ, layer, q, cand, positions, seq_lens)
 
