@@ -198,7 +198,7 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
     extra = sorted({int(m.group(1)) for n in tensors if (m := re.match(r"blk\.(\d+)\.", n))
                     and int(m.group(1)) >= n_layers})
     if extra:
-        raise GGUFError(f"{path}: metadata {a}block_count = {n_layers}, but the file has tensors of "
+        raise GGUFError(f"{path}: metadata {a + 'block_count'!r} = {n_layers}, but the file has tensors of "
                         f"block(s) {extra[:8]}{' ...' if len(extra) > 8 else ''}: the metadata does "
                         "not match its tensors; re-convert the file (or fix block_count)")
     scaling = _rope_scaling(reader, path, a, tensors, head_dim)
