@@ -83,11 +83,15 @@ def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int]
             f"max_position ({model.max_position}): shorten the prompt or lower max_new_tokens")
     prompt_len = min(max(_next_pow2(longest), ps), max_context)
     # strict only changes the Python-side check after the call: keep it out of the jit key.
-    # A pool larger than the host tier holds nothing more: clamp it to the logical pages.
+    # A pool larger than the host tier holds nothing more: clamp it to the logical pages; a
+    # round of more steps than the context has tokens runs no more steps (its token buffer is
+    # [batch, round_steps]): clamp it to the context.
     batch = len(prompt_lens)
     logical = batch * (max_context // ps)
     pool = None if cache.pool_pages is None else min(cache.pool_pages, logical)
-    plan = engine.Plan(model=model, cache=dataclasses.replace(cache, strict=False, pool_pages=pool),
+    cache_key = dataclasses.replace(cache, strict=False, pool_pages=pool,
+                                    round_steps=min(cache.round_steps, max_context))
+    plan = engine.Plan(model=model, cache=cache_key,
                        batch=batch, prompt_len=prompt_len, max_context=max_context, num_stop=num_stop)
     if cache.mode == "host":
         # one request's distinct pages of a step: its selection and pinned pages, at most all

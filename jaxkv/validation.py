@@ -140,8 +140,9 @@ def check_host_capacity(host_bytes: int, *, limit_bytes=_UNSET, devices: int = 1
 
 
 def device_free_bytes(device=None) -> int | None:
-    """Free device memory in bytes (``memory_stats``), capped by ``JAXKV_DEVICE_MEMORY_LIMIT_GB``;
-    None when unknown (CPU without the override)."""
+    """Free device memory in bytes (``memory_stats``), capped by ``JAXKV_DEVICE_MEMORY_LIMIT_GB``.
+    A CPU device reports none: its memory is the RAM (``host_ram_bytes()``, a bound that
+    catches impossible sizes before they are allocated); None when nothing is known."""
     device = device or jax.devices()[0]
     try:
         stats = device.memory_stats()
@@ -150,6 +151,8 @@ def device_free_bytes(device=None) -> int | None:
     free = None
     if stats and "bytes_limit" in stats:
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    elif device.platform == "cpu":
+        free = host_ram_bytes()
     override = _env_gb(DEVICE_LIMIT_OVERRIDE_ENV)
     if override is not None:
         cap = int(override * 2**30)

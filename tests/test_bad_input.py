@@ -63,6 +63,15 @@ def test_max_context_below_the_pinned_pages_names_max_context():
     assert plan.max_context == 512 and plan.pages_per_seq == 2
 
 
+def test_impossible_sizes_fail_before_allocating():
+    """On a CPU the RAM bounds the device memory check (it reports no figure of its own)."""
+    with pytest.raises(ValueError, match=r"resident KV cache needs .* GiB of device memory is free"):
+        run(cache=CacheConfig(mode="resident", page_size=16, max_context=2**40))
+    # a round longer than the context runs no more steps: its buffer is clamped, not allocated
+    plan = api.make_plan(CFG, dataclasses.replace(RUN, round_steps=2**40), [37], 8, 4)
+    assert plan.cache.round_steps == plan.max_context == 256
+
+
 def test_host_cap_message_names_the_backends_variable():
     with pytest.raises(ValueError, match=f"set {validation.HOST_LIMIT_OVERRIDE_ENV} "):
         validation.check_host_capacity(2**20, limit_bytes=2**10, backend="cpu")
@@ -187,33 +196,31 @@ def test_random_cache_configs_fail_early_or_plan(kw, new):
     assert plan.max_context >= len(PROMPT) + new and plan.spec.num_slots >= 1
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(prompt=st.one_of(st.lists(st.integers(-1, 260), min_size=33, max_size=64),
-                        st.lists(st.integers(3, 255), min_size=33, max_size=64),
-                        st.lists(st.floats(), min_size=33, max_size=64),
-                        st.just([]), st.none(), st.text(), st.integers(), st.floats()),
-       max_new_tokens=st.one_of(st.integers(1, 8), _values),
-       temperature=st.one_of(st.floats(0, 3), _values), top_k=st.one_of(st.integers(0, 300), _values),
-       top_p=st.one_of(st.floats(0.05, 1), _values),
-       stop_tokens=st.one_of(st.lists(st.integers(0, 255), max_size=4), _values),
-       seed=st.one_of(st.integers(0, 2**80), _values))
-def test_random_generate_arguments_give_tokens_or_early_errors(prompt, max_new_tokens, temperature,
-                                                                top_k, top_p, stop_tokens, seed):
-    """Each call returns valid tokens or raises ValueError / TypeError (never from inside JAX).
-    Calls that pass validation share RUN's compiled programs (batch 1, prompts of 33-64
-    tokens, at most 4 stop ids: with max_new_tokens <= 8 the plan is the same)."""
+# valid values (every call with them shares RUN's programs: batch 1, prompts of 33-64
+# tokens, at most 4 stop ids, a context of 256 tokens) and, per argument, junk
+VALID = dict(prompt=st.lists(st.integers(3, 255), min_size=33, max_size=64),
+             max_new_tokens=st.integers(1, 8), temperature=st.floats(0, 3),
+             top_k=st.integers(0, 300), top_p=st.floats(0.05, 1),
+             stop_tokens=st.lists(st.integers(0, 255), max_size=4), seed=st.integers(0, 2**80))
+JUNK = dict(prompt=st.one_of(st.lists(st.integers(-1, 260), min_size=33, max_size=64),
+                             st.lists(st.floats(), min_size=33, max_size=64), st.just([]),
+                             st.none(), st.text(), st.integers(), st.floats()))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_random_generate_arguments_give_tokens_or_early_errors(data):
+    """One argument at a time (or none) gets a random value of any type: each call returns
+    valid tokens or raises ValueError / TypeError (never from inside JAX)."""
+    bad = data.draw(st.sampled_from([None, *VALID]), label="junk argument")
+    a = {k: data.draw(JUNK.get(k, _values) if k == bad else v, label=k) for k, v in VALID.items()}
     try:
-        sampling = Sampling.make(temperature, top_k, top_p)
+        sampling = Sampling.make(a["temperature"], a["top_k"], a["top_p"])
+        res = jaxkv.generate(CFG, PARAMS, [a["prompt"]], max_new_tokens=a["max_new_tokens"],
+                             sampling=sampling, cache=RUN, stop_tokens=a["stop_tokens"],
+                             seed=a["seed"])
     except ALLOWED:
-        sampling = None
-    if isinstance(max_new_tokens, int) and max_new_tokens > 8 and not isinstance(max_new_tokens, bool):
-        max_new_tokens = 8 + max_new_tokens % 2     # a larger context would compile a new plan
-    if isinstance(stop_tokens, list) and len(stop_tokens) > 4:
-        stop_tokens = stop_tokens[:4]
-    try:
-        res = jaxkv.generate(CFG, PARAMS, [prompt], max_new_tokens=max_new_tokens,
-                             sampling=sampling, cache=RUN, stop_tokens=stop_tokens, seed=seed)
-    except ALLOWED:
+        assert bad is not None, "valid arguments were refused"
         return
     (toks,) = res.tokens
-    assert 1 <= len(toks) <= max_new_tokens and all(0 <= t < CFG.vocab_size for t in toks)
+    assert 1 <= len(toks) <= a["max_new_tokens"] and all(0 <= t < CFG.vocab_size for t in toks)
