@@ -45,9 +45,10 @@ _map_source_tree()
 
 from jaxkv.config import CacheConfig, Sampling, Tuning, greedy
 from jaxkv.spec import INVALID, CacheSpec
+from jaxkv.validation import StrictModeError
 
-__all__ = ["CacheConfig", "CacheSpec", "GenerateResult", "INVALID", "Sampling", "Tuning", "generate",
-           "greedy"]
+__all__ = ["CacheConfig", "CacheSpec", "GenerateResult", "INVALID", "Sampling", "StrictModeError",
+           "Tuning", "generate", "greedy"]
 __version__ = "0.1.0"
 
 

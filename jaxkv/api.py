@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +30,8 @@ def _next_pow2(n: int) -> int:
 
 
 def _validate_prompts(model: ModelConfig, prompts) -> list[list[int]]:
-    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
-        prompts = list(prompts)  # a [B, T] array of equal-length prompts
+    if isinstance(prompts, (np.ndarray, jax.Array)) and prompts.ndim == 2:
+        prompts = list(np.asarray(prompts))  # a [B, T] array of equal-length prompts
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of token-id lists "
                          "(encode text with the model's tokenizer first)")
@@ -65,7 +65,15 @@ def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int]
                 f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) = {need} exceeds "
                 f"CacheConfig.max_context ({cache.max_context}): raise max_context or shorten the request")
     else:
-        max_context = max(_next_pow2(need), 256, ps)
+        # at least one page per pinned (sink + recent) page, each held apart in the cache
+        max_context = max(_next_pow2(need), 256, ps * _next_pow2(cache.sink_pages + cache.recent_pages))
+    pinned = cache.sink_pages + cache.recent_pages
+    if pinned > max_context // ps:
+        raise ValueError(
+            f"CacheConfig.max_context ({cache.max_context}) holds {max_context // ps} page(s) of "
+            f"{ps} tokens, fewer than the {pinned} pinned pages (sink_pages {cache.sink_pages} + "
+            f"recent_pages {cache.recent_pages}): raise max_context to at least {pinned * ps} "
+            "(or None), or lower sink_pages / recent_pages")
     if cache.dense_layers > model.num_layers:
         raise ValueError(f"CacheConfig.dense_layers ({cache.dense_layers}) exceeds the model's "
                          f"{model.num_layers} layers: lower dense_layers")
@@ -75,17 +83,25 @@ def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int]
             f"max_position ({model.max_position}): shorten the prompt or lower max_new_tokens")
     prompt_len = min(max(_next_pow2(longest), ps), max_context)
     # strict only changes the Python-side check after the call: keep it out of the jit key.
-    # A pool larger than the host tier holds nothing more: clamp it to the logical pages.
+    # A pool larger than the host tier holds nothing more: clamp it to the logical pages; a
+    # round of more steps than the context has tokens runs no more steps (its token buffer is
+    # [batch, round_steps]): clamp it to the context.
     batch = len(prompt_lens)
     logical = batch * (max_context // ps)
     pool = None if cache.pool_pages is None else min(cache.pool_pages, logical)
-    plan = engine.Plan(model=model, cache=dataclasses.replace(cache, strict=False, pool_pages=pool),
+    cache_key = dataclasses.replace(cache, strict=False, pool_pages=pool,
+                                    round_steps=min(cache.round_steps, max_context))
+    plan = engine.Plan(model=model, cache=cache_key,
                        batch=batch, prompt_len=prompt_len, max_context=max_context, num_stop=num_stop)
     if cache.mode == "host":
-        if pool is not None and pool < plan.k + plan.num_pinned:
+        # one request's distinct pages of a step: its selection and pinned pages, at most all
+        # of its pages (a short context caps it, as it caps the clamped pool)
+        one = min(plan.k + plan.num_pinned, plan.pages_per_seq)
+        if pool is not None and pool < one:
             raise ValueError(
                 f"pool_pages ({pool}) is smaller than one request's selection "
-                f"(selected_pages {plan.k} + pinned {plan.num_pinned}): raise pool_pages")
+                f"(selected_pages {plan.k} + pinned {plan.num_pinned}): raise pool_pages to "
+                f"at least {one} (None sizes it for a step's working set)")
         if pool is not None and pool < batch * plan.num_pinned:
             raise ValueError(
                 f"pool_pages ({pool}) cannot hold the pinned pages of {batch} requests "
@@ -124,18 +140,93 @@ def _memory_stats(plan: engine.Plan, state: engine.DecodeState, n: int = 1) -> d
     return out
 
 
+def _validate_stop_tokens(model: ModelConfig, stop_tokens) -> list[int]:
+    if stop_tokens is None:
+        return [model.eos_id]
+    if isinstance(stop_tokens, (int, np.integer)) or not isinstance(stop_tokens, Iterable):
+        raise TypeError(f"stop_tokens must be a list of token ids, got {type(stop_tokens).__name__} "
+                        f"{stop_tokens!r}" + (f": pass [{int(stop_tokens)}]"
+                                              if isinstance(stop_tokens, (int, np.integer)) else ""))
+    # text is refused by check_token_ids; a set or generator is read once into a list
+    ids = validation.check_token_ids(stop_tokens if isinstance(stop_tokens, (str, bytes))
+                                     else list(stop_tokens), model.vocab_size, "stop_tokens")
+    return [int(t) for t in ids]
+
+
+def _validate_sampling(sampling) -> Sampling:
+    """One value per field for the whole batch (the compiled step broadcasts scalars)."""
+    sampling = Sampling.make() if sampling is None else sampling
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling must be a jaxkv.Sampling (Sampling.make(...)), got "
+                        f"{type(sampling).__name__}")
+    for f in dataclasses.fields(sampling):
+        v = getattr(sampling, f.name)
+        if np.ndim(v) != 0:
+            raise ValueError(
+                f"sampling.{f.name} has shape {tuple(np.shape(v))}: one value applies to every "
+                "request (per-request sampling is not supported): split the batch into calls "
+                "with one Sampling each")
+        if not np.issubdtype(np.asarray(v).dtype, np.number):
+            raise TypeError(f"sampling.{f.name} must be a number, got {v!r}: build it with "
+                            "Sampling.make(...)")
+    return sampling
+
+
+def prng_key(seed: int) -> jax.Array:
+    """The sampling key of any int ``seed >= 0``: ``jax.random.key`` of its low 32 bits, then
+    each further 32 bits folded in (``fold_in``), so seeds that differ above bit 31 give
+    different keys (``jax.random.key`` alone keeps 32 bits: 2**32 would alias 0, and 2**63
+    overflows) and seeds below 2**32 keep their ``jax.random.key(seed)``."""
+    key = jax.random.key(np.uint32(seed & 0xFFFFFFFF))
+    rest = seed >> 32
+    while rest:
+        key = jax.random.fold_in(key, np.uint32(rest & 0xFFFFFFFF))
+        rest >>= 32
+    return key
+
+
 class TokenStream:
     """Iterator over rounds: each item is a list (one per request) of the new token ids.
 
-    After the iteration ends, ``.result`` holds the :class:`GenerateResult`.
+    One pass over one generation, like a file: breaking out of a ``for`` loop pauses the
+    generation, and iterating again resumes where it stopped (no token is lost or repeated);
+    once the generation has ended, iterating again yields nothing. ``.result`` holds the
+    :class:`GenerateResult` once the iteration has ended; reading it earlier raises
+    ``RuntimeError`` saying so (a strict-mode failure's result is the exception's ``.result``
+    and also ``.result`` here).
     """
 
     def __init__(self, gen: Iterator):
         self._gen = gen
-        self.result: GenerateResult | None = None
+        self._result: GenerateResult | None = None
+        self._error: BaseException | None = None
+        self._ended = False
 
     def __iter__(self):
-        self.result = yield from self._gen
+        return self
+
+    def __next__(self) -> list[list[int]]:
+        if self._ended:
+            raise StopIteration
+        try:
+            return next(self._gen)
+        except StopIteration as e:
+            self._ended, self._result = True, e.value
+            raise StopIteration from None
+        except BaseException as e:
+            self._ended, self._error = True, e
+            self._result = getattr(e, "result", None)
+            raise
+
+    @property
+    def result(self) -> GenerateResult:
+        if self._result is not None:
+            return self._result
+        if self._error is not None:
+            raise RuntimeError(f"the stream's generation failed ({type(self._error).__name__}: "
+                               f"{self._error}), so it has no result") from self._error
+        raise RuntimeError("the stream has not ended: .result is set once the iteration has "
+                           "ended; keep iterating (a new for loop resumes where the last stopped)")
 
 
 def generate(model: ModelConfig, params, prompts, *, max_new_tokens: int = 32,
@@ -151,9 +242,10 @@ def generate(model: ModelConfig, params, prompts, *, max_new_tokens: int = 32,
       max_new_tokens: per request (traced: changing it does not recompile).
       sampling: :class:`Sampling` (default greedy); traced.
       cache: :class:`CacheConfig` (mode "host" or "resident", selector, page size, pool...).
-      stop_tokens: ids that end a request (default: the model's eos id).
-      seed: PRNG seed for sampling.
-      stream: return a :class:`TokenStream` yielding tokens round by round.
+      stop_tokens: a list of ids that end a request (default: the model's eos id).
+      seed: PRNG seed for sampling, any int >= 0 (:func:`prng_key`).
+      stream: return a :class:`TokenStream` yielding tokens round by round (breaking out and
+        iterating again resumes it).
       progress: show a prefill progress bar (default: prompts of >= 8k tokens).
       mesh: tensor parallelism over KV heads (jaxkv.parallel): a one-axis
         ``jax.sharding.Mesh`` or a list of N devices; N must divide num_kv_heads and ffn_dim.
@@ -161,6 +253,12 @@ def generate(model: ModelConfig, params, prompts, *, max_new_tokens: int = 32,
         device: the single-device path. Counters in ``stats`` are totals over the devices.
     Returns:
       :class:`GenerateResult` (or a :class:`TokenStream` when ``stream``).
+    Raises:
+      ValueError / TypeError before any work for a bad argument (the message names it and the
+      fix), including params holding NaN or Inf (one jitted reduction over the leaves, a read
+      of the weights once per call: ~4 ms for 16 GB on an H200); ``validation.StrictModeError``
+      (a RuntimeError whose ``.result`` holds the generated tokens) after the run in strict
+      mode. See docs/failure_modes.md.
     """
     gen = _generate(model, params, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                     cache=cache, stop_tokens=stop_tokens, seed=seed, progress=progress, mesh=mesh)
@@ -180,10 +278,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     cache = CacheConfig() if cache is None else cache
     if not isinstance(cache, CacheConfig):
         raise TypeError(f"cache must be a jaxkv.CacheConfig, got {type(cache).__name__}")
-    sampling = Sampling.make() if sampling is None else sampling
-    if not isinstance(sampling, Sampling):
-        raise TypeError(f"sampling must be a jaxkv.Sampling (Sampling.make(...)), got "
-                        f"{type(sampling).__name__}")
+    sampling = _validate_sampling(sampling)
     validation.check_int("max_new_tokens", max_new_tokens, minimum=1)
     validation.check_int("seed", seed, minimum=0)
     validation.check_params(model, params)
@@ -191,13 +286,13 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     n_dev = 1 if tp is None else tp.size
     eng = engine if tp is None else tp
     prompts = _validate_prompts(model, prompts)
-    stops = ([model.eos_id] if stop_tokens is None else
-             [int(t) for t in validation.check_token_ids(list(stop_tokens), model.vocab_size, "stop_tokens")])
+    stops = _validate_stop_tokens(model, stop_tokens)
     num_stop = max(4, _next_pow2(len(stops)))
     stop_ids = jnp.asarray(stops + [-1] * (num_stop - len(stops)), jnp.int32)
     lens = [len(p) for p in prompts]
     plan = make_plan(model if tp is None else tp.local_model(model), cache, lens,
                      int(max_new_tokens), num_stop)
+    validation.check_params_finite(params)  # after the cheap checks: it reads every weight
     if tp is not None:
         plan, params = tp.plan(plan), tp.shard_params(params)
     B, T = plan.batch, plan.prompt_len
@@ -224,7 +319,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     for layer in layers:
         x, kv, summaries, dense = eng.prefill_layer(plan, params["layers"][layer], jnp.int32(layer), x,
                                                     lengths, kv, summaries, dense)
-    key = jax.random.key(seed)
+    key = prng_key(int(seed))
     key, sub = jax.random.split(key)
     first = eng.first_token(plan, params, x, lengths, sampling, sub)
     first_np = np.asarray(first)
@@ -281,12 +376,13 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     }
     if n_dev > 1:  # counters are totals over the devices; here each device's own
         stats["per_device"] = {k: [int(x) for x in v] for k, v in per_device.items()}
+    result = GenerateResult(tokens=out, stats=stats)
     if cache.strict:
-        validation.check_strict(stats)
+        validation.check_strict(stats, result=result)
     else:
         for why in validation.strict_violations(stats):
             warnings.warn(why + " (CacheConfig(strict=True) raises instead)", RuntimeWarning, stacklevel=3)
-    return GenerateResult(tokens=out, stats=stats)
+    return result
 
 
 def _drain_counters(state: engine.DecodeState, totals: dict, per_device: dict | None = None

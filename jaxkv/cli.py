@@ -15,14 +15,20 @@ from pathlib import Path
 DEFAULT_PROMPT = "The capital of France is Paris. The capital of Germany is"
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {v}")
+        return v
+    parse.__name__ = f"int >= {minimum}"  # argparse names the type in its messages
+    return parse
+
+
+_positive_int = _int_at_least(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,13 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-pages", type=_positive_int, default=None,
                    help="device pool slots per layer (host mode)")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-k", type=_int_at_least(0), default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_int_at_least(0), default=0, help="any int >= 0")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weights and activations (default: float32 for GGUF, the checkpoint's own "
                         "dtype for Hugging Face checkpoints)")
-    p.add_argument("--strict", action="store_true", help="fail if any selected page was dropped")
+    p.add_argument("--schedule", choices=["step", "scratch", "layer"], default=None,
+                   help="host-mode residency schedule (default: step, which never drops a page; "
+                        "layer with --strict)")
+    p.add_argument("--strict", action="store_true",
+                   help="fail (exit 1, after printing the text) if any selected page was dropped "
+                        "or a request was cut at the context capacity; selects the per-layer "
+                        "schedule, which drops what the pool cannot hold, unless --schedule is given")
     p.add_argument("--json", action="store_true", help="print the stats as JSON")
     return p
 
@@ -60,10 +72,12 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import jaxkv
     from jaxkv import models
+    from jaxkv.validation import StrictModeError
 
     if args.file is not None:
         if not args.file.is_file():
-            print(f"error: prompt file {args.file} does not exist", file=sys.stderr)
+            why = "is a directory, not a file" if args.file.is_dir() else "does not exist"
+            print(f"error: prompt file {args.file} {why}", file=sys.stderr)
             return 2
         try:
             text = args.file.read_text()
@@ -77,11 +91,14 @@ def main(argv=None) -> int:
         return 2
     # settings first: a bad option fails before the model is loaded
     budget = args.budget if args.budget is not None else 4 * args.page_size * 4
+    # --strict checks for dropped pages: only the per-layer schedule drops any
+    schedule = args.schedule or ("layer" if args.strict else "step")
     try:
         cache = jaxkv.CacheConfig(
             mode=args.mode, selector=args.selector, page_size=args.page_size,
             selected_pages=max(2, -(-budget // args.page_size)), pool_pages=args.pool_pages,
-            strict=args.strict)
+            strict=args.strict, schedule=schedule,
+            prefill_chunk=max(jaxkv.CacheConfig.prefill_chunk, args.page_size))
         sampling = jaxkv.Sampling.make(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -106,11 +123,14 @@ def main(argv=None) -> int:
         res = jaxkv.generate(cfg, params, [ids], max_new_tokens=args.max_new_tokens,
                              sampling=sampling, cache=cache, stop_tokens=tok.stop_ids,
                              seed=args.seed)
+    except StrictModeError as e:  # the text is printed, then the failure
+        _print_text(args, text, tok, e.result)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (ValueError, TypeError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    out = tok.decode(res.tokens[0], skip_special_tokens=True)
-    print(text + out if not args.chat else out)
+    _print_text(args, text, tok, res)
     s = res.stats
     if args.json:
         print(json.dumps(s, indent=1, default=float))
@@ -127,6 +147,11 @@ def main(argv=None) -> int:
         print(f"memory: device KV {s['device_kv_bytes'] / 2**20:.1f} MiB, "
               f"host KV {s['host_kv_bytes'] / 2**20:.1f} MiB")
     return 0
+
+
+def _print_text(args, text: str, tok, res) -> None:
+    out = tok.decode(res.tokens[0], skip_special_tokens=True)
+    print(text + out if not args.chat else out)
 
 
 if __name__ == "__main__":

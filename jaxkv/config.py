@@ -6,12 +6,13 @@ it recompiles. :class:`Sampling` is a pytree of arrays: changing its values neve
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxkv import validation
 
 Mode = Literal["host", "resident"]
 Selector = Literal["quest", "indexer", "dense"]
@@ -216,7 +217,8 @@ class CacheConfig:
         for name in ("prefill_chunk", "prefill_token_chunk"):
             pc = getattr(self, name)
             if pc is not None and (pc & (pc - 1) or pc < ps):
-                raise ValueError(f"{name} must be a power of two >= page_size ({ps}), got {pc}")
+                raise ValueError(f"CacheConfig.{name} must be a power of two >= page_size ({ps}), "
+                                 f"got {pc}: set {name}={max(ps, 1 << (pc - 1).bit_length())}")
 
 
 @jax.tree_util.register_dataclass
@@ -233,12 +235,7 @@ class Sampling:
 
     @classmethod
     def make(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "Sampling":
-        if not math.isfinite(temperature) or temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-        if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        validation.check_sampling_args(temperature, top_k, top_p)
         return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
 
 

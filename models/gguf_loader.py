@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -193,6 +194,13 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
                         f"differ from key_length {head_dim}")
 
     tensors = {t.name: t for t in reader.tensors}
+    # a block_count below the file's blocks would load a smaller model, silently
+    extra = sorted({int(m.group(1)) for n in tensors if (m := re.match(r"blk\.(\d+)\.", n))
+                    and int(m.group(1)) >= n_layers})
+    if extra:
+        raise GGUFError(f"{path}: metadata {a + 'block_count'!r} = {n_layers}, but the file has tensors of "
+                        f"block(s) {extra[:8]}{' ...' if len(extra) > 8 else ''}: the metadata does "
+                        "not match its tensors; re-convert the file (or fix block_count)")
     scaling = _rope_scaling(reader, path, a, tensors, head_dim)
     permuted = arch in _PERMUTED_QK
 

@@ -145,6 +145,12 @@ class Tokenizer:
                                     types, pre)
         bos = _field(reader, "tokenizer.ggml.bos_token_id")
         eos = _field(reader, "tokenizer.ggml.eos_token_id")
+        for key, i in (("bos", bos), ("eos", eos)):  # the rule load_gguf's ModelConfig applies
+            if i is not None and not 0 <= int(i) < len(tokens):
+                from .gguf_loader import GGUFError
+                raise GGUFError(f"GGUF metadata tokenizer.ggml.{key}_token_id = {int(i)} is outside "
+                                f"the vocabulary [0, {len(tokens)}): the file is corrupt; "
+                                "re-download or re-convert it")
         names = {}
         for key, i in (("bos_token", bos), ("eos_token", eos),
                        ("unk_token", _field(reader, "tokenizer.ggml.unknown_token_id")),
@@ -233,7 +239,18 @@ class Tokenizer:
         (``add_bos_default``: False for SmolLM2 and Qwen2.5, True for Llama-3)."""
         if not isinstance(text, str):
             raise TypeError(f"encode: text must be a str, got {type(text).__name__}")
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        try:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
+        except TypeError:  # the Rust side refuses text that is not valid Unicode, vaguely
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"encode: text has a lone surrogate {text[e.start]!r} at index {e.start}, "
+                    "which is not valid Unicode (it comes from decoding bytes with "
+                    "errors='surrogateescape'): remove it, or decode the source with "
+                    "errors='replace'") from None
+            raise
         if add_bos is None:
             add_bos = self.add_bos_default
         if add_bos:
@@ -243,15 +260,28 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Iterable[int] | np.ndarray, *, skip_special_tokens: bool = False) -> str:
-        """Token ids -> text."""
-        return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)],
-                                skip_special_tokens=skip_special_tokens)
+        """Token ids -> text. Raises TypeError / ValueError naming ``ids`` for text, non-integer
+        ids or ids outside ``[0, vocab_size)`` (the backend would drop them silently)."""
+        if isinstance(ids, (str, bytes)):
+            raise TypeError("decode: ids is text: pass token ids (the output of encode)")
+        arr = np.asarray(ids).reshape(-1)
+        if arr.size and arr.dtype.kind not in "iu":
+            raise TypeError(f"decode: ids must be integer token ids in [0, {self.vocab_size}), got "
+                            f"dtype {arr.dtype}")
+        bad = (arr < 0) | (arr >= self.vocab_size)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ValueError(f"decode: ids has token id {int(arr[j])} at index {j}, outside the "
+                             f"vocabulary [0, {self.vocab_size}): pass ids of this tokenizer's model")
+        return self._tok.decode(arr.tolist(), skip_special_tokens=skip_special_tokens)
 
     def token(self, i: int) -> str:
         """The vocabulary string of id ``i`` (byte-level form)."""
-        t = self._tok.id_to_token(int(i))
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"token: i must be an int token id, got {type(i).__name__} {i!r}")
+        t = self._tok.id_to_token(int(i)) if 0 <= i < self.vocab_size else None
         if t is None:
-            raise ValueError(f"token id {i} is outside the vocabulary ({self.vocab_size})")
+            raise ValueError(f"token: id {i} is outside the vocabulary [0, {self.vocab_size})")
         return t
 
     def apply_chat_template(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True,

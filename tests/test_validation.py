@@ -143,8 +143,9 @@ def test_prefill_token_chunk_default_per_backend(monkeypatch):
 
 def test_host_tier_over_pinned_host_cap(monkeypatch):
     monkeypatch.setenv(validation.HOST_LIMIT_OVERRIDE_ENV, "0.0001")  # 100 KiB cap
+    # on the CPU the cap is jaxkv's own variable: the message names it, not XLA's GPU one
     with pytest.raises(ValueError, match=r"pinned host memory, over the cap of 0.00 GiB: set "
-                                         r"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB.*lower batch / max_context"):
+                                         r"JAXKV_HOST_MEMORY_LIMIT_GB.*lower batch / max_context"):
         gen()
     # resident mode has no host tier: the cap does not apply (it fails later on purpose here)
     with pytest.raises(ValueError, match="max_position"):
@@ -200,7 +201,8 @@ def test_host_tiers_over_ram_and_the_doubling_warning():
 
 
 def test_device_memory_too_small(monkeypatch):
-    assert validation.device_free_bytes() is None or jax.default_backend() == "gpu"
+    # a CPU device reports no memory figure: the RAM bounds it
+    assert validation.device_free_bytes() == validation.host_ram_bytes() or jax.default_backend() == "gpu"
     monkeypatch.setattr(validation, "device_free_bytes", lambda device=None: 1000)
     with pytest.raises(ValueError, match=r"device pool needs .* GiB of device memory is free: "
                                          r"lower pool_pages / selected_pages / batch"):
@@ -381,8 +383,15 @@ def test_strict_dropped_counted_warned_and_raised():
     assert s["dropped"] > 0 and s["truncated_requests"] == 0 and s["decode_rounds"] >= 3
     # counters summed over rounds (drained each round): every decode step wrote one token per layer
     assert s["tokens_written"] == CFG.num_layers * (s["generated_tokens"] - 1)
-    with pytest.raises(RuntimeError, match="strict mode: .* dropped"):
+    with pytest.raises(RuntimeError, match="strict mode: .* dropped") as e:
         gen(PROMPTS[2:], cache=dataclasses.replace(DROPPY, strict=True), max_new_tokens=40)
+    # the generated tokens are not lost: the exception (a StrictModeError) carries the result
+    assert isinstance(e.value, jaxkv.StrictModeError) and e.value.result.tokens == res.tokens
+    stream = gen(PROMPTS[2:], cache=dataclasses.replace(DROPPY, strict=True), max_new_tokens=40,
+                 stream=True)
+    with pytest.raises(jaxkv.StrictModeError):
+        list(stream)
+    assert stream.result.tokens == res.tokens
 
 
 @pytest.mark.filterwarnings("ignore:.*selected pages were dropped")
@@ -471,10 +480,45 @@ def test_loader_tensor_shape_mismatch(tmp_path):
     ({"llama.attention.head_count_kv": 3}, "head_count 4 is not a multiple of head_count_kv 3"),
     ({"llama.block_count": 0}, r"'llama.block_count' = 0 must be positive"),
     ({"tokenizer.ggml.eos_token_id": 300}, r"inconsistent metadata.*eos_id \(300\).*vocab_size \(256\)"),
+    ({"llama.block_count": 1}, r"'llama.block_count' = 1, but the file has tensors of block\(s\) \[1\]"),
 ])
 def test_loader_bad_metadata(tmp_path, meta, match):
     with pytest.raises(GGUFError, match=match):
         load_gguf(write_tiny_gguf(tmp_path / "meta.gguf", meta=meta))
+
+
+# ------------------------------------------------------------------------------ tokenizer
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "t.gguf")
+
+
+def test_tokenizer_bad_ids_and_text(tiny_gguf):
+    from jaxkv.models.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(tiny_gguf)
+    assert tok.decode(tok.encode("hi there")) == "hi there"
+    cases = [
+        (lambda: tok.decode([5, 256]), ValueError, r"decode: ids has token id 256 at index 1, outside "
+                                                   r"the vocabulary \[0, 256\)"),
+        (lambda: tok.decode([-1]), ValueError, "decode: ids has token id -1 at index 0"),
+        (lambda: tok.decode([10**30]), TypeError, "decode: ids must be integer token ids"),
+        (lambda: tok.decode([1.5]), TypeError, "decode: ids must be integer token ids"),
+        (lambda: tok.decode("hi"), TypeError, "decode: ids is text"),
+        (lambda: tok.token(10**6), ValueError, r"token: id 1000000 is outside the vocabulary \[0, 256\)"),
+        (lambda: tok.token(-1), ValueError, "token: id -1 is outside"),
+        (lambda: tok.token("a"), TypeError, "token: i must be an int"),
+        (lambda: tok.encode("a\ud800b"), ValueError, r"encode: text has a lone surrogate '\\ud800' at index 1"),
+    ]
+    for f, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            f()
+
+
+def test_tokenizer_rejects_the_eos_id_load_gguf_rejects(tmp_path):
+    from jaxkv.models.tokenizer import Tokenizer
+    path = write_tiny_gguf(tmp_path / "eos.gguf", meta={"tokenizer.ggml.eos_token_id": 300})
+    with pytest.raises(GGUFError, match=r"tokenizer.ggml.eos_token_id = 300 is outside the vocabulary"):
+        Tokenizer.from_gguf(path)
 
 
 # ------------------------------------------------------------------------------ command line
@@ -488,9 +532,18 @@ def test_cli_bad_options_fail_before_loading(tmp_path, capsys):
         (["hi", "--temperature", "-1"], "temperature must be a finite number >= 0"),
         (["   "], "the prompt is empty"),
         (["--file", str(tmp_path / "nope.txt")], "does not exist"),
+        (["--file", str(tmp_path)], "is a directory, not a file"),
+        (["hi", "--top-k", "99999999999"], "top_k must be an int >= 0 and < 2**31"),
+        # options that pass: the call reaches the (missing) model file
+        (["hi", "--seed", "18446744073709551616"], "GGUF file not found"),
+        (["hi", "--page-size", "4096"], "GGUF file not found"),
     ]:
         assert cli_main(argv + ["--gguf", missing]) == 2, argv
         assert match in capsys.readouterr().err, argv
+    for argv in (["hi", "--seed", "-1"], ["hi", "--top-k", "-2"]):   # argparse, before loading
+        with pytest.raises(SystemExit) as e:
+            cli_main(argv + ["--gguf", missing])
+        assert e.value.code == 2 and "must be >= 0" in capsys.readouterr().err
     binary = tmp_path / "b.txt"
     binary.write_bytes(b"\xff\xfe\x00\x81")
     assert cli_main(["--file", str(binary), "--gguf", missing]) == 2
@@ -510,3 +563,22 @@ def test_cli_prompt_over_capacity(tmp_path, capsys):
     path = write_tiny_gguf(tmp_path / "t.gguf", configs.tiny(max_position=128))
     assert cli_main(["x" * 200, "--gguf", str(path), "--max-new-tokens", "8"]) == 1
     assert "exceeds the model's max_position (128)" in capsys.readouterr().err
+
+
+def test_cli_readme_strict_command_runs(tiny_gguf, capsys):
+    """The README's `--selector quest --budget 512 --page-size 16 --pool-pages 96 --strict`:
+    the pool is clamped to the short context's 16 pages, which hold every selection."""
+    argv = ["--selector", "quest", "--budget", "512", "--page-size", "16", "--pool-pages", "96",
+            "--strict", "--gguf", str(tiny_gguf), "--max-new-tokens", "8"]
+    assert cli_main(argv) == 0, capsys.readouterr().err
+    assert "dropped 0" in capsys.readouterr().out
+
+
+def test_cli_strict_fires_and_keeps_the_text(tiny_gguf, capsys):
+    """--strict selects the per-layer schedule, so a pool smaller than a step's working set
+    drops pages: exit 1 after the text is printed."""
+    argv = ["x" * 50, "--page-size", "4", "--budget", "20", "--pool-pages", "7", "--strict",
+            "--gguf", str(tiny_gguf), "--max-new-tokens", "40"]
+    assert cli_main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "strict mode:" in err and "dropped" in err and out.startswith("x" * 50)
