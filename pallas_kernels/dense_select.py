@@ -51,15 +51,15 @@ CMAX_MIN_PAGES = 2048
 
 
 def resolve_topk_method(num_pages: int, implementation, method: str,
-                        cmax_min_pages: int | None = CMAX_MIN_PAGES) -> str:
+                        cmax_min_pages: int | None = CMAX_MIN_PAGES, k: int | None = None) -> str:
     """The top-k method a scored selector runs for rows of ``num_pages`` pages: "auto" becomes
     "pallas_cmax" (its scores kernel writes chunk maxima; the top-k kernel reads only those
-    and the chosen chunks) when the implementation is "pallas" and ``num_pages >=
-    cmax_min_pages`` (None: never); otherwise ``method`` as given (``select_top_pages``
-    resolves the remaining "auto")."""
+    and the chosen chunks) when the implementation is "pallas", ``num_pages >=
+    cmax_min_pages`` (None: never) and the kernel compiles for ``k`` picks (``topk.fits``);
+    otherwise ``method`` as given (``select_top_pages`` resolves the remaining "auto")."""
     if (method == "auto" and cmax_min_pages is not None
             and _common.implementation_name(implementation) == "pallas"
-            and num_pages >= cmax_min_pages):
+            and num_pages >= cmax_min_pages and (k is None or topk.fits(num_pages, k))):
         return "pallas_cmax"
     return method
 
@@ -156,7 +156,7 @@ def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, 
     if method not in TOPK_METHODS:
         raise ValueError(f"unknown top-k method {method!r}; choose one of {TOPK_METHODS}")
     if (method == "auto" and _common.implementation_name(implementation) == "pallas"
-            and scores.shape[-1] <= PALLAS_TOPK_MAX_COLUMNS):
+            and scores.shape[-1] <= PALLAS_TOPK_MAX_COLUMNS and topk.fits(scores.shape[-1], k)):
         method = "pallas"
     if method == "pallas":
         return topk.select_top_pages_pallas(scores, seq_lens, num_pages=num_pages, k=k,

@@ -336,7 +336,7 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
     they are donated or loop-carried). ``topk_method`` / ``cmax_min_pages``: as in
     :func:`quest_select`."""
     np_ = kmax.shape[2]
-    method = ds.resolve_topk_method(np_, implementation, topk_method, cmax_min_pages)
+    method = ds.resolve_topk_method(np_, implementation, topk_method, cmax_min_pages, k)
     if method != "pallas_cmax":
         kmax, kmin = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size)
         if _common.implementation_name(implementation) != "pallas":
@@ -377,7 +377,7 @@ def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages
     np_ = kmax.shape[2]
     layer = jnp.asarray(layer, jnp.int32)
     sel_kw = dict(num_pages=np_, k=k, page_size=page_size, num_sink_pages=num_sink_pages)
-    topk_method = ds.resolve_topk_method(np_, implementation, topk_method, cmax_min_pages)
+    topk_method = ds.resolve_topk_method(np_, implementation, topk_method, cmax_min_pages, k)
     if topk_method == "pallas_cmax":
         chunk = topk.default_cmax_chunk(np_, k)
         scores, cmax = quest_scores_with_chunk_max(q, kmax, kmin, layer, seq_lens,

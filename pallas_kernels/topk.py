@@ -212,6 +212,18 @@ def _default_warps(n_pad: int) -> int:
     return 4 if n_pad <= 1024 else 8 if n_pad <= 4096 else 16
 
 
+# Elements of one Triton tensor: the verifier refuses larger blocks.
+TRITON_MAX_ELEMENTS = 2**20
+
+
+def fits(n: int, k: int) -> bool:
+    """Whether the top-k kernels compile for rows of ``n`` columns and ``k`` picks: stage 1
+    holds a [next_pow2(k), n_pad / chunk] block, which Triton caps at
+    ``TRITON_MAX_ELEMENTS`` (a wide first stage, k = 1024 of 8192 pages, exceeds it)."""
+    n_pad = _common.next_pow2(max(n, 1))
+    return _common.next_pow2(k) * (n_pad // _default_chunk(n_pad, k)) <= TRITON_MAX_ELEMENTS
+
+
 def default_cmax_chunk(n: int, k: int) -> int:
     """Chunk for the chunk-maxima path: largest power of two <= sqrt(next_pow2(n) / next_pow2(k))
     (balances the ``N / chunk`` maxima and the ``k * chunk`` candidates a row reads; >= 1)."""

@@ -115,33 +115,6 @@ def test_rescore_host_equals_resident_and_full_budget_equals_dense(selector):
         assert full.tokens == dense.tokens
 
 
-def test_rescore_candidates_match_numpy():
-    """The second stage's scores on the candidates equal the numpy mass restricted to them."""
-    from jaxkv.selectors import rescore
-    rng = _rng()
-    B, Np, ps, H, G, D = 2, 8, 4, 2, 3, 8
-    q = rng.normal(size=(B, H * G, D)).astype(np.float32)
-    keys = rng.normal(size=(B, Np, ps, H, D)).astype(np.float32)
-    positions = np.array([29, 13], np.int32)
-    cand = np.array([[[0, 2, 5, 7], [0, 1, 3, -1]], [[0, 1, 2, 3], [0, 3, -1, -1]]], np.int32)
-    got = np.asarray(rescore.candidate_mass(jnp.asarray(q), jnp.asarray(np.moveaxis(keys, 3, 1)),
-                                            jnp.ones((B, H, Np, ps), jnp.float32),
-                                            jnp.asarray(cand), jnp.asarray(positions), ps))
-    for b in range(B):
-        n = positions[b] + 1
-        for h in range(H):
-            c = cand[b, h]
-            mass = np.zeros(Np)
-            toks = [(p, t) for p in c[c >= 0] for t in range(ps) if p * ps + t < n]
-            for g in range(G):  # per query head: softmax over the candidates' valid tokens
-                s = np.array([keys[b, p, t, h] @ q[b, h * G + g] for p, t in toks]) / np.sqrt(D)
-                w = np.exp(s - s.max())
-                for (p, _), wi in zip(toks, w / w.sum()):
-                    mass[p] += wi
-            want = np.where(c >= 0, mass[np.clip(c, 0, Np - 1)], -np.inf)
-            np.testing.assert_allclose(got[b, h], want, rtol=1e-5, atol=1e-6)
-
-
 def test_rescore_top_candidates_follow_the_rule():
     """The final choice over the candidates equals the shared selection rule applied to the
     candidates' masses scattered into a full row (every other page -inf), and a numpy

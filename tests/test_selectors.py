@@ -982,3 +982,13 @@ def test_gpu_quest_cmax_16k(B):
                                        chunk_max=cm, **kw)
     np.testing.assert_array_equal(np.asarray(got),
                                   select_rule_numpy(tied, seq_lens, num_pages=Np, **kw))
+
+
+def test_wide_first_stage_falls_back_from_the_topk_kernel():
+    """Top-k kernels hold a [next_pow2(k), chunks] block that Triton caps at 2**20 elements:
+    "auto" leaves them for rows they cannot compile (a two-stage selector's wide first stage:
+    1024 candidates of 8192 pages)."""
+    from jaxkv.kernels import dense_select, topk
+    assert topk.fits(8192, 128) and topk.fits(2048, 256) and not topk.fits(8192, 1024)
+    assert dense_select.resolve_topk_method(8192, "pallas", "auto", 2048, k=128) == "pallas_cmax"
+    assert dense_select.resolve_topk_method(8192, "pallas", "auto", 2048, k=1024) == "auto"

@@ -11,14 +11,16 @@ bf16 plus the scales.
 
 Summaries: Quest's ``(kmax, kmin)`` [L, B, Np, H, D], then ``keys`` [L, B, H, Np, ps, D]
 (int8 or the KV dtype) and ``scales`` [L, B, H, Np, ps] float32 (ones for the KV dtype):
-head-major, so one KV head's candidate pages are contiguous rows of the copy. The final
-choice is a top-k over the candidates only (``top_candidates``), never over the whole row.
+head-major, so one KV head's candidate pages are contiguous rows of the copy. The second
+stage is ``jaxkv.kernels.candidate_mass`` (a Pallas kernel on the GPU); the final choice is a
+top-k over the candidates only (``top_candidates``), never over the whole row.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from jaxkv.kernels import candidate_mass as mass_kernels
 from jaxkv.kernels import dense_select
 from jaxkv.kernels import quest as quest_kernels
 from jaxkv.kernels._common import INVALID
@@ -35,29 +37,6 @@ def quantize(k, bits: int):
     scale = jnp.max(jnp.abs(kf), axis=-1) / 127.0
     q = jnp.round(kf / jnp.where(scale > 0, scale, 1.0)[..., None])
     return jnp.clip(q, -127, 127).astype(jnp.int8), scale
-
-
-def candidate_mass(q, keys, scales, cand, positions, page_size):
-    """Attention mass on candidate pages. q [B, Hq, D]; keys [B, H, Np, ps, D] (one layer);
-    scales [B, H, Np, ps]; cand [B, H, C] pages (-1: none); positions [B]: tokens at indices
-    <= positions[b] are valid. Returns [B, H, C] float32: per KV head, the softmax mass over
-    the candidates' valid tokens, summed over the group's query heads (-inf for -1)."""
-    B, H, Np, ps, D = keys.shape
-    G = q.shape[1] // H
-    idx = jnp.clip(cand, 0, Np - 1)                                      # [B, H, C]
-    k = jnp.take_along_axis(keys, idx[..., None, None], axis=2)          # [B, H, C, ps, D]
-    sc = jnp.take_along_axis(scales, idx[..., None], axis=2)             # [B, H, C, ps]
-    qg = q.reshape(B, H, G, D).astype(jnp.float32)
-    s = jnp.einsum("bhgd,bhctd->bhgct", qg, k.astype(jnp.float32))
-    s = s * (sc * D ** -0.5)[:, :, None]
-    tok = idx[..., None] * ps + jnp.arange(ps, dtype=jnp.int32)          # [B, H, C, ps]
-    valid = (cand[..., None] >= 0) & (tok <= positions[:, None, None, None])
-    s = jnp.where(valid[:, :, None], s, -jnp.inf)
-    m = jnp.max(s, axis=(-2, -1), keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    den = jnp.sum(p, axis=(-2, -1), keepdims=True)
-    mass = jnp.sum(jnp.sum(p, axis=-1) / jnp.where(den[..., 0] > 0, den[..., 0], 1.0), axis=2)
-    return jnp.where(cand >= 0, mass, -jnp.inf)
 
 
 def top_candidates(mass, cand, seq_lens, *, k: int, page_size: int, num_pages: int,
@@ -111,9 +90,8 @@ class Rescore(Quest):
         return min(self.candidates * plan.k, plan.pages_per_seq)
 
     def _rescore(self, plan, summaries, layer, q, cand, positions, seq_lens):
-        keys = jax.lax.dynamic_index_in_dim(summaries[2], layer, 0, keepdims=False)
-        scales = jax.lax.dynamic_index_in_dim(summaries[3], layer, 0, keepdims=False)
-        mass = candidate_mass(q, keys, scales, cand, positions, plan.page_size)
+        mass = mass_kernels.candidate_mass(q, summaries[2], summaries[3], layer, cand,
+                                           positions, implementation=plan.cache.implementation)
         return top_candidates(mass, cand, seq_lens, k=plan.k, page_size=plan.page_size,
                               num_pages=plan.pages_per_seq, num_sink_pages=plan.cache.sink_pages)
 
