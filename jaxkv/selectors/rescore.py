@@ -69,7 +69,7 @@ class Rescore(Quest):
     def init(self, plan) -> tuple:
         m = plan.model
         shape = (m.num_layers, plan.batch, plan.pages_per_seq, plan.page_size, m.num_kv_heads)
-        dt = jnp.int8 if self.key_bits == 8 else jnp.dtype(plan.kv_dtype)
+        dt = jnp.int8 if self.key_bits == 8 else jnp.dtype(plan.summary_dtype)
         return super().init(plan) + (jnp.zeros(shape + (m.head_dim,), dt),
                                      jnp.zeros(shape, jnp.float32))
 
