@@ -459,12 +459,15 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter
                         pltriton.load(ref.at[r2, 1, h, off2, dim2], mask=mask, other=0).astype(cdt))
             tiles, scales = [], []
             for kv in (0, 1):  # payload [2, H, ps, D], then the scale bytes [2, H, ps]
+                # (fp8 loads take no ``other``: masked lanes are zeroed after the conversion)
                 col = ((kv * H + h) * ps + off2) * D + dim2
-                tiles.append(pltriton.load(ref.at[r2, col], mask=mask, other=0).astype(cdt))
+                t = pltriton.load(ref.at[r2, col], mask=mask).astype(cdt)
+                tiles.append(jnp.where(mask, t, jnp.zeros((), cdt)))
                 e = pltriton.load(ref.at[r1, 2 * H * ps * D + (kv * H + h) * ps + tok_off],
-                                  mask=sel_mask, other=0)
+                                  mask=sel_mask)
                 e = lax.bitcast_convert_type(e, jnp.uint8).astype(jnp.int32)
-                scales.append(lax.bitcast_convert_type(e << 23, jnp.float32))  # 2**(e - 127)
+                sc = lax.bitcast_convert_type(e << 23, jnp.float32)  # 2**(e - 127)
+                scales.append(jnp.where(sel_mask, sc, 0.0))
             return tuple(tiles) + tuple(scales)
 
         if has_host:  # entries missing from the pool: read the pinned host rows in place
