@@ -123,19 +123,24 @@ def token_columns(num_kv_heads: int, page_size: int, head_dim: int, offset, dtyp
     return cols
 
 
+def encode_rows(kv, dtype):
+    """Pages ``kv`` [..., 2, H, ps, D] (any float dtype) -> rows [..., row_elems] of a
+    ``dtype`` page array (layout in the module docstring)."""
+    lead = kv.shape[:-4]
+    if not is_fp8(dtype):
+        return kv.astype(dtype).reshape(lead + (-1,))
+    payload, e = quantize(kv, dtype)                           # e [..., 2, H, ps]
+    return jnp.concatenate([payload.reshape(lead + (-1,)), exps_as(e, dtype).reshape(lead + (-1,))],
+                           axis=-1)
+
+
 def pack_pages(k, v, page_size: int, dtype):
     """k, v [B, T, H, D] (T a multiple of page_size) -> rows [B, T / ps, row_elems] of a
     ``dtype`` page array (layout in the module docstring)."""
     B, T, H, D = k.shape
     kv = jnp.stack([k, v], axis=2)                             # [B, T, 2, H, D]
     kv = kv.reshape(B, T // page_size, page_size, 2, H, D)
-    kv = kv.transpose(0, 1, 3, 4, 2, 5)                        # [B, n, 2, H, ps, D]
-    n = T // page_size
-    if not is_fp8(dtype):
-        return kv.astype(dtype).reshape(B, n, -1)
-    payload, e = quantize(kv, dtype)                           # e [B, n, 2, H, ps]
-    return jnp.concatenate([payload.reshape(B, n, -1), exps_as(e, dtype).reshape(B, n, -1)],
-                           axis=2)
+    return encode_rows(kv.transpose(0, 1, 3, 4, 2, 5), dtype)  # [B, n, 2, H, ps, D] -> rows
 
 
 def unpack_rows(rows, num_kv_heads: int, page_size: int, head_dim: int):
