@@ -167,8 +167,12 @@ def _fill_chunk(lay: _Layout, dst, summaries, layer, b, j0, length, key, salienc
         # the barrier pins the stored values: the summaries read exactly what is written
         # (fp8: the rows carry scales; the summaries, like the prefill's, read the keys in
         # the model's dtype)
-        row = jax.lax.optimization_barrier(kv_quant.encode_rows(jnp.stack([keys, vals]), kv_dt))
-        stored = keys.astype(m_dt) if kv_quant.is_fp8(kv_dt) else row.reshape(2, H, ps, D)[0]
+        if kv_quant.is_fp8(kv_dt):
+            row = jax.lax.optimization_barrier(kv_quant.encode_rows(jnp.stack([keys, vals]), kv_dt))
+            stored = keys.astype(m_dt)
+        else:
+            row = jax.lax.optimization_barrier(jnp.stack([keys, vals]).astype(kv_dt))
+            stored = row[0]
         valid = p * ps + tok < length
         out = {"row": row.reshape(-1)}                                # [2, H, ps, D] flat (+ scales)
         if lay.selector == "quest":
