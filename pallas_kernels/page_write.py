@@ -239,5 +239,8 @@ def write_pages(dst, rows, pages, *, implementation=None, **tuning):
     Returns:
       dst [N, R]. Inside a traced loop over a host carry, wrap it in :func:`keep_on_host`.
     """
+    if kv_quant.is_fp8(dst.dtype) and pages.dtype != dst.dtype:
+        raise ValueError(f"write_pages into a {dst.dtype} array takes encoded rows of that dtype "
+                         f"(kv_quant.pack_pages / encode_rows), got {pages.dtype}")
     fn = _common.resolve(OP_PAGES, implementation)
     return page_fetch.call_in_place(fn, (dst, rows, pages), 0, **tuning)
