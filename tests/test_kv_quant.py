@@ -273,3 +273,25 @@ def test_fp8_layer_lookup_lowers_to_triton(no_interpret):
         sds((B, 2, H, D), jnp.bfloat16), sds((L, P), jnp.int32), sds((), jnp.int32),
         sds((L * S, kq.row_elems(dt, H, ps, D)), dt), sds((L, B * H * K), jnp.int32))
     assert "__gpu$xla.gpu.triton" in txt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt,ps", [("float8_e4m3fn", 64), ("float8_e5m2", 8)])
+def test_gpu_fp8_attention_reads_pinned_host(dt, ps):
+    """The compiled kernel on fp8 rows, half of them read in place from a pinned_host array
+    (64-token pages: a tile is one page; 8-token pages: mixed tiles), vs the reference."""
+    from jax.sharding import SingleDeviceSharding
+    pinned = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    seed = fresh_seed()
+    case, static = make_case(seed, B=3, H=8, G=4, D=128, ps=ps, K=16, dtype=jnp.float32,
+                             max_pages=12)
+    case = to_fp8(case, static, dt, jnp.bfloat16)
+    ref_o, ref_l = sparse_paged_attention(**case, **static, implementation="xla")
+    split, _ = split_to_host(dequantized(case, static), seed)
+    split = host_split_fp8(case, split)
+    split = dict(split, host=jax.device_put(split["host"], pinned))
+    out, lse = jax.jit(lambda c: sparse_paged_attention(**c, **static, implementation="pallas"))(split)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_o, np.float32),
+                               rtol=2e-2, atol=2e-2, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_l), rtol=1e-3, atol=1e-3,
+                               err_msg=f"seed {seed}")
