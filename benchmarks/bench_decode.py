@@ -83,6 +83,9 @@ def main():
     ap.add_argument("--selection-lag", type=int, default=0, choices=(0, 1),
                     help="CacheConfig.selection_lag of the sparse configs: 1 = pages chosen with "
                          "the previous token's queries")
+    ap.add_argument("--kv-dtype", default=None,
+                    choices=("bfloat16", "float32", "float16", "float8_e4m3fn", "float8_e5m2"),
+                    help="CacheConfig.kv_dtype of every config (default: the model's dtype)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-decode", action="store_true", help="prefill section only")
     ap.add_argument("--tag", default="", help="write bench_decode_<tag>.json / .png")
@@ -119,7 +122,7 @@ def main():
                       selector=a.selector, budget_s=a.budget, probe_steps=a.probe_steps,
                       host_mem_gb=a.host_mem_gb, pools=pools, configs=expanded,
                       devices=a.devices, trace=a.trace, timed_rounds=a.timed_rounds,
-                      pairs=a.pairs, selection_lag=a.selection_lag)
+                      pairs=a.pairs, selection_lag=a.selection_lag, kv_dtype=a.kv_dtype)
     shapes = ("8b", "qwen1.5b") if a.shape == "all" else (a.shape,)
     contexts = [_parse_tokens(x) for x in a.contexts.split(",") if x.strip()] or None
     batches = [int(x) for x in a.batches.split(",") if x.strip()] or None

@@ -20,6 +20,8 @@ run spec:
 * anything else with ``--spec NAME=key=value,...`` (CacheConfig fields), e.g.
   ``--spec oracle1024=selector=oracle,selected_pages=64``: a run spec is just a name and
   CacheConfig keyword arguments (``run_specs``).
+  fp8 KV against the same selector and budget in bf16:
+  ``--spec quest1024-fp8=selected_pages=64,kv_dtype=float8_e4m3fn`` beside ``quest1024``.
 
 Score per case as RULER's evaluator: its post-processing, then the task's metric
 (``string_match_all`` for all of these tasks: share of the expected strings found in the

@@ -55,7 +55,7 @@ from jaxkv import compile_stats, engine, parallel  # noqa: E402
 from jaxkv.config import CacheConfig, Sampling  # noqa: E402
 from jaxkv.spec import INVALID  # noqa: E402
 from jaxkv.models import configs, llama  # noqa: E402
-from jaxkv.kernels import _common  # noqa: E402
+from jaxkv.kernels import _common, kv_quant  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ (imported from anywhere)
 import _meta  # noqa: E402
@@ -115,6 +115,7 @@ class Settings:
     trace: str = ""               # if set: profile one more round per config into this dir
     pairs: int = 0                # b / c2 re-measured alternately this many times (see _paired)
     selection_lag: int = 0        # CacheConfig.selection_lag of the sparse configs (b, c, d)
+    kv_dtype: str | None = None   # CacheConfig.kv_dtype of every config (None: the model's)
 
     @property
     def room(self) -> int:
@@ -423,7 +424,8 @@ def feasibility(cfg, B, ctx, st: Settings, host_limit, dev_limit, params_bytes):
     ps = st.page_size
     Np = -(-(ctx + st.room) // ps)
     item = jnp.dtype(cfg.dtype).itemsize
-    spec_page = 2 * cfg.num_kv_heads * ps * cfg.head_dim * item
+    kv_dt = st.kv_dtype or cfg.dtype
+    spec_page = kv_quant.row_elems(kv_dt, cfg.num_kv_heads, ps, cfg.head_dim) * jnp.dtype(kv_dt).itemsize
     tier = cfg.num_layers * B * Np * spec_page
     if st.selector == "quest":
         summ = 2 * cfg.num_layers * B * Np * cfg.num_kv_heads * cfg.head_dim * item
@@ -457,7 +459,7 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
     lengths = [ctx] * B
     rng = np.random.default_rng(st.seed + ctx + B)
     out = dict(shape=shape, model=cfg.name, batch=B, context=ctx, max_context=max_ctx,
-               page_size=ps, selected_pages=k, selected_tokens=k * ps, selector=st.selector,
+               kv_dtype=st.kv_dtype or cfg.dtype, page_size=ps, selected_pages=k, selected_tokens=k * ps, selector=st.selector,
                results=[], notes=[])
     params_bytes = params_bytes_per_device(params)
     feas = feasibility(run_cfg, B, ctx, st, *limits, params_bytes)
@@ -474,7 +476,8 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
 
     base = CacheConfig(mode="resident", selector=st.selector, page_size=ps, selected_pages=k,
                        round_steps=st.round_steps, max_context=max_ctx,
-                       implementation=st.implementation, selection_lag=st.selection_lag)
+                       implementation=st.implementation, selection_lag=st.selection_lag,
+                       kv_dtype=st.kv_dtype)
 
     def plan_for(**kw):
         if kw.get("selector") == "dense":  # (a) reads every page: nothing to lag

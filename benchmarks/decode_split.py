@@ -215,7 +215,7 @@ def time_attention(plan, pool, lengths, st: Settings, rng, *, where: str):
     Np = plan.pages_per_seq
     n_valid = -(-int(min(lengths)) // ps)
     nq = 2
-    dt = jnp.dtype(plan.kv_dtype)
+    dt = jnp.dtype(plan.model.dtype)  # queries in the model's dtype (the pool's may differ)
     qs = jax.random.normal(jax.random.key(st.seed + 5), (nq, B, cfg.num_heads, cfg.head_dim),
                            jnp.float32).astype(dt)
     if where == "dense":

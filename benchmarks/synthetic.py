@@ -38,7 +38,7 @@ from jaxkv import engine, parallel, selectors
 from jaxkv.selectors import rescore
 from jaxkv.spec import INVALID
 from jaxkv.models import llama
-from jaxkv.kernels import page_write, quest
+from jaxkv.kernels import kv_quant, page_write, quest
 from jaxkv.kernels import indexer as indexer_ops
 from jaxkv.kernels.sparse_attention import sparse_paged_attention
 
@@ -168,13 +168,20 @@ def _fill_chunk(lay: _Layout, dst, summaries, layer, b, j0, length, key, salienc
         keys = _page_keys(pk, salience, H=H, D=D, ps=ps, center_scale=lay.center_scale)
         vals = _page_values(pk, H=H, D=D, ps=ps, value_scale=lay.value_scale)
         # the barrier pins the stored values: the summaries read exactly what is written
-        row = jax.lax.optimization_barrier(jnp.stack([keys, vals]).astype(kv_dt))
+        # (fp8: the rows carry scales; the summaries, like the prefill's, read the keys in
+        # the model's dtype)
+        if kv_quant.is_fp8(kv_dt):
+            row = jax.lax.optimization_barrier(kv_quant.encode_rows(jnp.stack([keys, vals]), kv_dt))
+            stored = keys.astype(m_dt)
+        else:
+            row = jax.lax.optimization_barrier(jnp.stack([keys, vals]).astype(kv_dt))
+            stored = row[0]
         valid = p * ps + tok < length
-        out = {"row": row.reshape(-1)}                                # [2, H, ps, D] flat
+        out = {"row": row.reshape(-1)}                                # [2, H, ps, D] flat (+ scales)
         if lay.selector == "quest":
-            out["kmax"], out["kmin"] = _quest_summary(row[0], valid, kv_dt)
+            out["kmax"], out["kmin"] = _quest_summary(stored, valid, stored.dtype)
             if lay.key_bits:
-                out["keys"], out["scales"] = rescore.quantize(row[0], lay.key_bits)
+                out["keys"], out["scales"] = rescore.quantize(stored, lay.key_bits)
         elif lay.selector == "indexer":
             ik = _page_index_keys(pk, salience, dI=lay.index_dim, ps=ps)
             out["isum"] = _index_summary(ik, valid, m_dt)
@@ -432,7 +439,7 @@ def _trace(plan: engine.Plan, params, state: engine.DecodeState, tokens):
         def attend(layer, lp, h, q, k, v, carry):
             kv, summ, buf = carry
             q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
-            tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)
+            tok_kv = jnp.stack([k1, v1], axis=1).astype(plan.summary_dtype)
             kv = kvcache.write_resident(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
             summ, pages = plan.selector.update_select(plan, summ, layer, lp, h, q1, tok_kv, pos)
             rows = jnp.where(pages >= 0, layer * P + b_idx[:, None, None] * Np + pages, INVALID)

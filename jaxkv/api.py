@@ -108,6 +108,7 @@ def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int]
                 f"({batch} x (sink {cache.sink_pages} + recent {cache.recent_pages})): raise "
                 "pool_pages, lower sink_pages / recent_pages or split the batch")
     spec = plan.spec  # validates the remaining shapes
+    validation.check_kv_dtype(plan.kv_dtype)
     if cache.mode == "host":
         validation.check_host_capacity(spec.host_bytes, fix="lower batch / max_context")
     _check_device_memory(plan)

@@ -16,7 +16,7 @@ from jaxkv import validation
 
 Mode = Literal["host", "resident"]
 Selector = Literal["quest", "indexer", "dense"]
-KV_DTYPES = ("float32", "bfloat16", "float16")
+KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 IMPLEMENTATIONS = ("pallas", "xla")
 
 
@@ -99,7 +99,15 @@ class CacheConfig:
         next power of two >= longest prompt + max_new_tokens (at least 256), so calls in
         the same bucket share one compilation.
       strict: raise after a call if any selection was dropped (pool too small).
-      dtype: KV dtype (None = the model's dtype).
+      kv_dtype: the dtype K and V are stored in, in the host tier and the device pool (None =
+        the model's dtype). "float32" / "bfloat16" / "float16" store them as they are (a
+        dtype other than the model's is converted on write; attention multiplies in the wider
+        of the two). "float8_e4m3fn" / "float8_e5m2" store them in fp8 with one power-of-two
+        scale per (token, KV head, K or V) at the end of each page row (``jaxkv.kernels.
+        kv_quant``): half the bytes of bf16 in the host tier, the pool and over PCIe; attention
+        dequantizes inside its kernel. The prefill attention uses the prompt's unquantized
+        K/V, decode reads what is stored; the selector's summaries stay in the model's dtype.
+        fp8 needs a GPU of compute capability >= 8.9 (H100, H200, L40S) or the CPU.
       prefill_chunk: query tokens per chunk of the XLA prefill attention (bounds its memory;
         the flash-attention implementations on the GPU do not need it).
       prefill_token_chunk: tokens per piece of a prefill layer's per-token work (norms,
@@ -147,7 +155,7 @@ class CacheConfig:
     recent_pages: int = 1
     max_context: int | None = None
     strict: bool = False
-    dtype: str | None = None
+    kv_dtype: str | None = None
     prefill_chunk: int = 2048
     prefill_token_chunk: int | None = None
     round_steps: int = 64
@@ -205,9 +213,9 @@ class CacheConfig:
             lo, hi = self.max_context // ps * ps, -(-self.max_context // ps) * ps
             raise ValueError(f"CacheConfig.max_context ({self.max_context}) is not a multiple of page_size "
                              f"({ps}): use {hi}" + (f" or {lo}" if lo else ""))
-        if self.dtype is not None and self.dtype not in KV_DTYPES:
-            raise ValueError(f"CacheConfig.dtype must be one of {KV_DTYPES} or None (the model's), "
-                             f"got {self.dtype!r}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"CacheConfig.kv_dtype must be one of {KV_DTYPES} or None (the "
+                             f"model's), got {self.kv_dtype!r}")
         if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"CacheConfig.implementation must be 'pallas', 'xla' or None, "
                              f"got {self.implementation!r}")

@@ -47,14 +47,14 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     # [L, B, 2, H, D]) instead of selecting.
     L, Hq, D = cfg.num_layers, cfg.num_heads, cfg.head_dim
     batched = plan.lagged and selector.selects_all_layers
-    sel_in = ((jnp.zeros((L, B, Hq, D), cfg.dtype), jnp.zeros((L, B, 2, H, D), spec.jnp_dtype))
+    sel_in = ((jnp.zeros((L, B, Hq, D), cfg.dtype), jnp.zeros((L, B, 2, H, D), plan.summary_dtype))
               if batched else ())
 
     def attend_dense(layer, lp, h, q, k, v, carry):
         """The first plan.num_dense layers: every valid page, read from device memory."""
         kv, summ, look, dense, sel_in = carry
         q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
-        tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)
+        tok_kv = jnp.stack([k1, v1], axis=1).astype(plan.summary_dtype)
         kv, dense, pool = sched.write_dense(plan, kv, dense, layer, logical, offset, tok_kv)
         pages = dense_select.dense_select(jnp.maximum(positions + 1, 1), num_pages=Np,
                                           num_kv_heads=H, page_size=ps)
@@ -67,7 +67,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     def attend(layer, lp, h, q, k, v, carry):
         kv, summ, look, dense, sel_in = carry
         q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
-        tok_kv = jnp.stack([k1, v1], axis=1).astype(spec.jnp_dtype)       # [B, 2, H, D]
+        tok_kv = jnp.stack([k1, v1], axis=1).astype(plan.summary_dtype)       # [B, 2, H, D]
         kv = sched.write(plan, kv, layer, logical, offset, tok_kv)
         # select
         if batched:  # attend to the pages chosen last step; select for the next after the loop

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxkv import selectors
 from jaxkv.config import CacheConfig, Tuning
+from jaxkv.kernels import kv_quant
 from jaxkv.models.configs import ModelConfig
 from jaxkv.selectors import Selector
 from jaxkv.spec import CacheSpec
@@ -122,7 +123,14 @@ class Plan:
 
     @property
     def kv_dtype(self) -> str:
-        return self.cache.dtype or self.model.dtype
+        """The dtype of the stored K/V (``CacheConfig.kv_dtype``, default the model's)."""
+        return self.cache.kv_dtype or self.model.dtype
+
+    @property
+    def summary_dtype(self) -> str:
+        """The dtype of K/V outside the cache: the new token's K/V before its write and the
+        selector's summaries. The KV dtype, or the model's where the KV is fp8."""
+        return self.model.dtype if kv_quant.is_fp8(self.kv_dtype) else self.kv_dtype
 
     @property
     def pool_pages(self) -> int:

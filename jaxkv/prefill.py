@@ -14,21 +14,12 @@ import jax.numpy as jnp
 
 from jaxkv import selectors
 from jaxkv.config import Sampling
-from jaxkv.kernels import page_write
+from jaxkv.kernels import kv_quant, page_write
 from jaxkv.kernels.prefill_attention import prefill_attention
 from jaxkv.models import llama
 from jaxkv.plan import Plan
 from jaxkv.sampling import agree, sample
 from jaxkv.spec import INVALID
-
-
-def _pack_pages(k, v, page_size):
-    """k, v [B, T, H, D] -> rows [B, T/ps, R] in the row layout [2, H, ps, D]."""
-    B, T, H, D = k.shape
-    kv = jnp.stack([k, v], axis=2)                             # [B, T, 2, H, D]
-    kv = kv.reshape(B, T // page_size, page_size, 2, H, D)
-    kv = kv.transpose(0, 1, 3, 4, 2, 5)                        # [B, n, 2, H, ps, D]
-    return kv.reshape(B, T // page_size, 2 * H * page_size * D)
 
 
 def _in_token_chunks(fn, chunk: int, *xs):
@@ -71,8 +62,7 @@ def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, de
     x = _in_token_chunks(lambda x, a: llama.layer_output(lp, cfg, x, a, axis_name=plan.axis_name),
                          pieces, x, attn)
 
-    dt = jnp.dtype(plan.kv_dtype)
-    pages = _pack_pages(k.astype(dt), v.astype(dt), ps)             # [B, n, R]
+    pages = kv_quant.pack_pages(k, v, ps, plan.kv_dtype)            # [B, n, R] (fp8: quantized)
     n = T // ps
     j = jnp.arange(n, dtype=jnp.int32)
     used = j[None, :] * ps < lengths[:, None]

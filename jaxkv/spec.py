@@ -12,9 +12,10 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.kernels import kv_quant
 from jaxkv.kernels._common import INVALID  # noqa: F401 - "no page" in every index array
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("float32", "bfloat16", "float16") + kv_quant.FP8_DTYPES
 
 
 def _is_pow2(n: int) -> bool:
@@ -30,7 +31,8 @@ class CacheSpec:
       num_kv_heads: H, KV heads per layer.
       head_dim: D, a power of two.
       page_size: tokens per page, a power of two.
-      dtype: KV dtype name ("bfloat16", "float32", "float16").
+      dtype: KV dtype name ("bfloat16", "float32", "float16", "float8_e4m3fn",
+        "float8_e5m2"; fp8 rows end with their scales, ``jaxkv.kernels.kv_quant``).
       num_logical_pages: P, logical pages per layer in the host tier (all requests together).
       num_slots: S, device pool slots per layer.
       max_requests: R, page requests per layer per step that ``ensure`` accepts
@@ -94,9 +96,15 @@ class CacheSpec:
         return self.max_batch * (self.num_sink_pages + self.num_recent_pages)
 
     @property
+    def quantized(self) -> bool:
+        """fp8 rows (payload + per-token scales)."""
+        return kv_quant.is_fp8(self.dtype)
+
+    @property
     def row_elems(self) -> int:
-        """R: elements of one (layer, page) row, [2, H, page_size, D] flattened."""
-        return 2 * self.num_kv_heads * self.page_size * self.head_dim
+        """R: elements of one (layer, page) row, [2, H, page_size, D] flattened (fp8: then
+        the scale bytes [2, H, page_size])."""
+        return kv_quant.row_elems(self.dtype, self.num_kv_heads, self.page_size, self.head_dim)
 
     @property
     def page_bytes(self) -> int:
@@ -106,7 +114,7 @@ class CacheSpec:
     @property
     def token_bytes(self) -> int:
         """Bytes of one token's K and V in one layer."""
-        return 2 * self.num_kv_heads * self.head_dim * self.jnp_dtype.itemsize
+        return kv_quant.token_elems(self.dtype, self.num_kv_heads, self.head_dim) * self.jnp_dtype.itemsize
 
     @property
     def host_shape(self) -> tuple[int, int]:

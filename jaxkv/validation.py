@@ -173,6 +173,30 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
+def check_kv_dtype(kv_dtype: str, device=None) -> None:
+    """Raise unless the backend can store and read ``kv_dtype`` (CacheConfig.kv_dtype): fp8
+    needs a GPU of compute capability >= 8.9 (its Triton kernels convert fp8 in registers)
+    or the CPU (interpret mode and XLA)."""
+    from jaxkv.kernels import kv_quant
+    if not kv_quant.is_fp8(kv_dtype):
+        return
+    device = device or jax.devices()[0]
+    if device.platform == "gpu":
+        cc = getattr(device, "compute_capability", None)
+        try:
+            major, minor = (int(x) for x in str(cc).split(".")[:2])
+        except ValueError:
+            return  # unknown: let the compiler decide
+        if (major, minor) < (8, 9):
+            raise ValueError(f"CacheConfig.kv_dtype={kv_dtype!r} needs a GPU of compute "
+                             f"capability >= 8.9 (H100, H200, L40S); {device.device_kind} has "
+                             f"{cc}: use kv_dtype='bfloat16' (or None, the model's dtype)")
+    elif device.platform != "cpu":
+        raise ValueError(f"CacheConfig.kv_dtype={kv_dtype!r} runs on the GPU (compute "
+                         f"capability >= 8.9) or the CPU, not on {device.platform}: use "
+                         "kv_dtype='bfloat16' (or None, the model's dtype)")
+
+
 def check_token_ids(ids, vocab_size: int, what: str) -> np.ndarray:
     """``ids`` as a 1-D int array of token ids in ``[0, vocab_size)`` (may be empty)."""
     if isinstance(ids, (str, bytes)):

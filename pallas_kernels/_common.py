@@ -109,13 +109,15 @@ def largest_pow2_divisor(n: int, cap: int) -> int:
     return p
 
 
-def online_softmax_step(m, l, acc, s, v, precision=None):
+def online_softmax_step(m, l, acc, s, v, precision=None, v_scale=None):
     """One key block of a flash-attention online softmax inside a Triton kernel.
 
     m, l [Q] float32 (running max in log2 units, running denominator), acc [Q, D] float32;
     s [Q, K] float32 scores in log2 units (``-inf`` where masked); v [K, D]. Rows with no
     allowed key so far keep ``m = -inf``, ``l = 0``, ``acc = 0``. ``p`` is cast to v's dtype
-    for ``p @ v`` (float32 accumulation). Returns the updated (m, l, acc).
+    for ``p @ v`` (float32 accumulation). ``v_scale`` [K] float32: per-key factors of v (the
+    scales of a quantized cache), folded into ``p`` for the product only. Returns the updated
+    (m, l, acc).
     """
     from jax.experimental.pallas import triton as pltriton
 
@@ -124,5 +126,6 @@ def online_softmax_step(m, l, acc, s, v, precision=None):
     alpha = jnp.exp2(m - m_use)
     p = jnp.exp2(s - m_use[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + pltriton.dot(p.astype(v.dtype), v, precision=precision)
+    pv = p if v_scale is None else p * v_scale[None, :]
+    acc = acc * alpha[:, None] + pltriton.dot(pv.astype(v.dtype), v, precision=precision)
     return m_new, l, acc

@@ -11,30 +11,15 @@ Result [B, H, C] float32: per KV head, the softmax mass the group's query heads 
 candidate's valid tokens, the softmax taken over the candidates' valid tokens only and the
 masses summed over the G query heads; ``-inf`` for ``-1``.
 
-Two implementations of op ``candidate_mass``:
-
-* ``"xla"``: the reference (gather the candidates' keys, one einsum, the softmax);
-* ``"pallas"``: a kernel per (request, KV head, block of candidates) reads each candidate's
-  key rows once ([ps, D], int8 from the copy: a quarter of the bf16 K+V bytes of the page)
-  and writes, per candidate and query head, the page's max logit ``m`` and ``l = sum_t
-  exp(s_t - m)``; the masses follow in XLA from those [B, H, C, G] statistics
-  (``mass = sum_g l exp(m - M_g) / sum_c l exp(m - M_g)``). The keys never pass through a
-  float copy in HBM.
+One implementation, the jnp one (``candidate_mass``, on every backend): gather the candidates' keys, one einsum,
+the softmax. A Pallas kernel that read each candidate's int8 rows once and wrote per-page
+softmax statistics was 4.3x slower on the H200 at the Qwen-like B=8 128k step
+(docs/decisions.md).
 """
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
-
-from . import _common
-from ._common import register
-
-OP = "candidate_mass"
 
 
 def _check(q, keys, scales, cand, positions):
@@ -51,9 +36,8 @@ def _check(q, keys, scales, cand, positions):
         raise ValueError(f"positions must be [B] = [{B}], got {positions.shape}")
 
 
-@register(OP, "xla")
 def candidate_mass_reference(q, keys, scales, layer, cand, positions):
-    """The reference: see the module docstring."""
+    """See the module docstring."""
     _check(q, keys, scales, cand, positions)
     _, B, H, Np, ps, D = keys.shape
     G = q.shape[1] // H
@@ -63,8 +47,7 @@ def candidate_mass_reference(q, keys, scales, layer, cand, positions):
     k = jnp.take_along_axis(lk, idx[..., None, None], axis=2)            # [B, H, C, ps, D]
     sc = jnp.take_along_axis(ls, idx[..., None], axis=2)                 # [B, H, C, ps]
     qg = q.reshape(B, H, G, D).astype(jnp.float32)
-    s = jnp.einsum("bhgd,bhctd->bhgct", qg, k.astype(jnp.float32),
-                   precision=lax.Precision.HIGHEST)
+    s = jnp.einsum("bhgd,bhctd->bhgct", qg, k.astype(jnp.float32))
     s = s * (sc * D ** -0.5)[:, :, None]
     tok = idx[..., None] * ps + jnp.arange(ps, dtype=jnp.int32)          # [B, H, C, ps]
     valid = (cand[..., None] >= 0) & (tok <= positions[:, None, None, None])
@@ -76,84 +59,4 @@ def candidate_mass_reference(q, keys, scales, layer, cand, positions):
     return jnp.where(cand >= 0, mass, -jnp.inf)
 
 
-def mass_from_page_stats(m, l, cand, G: int):
-    """Candidate masses [B, H, C] from per-page statistics m, l [B, H, C, G_pad] (rows >= G
-    and candidates without a valid token: m = -inf, l = 0)."""
-    m, l = m[..., :G], l[..., :G]
-    top = jnp.max(m, axis=2, keepdims=True)                              # [B, H, 1, G]
-    w = l * jnp.exp(m - jnp.where(jnp.isfinite(top), top, 0.0))
-    den = jnp.sum(w, axis=2, keepdims=True)
-    mass = jnp.sum(w / jnp.where(den > 0, den, 1.0), axis=-1)
-    return jnp.where(cand >= 0, mass, -jnp.inf)
-
-
-def _kernel(layer_ref, pos_ref, cand_ref, q_ref, keys_ref, scales_ref, m_ref, l_ref, *, ps,
-            block_c, G, G_pad, scale, precision):
-    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    Hq, D = q_ref.shape[1:]
-    C = cand_ref.shape[2]
-    layer = layer_ref[0]
-    pos = pos_ref[b]
-    g = lax.broadcasted_iota(jnp.int32, (G_pad, D), 0)
-    q = plgpu.load(q_ref.at[b, jnp.minimum(h * G + g, Hq - 1),
-                            lax.broadcasted_iota(jnp.int32, (G_pad, D), 1)],
-                   mask=g < G, other=0).astype(jnp.float32) * scale       # [G_pad, D]
-    off = lax.broadcasted_iota(jnp.int32, (ps,), 0)
-    off2 = lax.broadcasted_iota(jnp.int32, (ps, D), 0)
-    dim2 = lax.broadcasted_iota(jnp.int32, (ps, D), 1)
-    for i in range(block_c):
-        c = jnp.minimum(j * block_c + i, C - 1)
-        p = cand_ref[b, h, c]
-        ok = (j * block_c + i < C) & (p >= 0) & (p * ps + off <= pos)    # [ps]
-        pc = jnp.maximum(p, 0)
-        # Every index is a full int array (interpret mode cannot mix gathers and slices).
-        p2 = jnp.full((ps, D), pc, jnp.int32)
-        k = plgpu.load(keys_ref.at[layer, b, h, p2, off2, dim2],
-                       mask=jnp.broadcast_to(ok[:, None], (ps, D)), other=0)
-        sc = plgpu.load(scales_ref.at[layer, b, h, jnp.full((ps,), pc, jnp.int32), off],
-                        mask=ok, other=0.0)
-        s = plgpu.dot(q, k.astype(jnp.float32), trans_b=True, precision=precision)
-        s = jnp.where(ok[None, :], s * sc[None, :], -jnp.inf)             # [G_pad, ps]
-        mx = jnp.max(s, axis=1)
-        l = jnp.sum(jnp.exp(s - jnp.where(mx == -jnp.inf, 0.0, mx)[:, None]), axis=1)
-        m_ref[i, :] = mx
-        l_ref[i, :] = l
-
-
-@register(OP, "pallas")
-def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: int = 8,
-                          num_warps: int = 4, interpret: bool | None = None):
-    """The Pallas kernel (module docstring); ``block_c`` candidates per program."""
-    _check(q, keys, scales, cand, positions)
-    _, B, H, Np, ps, D = keys.shape
-    G = q.shape[1] // H
-    G_pad = max(16, _common.next_pow2(G))  # the dot's row block
-    C = cand.shape[2]
-    block_c = max(1, min(block_c, C))
-    n_prog = pl.cdiv(C, block_c)
-    kernel = functools.partial(_kernel, ps=ps, block_c=block_c, G=G, G_pad=G_pad,
-                               scale=D ** -0.5, precision=lax.Precision.HIGHEST)
-    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
-    stat = jax.ShapeDtypeStruct((B, H, n_prog * block_c, G_pad), jnp.float32)
-    stat_spec = pl.BlockSpec((None, None, block_c, G_pad), lambda b, h, j: (b, h, j, 0))
-    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
-    positions = jnp.asarray(positions, jnp.int32)
-    cand = jnp.asarray(cand, jnp.int32)
-    m, l = pl.pallas_call(
-        kernel,
-        out_shape=(stat, stat),
-        grid=(B, H, n_prog),
-        in_specs=[pl.BlockSpec((1,), lambda *_: (0,)), full(positions), full(cand), full(q),
-                  full(keys), full(scales)],
-        out_specs=(stat_spec, stat_spec),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps),
-        interpret=_common.interpret_mode() if interpret is None else interpret,
-        name="candidate_mass",
-    )(layer_arr, positions, cand, q, keys, scales)
-    return mass_from_page_stats(m[:, :, :C], l[:, :, :C], cand, G)
-
-
-def candidate_mass(q, keys, scales, layer, cand, positions, *, implementation=None):
-    """Attention mass on the candidate pages (module docstring); ``implementation`` picks
-    the kernel or the reference (``_common.resolve``)."""
-    return _common.resolve(OP, implementation)(q, keys, scales, layer, cand, positions)
+candidate_mass = candidate_mass_reference

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from . import _common, page_write
+from . import _common, kv_quant, page_write
 from ._common import INVALID
 
 OP = "layer_lookup"
@@ -49,9 +49,10 @@ def _check(pages, active, tok_page, tok_offset, tok_kv, page_table, pool, record
     if page_table.ndim != 2 or page_table.dtype != jnp.int32:
         raise ValueError(f"page_table must be [L, P] int32; got {page_table.shape} {page_table.dtype}")
     L = page_table.shape[0]
-    if pool.ndim != 2 or pool.shape[0] % L or pool.shape[1] != 2 * H * page_size * D:
-        raise ValueError(f"pool {pool.shape} must be [L * S, 2 * H * page_size * D] with L = {L}, "
-                         f"R = {2 * H * page_size * D}")
+    R = kv_quant.row_elems(pool.dtype, H, page_size, D)
+    if pool.ndim != 2 or pool.shape[0] % L or pool.shape[1] != R:
+        raise ValueError(f"pool {pool.shape} must be [L * S, R] with L = {L}, R = {R} "
+                         f"(2 * H * page_size * D{' + scales' if R != 2 * H * page_size * D else ''})")
     if record.shape != (L, B * H * K) or record.dtype != jnp.int32:
         raise ValueError(f"record {record.shape} {record.dtype} must be [{L}, {B * H * K}] int32")
 
@@ -87,20 +88,22 @@ def layer_lookup_reference(pages, active, tok_page, tok_offset, tok_kv, page_tab
     tok_ok = (tok_page >= 0) & (tok_page < P)
     tok_slot = slot_of(jnp.where(tok_ok, tok_page, INVALID))
     tok_host_rows = jnp.where(tok_ok, layer * P + tok_page, INVALID).astype(jnp.int32)
-    # The token into its pool row: [2, H, D] at [.., offset, ..] of the [2, H, ps, D] row view.
+    # The encoded token into its pool row (kv_quant.token_columns: [2, H, D] at the offset of
+    # the [2, H, ps, D] payload, for fp8 also its scale bytes).
     ok = (tok_slot >= 0) & (tok_offset >= 0) & (tok_offset < page_size)
     prow = jnp.where(ok, layer * S + tok_slot, 0)
-    old = pool[prow].reshape(B, 2, H, page_size, D)
-    hit = jnp.arange(page_size)[None, None, None, :, None] == tok_offset[:, None, None, None, None]
-    new = jnp.where(hit & ok[:, None, None, None, None], tok_kv.astype(pool.dtype)[:, :, :, None, :], old)
+    off = jnp.where(ok, tok_offset, 0)
+    cols = jax.vmap(lambda o: kv_quant.token_columns(H, page_size, D, o, pool.dtype))(off)
+    new = jax.vmap(lambda row, c, t: row.at[c].set(t))(pool[prow], cols,
+                                                       kv_quant.encode_tokens(tok_kv, pool.dtype))
     # Rows not written keep their value (a write to row 0 with ok False rewrites old content).
-    pool = pool.at[jnp.where(ok, prow, pool.shape[0])].set(new.reshape(B, -1), mode="drop")
+    pool = pool.at[jnp.where(ok, prow, pool.shape[0])].set(new, mode="drop")
     return pool, record, rows.astype(jnp.int32), host_rows.astype(jnp.int32), tok_host_rows
 
 
 def _kernel(layer_ref, pages_ref, act_ref, tpage_ref, toff_ref, kv_ref, pt_ref, pool_in, rec_in,
             pool_ref, rec_ref, rows_ref, hrows_ref, thr_ref, *, B, HK, CH, C, Np, P, S, ps, H, D,
-            reuse):
+            reuse, scales):
     """Program (b, j): entries [j * CH, (j + 1) * CH) of request b for j < C, its token for
     j == C (independent chains of dependent loads, run side by side)."""
     del pool_in, rec_in  # aliased with pool_ref / rec_ref
@@ -135,7 +138,7 @@ def _kernel(layer_ref, pages_ref, act_ref, tpage_ref, toff_ref, kv_ref, pt_ref, 
             o = toff_ref[b]
             w_ok = t_ok & (ts >= 0) & (o >= 0) & (o < ps)
             page_write.store_token(pool_ref, layer * S + ts, o, w_ok, kv_ref, b, page_size=ps,
-                                   head_dim=D)
+                                   head_dim=D, scales=scales)
 
 
 ENTRIES_PER_PROGRAM = 64
@@ -159,10 +162,11 @@ def layer_lookup_pallas(pages, active, tok_page, tok_offset, tok_kv, page_table,
     CH = min(_common.next_pow2(HK), ENTRIES_PER_PROGRAM)
     C = -(-HK // CH)
     kernel = functools.partial(_kernel, B=B, HK=HK, CH=CH, C=C, Np=pages_per_seq, P=P, S=S,
-                               ps=page_size, H=H, D=D, reuse=reuse)
+                               ps=page_size, H=H, D=D, reuse=reuse,
+                               scales=kv_quant.is_fp8(pool.dtype))
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), pages.astype(jnp.int32).reshape(-1),
                 active.astype(jnp.int32), tok_page.astype(jnp.int32), tok_offset.astype(jnp.int32),
-                tok_kv.astype(pool.dtype).reshape(B, 2 * H * D), page_table.reshape(-1), pool,
+                kv_quant.encode_tokens(tok_kv, pool.dtype), page_table.reshape(-1), pool,
                 record.reshape(-1)]
     full = lambda shape: pl.BlockSpec(shape, lambda i, j: (0,) * len(shape))
     pool, rec, rows, hrows, thr = pl.pallas_call(
@@ -192,10 +196,11 @@ def layer_lookup(pages, active, tok_page, tok_offset, tok_kv, page_table, layer,
       pages: [B, H, K] int32 selected pages of each request's sequence (-1 pad).
       active: [B] bool or int32, requests decoding this step (inactive ones select nothing).
       tok_page: [B] int32 logical page of the new token (-1 = none); tok_offset: [B] int32.
-      tok_kv: [B, 2, H, D] the new token's K and V (cast to ``pool.dtype``).
+      tok_kv: [B, 2, H, D] the new token's K and V (cast to ``pool.dtype``; an fp8 pool
+        gets it quantized, ``kv_quant``).
       page_table: [L, P] int32 logical page -> slot (-1 = not resident).
       layer: int32 scalar (traced is fine).
-      pool: [L * S, 2 * H * page_size * D] device pool; donated, updated in place.
+      pool: [L * S, R] device pool (``R = kv_quant.row_elems``); donated, updated in place.
       record: [L, B * H * K] int32 selections of the step; donated, row ``layer`` replaced.
       pages_per_seq, page_size: static ints. reuse: static; False = nothing is resident.
       implementation: "pallas" | "xla" | None.

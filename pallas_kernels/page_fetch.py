@@ -395,8 +395,11 @@ def _layer_global(src, dst, l, src_stride, dst_stride):
     return ok, jnp.where(ok, l * src_stride + src, 0), jnp.where(ok, l * dst_stride + dst, 0)
 
 
-def _fetch_layers_kernel(src_ref, dst_ref, host_ref, pool_in_ref, pool_ref, *, R, chunk,
-                         programs_per_layer, src_stride, dst_stride):
+def _fetch_layers_kernel(src_ref, dst_ref, host_ref, pool_in_ref, pool_ref, *, R, chunk, n_main,
+                         tail, programs_per_layer, src_stride, dst_stride):
+    """Program (l, g, j): chunk column j < n_main of layer l's entries g, g + G, ...; column
+    j == n_main (when ``tail``, static (offset, size) pieces past the last whole chunk)
+    copies those pieces."""
     del pool_in_ref  # aliased with pool_ref
     l, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     G = programs_per_layer
@@ -404,16 +407,50 @@ def _fetch_layers_kernel(src_ref, dst_ref, host_ref, pool_in_ref, pool_ref, *, R
     d_all = plgpu.load(dst_ref.at[l, i_r], mask=i_r < R, other=-1)
     n = jnp.max(jnp.where(d_all >= 0, i_r + 1, 0))  # one past the last listed entry
     trips = jnp.maximum(n - g + G - 1, 0) // G
-    cols = pl.ds(j * chunk, chunk)
 
-    def body(t, carry):
-        m = g + t * G
-        ok, s, d = _layer_global(src_ref[l, m], dst_ref[l, m], l, src_stride, dst_stride)
-        mask = jnp.full((chunk,), ok)
-        plgpu.store(pool_ref.at[d, cols], plgpu.load(host_ref.at[s, cols], mask=mask), mask=mask)
-        return carry
+    def copy(pieces):
+        def body(t, carry):
+            m = g + t * G
+            ok, s, d = _layer_global(src_ref[l, m], dst_ref[l, m], l, src_stride, dst_stride)
+            for start, size in pieces:
+                mask = jnp.full((size,), ok)
+                cols = pl.ds(start, size)
+                plgpu.store(pool_ref.at[d, cols], plgpu.load(host_ref.at[s, cols], mask=mask),
+                            mask=mask)
+            return carry
 
-    jax.lax.fori_loop(0, trips, body, 0)
+        jax.lax.fori_loop(0, trips, body, 0)
+
+    if not tail:
+        copy([(j * chunk, chunk)])
+        return
+
+    @pl.when(j < n_main)
+    def _():
+        copy([(j * chunk, chunk)])
+
+    @pl.when(j == n_main)
+    def _():
+        copy(tail)
+
+
+def row_chunks(row: int, cap: int, min_elems: int) -> tuple[int, int, tuple]:
+    """How a row of ``row`` elements is copied in loads of at most ``cap`` elements (powers of
+    two): (chunk B, whole chunks n, tail pieces ((offset, size), ...)). B is the largest power
+    of two dividing the row when that is at least ``min_elems`` (no tail); otherwise (a row
+    such as an fp8 page row, payload + scales, whose largest power-of-two divisor is small)
+    the largest power of two <= min(row, cap), with the rest of the row in power-of-two
+    pieces (its binary digits)."""
+    B = _common.largest_pow2_divisor(row, cap)
+    if B >= min(min_elems, cap) or B == row:
+        return B, row // B, ()
+    B = 1 << (min(row, cap).bit_length() - 1)
+    n, rest, off, tail = row // B, row % B, (row // B) * B, []
+    for bit in reversed(range(rest.bit_length())):
+        if rest >> bit & 1:
+            tail.append((off, 1 << bit))
+            off += 1 << bit
+    return B, n, tuple(tail)
 
 
 def _check_layers(host_kv, pool, fetch_src, fetch_dst, src_stride, dst_stride):
@@ -434,17 +471,20 @@ def fetch_layer_pages_pallas(host_kv, pool, fetch_src, fetch_dst, *, src_stride:
     """Pallas implementation of :func:`fetch_layer_pages`. Grid ``(L, G, R_row / B)``:
     program ``(l, g, j)`` copies chunk ``j`` (``B`` elements) of layer ``l``'s entries
     ``g, g + G, ...`` below one past the layer's last listed entry (a loop whose trip count
-    it reads from the list), so an empty list costs one small launch."""
+    it reads from the list), so an empty list costs one small launch. A row whose length has
+    only a small power-of-two divisor (fp8 rows: payload + scales) is copied in large chunks
+    plus one more column for the rest (:func:`row_chunks`)."""
     _check_layers(host_kv, pool, fetch_src, fetch_dst, src_stride, dst_stride)
     L, R = fetch_src.shape
     row, itemsize = host_kv.shape[1], jnp.dtype(host_kv.dtype).itemsize
-    B = _common.largest_pow2_divisor(
-        row, min(chunk_elems or DEFAULT_CHUNK_BYTES // itemsize, MAX_CHUNK_BYTES // itemsize))
-    n_cb = row // B
+    B, n_main, tail = row_chunks(
+        row, min(chunk_elems or DEFAULT_CHUNK_BYTES // itemsize, MAX_CHUNK_BYTES // itemsize),
+        DEFAULT_MIN_CHUNK_BYTES // itemsize)
+    n_cb = n_main + (1 if tail else 0)
     if programs_per_layer is None:
         programs_per_layer = min(_common.next_pow2(max(1, -(-_LAYER_MIN_PROGRAMS // (L * n_cb)))),
                                  _common.next_pow2(R))
-    kernel = functools.partial(_fetch_layers_kernel, R=R, chunk=B,
+    kernel = functools.partial(_fetch_layers_kernel, R=R, chunk=B, n_main=n_main, tail=tail,
                                programs_per_layer=programs_per_layer,
                                src_stride=src_stride, dst_stride=dst_stride)
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
@@ -492,7 +532,7 @@ def fetch_layer_pages(host_kv, pool, fetch_src, fetch_dst, *, src_stride: int,
       fetch_dst: [L, R] int32 per-layer pool slots (``-1`` or ``>= dst_stride`` = none);
         valid ones distinct within a layer.
       src_stride, dst_stride: static rows per layer in ``host_kv`` / ``pool``.
-      **tuning: ``chunk_elems`` (elements per load, a power of two dividing R_row),
+      **tuning: ``chunk_elems`` (elements per load, a power of two; ``row_chunks``),
         ``programs_per_layer`` (G), ``num_warps``. Ignored by the reference.
     Returns:
       pool with the listed rows replaced.

@@ -1,7 +1,8 @@
 """Writes into a page array (the pinned_host tier or the device pool), in place.
 
 * ``write_tokens(dst, rows, offsets, kv, page_size=)``: one token's K and V per entry into
-  row ``rows[m]`` at token offset ``offsets[m]`` (row layout ``[2, H, page_size, D]``).
+  row ``rows[m]`` at token offset ``offsets[m]`` (row layout ``[2, H, page_size, D]``; an
+  fp8 ``dst`` gets the token quantized and its scale bytes in the row's tail, ``kv_quant``).
 * ``write_tokens_pair(host, host_rows, pool, pool_rows, offsets, kv, page_size=)``: the same
   tokens into the host tier and the device pool (write-through).
 * ``write_pages(dst, rows, pages)``: whole rows (prefill).
@@ -37,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import _common
+from . import kv_quant
 from . import page_fetch
 
 OP_TOKENS = "write_tokens"
@@ -61,24 +63,36 @@ def _check_tokens(dst, rows, offsets, kv, page_size):
     if dst.ndim != 2 or kv.ndim != 4 or kv.shape[1] != 2:
         raise ValueError(f"dst must be [N, R] and kv [M, 2, H, D]; got {dst.shape}, {kv.shape}")
     M, _, H, D = kv.shape
-    if dst.shape[1] != 2 * H * page_size * D:
-        raise ValueError(f"row length {dst.shape[1]} != 2 * H {H} * page_size {page_size} * D {D}")
+    R = kv_quant.row_elems(dst.dtype, H, page_size, D)
+    if dst.shape[1] != R:
+        raise ValueError(f"row length {dst.shape[1]} != {R} (2 * H {H} * page_size {page_size} * "
+                         f"D {D}{' + scales' if kv_quant.is_fp8(dst.dtype) else ''})")
     if rows.shape != (M,) or offsets.shape != (M,):
         raise ValueError(f"rows {rows.shape} and offsets {offsets.shape} must be [{M}]")
 
 
-def store_token(dst_ref, row, offset, ok, kv_ref, kv_row, *, page_size: int, head_dim: int):
-    """Kernel helper (Triton): write the token ``kv_ref[kv_row]`` (``[2 * H * D]``: segment
-    ``s`` = (K or V, head), ``D`` elements each) into row ``row`` of ``dst_ref`` (row layout
-    ``[2, H, page_size, D]``) at token ``offset``; nothing where ``ok`` is False. The loads
-    are issued before the stores."""
+def store_token(dst_ref, row, offset, ok, kv_ref, kv_row, *, page_size: int, head_dim: int,
+                scales: bool = False):
+    """Kernel helper (Triton): write the encoded token ``kv_ref[kv_row]`` (``[2 * H * D]``:
+    segment ``s`` = (K or V, head), ``D`` elements each; with ``scales`` then ``2 * H`` scale
+    bytes, ``kv_quant.encode_tokens``) into row ``row`` of ``dst_ref`` (row layout
+    ``[2, H, page_size, D]``, then with ``scales`` the scale bytes ``[2, H, page_size]``) at
+    token ``offset``; nothing where ``ok`` is False. The loads are issued before the stores."""
     D = head_dim
+    n = kv_ref.shape[1] // (D + 1) if scales else kv_ref.shape[1] // D  # segments (2 * H)
     r = jnp.where(ok, row, 0)
     o = jnp.where(ok, offset, 0)
     mask = jnp.full((D,), ok)
-    vals = [kv_ref[kv_row, pl.ds(seg * D, D)] for seg in range(kv_ref.shape[1] // D)]
-    for seg, v in enumerate(vals):  # segment = (K or V, head): a [page_size, D] block
-        plgpu.store(dst_ref.at[r, pl.ds((seg * page_size + o) * D, D)], v, mask=mask)
+    vals = [kv_ref[kv_row, pl.ds(seg * D, D)] for seg in range(n)]
+    if scales:  # the n scale bytes in one gathered load / store; the power-of-two padding
+        # lanes repeat the last segment (duplicate stores of equal values, no mask needed)
+        seg = jnp.minimum(jax.lax.broadcasted_iota(jnp.int32, (_common.next_pow2(n),), 0), n - 1)
+        e = plgpu.load(kv_ref.at[jnp.full(seg.shape, kv_row), n * D + seg])
+    for seg_i, v in enumerate(vals):  # segment = (K or V, head): a [page_size, D] block
+        plgpu.store(dst_ref.at[r, pl.ds((seg_i * page_size + o) * D, D)], v, mask=mask)
+    if scales:
+        plgpu.store(dst_ref.at[jnp.full(seg.shape, r), n * page_size * D + seg * page_size + o],
+                    e, mask=jnp.full(seg.shape, ok))
 
 
 def _write_tokens_pallas(dst, rows, offsets, kv, *, page_size: int, num_warps: int = 4):
@@ -89,7 +103,8 @@ def _write_tokens_pallas(dst, rows, offsets, kv, *, page_size: int, num_warps: i
     ps = int(page_size)
     if D & (D - 1):
         raise ValueError(f"head_dim {D} must be a power of two (Triton blocks)")
-    kv2 = kv.astype(dst.dtype).reshape(M, 2 * H * D)
+    kv2 = kv_quant.encode_tokens(kv, dst.dtype)
+    scales = kv_quant.is_fp8(dst.dtype)
     rows = jnp.asarray(rows, jnp.int32)
     offsets = jnp.asarray(offsets, jnp.int32)
 
@@ -99,7 +114,7 @@ def _write_tokens_pallas(dst, rows, offsets, kv, *, page_size: int, num_warps: i
         r = rows_ref[m]
         o = offs_ref[m]
         ok = (r >= 0) & (r < N) & (o >= 0) & (o < ps)
-        store_token(dst_ref, r, o, ok, kv_ref, m, page_size=ps, head_dim=D)
+        store_token(dst_ref, r, o, ok, kv_ref, m, page_size=ps, head_dim=D, scales=scales)
 
     full = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
     return pl.pallas_call(
@@ -131,7 +146,7 @@ def write_tokens_reference(dst, rows, offsets, kv, *, page_size, **tuning):
     N, R = dst.shape
     M, _, H, D = kv.shape
     ps = int(page_size)
-    kv = kv.astype(dst.dtype)
+    kv = kv_quant.encode_tokens(kv, dst.dtype)
     rows = jnp.asarray(rows, jnp.int32)
     offsets = jnp.asarray(offsets, jnp.int32)
     ok = (rows >= 0) & (rows < N) & (offsets >= 0) & (offsets < ps)
@@ -143,9 +158,8 @@ def write_tokens_reference(dst, rows, offsets, kv, *, page_size, **tuning):
         old = jax.lax.dynamic_slice_in_dim(dst, r, 1, 0)
         if on_host:
             old = jax.device_put(old, jax.memory.Space.Device)
-        page = old.reshape(2, H, ps, D)
-        page = jax.lax.dynamic_update_slice(page, kv[m][:, :, None, :], (0, 0, o, 0))
-        new = jnp.where(ok[m], page.reshape(1, R), old)
+        cols = kv_quant.token_columns(H, ps, D, o, dst.dtype)
+        new = jnp.where(ok[m], old.at[0, cols].set(kv[m]), old)
         if on_host:
             new = jax.device_put(new, jax.memory.Space.Host)
         return jax.lax.dynamic_update_slice_in_dim(dst, new, r, 0)
@@ -161,7 +175,8 @@ def write_tokens(dst, rows, offsets, kv, *, page_size, implementation=None, **tu
         pinned_host tier or device pool; donated.
       rows: [M] int32 global rows of ``dst``; ``-1`` (or out of range) = write nothing.
       offsets: [M] int32 token offsets within the page, in ``[0, page_size)``.
-      kv: [M, 2, H, D] K (index 0) and V (index 1) of the token; cast to ``dst.dtype``.
+      kv: [M, 2, H, D] K (index 0) and V (index 1) of the token; cast to ``dst.dtype``
+        (fp8: quantized, its scales written too).
       page_size: static int, tokens per page.
       implementation: "pallas" | "xla" | None.
       **tuning: ``num_warps`` of the Pallas kernel.
@@ -217,11 +232,15 @@ def write_pages(dst, rows, pages, *, implementation=None, **tuning):
     Args:
       dst: [N, R] page array (pinned_host tier or device pool); donated.
       rows: [M] int32 global rows; ``-1`` = write nothing; valid ones distinct.
-      pages: [M, R] rows to write (device array); cast to ``dst.dtype``.
+      pages: [M, R] rows to write (device array); cast to ``dst.dtype`` (fp8: already
+        encoded, ``kv_quant.pack_pages``).
       implementation: "pallas" | "xla" | None.
       **tuning: tunables of the copy kernel (see ``page_fetch.resolve_tuning``).
     Returns:
       dst [N, R]. Inside a traced loop over a host carry, wrap it in :func:`keep_on_host`.
     """
+    if kv_quant.is_fp8(dst.dtype) and pages.dtype != dst.dtype:
+        raise ValueError(f"write_pages into a {dst.dtype} array takes encoded rows of that dtype "
+                         f"(kv_quant.pack_pages / encode_rows), got {pages.dtype}")
     fn = _common.resolve(OP_PAGES, implementation)
     return page_fetch.call_in_place(fn, (dst, rows, pages), 0, **tuning)

@@ -2,7 +2,12 @@
 of the device page pool (GQA), with split-K partial results merged by log-sum-exp.
 
 Layouts follow docs/DESIGN.md: the pool is ``[N_rows, R]`` with ``R = 2 * H * ps * D`` and is
-viewed as ``[N_rows, 2 (K, V), H, ps, D]``; ``block_rows`` hold global pool rows.
+viewed as ``[N_rows, 2 (K, V), H, ps, D]``; ``block_rows`` hold global pool rows. An fp8 pool
+(``kv_quant``) has the scale bytes ``[2, H, ps]`` after that payload (``R = 2 * H * ps *
+(D + 1)``): the kernel loads the fp8 tiles and their per-token scales and dequantizes in
+registers (K's scales multiply the scores, V's the probabilities before ``p @ v``), so no
+wider copy of the pool exists. The pool's dtype may differ from q's: the products run in
+``kv_quant.compute_dtype``.
 
 Semantics shared by the kernel ("pallas") and the reference ("xla"):
 
@@ -39,6 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from . import kv_quant
 from ._common import (interpret_mode, next_pow2, online_softmax_step, prefer_on_cpu, register,
                       resolve)
 
@@ -80,12 +86,13 @@ def _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads, h
     H = num_kv_heads
     if Hq % H:
         raise ValueError(f"query heads {Hq} not a multiple of kv heads {H}")
-    if pool.ndim != 2 or pool.shape[1] != 2 * H * page_size * D:
-        raise ValueError(f"pool shape {pool.shape} != [N, 2*H*ps*D = {2 * H * page_size * D}]")
+    R = kv_quant.row_elems(pool.dtype, H, page_size, D)
+    if pool.ndim != 2 or pool.shape[1] != R:
+        raise ValueError(f"pool shape {pool.shape} != [N, 2*H*ps*D{' + scales' if kv_quant.is_fp8(pool.dtype) else ''} = {R}]")
     if block_rows.shape != page_index.shape or block_rows.shape[:2] != (B, H):
         raise ValueError(f"block_rows {block_rows.shape} / page_index {page_index.shape} != [B, H, K]")
-    if pool.dtype != q.dtype:
-        raise ValueError(f"pool dtype {pool.dtype} != q dtype {q.dtype}")
+    if not jnp.issubdtype(pool.dtype, jnp.floating) or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"pool dtype {pool.dtype} and q dtype {q.dtype} must be float types")
     if seq_lens.shape != (B,):
         raise ValueError(f"seq_lens shape {seq_lens.shape} != ({B},)")
     for name, v in (("page_size", page_size), ("head_dim", D)):
@@ -247,22 +254,22 @@ def sparse_paged_attention_xla(q, pool, block_rows, page_index, seq_lens, *, pag
     H, ps = num_kv_heads, page_size
     G, K = Hq // H, block_rows.shape[-1]
     scale = (1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
-    pool5 = pool.reshape(pool.shape[0], 2, H, ps, D)
     in_pool = block_rows >= 0
     heads = jnp.arange(H, dtype=jnp.int32)[None, :, None]
-    kv = pool5[jnp.where(in_pool, block_rows, 0), :, heads]  # [B, H, K, 2, ps, D]
+    kv = _as_f32(*_heads(pool, jnp.where(in_pool, block_rows, 0), heads, H, ps, D))  # [B, H, K, 2, ps, D]
     if host is not None:
         in_host = ~in_pool & (host_rows >= 0)
         rows_h = _gather_rows(host, jnp.where(in_host, host_rows, 0).reshape(-1))
         hh = jnp.arange(H)
         # entry (b, h, i) uses head h of its row: [H, B, K, 2, ps, D] -> [B, H, K, 2, ps, D]
-        kv_h = jnp.moveaxis(rows_h.reshape(B, H, K, 2, H, ps, D)[:, hh, :, :, hh], 0, 1)
+        kv_h = kv_quant.unpack_rows(rows_h.reshape(B, H, K, -1), H, ps, D)
+        kv_h = jnp.moveaxis(kv_h[:, hh, :, :, hh], 0, 1)
         kv = jnp.where(in_host[..., None, None, None], kv_h, kv)
         in_pool = in_pool | in_host
     valid = in_pool & (page_index >= 0)  # [B, H, K]
     pos = page_index[..., None] * ps + jnp.arange(ps, dtype=jnp.int32)  # [B, H, K, ps]
     ok = valid[..., None] & (pos < seq_lens[:, None, None, None])
-    kv = jnp.where(ok[:, :, :, None, :, None], kv.astype(jnp.float32), 0.0)
+    kv = jnp.where(ok[:, :, :, None, :, None], kv, 0.0)
     k = kv[:, :, :, 0].reshape(B, H, K * ps, D)
     v = kv[:, :, :, 1].reshape(B, H, K * ps, D)
     qf = q.astype(jnp.float32).reshape(B, H, G, D)
@@ -285,25 +292,45 @@ def sparse_paged_attention_xla(q, pool, block_rows, page_index, seq_lens, *, pag
 BLOCKED_CHUNK = 32  # selection entries (pages) per chunk of the blocked formulation (CPU)
 
 
+def _heads(a, r, h, H, ps, D):
+    """K/V of head ``h`` of rows ``r`` of the page array ``a`` [N, R] (r, h broadcast
+    together): (payload [..., 2, ps, D] in a's dtype, scale bytes [..., 2, ps] uint8 of an fp8
+    array, else None)."""
+    n = 2 * H * ps * D
+    payload = (a if a.shape[1] == n else a[:, :n]).reshape(a.shape[0], 2, H, ps, D)[r, :, h]
+    if not kv_quant.is_fp8(a.dtype):
+        return payload, None
+    return payload, kv_quant.exps_of(a[:, n:].reshape(a.shape[0], 2, H, ps)[r, :, h])
+
+
+def _as_f32(payload, e):
+    """:func:`_heads`' result as float32 (dequantized)."""
+    return payload.astype(jnp.float32) if e is None else kv_quant.dequantize(payload, e)
+
+
 def _gather_heads(arr, rows, num_kv_heads, page_size, head_dim):
     """K/V of head h of row ``rows[b, h, i]`` of ``arr`` [N, R] (rows [B, H, C]) as a device
-    array [B, H, C, 2, ps, D]. A host-memory ``arr`` (the pinned host tier) is gathered on the
-    host (``compute_on("device_host")``: one gather of the entries' own heads, where a copy per
-    row would cost a loop iteration each) and the result moved to device memory."""
+    array [B, H, C, 2, ps, D] float32 (dequantized). A host-memory ``arr`` (the pinned host
+    tier) is gathered on the host (``compute_on("device_host")``: one gather of the entries'
+    own heads, where a copy per row would cost a loop iteration each) and the result moved to
+    device memory in the array's dtype."""
     H, ps, D = num_kv_heads, page_size, head_dim
     heads = jnp.arange(H, dtype=jnp.int32)[None, :, None]
 
     def gather(a, r, h):
-        return a.reshape(a.shape[0], 2, H, ps, D)[r, :, h]
+        payload, e = _heads(a, r, h, H, ps, D)
+        return (payload,) if e is None else (payload, e)
 
     if jax.typeof(arr).memory_space != jax.memory.Space.Host:
-        return gather(arr, rows, heads)
+        return _as_f32(*_heads(arr, rows, heads, H, ps, D))
     from jax.experimental.compute_on import compute_on
 
     host = jax.memory.Space.Host
-    out = compute_on(gather, compute_type="device_host", out_memory_spaces=host)(
+    n_out = 2 if kv_quant.is_fp8(arr.dtype) else 1
+    out = compute_on(gather, compute_type="device_host", out_memory_spaces=(host,) * n_out)(
         arr, jax.device_put(rows, host), jax.device_put(heads, host))
-    return jax.device_put(out, jax.memory.Space.Device)
+    out = [jax.device_put(o, jax.memory.Space.Device) for o in out]
+    return _as_f32(out[0], out[1] if n_out == 2 else None)
 
 
 @register(OP, "blocked")
@@ -350,12 +377,11 @@ def sparse_paged_attention_blocked(q, pool, block_rows, page_index, seq_lens, *,
         # the [N, 2, H, ps, D] view is taken here, inside the loop: a view of the caller's pool
         # outside it makes XLA apply the caller's in-place write to both views (two buffers)
         # and copy the whole pool every call
-        pool5 = pool.reshape(pool.shape[0], 2, H, ps, D)
         take = lambda a: lax.dynamic_slice_in_dim(a, c * C, C, axis=2)  # noqa: E731
         rows, pidx = take(block_rows), take(page_index)
         in_pool = rows >= 0
-        prow = jnp.where(in_pool, rows, 0)
-        k, v = pool5[prow, 0, heads], pool5[prow, 1, heads]                   # [B, H, C, ps, D]
+        kv = _as_f32(*_heads(pool, jnp.where(in_pool, rows, 0), heads, H, ps, D))
+        k, v = kv[:, :, :, 0], kv[:, :, :, 1]                                  # [B, H, C, ps, D]
         if host is not None:
             hrows = take(host_rows)
             in_host = ~in_pool & (hrows >= 0)
@@ -365,8 +391,8 @@ def sparse_paged_attention_blocked(q, pool, block_rows, page_index, seq_lens, *,
             in_pool = in_pool | in_host
         ok = ((in_pool & (pidx >= 0))[..., None]
               & (pidx[..., None] * ps + tok < seq_lens[:, None, None, None]))   # [B, H, C, ps]
-        k = k.reshape(B, H, C * ps, D).astype(jnp.float32)
-        v = jnp.where(ok[..., None], v.astype(jnp.float32), 0.0).reshape(B, H, C * ps, D)
+        k = k.reshape(B, H, C * ps, D)
+        v = jnp.where(ok[..., None], v, 0.0).reshape(B, H, C * ps, D)
         s = jnp.einsum("bhgd,bhtd->bhgt", qf, k, precision=lax.Precision.HIGHEST)
         s = jnp.where(ok.reshape(B, H, 1, C * ps), s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -391,7 +417,9 @@ prefer_on_cpu(OP, "blocked")
 # Triton kernel: one program per (b, kv head, split), looping over its pages.
 # --------------------------------------------------------------------------------------------
 def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter, k_per, G, G_pad,
-            scale2, precision, has_host):
+            scale2, precision, has_host, quantized, H, cdt):
+    """``quantized``: the pool (and host) refs are fp8 rows [N, R] (payload, then scale
+    bytes; ``kv_quant``), else [N, 2, H, ps, D] views. ``cdt``: the products' dtype."""
     if has_host:
         hrows_ref, host_ref, o_ref, lse_ref = refs
     else:
@@ -403,7 +431,7 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter
     # The group's G query heads as a [G_pad, D] block (rows >= G are zero).
     g = lax.broadcasted_iota(jnp.int32, (G_pad, D), 0)
     q = pltriton.load(q_ref.at[b, jnp.minimum(h * G + g, Hq - 1), lax.broadcasted_iota(jnp.int32, (G_pad, D), 1)],
-                      mask=g < G, other=0)
+                      mask=g < G, other=0).astype(cdt)
     seq_len = len_ref[b]
     tok = lax.broadcasted_iota(jnp.int32, (T,), 0)
     tok_page, tok_off = lax.div(tok, ps), lax.rem(tok, ps)
@@ -418,12 +446,29 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter
         pidx = pidx_ref[b, h, sel_c]
         ok = (sel < K) & (pidx >= 0) & (pidx * ps + tok_off < seq_len)  # [T]
         in_pool = ok & (rows >= 0)
+
         def load_from(ref, r, sel_mask):
+            """(k, v) [T, D] in cdt and, quantized, their per-token scales [T] f32 (0 where
+            masked)."""
             # Every index is a full [T, D] int array (interpret mode cannot mix gathers and slices).
-            r2 = jnp.broadcast_to(jnp.where(sel_mask, r, 0)[:, None], (T, D))
+            r1 = jnp.where(sel_mask, r, 0)
+            r2 = jnp.broadcast_to(r1[:, None], (T, D))
             mask = jnp.broadcast_to(sel_mask[:, None], (T, D))
-            return (pltriton.load(ref.at[r2, 0, h, off2, dim2], mask=mask, other=0),  # [T, D]
-                    pltriton.load(ref.at[r2, 1, h, off2, dim2], mask=mask, other=0))
+            if not quantized:
+                return (pltriton.load(ref.at[r2, 0, h, off2, dim2], mask=mask, other=0).astype(cdt),
+                        pltriton.load(ref.at[r2, 1, h, off2, dim2], mask=mask, other=0).astype(cdt))
+            tiles, scales = [], []
+            for kv in (0, 1):  # payload [2, H, ps, D], then the scale bytes [2, H, ps]
+                # (fp8 loads take no ``other``: masked lanes are zeroed after the conversion)
+                col = ((kv * H + h) * ps + off2) * D + dim2
+                t = pltriton.load(ref.at[r2, col], mask=mask).astype(cdt)
+                tiles.append(jnp.where(mask, t, jnp.zeros((), cdt)))
+                e = pltriton.load(ref.at[r1, 2 * H * ps * D + (kv * H + h) * ps + tok_off],
+                                  mask=sel_mask)
+                e = lax.bitcast_convert_type(e, jnp.uint8).astype(jnp.int32)
+                sc = lax.bitcast_convert_type(e << 23, jnp.float32)  # 2**(e - 127)
+                scales.append(jnp.where(sel_mask, sc, 0.0))
+            return tuple(tiles) + tuple(scales)
 
         if has_host:  # entries missing from the pool: read the pinned host rows in place
             hrows = hrows_ref[b, h, sel_c]
@@ -432,22 +477,24 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter
             # Most tiles have no missed page, so the host loads sit in a branch of their own
             # (compiled in line and masked, they slow every tile: docs/decisions.md).
             if ppi == 1:  # a tile is one page: from the pool or from the host tier, never both
-                k, v = lax.cond(any_host, lambda: load_from(host_ref, hrows, in_host),
+                tile = lax.cond(any_host, lambda: load_from(host_ref, hrows, in_host),
                                 lambda: load_from(pool_ref, rows, in_pool))
             else:
-                def add_host(kv):  # masked-out lanes load 0: pool + host = the tile
-                    hk, hv = load_from(host_ref, hrows, in_host)
-                    return kv[0] + hk, kv[1] + hv
+                def add_host(t):  # masked-out lanes load 0 (scale 0): pool + host = the tile
+                    return tuple(a + b for a, b in zip(t, load_from(host_ref, hrows, in_host)))
 
-                k, v = lax.cond(any_host, add_host, lambda kv: kv,
+                tile = lax.cond(any_host, add_host, lambda t: t,
                                 load_from(pool_ref, rows, in_pool))
             ok = in_pool | in_host
         else:
-            k, v = load_from(pool_ref, rows, in_pool)
+            tile = load_from(pool_ref, rows, in_pool)
             ok = in_pool
+        k, v = tile[:2]
         s = pltriton.dot(q, k, trans_b=True, precision=precision) * scale2  # [G_pad, T] f32, log2 units
+        if quantized:
+            s = s * tile[2][None, :]
         s = jnp.where(ok[None, :], s, -jnp.inf)
-        return online_softmax_step(m, l, acc, s, v, precision)
+        return online_softmax_step(m, l, acc, s, v, precision, tile[3] if quantized else None)
 
     init = (jnp.full((G_pad,), -jnp.inf, jnp.float32), jnp.zeros((G_pad,), jnp.float32),
             jnp.zeros((G_pad, D), jnp.float32))
@@ -488,24 +535,28 @@ def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv
     S = max(1, min(S, -(-K // ppi)))
     k_per = -(-K // (S * ppi)) * ppi  # entries per split, a multiple of ppi
     S = -(-K // k_per)  # drop splits that would be empty
-    pool5 = pool.reshape(pool.shape[0], 2, H, ps, D)
+    quantized = kv_quant.is_fp8(pool.dtype)
+    view = (lambda a: a) if quantized else (lambda a: a.reshape(a.shape[0], 2, H, ps, D))  # noqa: E731
+    pool5 = view(pool)
     scale = (1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    cdt = kv_quant.compute_dtype(q.dtype, pool.dtype)
+    precision = lax.Precision.HIGHEST if cdt == jnp.float32 else None
     kernel = functools.partial(_kernel, ps=ps, ppi=ppi, n_iter=k_per // ppi, k_per=k_per, G=G, G_pad=G_pad,
-                               scale2=scale * _LOG2E, precision=precision, has_host=host is not None)
+                               scale2=scale * _LOG2E, precision=precision, has_host=host is not None,
+                               quantized=quantized, H=H, cdt=cdt)
     in_specs = [
         pl.BlockSpec((B,), lambda b, h, s: (0,)),
         pl.BlockSpec((B, Hq, D), lambda b, h, s: (0, 0, 0)),
         pl.BlockSpec((B, H, K), lambda b, h, s: (0, 0, 0)),
         pl.BlockSpec((B, H, K), lambda b, h, s: (0, 0, 0)),
-        pl.BlockSpec(pool5.shape, lambda b, h, s: (0, 0, 0, 0, 0)),
+        pl.BlockSpec(pool5.shape, lambda b, h, s: (0,) * pool5.ndim),
     ]
     operands = [seq_lens.astype(jnp.int32), q, block_rows.astype(jnp.int32),
                 page_index.astype(jnp.int32), pool5]
     if host is not None:
-        host5 = host.reshape(host.shape[0], 2, H, ps, D)
+        host5 = view(host)
         in_specs += [pl.BlockSpec((B, H, K), lambda b, h, s: (0, 0, 0)),
-                     pl.BlockSpec(host5.shape, lambda b, h, s: (0, 0, 0, 0, 0))]
+                     pl.BlockSpec(host5.shape, lambda b, h, s: (0,) * host5.ndim)]
         operands += [host_rows.astype(jnp.int32), host5]
     o_part, lse_part = pl.pallas_call(
         kernel,
@@ -537,7 +588,8 @@ def sparse_paged_attention(q, pool, block_rows, page_index, seq_lens, *, page_si
     """Decode attention of ``q`` over selected pool pages (see the module docstring for semantics).
 
     q: ``[B, Hq, D]`` bf16/f32 (query head j uses KV head ``j // (Hq // H)``); pool: ``[N_rows, R]``
-    same dtype, ``R = 2 * H * ps * D``; block_rows, page_index: ``[B, H, K]`` int32 (global pool row
+    any float dtype (products in ``kv_quant.compute_dtype``), ``R = kv_quant.row_elems`` (``2 *
+    H * ps * D``, fp8: then the scales); block_rows, page_index: ``[B, H, K]`` int32 (global pool row
     and within-sequence page number of each entry, -1 = none); seq_lens: ``[B]`` int32.
     Static: page_size, num_kv_heads (H), sm_scale (default ``D**-0.5``), num_splits (partial results
     per (b, h), default :func:`default_num_splits`), tuning (:class:`AttentionTuning`).

@@ -86,3 +86,18 @@ def test_lagged_selection_run(tmp_path):
     assert res["settings"]["selection_lag"] == 1
     assert [r["config"] for r in res["cases"][0]["results"]] == ["b", "a", "c2"]
     assert all(r["tokens_per_s"] > 0 for r in res["cases"][0]["results"])
+
+
+def test_fp8_kv_dtype_runs_every_part(tmp_path):
+    """--kv-dtype float8_e4m3fn: the synthetic fill, decode and the split timings run on fp8
+    rows; the case records its KV dtype and a host tier of about half the bf16 bytes."""
+    st = decode_lib.Settings(configs=("b", "c2"), pools=(2,), probe_steps=0,
+                             kv_dtype="float8_e4m3fn")
+    res = decode_lib.run(str(tmp_path), quick=True, batches=[1], settings=st, prefill=(),
+                         plot=False)
+    case = res["cases"][0]
+    assert case["kv_dtype"] == "float8_e4m3fn" and "error" not in case
+    recs = {r["config"]: r for r in case["results"]}
+    assert recs["b"]["tokens_per_s"] > 0 and recs["c2"]["tokens_per_s"] > 0
+    H, ps, D = 2, 4, 16  # the tiny shape, the quick page size
+    assert case["memory_plan"]["logical_kv_bytes"] % (2 * H * ps * (D + 1)) == 0

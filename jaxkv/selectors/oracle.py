@@ -7,7 +7,7 @@ summed over the query heads of the group (the heads share one page set), over ev
 token of the sequence. Pages are then chosen by the shared selection rule (sinks and the
 current page forced, ``jaxkv.kernels.dense_select.select_top_pages``).
 
-Summaries ``(keys,)`` [L, B, Np, ps, H, D] in the KV dtype: a second copy of every key, so
+Summaries ``(keys,)`` [L, B, Np, ps, H, D] in ``plan.summary_dtype``: a second copy of every key, so
 the oracle runs resident only (``CacheConfig(mode="resident")``) and costs a full pass over
 the context's keys per layer and step.
 """
@@ -47,7 +47,7 @@ class Oracle(Selector):
         m = plan.model
         shape = (m.num_layers, plan.batch, plan.pages_per_seq, plan.page_size, m.num_kv_heads,
                  m.head_dim)
-        return (jnp.zeros(shape, jnp.dtype(plan.kv_dtype)),)
+        return (jnp.zeros(shape, jnp.dtype(plan.summary_dtype)),)
 
     def fill(self, plan, summaries, layer, layer_params, h, k, positions, lengths):
         B, T, H, D = k.shape

@@ -1,6 +1,7 @@
 """Quest: per page and KV head the elementwise max / min of the post-RoPE keys; a page's
 score is an upper bound of the query's dot product with its keys
-(``jaxkv.kernels.quest``). Summaries ``(kmax, kmin)`` [L, B, Np, H, D] in the KV dtype."""
+(``jaxkv.kernels.quest``). Summaries ``(kmax, kmin)`` [L, B, Np, H, D] in
+``plan.summary_dtype`` (the KV dtype; the model's when the KV is fp8)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ class Quest(Selector):
     def init(self, plan) -> tuple:
         m = plan.model
         shape = (m.num_layers, plan.batch, plan.pages_per_seq, m.num_kv_heads, m.head_dim)
-        dt = jnp.dtype(plan.kv_dtype)
+        dt = jnp.dtype(plan.summary_dtype)
         return jnp.full(shape, -jnp.inf, dt), jnp.full(shape, jnp.inf, dt)
 
     def fill(self, plan, summaries, layer, layer_params, h, k, positions, lengths):

@@ -12,7 +12,7 @@ bf16 plus the scales.
 Summaries: Quest's ``(kmax, kmin)`` [L, B, Np, H, D], then ``keys`` [L, B, H, Np, ps, D]
 (int8 or the KV dtype) and ``scales`` [L, B, H, Np, ps] float32 (ones for the KV dtype):
 head-major, so one KV head's candidate pages are contiguous rows of the copy. The second
-stage is ``jaxkv.kernels.candidate_mass`` (a Pallas kernel on the GPU); the final choice is a
+stage is ``jaxkv.kernels.candidate_mass`` (gather + einsum in XLA); the final choice is a
 top-k over the candidates only (``top_candidates``), never over the whole row.
 """
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Rescore(Quest):
     def init(self, plan) -> tuple:
         m = plan.model
         shape = (m.num_layers, plan.batch, m.num_kv_heads, plan.pages_per_seq, plan.page_size)
-        dt = jnp.int8 if self.key_bits == 8 else jnp.dtype(plan.kv_dtype)
+        dt = jnp.int8 if self.key_bits == 8 else jnp.dtype(plan.summary_dtype)
         return super().init(plan) + (jnp.zeros(shape + (m.head_dim,), dt),
                                      jnp.zeros(shape, jnp.float32))
 
@@ -90,8 +90,7 @@ class Rescore(Quest):
         return min(self.candidates * plan.k, plan.pages_per_seq)
 
     def _rescore(self, plan, summaries, layer, q, cand, positions, seq_lens):
-        mass = mass_kernels.candidate_mass(q, summaries[2], summaries[3], layer, cand,
-                                           positions, implementation=plan.cache.implementation)
+        mass = mass_kernels.candidate_mass(q, summaries[2], summaries[3], layer, cand, positions)
         return top_candidates(mass, cand, seq_lens, k=plan.k, page_size=plan.page_size,
                               num_pages=plan.pages_per_seq, num_sink_pages=plan.cache.sink_pages)
 

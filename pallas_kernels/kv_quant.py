@@ -1,0 +1,183 @@
+"""fp8 page rows: K/V quantized per token and head, with power-of-two scales in the row.
+
+A page array (the host tier or the device pool) of an fp8 dtype (``FP8_DTYPES``) keeps each
+(layer, page) row contiguous, payload first, scales after it::
+
+    columns [0, 2*H*ps*D)                 payload [2 (K, V), H, ps, D], fp8 values
+    columns [2*H*ps*D, 2*H*ps*(D + 1))    scales  [2 (K, V), H, ps], one byte each
+
+A token's K (or V) vector of one head is ``payload * 2**(e - 127)``, where ``e`` is the scale
+byte (the bit pattern stored in the fp8 array, read as uint8): an E8M0 exponent, as in the OCP
+microscaling formats. Granularity: one scale per (token, KV head, K or V), so a decode step's
+write-through quantizes the new token on its own and never rewrites the rest of its page (a
+scale per page would need the page's maximum before its tokens exist). Cost: one byte per
+``D`` payload bytes (0.8% at D = 128). Power-of-two scales keep the relative precision of the
+fp8 format (only the range moves) and make dequantization exact: ``payload * scale`` is the
+value, in the kernels and in the numpy reference alike.
+
+``e`` is the smallest exponent with ``amax <= fmax * 2**(e - 127)`` (``amax`` the vector's
+largest magnitude, ``fmax`` the format's largest finite value), clipped to [1, 254]; an
+all-zero vector gets ``e = 1``. Other dtypes have no scales: their rows are the payload only.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+EXP_BIAS = 127
+_E_MIN, _E_MAX = 1, 254
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype).name in FP8_DTYPES
+
+
+def tail_elems(dtype, num_kv_heads: int, page_size: int) -> int:
+    """Scale bytes after the payload of one row: ``2 * H * ps`` for fp8, else 0."""
+    return 2 * num_kv_heads * page_size if is_fp8(dtype) else 0
+
+
+def row_elems(dtype, num_kv_heads: int, page_size: int, head_dim: int) -> int:
+    """Elements of one page row of a ``dtype`` page array."""
+    return 2 * num_kv_heads * page_size * head_dim + tail_elems(dtype, num_kv_heads, page_size)
+
+
+def token_elems(dtype, num_kv_heads: int, head_dim: int) -> int:
+    """Elements of one encoded token (:func:`encode_tokens`): ``2 * H * D`` (+ ``2 * H``)."""
+    return 2 * num_kv_heads * (head_dim + (1 if is_fp8(dtype) else 0))
+
+
+def compute_dtype(q_dtype, kv_dtype):
+    """The dtype the attention kernels multiply in: q's for an fp8 cache, else the wider of
+    the two (an f32 cache under a bf16 model keeps its precision)."""
+    if is_fp8(kv_dtype):
+        return jnp.dtype(q_dtype)
+    return jnp.promote_types(q_dtype, kv_dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# jnp
+# --------------------------------------------------------------------------------------------
+def _exponent(amax, fmax: float):
+    """Biased exponent (int32) of the smallest power of two s with amax <= fmax * s."""
+    m_a, e_a = jnp.frexp(amax)
+    _, e_f = np.frexp(np.float32(fmax))
+    e = e_a - int(e_f)
+    e = e + (amax > jnp.ldexp(jnp.float32(fmax), e)).astype(jnp.int32)
+    e = jnp.where(amax > 0, e + EXP_BIAS, _E_MIN)
+    return jnp.clip(e, _E_MIN, _E_MAX).astype(jnp.int32)
+
+
+def scale_of(e):
+    """2**(e - 127) as float32 from biased exponents (any int dtype): the exponent bits of an
+    f32, exact (no exp2)."""
+    return jax.lax.bitcast_convert_type(e.astype(jnp.int32) << 23, jnp.float32)
+
+
+def quantize(x, dtype):
+    """x [..., D] float -> (payload [..., D] ``dtype``, e [...] uint8 biased exponents)."""
+    dtype = jnp.dtype(dtype)
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    e = _exponent(amax, float(jnp.finfo(dtype).max))
+    return (x / scale_of(e)[..., None]).astype(dtype), e.astype(jnp.uint8)  # exact: 2**k
+
+
+def dequantize(payload, e):
+    """payload [..., D] fp8, e [...] uint8 -> float32 [..., D]."""
+    return payload.astype(jnp.float32) * scale_of(e)[..., None]
+
+
+def exps_as(e, dtype):
+    """uint8 exponents as the bit patterns of an fp8 array's elements (and back with
+    ``exps_of``)."""
+    return jax.lax.bitcast_convert_type(e.astype(jnp.uint8), jnp.dtype(dtype))
+
+
+def exps_of(stored):
+    return jax.lax.bitcast_convert_type(stored, jnp.uint8)
+
+
+def encode_tokens(kv, dtype):
+    """One token's K/V per entry, ``kv`` [M, 2, H, D] (any float dtype), as ``dtype``
+    elements [M, token_elems]: the ``2 * H`` head vectors (K heads then V heads), then for
+    fp8 their ``2 * H`` scale bytes in the same order."""
+    M = kv.shape[0]
+    if not is_fp8(dtype):
+        return kv.astype(dtype).reshape(M, -1)
+    payload, e = quantize(kv, dtype)
+    return jnp.concatenate([payload.reshape(M, -1), exps_as(e, dtype).reshape(M, -1)], axis=1)
+
+
+def token_columns(num_kv_heads: int, page_size: int, head_dim: int, offset, dtype):
+    """Columns of a row that an encoded token at ``offset`` (int or int32 scalar) occupies,
+    in :func:`encode_tokens`' order ([token_elems] int32)."""
+    H, ps, D = num_kv_heads, page_size, head_dim
+    seg = jnp.arange(2 * H, dtype=jnp.int32)
+    cols = ((seg[:, None] * ps + offset) * D + jnp.arange(D, dtype=jnp.int32)).reshape(-1)
+    if is_fp8(dtype):
+        cols = jnp.concatenate([cols, 2 * H * ps * D + seg * ps + offset])
+    return cols
+
+
+def encode_rows(kv, dtype):
+    """Pages ``kv`` [..., 2, H, ps, D] (any float dtype) -> rows [..., row_elems] of a
+    ``dtype`` page array (layout in the module docstring)."""
+    lead = kv.shape[:-4]
+    if not is_fp8(dtype):
+        return kv.astype(dtype).reshape(lead + (-1,))
+    payload, e = quantize(kv, dtype)                           # e [..., 2, H, ps]
+    return jnp.concatenate([payload.reshape(lead + (-1,)), exps_as(e, dtype).reshape(lead + (-1,))],
+                           axis=-1)
+
+
+def pack_pages(k, v, page_size: int, dtype):
+    """k, v [B, T, H, D] (T a multiple of page_size) -> rows [B, T / ps, row_elems] of a
+    ``dtype`` page array (layout in the module docstring)."""
+    B, T, H, D = k.shape
+    kv = jnp.stack([k, v], axis=2)                             # [B, T, 2, H, D]
+    kv = kv.reshape(B, T // page_size, page_size, 2, H, D)
+    return encode_rows(kv.transpose(0, 1, 3, 4, 2, 5), dtype)  # [B, n, 2, H, ps, D] -> rows
+
+
+def unpack_rows(rows, num_kv_heads: int, page_size: int, head_dim: int):
+    """rows [..., row_elems] of a page array -> float32 [..., 2, H, ps, D] (dequantized)."""
+    H, ps, D = num_kv_heads, page_size, head_dim
+    lead = rows.shape[:-1]
+    payload = rows[..., :2 * H * ps * D].reshape(lead + (2, H, ps, D))
+    if not is_fp8(rows.dtype):
+        return payload.astype(jnp.float32)
+    e = exps_of(rows[..., 2 * H * ps * D:]).reshape(lead + (2, H, ps))
+    return dequantize(payload, e)
+
+
+# --------------------------------------------------------------------------------------------
+# numpy reference (ml_dtypes for the fp8 types)
+# --------------------------------------------------------------------------------------------
+def quantize_np(x, dtype):
+    """numpy reference of :func:`quantize`: x [..., D] -> (payload ``dtype``, e uint8)."""
+    dtype = np.dtype(jnp.dtype(dtype))
+    x = np.asarray(x, np.float32)
+    amax = np.max(np.abs(x), axis=-1)
+    fmax = float(ml_dtypes.finfo(dtype).max)
+    e = np.zeros(amax.shape, np.int64)
+    for idx, a in np.ndenumerate(amax):
+        if a > 0:  # smallest integer k with a <= fmax * 2**k, by search from frexp's estimate
+            k = int(np.frexp(a)[1] - np.frexp(np.float32(fmax))[1]) - 1
+            while a > np.ldexp(np.float32(fmax), k):
+                k += 1
+            e[idx] = k + EXP_BIAS
+        else:
+            e[idx] = _E_MIN
+    e = np.clip(e, _E_MIN, _E_MAX)
+    scale = np.ldexp(np.float32(1), e - EXP_BIAS).astype(np.float32)
+    return (x / scale[..., None]).astype(dtype), e.astype(np.uint8)
+
+
+def dequantize_np(payload, e):
+    """numpy reference of :func:`dequantize`."""
+    scale = np.ldexp(np.float32(1), np.asarray(e, np.int64) - EXP_BIAS).astype(np.float32)
+    return np.asarray(payload).astype(np.float32) * scale[..., None]

@@ -1,0 +1,297 @@
+"""fp8 KV (jaxkv.kernels.kv_quant): the quantize / dequantize pair vs its numpy reference, and
+every kernel that reads or writes fp8 page rows (Pallas in interpret mode on CPU) vs its
+pure-jnp reference: fresh seeds, NaN-poisoned unused pages and tokens, permuted page tables;
+the Triton lowering of the fp8 paths for an H200."""
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxkv.kernels import kv_quant as kq
+from jaxkv.kernels import layer_lookup as ll
+from jaxkv.kernels import page_fetch, page_write
+from jaxkv.kernels import sparse_attention as sa
+from jaxkv.kernels.sparse_attention import AttentionTuning, sparse_paged_attention
+
+from lowering import lower_for_h200
+from page_kernel_util import HOST, rng  # noqa: F401 - fixture
+from test_sparse_attention import dense_f64, fresh_seed, make_case, split_to_host
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+FP8 = kq.FP8_DTYPES
+
+
+def bits(a):
+    return np.asarray(a).view(np.uint8)
+
+
+def assert_same(a, b, msg=""):
+    """fp8 arrays equal bit for bit, except that any NaN equals any NaN (XLA may canonicalize
+    the NaN patterns of untouched poison)."""
+    fa, fb = (np.asarray(jnp.asarray(x).astype(jnp.float32)) for x in (a, b))
+    same = (bits(a) == bits(b)) | (np.isnan(fa) & np.isnan(fb))
+    assert same.all(), f"{msg}: {np.sum(~same)} of {same.size} differ, first at {np.argwhere(~same)[:3].tolist()}"
+
+
+# --------------------------------------------------------------------------------------------
+# quantize / dequantize
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", FP8)
+def test_quantize_matches_numpy_reference(rng, dtype):
+    """Bit-exact against the numpy reference over magnitudes from 1e-30 to 1e30, zero vectors
+    and exact powers of two; the error is within the format's half-ulp of the vector's scale."""
+    mags = 10.0 ** rng.uniform(-30, 30, (6, 5, 1))
+    x = (rng.standard_normal((6, 5, 32)) * mags).astype(np.float32)
+    x[0, 0] = 0.0
+    x[0, 1] = 0.0; x[0, 1, 3] = float(ml_dtypes.finfo(dtype).max) * 2.0 ** 5  # amax on a power of 2
+    x[0, 2] = -np.float32(2.0 ** -20)
+    p, e = kq.quantize(jnp.asarray(x), dtype)
+    pn, en = kq.quantize_np(x, dtype)
+    np.testing.assert_array_equal(np.asarray(e), en)
+    np.testing.assert_array_equal(bits(p), bits(pn))
+    assert p.dtype == jnp.dtype(dtype) and e.dtype == jnp.uint8
+    back = kq.dequantize_np(pn, en)
+    np.testing.assert_array_equal(np.asarray(kq.dequantize(p, e)), back)
+    amax = np.abs(x).max(-1, keepdims=True)
+    mant = ml_dtypes.finfo(dtype).nmant
+    assert np.all(np.abs(back - x) <= amax * 2.0 ** -mant + 1e-37)
+    scaled_max = np.abs(pn.astype(np.float32)).max(-1)
+    fmax = float(ml_dtypes.finfo(dtype).max)
+    nz = amax[..., 0] > 0
+    assert np.all(scaled_max[nz] >= fmax / 2) and np.all(scaled_max <= fmax)  # the range is used
+    assert en[0, 0] == 1 and np.all(back[0, 0] == 0)
+    assert back[0, 1, 3] == x[0, 1, 3]
+
+
+def test_row_layout_helpers():
+    """pack_pages / unpack_rows / encode_tokens / token_columns agree on the row layout."""
+    rng_ = np.random.default_rng(fresh_seed())
+    B, T, H, D, ps = 2, 8, 3, 16, 4
+    k, v = (jnp.asarray(rng_.standard_normal((B, T, H, D)), jnp.float32) for _ in range(2))
+    for dt in FP8 + ("bfloat16",):
+        rows = kq.pack_pages(k, v, ps, dt)
+        assert rows.shape == (B, T // ps, kq.row_elems(dt, H, ps, D)) and rows.dtype == jnp.dtype(dt)
+        kv = kq.unpack_rows(rows, H, ps, D)                       # [B, n, 2, H, ps, D]
+        tok = jnp.stack([k, v], 2).reshape(B, T // ps, ps, 2, H, D)
+        for t in range(ps):  # token t of each page: the encoded token at token_columns(t)
+            enc = kq.encode_tokens(tok[:, :, t].reshape(-1, 2, H, D), dt)
+            cols = kq.token_columns(H, ps, D, t, dt)
+            np.testing.assert_array_equal(bits(rows.reshape(-1, rows.shape[-1])[:, cols]), bits(enc))
+            want = np.asarray(tok[:, :, t].astype(jnp.float32))
+            got = np.asarray(kv[:, :, :, :, t])
+            tol = 2.0 ** -ml_dtypes.finfo(dt).nmant if dt in FP8 else 0.01
+            np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max())
+
+
+# --------------------------------------------------------------------------------------------
+# sparse attention over fp8 pages
+# --------------------------------------------------------------------------------------------
+def to_fp8(case, static, dtype, q_dtype):
+    """make_case's pool (float32, NaN in unused rows and tokens) as fp8 rows: NaN vectors keep a
+    NaN payload and get random scale bytes."""
+    H, ps = static["num_kv_heads"], static["page_size"]
+    q = case["q"]
+    D = q.shape[-1]
+    pool = np.asarray(case["pool"], np.float32).reshape(-1, 2, H, ps, D)
+    payload, e = kq.quantize_np(np.nan_to_num(pool, nan=0.0), dtype)
+    bad = np.isnan(pool).any(-1)
+    payload[bad] = np.nan
+    e[bad] = np.random.default_rng(0).integers(0, 256, bad.sum())
+    N = pool.shape[0]
+    rows = np.concatenate([payload.reshape(N, -1), e.view(payload.dtype).reshape(N, -1)], 1)
+    return dict(case, pool=jnp.asarray(rows), q=q.astype(q_dtype))
+
+
+def dequantized(case, static):
+    """The fp8 case with a float32 pool of the dequantized values (for the float64 oracle)."""
+    H, ps, D = static["num_kv_heads"], static["page_size"], case["q"].shape[-1]
+    pool = np.asarray(kq.unpack_rows(case["pool"], H, ps, D)).reshape(case["pool"].shape[0], -1)
+    return dict(case, pool=jnp.asarray(pool))
+
+
+FP8_CASES = [  # (B, H, G, D, ps, K, kv dtype, q dtype, splits)
+    (2, 3, 3, 64, 16, 5, "float8_e4m3fn", jnp.bfloat16, None),
+    (2, 2, 4, 32, 8, 6, "float8_e5m2", jnp.float32, 2),       # two pages per tile
+    (3, 2, 1, 32, 64, 4, "float8_e4m3fn", jnp.float32, 1),
+]
+
+
+@pytest.mark.parametrize("B,H,G,D,ps,K,dt,qdt,splits", FP8_CASES)
+def test_fp8_attention_matches_reference(B, H, G, D, ps, K, dt, qdt, splits):
+    """Pallas (interpret) and blocked vs the reference, from the pool and with half the pages
+    on a host array; the reference vs a float64 softmax over the dequantized values."""
+    seed = fresh_seed()
+    case, static = make_case(seed, B=B, H=H, G=G, D=D, ps=ps, K=K, dtype=jnp.float32,
+                             max_pages=max(2, 24 // ps, K))
+    case = to_fp8(case, static, dt, qdt)
+    ref_o, ref_l = sparse_paged_attention(**case, **static, implementation="xla")
+    want_o, want_l = dense_f64(dequantized(case, static), **static)
+    tol = dict(rtol=2e-2, atol=2e-2) if qdt == jnp.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(ref_o, np.float32), want_o, err_msg=f"seed {seed}", **tol)
+    split, _ = split_to_host(dequantized(case, static), seed)
+    # the split's host rows, re-encoded: the same fp8 rows moved (split_to_host works in f32)
+    split = host_split_fp8(case, split)
+    assert np.isfinite(np.asarray(ref_l)[np.isfinite(want_l)]).all()
+    for impl, kw in (("pallas", dict(num_splits=splits)), ("blocked", dict(tuning=AttentionTuning(pages_per_iter=3)))):
+        for name, c in (("pool", case), ("host", split)):
+            out, lse = sparse_paged_attention(**c, **static, implementation=impl, **kw)
+            assert out.dtype == qdt
+            np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_o, np.float32),
+                                       err_msg=f"{impl} {name} seed {seed}", **tol)
+            np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_l), rtol=1e-4, atol=1e-4,
+                                       err_msg=f"{impl} {name} lse seed {seed}")
+
+
+def host_split_fp8(case, split):
+    """split_to_host's result with the fp8 rows of ``case`` (its host rows are copies of pool
+    rows, its poisoned rows NaN): the same moves on the fp8 arrays."""
+    pool = np.asarray(case["pool"])
+    rows, host_rows = np.asarray(case["block_rows"]), np.asarray(split["host_rows"])
+    n_host = split["host"].shape[0]
+    host = np.full((n_host, pool.shape[1]), np.nan, pool.dtype)
+    new_pool = pool.copy()
+    for r, hr in zip(rows.ravel(), host_rows.ravel()):
+        if hr >= 0:
+            host[hr] = pool[r]
+            new_pool[r] = np.nan
+    return dict(split, pool=jnp.asarray(new_pool), host=jnp.asarray(host), q=case["q"])
+
+
+@pytest.mark.parametrize("G,ppi", [(4, 1), (6, 2)])
+def test_fp8_attention_lowers_to_triton(G, ppi):
+    """The fp8 kernel (scale loads, bitcasts, fp8 -> bf16 converts) with a pinned-host tier."""
+    B, H, K, D, ps = 2, 8, 32, 128, 16 if ppi == 2 else 64
+    f = lambda q, pool, r, p, l, host, hr: sa._pallas_impl(  # noqa: E731
+        q, pool, r, p, l, page_size=ps, num_kv_heads=H, sm_scale=None, num_splits=None,
+        tuning=AttentionTuning(pages_per_iter=ppi), interpret=False, host=host, host_rows=hr)
+    S = jax.ShapeDtypeStruct
+    R = kq.row_elems("float8_e4m3fn", H, ps, D)
+    f8 = jnp.float8_e4m3fn
+    txt = lower_for_h200(f, S((B, H * G, D), jnp.bfloat16), S((512, R), f8),
+                         S((B, H, K), jnp.int32), S((B, H, K), jnp.int32), S((B,), jnp.int32),
+                         S((4096, R), f8), S((B, H, K), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in txt
+
+
+# --------------------------------------------------------------------------------------------
+# writes: write_tokens (write-through), layer_lookup (the pool write), fetch of fp8 rows
+# --------------------------------------------------------------------------------------------
+def poisoned(n, row, dtype):
+    return jnp.full((n, row), jnp.nan, jnp.dtype(dtype))
+
+
+@pytest.mark.parametrize("dt,H,D,ps", [("float8_e4m3fn", 3, 16, 4), ("float8_e5m2", 2, 32, 1)])
+def test_fp8_write_tokens_matches_reference(rng, dt, H, D, ps):
+    n = 8
+    R = kq.row_elems(dt, H, ps, D)
+    pairs = rng.permutation(n * ps)[:7]
+    rows, offs = (pairs // ps).astype(np.int32), (pairs % ps).astype(np.int32)
+    rows[rng.random(7) < 0.3] = -1
+    kv = rng.standard_normal((7, 2, H, D)).astype(np.float32) * 10.0 ** rng.uniform(-3, 3, (7, 2, H, 1))
+    kv = jnp.asarray(kv, jnp.bfloat16)
+    want = np.asarray(poisoned(n, R, dt)).copy()
+    enc = np.asarray(kq.encode_tokens(kv, dt))
+    for m in range(7):
+        if rows[m] >= 0:
+            want[rows[m], np.asarray(kq.token_columns(H, ps, D, int(offs[m]), dt))] = enc[m]
+    for impl in ("pallas", "xla"):
+        for dst in (poisoned(n, R, dt), jax.device_put(poisoned(n, R, dt), HOST)):
+            got = page_write.write_tokens(dst, jnp.asarray(rows), jnp.asarray(offs), kv,
+                                          page_size=ps, implementation=impl)
+            assert_same(got, want, impl)
+
+
+def test_fp8_write_tokens_lowers_to_triton(no_interpret):
+    H, D, ps, dt = 8, 128, 64, jnp.float8_e4m3fn
+    S = jax.ShapeDtypeStruct
+    txt = lower_for_h200(lambda d, r, o, kv: page_write._write_tokens_pallas(d, r, o, kv, page_size=ps),
+                         S((64, kq.row_elems(dt, H, ps, D)), dt), S((4,), jnp.int32),
+                         S((4,), jnp.int32), S((4, 2, H, D), jnp.bfloat16))
+    assert "__gpu$xla.gpu.triton" in txt
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_fp8_layer_lookup_matches_reference(rng, reuse):
+    from test_layer_lookup import make_case as lookup_case
+    B, H, K, D, ps, L, Np, S, dt = 3, 2, 3, 16, 4, 2, 5, 7, "float8_e4m3fn"
+    c = lookup_case(rng, B=B, H=H, K=K, D=D, ps=ps, L=L, Np=Np, S=S, dtype=jnp.dtype(jnp.float32))
+    layer = int(rng.integers(0, L))
+    outs = []
+    for impl in ("pallas", "xla"):
+        outs.append(ll.layer_lookup(
+            jnp.asarray(c["pages"]), jnp.asarray(c["active"]), jnp.asarray(c["tok_page"]),
+            jnp.asarray(c["tok_offset"]), jnp.asarray(c["tok_kv"]), jnp.asarray(c["page_table"]),
+            jnp.int32(layer), poisoned(L * S, kq.row_elems(dt, H, ps, D), dt),
+            jnp.asarray(c["record"]), pages_per_seq=Np, page_size=ps, reuse=reuse,
+            implementation=impl))
+    assert_same(outs[0][0], outs[1][0], "pool")
+    for a, b in zip(outs[0][1:], outs[1][1:]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    written = ~np.isnan(np.asarray(outs[1][0].astype(jnp.float32))).all(1)
+    assert written.sum() == 0 or reuse
+
+
+@pytest.mark.parametrize("H,ps,D", [(8, 16, 128), (3, 4, 16)])
+def test_fp8_fetch_moves_whole_rows(rng, H, ps, D):
+    """fetch_pages / fetch_layer_pages copy fp8 rows with their scales (the row length is not
+    a power of two): Pallas vs reference, bit for bit."""
+    dt = "float8_e4m3fn"
+    R = kq.row_elems(dt, H, ps, D)
+    L, P, Sl = 2, 6, 3
+    host = jnp.asarray(rng.integers(0, 256, (L * P, R), dtype=np.uint8).view(jnp.dtype(dt)))
+    src = np.stack([rng.permutation(P)[:Sl] for _ in range(L)]).astype(np.int32)
+    dst = np.stack([rng.permutation(Sl) for _ in range(L)]).astype(np.int32)
+    src[0, -1] = dst[1, 0] = -1
+    got = [page_fetch.fetch_layer_pages(host, poisoned(L * Sl, R, dt), jnp.asarray(src),
+                                        jnp.asarray(dst), src_stride=P, dst_stride=Sl,
+                                        implementation=impl) for impl in ("pallas", "xla")]
+    assert_same(got[0], got[1], "fetch_layer_pages")
+    flat_src = np.where(src >= 0, np.arange(L)[:, None] * P + src, -1).ravel()
+    flat_dst = np.where((src >= 0) & (dst >= 0), np.arange(L)[:, None] * Sl + dst, -1).ravel()
+    got2 = page_fetch.fetch_pages(host, poisoned(L * Sl, R, dt), jnp.asarray(flat_src),
+                                  jnp.asarray(flat_dst), implementation="pallas")
+    assert_same(got2, got[1], "fetch_pages")
+
+
+def test_fp8_fetch_lowers_to_triton(no_interpret):
+    dt, H, ps, D = jnp.float8_e4m3fn, 8, 16, 128
+    R = kq.row_elems(dt, H, ps, D)
+    S = jax.ShapeDtypeStruct
+    txt = lower_for_h200(lambda h, p, s, d: page_fetch.fetch_layer_pages_pallas(
+        h, p, s, d, src_stride=64, dst_stride=16), S((4 * 64, R), dt), S((4 * 16, R), dt),
+        S((4, 32), jnp.int32), S((4, 32), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in txt
+
+
+def test_fp8_layer_lookup_lowers_to_triton(no_interpret):
+    B, H, K, D, L, P, S, ps, dt = 1, 8, 32, 128, 4, 2052, 516, 64, jnp.float8_e4m3fn
+    sds = jax.ShapeDtypeStruct
+    txt = lower_for_h200(
+        lambda *a: ll.layer_lookup(*a, pages_per_seq=P // B, page_size=ps, implementation="pallas"),
+        sds((B, H, K), jnp.int32), sds((B,), jnp.bool_), sds((B,), jnp.int32), sds((B,), jnp.int32),
+        sds((B, 2, H, D), jnp.bfloat16), sds((L, P), jnp.int32), sds((), jnp.int32),
+        sds((L * S, kq.row_elems(dt, H, ps, D)), dt), sds((L, B * H * K), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in txt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt,ps", [("float8_e4m3fn", 64), ("float8_e5m2", 8)])
+def test_gpu_fp8_attention_reads_pinned_host(dt, ps):
+    """The compiled kernel on fp8 rows, half of them read in place from a pinned_host array
+    (64-token pages: a tile is one page; 8-token pages: mixed tiles), vs the reference."""
+    from jax.sharding import SingleDeviceSharding
+    pinned = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    seed = fresh_seed()
+    case, static = make_case(seed, B=3, H=8, G=4, D=128, ps=ps, K=16, dtype=jnp.float32,
+                             max_pages=12)
+    case = to_fp8(case, static, dt, jnp.bfloat16)
+    ref_o, ref_l = sparse_paged_attention(**case, **static, implementation="xla")
+    split, _ = split_to_host(dequantized(case, static), seed)
+    split = host_split_fp8(case, split)
+    split = dict(split, host=jax.device_put(split["host"], pinned))
+    out, lse = jax.jit(lambda c: sparse_paged_attention(**c, **static, implementation="pallas"))(split)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_o, np.float32),
+                               rtol=2e-2, atol=2e-2, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_l), rtol=1e-3, atol=1e-3,
+                               err_msg=f"seed {seed}")
