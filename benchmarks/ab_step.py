@@ -207,6 +207,8 @@ def main():
                             prompt_len=max_ctx, max_context=max_ctx, num_stop=4).pool_pages
         cache = dataclasses.replace(cache, mode="host",
                                     pool_pages=min(B * (max_ctx // ps), 2 * one_x))
+    st = dataclasses.replace(st, hbm_gbps=bd.hbm_gbps(st.bulk_bytes, st.reps),
+                             pcie_gbps=bd.bulk_h2d_gbps(st.bulk_bytes, st.reps))
     plans, states, runs, traced = {}, {}, {}, {}
     for name in names:
         cc = dataclasses.replace(cache, tuning=variant_tuning(name, base_tuning),
@@ -233,17 +235,22 @@ def main():
     if len(names) < 2:
         raise SystemExit("fewer than two variants compiled")
     compiles = {n: 0 for n in names}
+    floors = {n: None for n in names}
     for i in range(a.pairs):
         for name in (names if i % 2 == 0 else names[::-1]):
             rec, states[name] = bd.run_decode(name, plans[name], params, states[name], st,
                                               rounds=2, warmup=False)
             runs[name].append(rec["step_ms"])
+            floors[name] = rec.get("floor_ms")
             compiles[name] += rec["num_compilations"]
             print(f"  {name:16s} {rec['step_ms']:.3f} ms/step ({rec['num_compilations']} compiles)",
                   flush=True)
     base = names[0]
     ratios = {n: [x / b for x, b in zip(runs[n], runs[base])] for n in names[1:]}
     summary = {n: dict(median_step_ms=statistics.median(runs[n]), step_ms=runs[n],
+                       floor_ms=floors[n],
+                       fraction_of_roofline=(floors[n] / statistics.median(runs[n])
+                                             if floors[n] else None),
                        **({} if n == base else dict(
                            ratios_over_base=ratios[n], median_ratio=statistics.median(ratios[n]),
                            min_ratio=min(ratios[n]), max_ratio=max(ratios[n]))))
@@ -252,6 +259,7 @@ def main():
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                commit=_meta.commit(), jax_version=jax.__version__, quick=a.quick,
                shape=shape, batch=B, context=ctx, page_size=ps, selected_pages=k,
+               hbm_gbps=st.hbm_gbps, pcie_gbps=st.pcie_gbps,
                config=a.config, pool_pages=plans[base].pool_pages if a.config == "c2" else None,
                salience=float(sal), simulated_overlap=float(sim), pairs=a.pairs,
                variants={n: dict(tuning={k_: str(v) for k_, v in VARIANTS[n][0].items()},
@@ -272,7 +280,9 @@ def main():
         r = summary[n]
         extra = "" if n == base else (f"  ratio {r['median_ratio']:.3f} "
                                       f"({r['min_ratio']:.3f}-{r['max_ratio']:.3f})")
-        print(f"  {n:16s} {r['median_step_ms']:.3f}{extra}  compile {warm[n]['compile_s']:.1f} s"
+        roof = (f"  roofline {100 * r['fraction_of_roofline']:.0f}% of {r['floor_ms']:.3f} ms"
+                if r["fraction_of_roofline"] else "")
+        print(f"  {n:16s} {r['median_step_ms']:.3f}{extra}{roof}  compile {warm[n]['compile_s']:.1f} s"
               f"  fused op traced {traced[n]}  compiles after warm-up {compiles[n]}")
 
 

@@ -17,6 +17,10 @@ shapes inside jitted ``fori_loop``s (``decode_split.py``: selector incl. the sum
 LRU ensure; fetch of the measured misses per layer; sparse attention), rest = step - their
 sum. Selection runs the real selector on synthetic keys whose persistence is calibrated to
 the step-to-step overlap measured on real text (:func:`measure_overlap`; BENCHMARKS.md).
+Each configuration also reports its roofline (issue 32): the bytes a step must read from
+device memory (:func:`step_read_bytes`: weights, KV of the attended pages, selector data, page
+tables) over the device-memory bandwidth measured at the start of the run, or the PCIe floor
+of its host -> device bytes if larger; ``fraction_of_roofline`` = floor / measured step.
 
 :func:`run` measures a grid of points and the prefill, writes ``bench_decode[_tag].json``
 after every configuration (a run cut short keeps the figures it has) and prints
@@ -115,6 +119,8 @@ class Settings:
     trace: str = ""               # if set: profile one more round per config into this dir
     pairs: int = 0                # b / c2 re-measured alternately this many times (see _paired)
     selection_lag: int = 0        # CacheConfig.selection_lag of the sparse configs (b, c, d)
+    hbm_gbps: float | None = None   # measured at the start of a run: the roofline's bandwidths
+    pcie_gbps: float | None = None
     kv_dtype: str | None = None   # CacheConfig.kv_dtype of every config (None: the model's)
 
     @property
@@ -337,6 +343,96 @@ def load_overlap(path: Path) -> dict | None:
 
 
 # ------------------------------------------------------------------------------ decode
+def step_read_bytes(plan, params, lengths) -> dict:
+    """Bytes one decode step must read from device memory (one device's share), by part, for
+    requests of ``lengths`` [B] context tokens: the floor of the step is their sum over the
+    HBM bandwidth (``roofline``). Parts:
+
+    * ``weights``: every weight once (the LM head included; of the embedding table only the B
+      rows the step looks up, unless the LM head is the table itself);
+    * ``kv``: K and V of the pages attention reads: every valid page in the dense layers and
+      for the dense selector, else ``min(k, valid pages)`` per layer, request and KV head (a
+      whole page each, scales included);
+    * ``selector``: what the selector reads: Quest's max / min summaries of every valid page;
+      the indexer's page sums; the two-stage selectors add their candidates' key copy (int8 +
+      a float32 scale per token); the oracle its full key copy;
+    * ``index``: page tables, lengths, the LRU's slot map (host tier): small, counted as one
+      int32 per (layer, request, KV head, selected page) and per slot.
+    """
+    from jaxkv.selectors import indexer as sel_indexer
+    from jaxkv.selectors import oracle as sel_oracle
+    from jaxkv.selectors import quest as sel_quest
+    from jaxkv.selectors import rescore as sel_rescore
+
+    m, spec = plan.model, plan.spec
+    B, L, H, D, ps = plan.batch, m.num_layers, m.num_kv_heads, m.head_dim, plan.page_size
+    lengths = np.asarray(lengths, np.int64).reshape(-1)
+    valid = np.minimum(-(-lengths // ps), plan.pages_per_seq)                 # [B] pages
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    weights = 0
+    tied = "lm_head" not in params
+    for path, a in leaves:
+        nb = int(a.addressable_shards[0].data.nbytes) if hasattr(a, "addressable_shards") \
+            else int(np.asarray(a).nbytes)
+        if jax.tree_util.keystr(path) == "['embed']" and not tied:
+            nb = B * nb // a.shape[0]
+        weights += nb
+    head_bytes = spec.page_bytes // H                                          # one head's page
+    n_dense = plan.num_dense
+    sel = plan.selector
+    if plan.cache.selector == "dense":
+        per_layer = valid.sum() * H
+        kv = L * per_layer * head_bytes
+    else:
+        sparse = np.minimum(valid, plan.k).sum() * H
+        kv = (n_dense * valid.sum() * H + (L - n_dense) * sparse) * head_bytes
+    sdt = np.dtype(jnp.dtype(plan.summary_dtype)).itemsize
+    n_sel = L - n_dense
+    selector = 0
+    if isinstance(sel, sel_quest.Quest):
+        selector = n_sel * valid.sum() * H * D * 2 * sdt
+        if isinstance(sel, sel_rescore.Rescore):
+            cand = np.minimum(valid, sel.candidates * plan.k).sum() * H
+            kb = 1 if sel.key_bits == 8 else sdt
+            selector += n_sel * cand * ps * (D * kb + 4)
+    elif isinstance(sel, sel_indexer.Indexer):
+        selector = n_sel * valid.sum() * m.indexer_dim * 4
+    elif isinstance(sel, sel_oracle.Oracle):
+        selector = n_sel * valid.sum() * ps * H * D * sdt
+    index = L * B * H * plan.k * 4 + (L * spec.num_slots * 4 if plan.cache.mode == "host" else 0)
+    parts = dict(weights=int(weights), kv=int(kv), selector=int(selector), index=int(index))
+    return dict(parts, total=sum(parts.values()))
+
+
+def hbm_gbps(nbytes: int = GiB, reps: int = 5) -> float:
+    """Device memory bandwidth, GB/s: a jitted elementwise pass over an ``nbytes`` array
+    (read + write counted), the median of ``reps`` calls after a warm-up."""
+    x = jnp.zeros((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001 + 1.0)
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t0)
+    del x
+    return 2 * nbytes / sorted(ts)[len(ts) // 2] / 1e9
+
+
+def roofline(rec: dict, read: dict, hbm: float | None, pcie: float | None) -> dict:
+    """The step's floor and the measured step's fraction of it: ``floor_ms`` = the larger of
+    the HBM floor (``read["total"]`` at ``hbm`` GB/s) and the PCIe floor (the step's
+    host -> device bytes at ``pcie`` GB/s); ``fraction_of_roofline`` = floor / measured."""
+    if not hbm:
+        return {}
+    hbm_ms = read["total"] / (hbm * 1e9) * 1e3
+    pcie_ms = (rec.get("h2d_bytes_per_step", 0) / (pcie * 1e9) * 1e3) if pcie else 0.0
+    floor = max(hbm_ms, pcie_ms)
+    return dict(read_bytes_per_step=read, hbm_gbps=hbm, hbm_floor_ms=hbm_ms,
+                pcie_floor_ms=pcie_ms, floor_ms=floor,
+                fraction_of_roofline=floor / rec["step_ms"] if rec["step_ms"] > 0 else None)
+
+
 def run_decode(name, plan, params, state, st: Settings, *, rounds: int, tp=None,
                warmup: bool = True):
     """Warm-up round (compile; skipped if not ``warmup``), then ``rounds`` timed rounds.
@@ -396,6 +492,8 @@ def run_decode(name, plan, params, state, st: Settings, *, rounds: int, tp=None,
                    device_bytes_in_use_per_device=[
                        _bytes_in_use(d) for d in tp.mesh.devices.reshape(-1)])
     rec["h2d_gbps_over_step"] = rec["h2d_bytes_per_step"] / (rec["step_ms"] / 1e3) / 1e9
+    rec.update(roofline(rec, step_read_bytes(plan, params, np.asarray(state.lengths)),
+                        st.hbm_gbps, st.pcie_gbps))
     if st.trace:  # one more round under the profiler: device time per kernel, per step
         import trace_summary
         tdir = os.path.join(st.trace, f"{name}_b{plan.batch}_{time.time_ns()}")
@@ -918,7 +1016,11 @@ def run(out_dir, *, quick=False, shapes=("8b", "qwen1.5b"), contexts=None, batch
 
     bulk0 = bulk_h2d_gbps(st.bulk_bytes, st.reps)
     res["bulk_h2d_gbps"] = dict(before=bulk0, mean=bulk0)
-    print(f"bulk pinned_host -> device: {bulk0:.1f} GB/s", flush=True)
+    hbm = hbm_gbps(st.bulk_bytes, st.reps)
+    res["hbm_gbps"] = hbm
+    st = dataclasses.replace(st, hbm_gbps=hbm, pcie_gbps=bulk0)
+    print(f"bulk pinned_host -> device: {bulk0:.1f} GB/s; device memory: {hbm:.0f} GB/s",
+          flush=True)
     probed = set()
     for shape, B, ctx in (grid if decode else []):
         if not budget.ok(f"case {shape} B={B} context={ctx}", 90):
@@ -984,7 +1086,7 @@ def table(res: dict):
           f"{res['selection']['target_overlap']:.3f}")
     hdr = (f"{'shape':9s}{'B':>2s}{'ctx':>9s} {'cfg':3s}{'tok/s':>10s}{'step':>9s}{'sel':>7s}"
            f"{'ens':>7s}{'fetch':>7s}{'attn':>7s}{'rest':>7s}{'hit':>6s}{'GB/s':>6s}{'pool%':>7s}"
-           f"{'comp_s':>7s}")
+           f"{'comp_s':>7s}{'floor':>7s}{'roof%':>6s}")
     print(hdr)
     for c in res["cases"]:
         if "error" in c:
@@ -999,7 +1101,9 @@ def table(res: dict):
                   f"{r['tokens_per_s']:10.1f}{r['step_ms']:9.3f}{f(sp.get('selector'))}"
                   f"{f(sp.get('ensure'))}{f(sp.get('fetch'))}{f(sp.get('attention'))}"
                   f"{f(sp.get('rest'))}{f(r.get('hit_rate'), 6, 3)}{f(r.get('fetch_gbps'), 6, 1)}"
-                  f"{100 * r['pool_fraction_of_logical']:7.2f}{r['compile_s']:7.1f}")
+                  f"{100 * r['pool_fraction_of_logical']:7.2f}{r['compile_s']:7.1f}"
+                  f"{f(r.get('floor_ms'), 7, 3)}"
+                  f"{f(100 * r['fraction_of_roofline'] if r.get('fraction_of_roofline') else None, 6, 1)}")
     for p in res["prefill"]:
         if "error" in p:
             print(f"prefill {p['shape']} {p['mode']} T={p['prompt_tokens']}: error")

@@ -101,3 +101,47 @@ def test_fp8_kv_dtype_runs_every_part(tmp_path):
     assert recs["b"]["tokens_per_s"] > 0 and recs["c2"]["tokens_per_s"] > 0
     H, ps, D = 2, 4, 16  # the tiny shape, the quick page size
     assert case["memory_plan"]["logical_kv_bytes"] % (2 * H * ps * (D + 1)) == 0
+
+
+def test_roofline_bytes_by_part():
+    """step_read_bytes by hand for a tiny plan: weights (the embedding's looked-up rows only
+    when the LM head is separate), KV of min(k, valid) pages per layer / request / KV head,
+    Quest's summaries of every valid page, the two-stage selector's candidate keys; the
+    roofline's fraction is floor / step."""
+    import dataclasses
+
+    import jax
+    from jaxkv import CacheConfig, engine
+    from jaxkv.models import configs, llama
+
+    cfg = configs.tiny()
+    params = llama.init_params(cfg, 0)
+    ps, k = 4, 3
+    lengths = [37, 9]                                              # 10 and 3 pages
+    L, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    kvb = jax.numpy.dtype(cfg.dtype).itemsize
+
+    def plan(**kw):
+        cache = CacheConfig(mode="resident", page_size=ps, selected_pages=k, **kw)
+        return engine.Plan(model=cfg, cache=cache, batch=2, prompt_len=64, max_context=64,
+                           num_stop=1)
+
+    p = plan(selector="quest")
+    got = decode_lib.step_read_bytes(p, params, lengths)
+    head_page = 2 * ps * D * kvb                                   # K and V of one head's page
+    assert got["kv"] == L * (3 + 3) * H * head_page
+    assert got["selector"] == L * (10 + 3) * H * D * 2 * kvb
+    total_w = sum(x.nbytes for x in jax.tree.leaves(params))
+    emb = params["embed"]
+    want_w = total_w - emb.nbytes + (2 * emb.nbytes // emb.shape[0] if "lm_head" in params else emb.nbytes)
+    assert got["weights"] == want_w
+    assert got["total"] == sum(v for n, v in got.items() if n != "total")
+    dense = decode_lib.step_read_bytes(plan(selector="dense"), params, lengths)
+    assert dense["kv"] == L * (10 + 3) * H * head_page and dense["selector"] == 0
+    two = decode_lib.step_read_bytes(plan(selector="quest_rescore"), params, lengths)
+    cand = min(10, 4 * k) + 3                                       # 4x candidates, capped
+    assert two["selector"] == got["selector"] + L * cand * H * ps * (D + 4)
+    roof = decode_lib.roofline(dict(step_ms=2.0, h2d_bytes_per_step=0), got, 1.0, 50.0)
+    assert roof["floor_ms"] == got["total"] / 1e9 * 1e3
+    assert roof["fraction_of_roofline"] == roof["floor_ms"] / 2.0
+    assert decode_lib.roofline(dict(step_ms=2.0), got, None, None) == {}
