@@ -459,8 +459,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         info = {"round": len(rounds), "steps": steps, "active_requests": active,
                 "new_tokens": n_tok, "time_s": dt, "tokens_per_s": n_tok / dt if dt > 0 else float("nan"),
                 "context_tokens": int(np.max(np.asarray(state.lengths))),
-                **{k: delta[k] for k in ("hits", "misses", "hit_rate", "evictions", "dropped",
-                                         "bytes_host_to_device", "bytes_device_to_host")}}
+                **delta}
         rounds.append(info)
         if on_round is not None:
             on_round(info)
