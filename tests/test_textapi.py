@@ -188,8 +188,10 @@ def test_forks_are_isolated(model):
     nan = jax.device_put(np.full(poisoned.kv_pages.shape, np.nan, poisoned.kv_pages.dtype),
                          poisoned.kv_pages.sharding)
     poisoned = dataclasses.replace(poisoned, kv_pages=nan)
+    assert poisoned.kv_pages.unsafe_buffer_pointer() != ctx.kv_pages.unsafe_buffer_pointer()
+    bad = _gen(model, [" Q4", " Q5"], stop_tokens=[], context=poisoned.select(0, 1))
     again = _gen(model, questions[1:2], stop_tokens=[], context=ctx)
-    assert again.tokens[0] == forks.tokens[1]
+    assert again.tokens[0] == forks.tokens[1] and bad.tokens[0] != again.tokens[0]
     sel = _gen(model, [" next", " other"], stop_tokens=[], context=forks.context.select(2, 0))
     assert len(sel.tokens) == 2
 
@@ -217,3 +219,40 @@ def test_context_errors(model):
              cache=CacheConfig(mode="host", selector="quest", page_size=8, round_steps=8))
     with pytest.raises(TypeError, match="keep=True"):
         _gen(model, ["a"], context="not a context")
+
+
+def test_continued_context_grows_with_lagged_selection_and_dense_layers(model):
+    """The continuation outgrows the context's capacity (256 -> 512 tokens: the pages are
+    laid out anew), with lagged selection (its ``ahead`` pages copied) and a dense layer
+    (its device copy copied)."""
+    cfg, params, tok = model
+    cache = CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=128,
+                        selection_lag=1, dense_layers=1, round_steps=8)
+    p1 = tok.encode("Short start.")
+    r1 = jaxkv.generate(model, [p1], cache=cache, max_new_tokens=4, stop_tokens=[], keep=True)
+    assert r1.context.plan.max_context == 256
+    rng = np.random.default_rng(0)
+    p2 = [int(t) for t in rng.integers(3, 300, 250)]
+    r2 = jaxkv.generate(model, [p2], cache=cache, max_new_tokens=4, stop_tokens=[],
+                        context=r1.context)
+    assert r2.stats["max_context"] == 512
+    long = jaxkv.generate(model, [p1 + r1.tokens[0] + p2], cache=cache, max_new_tokens=4,
+                          stop_tokens=[])
+    assert r2.tokens == long.tokens
+
+
+def test_detokenizer_never_splits_a_character(model):
+    from jaxkv.text import Detokenizer
+
+    class Bytes:          # a tokenizer without a `tokenizers` backend: one token per byte
+        def decode(self, ids, skip_special_tokens=False):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    d = Detokenizer(Bytes())
+    pieces = [d.add([b]) for b in "né ✓".encode()]
+    assert "".join(pieces) == "né ✓" and "\ufffd" not in "".join(pieces)
+    assert pieces[:3] == ["n", "", "é"]  # the first byte of "é" waits for the second
+    tok = model.tokenizer   # the `tokenizers` streaming decoder
+    ids = tok.encode("héllo wörld ✓")
+    d = Detokenizer(tok)
+    assert "".join(d.add([i]) for i in ids) == tok.decode(ids)
