@@ -249,7 +249,7 @@ def _encode_prompts(model, tokenizer, prompts, ctx, src):
     ids, messages = [], []
     for i, p in enumerate(items):
         history = None if ctx is None else ctx.messages[src[i]]
-        if text_api._is_messages(p):
+        if text_api.is_chat(p):
             if ctx is None:
                 ids.append(text_api.encode(tokenizer, p, i))
                 messages.append(list(p))
@@ -371,7 +371,8 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         kv, summaries, dense = context_api.relayout(ctx, plan, src, eng)
         cached = [ctx.cached[s] for s in src]
         pending = [p[c:] for p, c in zip(prompts, cached)]
-        F = _next_pow2(max(1, max(len(p) - 1 for p in pending)))
+        # a power of two, at least 64: turns of up to 64 tokens share one decode program
+        F = max(64, _next_pow2(max(len(p) - 1 for p in pending)))
         forced = np.full((B, F), -1, np.int32)
         for b, p in enumerate(pending):
             forced[b, :len(p) - 1] = p[1:]

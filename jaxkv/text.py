@@ -60,7 +60,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | None = None, dev
     return Model(cfg, params, tok, None if path is None else str(path))
 
 
-def _is_messages(p) -> bool:
+def is_chat(p) -> bool:
     return (isinstance(p, Sequence) and not isinstance(p, (str, bytes)) and len(p) > 0
             and all(isinstance(m, Mapping) for m in p))
 
@@ -68,13 +68,13 @@ def _is_messages(p) -> bool:
 def normalize(prompts) -> list:
     """One request (a str, a token-id list, or a chat as a list of message dicts) or a list of
     them -> a list of requests."""
-    if isinstance(prompts, str) or _is_messages(prompts):
+    if isinstance(prompts, str) or is_chat(prompts):
         return [prompts]
     return prompts
 
 
 def is_text(p) -> bool:
-    return isinstance(p, str) or _is_messages(p)
+    return isinstance(p, str) or is_chat(p)
 
 
 def encode(tokenizer, p, i: int, *, continued: bool = False, history: str | None = None) -> list[int]:
