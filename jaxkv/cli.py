@@ -91,21 +91,28 @@ def _read_prompt(args) -> str:
 
 def _check_model_options(args):
     """Options the chosen model cannot serve fail here, before its weights load: the indexer
-    selector needs indexer weights, which GGUF files and checkpoints loaded here lack."""
-    if args.selector != "indexer":
+    selector needs indexer weights (GGUF files and the checkpoints read here have none), and
+    --chat needs a chat template in the model's files."""
+    if args.selector != "indexer" and not args.chat:
         return
     from jaxkv import models
     if args.gguf is not None:
         kind, path = "gguf", args.gguf
     else:
         kind, path = models.resolve_model(args.model)
-    heads = 0
-    if kind == "hf":
-        from jaxkv.models.hf_loader import load_config
-        heads = load_config(path)[0].indexer_heads
-    if not heads:
-        raise ValueError(f"--selector indexer needs a model with lightning-indexer weights; "
-                         f"{path} has none: use --selector quest or --selector dense")
+    if args.selector == "indexer":
+        heads = 0
+        if kind == "hf":
+            from jaxkv.models.hf_loader import load_config
+            heads = load_config(path)[0].indexer_heads
+        if not heads:
+            raise ValueError(f"--selector indexer needs a model with lightning-indexer weights; "
+                             f"{path} has none: use --selector quest or --selector dense")
+    if args.chat:
+        from jaxkv.models.tokenizer import Tokenizer
+        tok = Tokenizer.from_gguf(path) if kind == "gguf" else Tokenizer.from_pretrained(path)
+        if not tok.chat_template:
+            raise ValueError(f"--chat: {path} has no chat template: drop --chat")
 
 
 def main(argv=None) -> int:
@@ -148,9 +155,6 @@ def main(argv=None) -> int:
         else:
             model = jaxkv.load(args.model, dtype=args.dtype, compile_cache=False)
         prompt = [{"role": "user", "content": text}] if args.chat else text
-        if args.chat and not model.chat_template:
-            raise ValueError(f"--chat: {model.path or model.config.name} has no chat template: "
-                             "drop --chat")
     except (FileNotFoundError, ValueError, TypeError, ImportError) as e:
         return fail(e)
     if not args.json:

@@ -24,6 +24,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from jaxkv import cache as kvcache
 from jaxkv import selectors
 from jaxkv.plan import Plan
 from jaxkv.spec import INVALID
@@ -129,14 +130,16 @@ def keep(plan: Plan, state, tokens: list[list[int]], messages: list, prefill_tok
                    reply_start=tuple(reply_start))
 
 
-def _copy_pages(old: jax.Array, new: jax.Array, layers: int, old_plan: Plan, plan: Plan, src):
-    """Rows [layers * B * Np, R]: the new request b's pages are the old request src[b]'s
-    (the pages that fit), the rest as in ``new`` (fresh)."""
+def _copy_pages(old: jax.Array, shape: tuple, sharding, layers: int, old_plan: Plan, plan: Plan,
+                src) -> jax.Array:
+    """Rows [layers * B * Np, R] in ``sharding``: the new request b's pages are the old
+    request src[b]'s (the pages that fit), the rest zero. Built on the host (``np.zeros``)
+    and placed once: no second buffer of the tier's size on the device."""
     n = min(old_plan.pages_per_seq, plan.pages_per_seq)
     a = np.asarray(jax.device_get(old)).reshape(layers, old_plan.batch, old_plan.pages_per_seq, -1)
-    out = np.array(jax.device_get(new)).reshape(layers, plan.batch, plan.pages_per_seq, -1)
+    out = np.zeros((layers, plan.batch, plan.pages_per_seq, a.shape[-1]), a.dtype)
     out[:, :, :n] = a[:, src, :n]
-    return jax.device_put(out.reshape(new.shape), new.sharding)
+    return jax.device_put(out.reshape(shape), sharding)
 
 
 def _copy_summary(old, new, old_plan: Plan, plan: Plan, src, ahead: bool):
@@ -157,19 +160,20 @@ def relayout(context: Context, plan: Plan, src: list[int], eng):
     """Fresh (kv, summaries, dense) for ``plan`` holding the context's pages for the new
     requests (request b <- context request src[b]); the device pool of the host mode starts
     empty (its pages are fetched again as the selector asks for them)."""
-    old = context.plan
-    kv = eng.init_kv(plan)
+    old, spec = context.plan, plan.spec
     L = plan.model.num_layers
     if plan.cache.mode == "host":
-        kv = dataclasses.replace(kv, host_kv=_copy_pages(context.kv_pages, kv.host_kv, L, old,
-                                                         plan, src))
+        kv = kvcache.init_cache(spec, traced=True)      # the pool and LRU state, no host tier
+        kv = dataclasses.replace(kv, host_kv=_copy_pages(
+            context.kv_pages, spec.host_shape, kvcache.host_sharding(), L, old, plan, src))
     else:
-        kv = dataclasses.replace(kv, pool=_copy_pages(context.kv_pages, kv.pool, L, old, plan, src))
-    dense = eng.init_dense(plan)
-    if context.dense_pages is not None:
-        layers = max(1, plan.num_dense)
-        dense = dataclasses.replace(dense, pool=_copy_pages(context.dense_pages, dense.pool,
-                                                            layers, old, plan, src))
+        kv = kvcache.ResidentCache(pool=_copy_pages(
+            context.kv_pages, spec.host_shape, kvcache.device_sharding(), L, old, plan, src),
+            counters=kvcache.CacheCounters.zeros())
+    dense = eng.init_dense(plan) if context.dense_pages is None else kvcache.ResidentCache(
+        pool=_copy_pages(context.dense_pages, plan.dense_spec.host_shape,
+                         kvcache.device_sharding(), max(1, plan.num_dense), old, plan, src),
+        counters=kvcache.CacheCounters.zeros())
     fresh = eng.init_summaries(plan)
     summ, ahead = selectors.split_ahead(tuple(context.summaries), plan.lagged)
     fsumm, fahead = selectors.split_ahead(tuple(fresh), plan.lagged)

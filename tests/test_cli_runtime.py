@@ -5,6 +5,7 @@ the CPU."""
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import jaxkv
+import jaxkv.models
 from jaxkv import runtime
 from jaxkv.cli import build_parser, main as cli_main
 
@@ -45,13 +47,18 @@ def test_file_from_stdin_and_stream(capsys, monkeypatch):
     assert "backend cpu" in cap.err
 
 
-def test_indexer_on_a_model_without_indexer_fails_before_loading(capsys, monkeypatch):
+def test_options_the_model_cannot_serve_fail_before_loading(capsys, monkeypatch, tmp_path):
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
     monkeypatch.setattr(jaxkv.models, "load", no_load)
     monkeypatch.setattr("jaxkv.models.hf_loader.load_hf", no_load)
     assert cli_main(["hi", "--model", FIXTURE, "--selector", "indexer"]) == 2
     assert "needs a model with lightning-indexer weights" in capsys.readouterr().err
+    bare = tmp_path / "no_template"
+    shutil.copytree(FIXTURE, bare)
+    (bare / "chat_template.jinja").unlink()
+    assert cli_main(["hi", "--model", str(bare), "--chat"]) == 2
+    assert "has no chat template: drop --chat" in capsys.readouterr().err
 
 
 def test_gpu_warning(monkeypatch):
@@ -77,6 +84,7 @@ import sys, jax
 hits = []
 jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name))
 import jaxkv
+import jaxkv.models
 m = jaxkv.load(sys.argv[1], compile_cache=sys.argv[2])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jaxkv.generate(m, ["cache me"], max_new_tokens=2, stop_tokens=[],
