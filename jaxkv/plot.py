@@ -29,7 +29,8 @@ def plot_rounds(results, *, title: str | None = None, figsize=(10, 3.8)):
     round against the context length (tokens in the cache). ``results``: a GenerateResult,
     its ``.rounds``, or ``{label: result}`` to compare runs. The first round, which
     includes the decode program's compilation, is left out of the tokens/s panel when later
-    rounds exist. Returns the matplotlib Figure."""
+    rounds exist, and so are the rounds of a continued context that only feed its appended
+    tokens (no new token). Returns the matplotlib Figure."""
     import matplotlib.pyplot as plt
 
     runs = _runs(results)
@@ -44,6 +45,7 @@ def plot_rounds(results, *, title: str | None = None, figsize=(10, 3.8)):
         hit = [r["hit_rate"] for r in rounds]
         ax_hit.plot(steps, hit, marker="o", ms=3, label=label or None)
         timed = rounds[1:] if len(rounds) > 1 else rounds
+        timed = [r for r in timed if r.get("new_tokens", 1)]  # not the rounds of appended tokens
         ax_tps.plot([r["context_tokens"] for r in timed], [r["tokens_per_s"] for r in timed],
                     marker="o", ms=3, label=label or None)
     ax_hit.set(xlabel="decode step", ylabel="pool hit rate (hits / selected pages)",
