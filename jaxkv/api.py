@@ -371,6 +371,10 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         kv, summaries, dense = context_api.relayout(ctx, plan, src, eng)
         cached = [ctx.cached[s] for s in src]
         pending = [p[c:] for p, c in zip(prompts, cached)]
+        for i, p in enumerate(pending):
+            if not p:
+                raise ValueError(f"prompt {i} is empty and context request {src[i]} has no "
+                                 "token left to feed: pass the tokens to append")
         # a power of two, at least 64: turns of up to 64 tokens share one decode program
         F = max(64, _next_pow2(max(len(p) - 1 for p in pending)))
         forced = np.full((B, F), -1, np.int32)

@@ -16,6 +16,12 @@ KV once through host memory (``context_copy_time_s`` in the stats): O(tokens) by
 less than the prefill it replaces. The appended tokens run one decode step each (the
 selector's sparse attention, as generated tokens do), which suits turns of tens to hundreds
 of tokens; a new long document is better sent as a new prompt.
+
+A request cut by a stop string keeps only the tokens up to the string; its cache may hold the
+K/V of a few tokens after them (generated in the same round). Attention never reads them (the
+length masks them) and the next tokens overwrite them; the selector's page summaries of that
+last page still include them until then (a possible difference in the pages chosen, never in
+what is read as context).
 """
 from __future__ import annotations
 

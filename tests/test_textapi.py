@@ -221,6 +221,23 @@ def test_context_errors(model):
         _gen(model, ["a"], context="not a context")
 
 
+def test_stop_string_then_continue(model):
+    tok = model.tokenizer
+    base = _gen(model, ["Once upon a time"], stop_tokens=[])
+    text = base.text[0]
+    cut = next(i for i in range(2, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    r = _gen(model, ["Once upon a time"], stop_tokens=[], stop_strings=[text[cut:cut + 2]],
+             keep=True)
+    ctx = r.context
+    assert list(ctx.tokens[0]) == tok.encode("Once upon a time") + r.tokens[0]
+    assert ctx.cached[0] <= len(ctx.tokens[0])
+    more = _gen(model, [" The end."], stop_tokens=[], context=ctx)
+    assert len(more.tokens[0]) == NEW
+    if ctx.cached[0] == len(ctx.tokens[0]):
+        with pytest.raises(ValueError, match="no token left to feed"):
+            _gen(model, [[]], context=ctx)
+
+
 def test_continued_context_grows_with_lagged_selection_and_dense_layers(model):
     """The continuation outgrows the context's capacity (256 -> 512 tokens: the pages are
     laid out anew), with lagged selection (its ``ahead`` pages copied) and a dense layer
