@@ -30,8 +30,8 @@ def default_cache_dir() -> str | None:
 def enable_compilation_cache(setting: bool | str | os.PathLike | None = None, *,
                              min_compile_time_s: float = 0.2) -> str | None:
     """Turns on JAX's persistent compilation cache, so a second process loads the compiled
-    prefill and decode programs from disk instead of compiling them (a CPU repeat run:
-    10.7 s -> 3.2 s). ``setting``: None or True = :func:`default_cache_dir`; False = leave
+    prefill and decode programs from disk instead of compiling them (the command line with
+    SmolLM2 on a 2-core CPU: compile 15.9 s -> 0.8 s, the whole run 34 s -> 16 s). ``setting``: None or True = :func:`default_cache_dir`; False = leave
     it off; a path = that directory. A directory the user already gave JAX
     (``jax_compilation_cache_dir``) is kept. Programs that compile faster than
     ``min_compile_time_s`` are not stored. Returns the directory in use, or None."""
