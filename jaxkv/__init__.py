@@ -1,6 +1,7 @@
 """jaxkv: long-context sparse-attention decoding in JAX/Pallas with the KV cache in host RAM.
 
-Main entry point: :func:`jaxkv.generate`. Configuration: :class:`CacheConfig` (static) and
+Main entry points: :func:`jaxkv.load` (a model with its tokenizer) and :func:`jaxkv.generate`
+(text, chats or token ids in; text and tokens out; kept contexts). Configuration: :class:`CacheConfig` (static) and
 :class:`Sampling` (traced). Lower level: :mod:`jaxkv.cache` (host-tier state),
 :mod:`jaxkv.lru` (static-shape LRU), :mod:`jaxkv.engine` (compiled prefill/decode),
 :mod:`jaxkv.kernels` (Pallas kernels with their jnp references), :mod:`jaxkv.models`
@@ -47,8 +48,8 @@ from jaxkv.config import CacheConfig, Sampling, Tuning, greedy
 from jaxkv.spec import INVALID, CacheSpec
 from jaxkv.validation import StrictModeError
 
-__all__ = ["CacheConfig", "CacheSpec", "GenerateResult", "INVALID", "Sampling", "StrictModeError",
-           "Tuning", "generate", "greedy"]
+__all__ = ["CacheConfig", "CacheSpec", "Context", "GenerateResult", "INVALID", "Model", "Sampling",
+           "StrictModeError", "Tuning", "generate", "greedy", "load"]
 __version__ = "0.1.0"
 
 
@@ -56,4 +57,10 @@ def __getattr__(name):  # lazy: importing jaxkv must not pull the kernels and mo
     if name in ("generate", "GenerateResult", "TokenStream"):
         from jaxkv import api as _g
         return getattr(_g, name)
+    if name in ("load", "Model"):
+        from jaxkv import text as _t
+        return getattr(_t, name)
+    if name == "Context":
+        from jaxkv import context as _c
+        return _c.Context
     raise AttributeError(name)

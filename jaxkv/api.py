@@ -12,17 +12,43 @@ import numpy as np
 
 from jaxkv import cache as kvcache
 from jaxkv import compile_stats, engine, parallel, validation
+from jaxkv import context as context_api
+from jaxkv import text as text_api
 from jaxkv.config import CacheConfig, Sampling
 from jaxkv.models.configs import ModelConfig
+from jaxkv.text import Model
 
 
 @dataclasses.dataclass
 class GenerateResult:
-    """tokens: generated ids per request (a stop token, if hit, is the last one).
-    stats: timings, cache counters and memory (see README, "Stats")."""
+    """tokens: generated ids per request (a stop token, if hit, is the last one; a stop
+    string's tokens end the list). text: the generated text per request (models from
+    :func:`jaxkv.load`; without the stop token or stop string), else None.
+    finish_reasons: per request "stop_token", "stop_string", "length" (max_new_tokens) or
+    "capacity" (the context or the model's positions ran out). logprobs: per request the
+    log-probability of each chosen token under the model (``logprobs=True``), else None.
+    context: a :class:`jaxkv.context.Context` (``keep=True``), else None. rounds: per-round
+    stats (``on_round``'s argument). stats: timings, cache counters and memory (see README,
+    "Stats")."""
 
     tokens: list[list[int]]
     stats: dict
+    text: list[str] | None = None
+    finish_reasons: list[str] = dataclasses.field(default_factory=list)
+    logprobs: list[list[float]] | None = None
+    context: object = None
+    rounds: list[dict] = dataclasses.field(default_factory=list)
+
+
+class Chunk(list):
+    """One streamed item: a list (one per request) of the new token ids, with ``.text`` (one
+    str per request: the new text, None without a tokenizer) and ``.logprobs`` (per request
+    the new tokens' log-probabilities, None unless ``logprobs=True``)."""
+
+    def __init__(self, tokens, text=None, logprobs=None):
+        super().__init__(tokens)
+        self.text = text
+        self.logprobs = logprobs
 
 
 def _next_pow2(n: int) -> int:
@@ -187,7 +213,8 @@ def prng_key(seed: int) -> jax.Array:
 
 
 class TokenStream:
-    """Iterator over rounds: each item is a list (one per request) of the new token ids.
+    """Iterator over rounds (or steps, ``stream="step"``): each item is a :class:`Chunk`, a
+    list (one per request) of the new token ids, with ``.text`` the new text per request.
 
     One pass over one generation, like a file: breaking out of a ``for`` loop pauses the
     generation, and iterating again resumes where it stopped (no token is lost or repeated);
@@ -229,29 +256,55 @@ class TokenStream:
         raise RuntimeError("the stream has not ended: .result is set once the iteration has "
                            "ended; keep iterating (a new for loop resumes where the last stopped)")
 
+    def text(self) -> Iterator[str]:
+        """The first request's text as it is decoded (e.g. ``print(piece, end="")``)."""
+        for chunk in self:
+            if chunk.text is not None and chunk.text[0]:
+                yield chunk.text[0]
 
-def generate(model: ModelConfig, params, prompts, *, max_new_tokens: int = 32,
+
+def generate(model, params=None, prompts=None, *, max_new_tokens: int = 32,
              sampling: Sampling | None = None, cache: CacheConfig | None = None,
-             stop_tokens: Sequence[int] | None = None, seed: int = 0, stream: bool = False,
-             progress: bool | None = None, mesh=None):
+             stop_tokens: Sequence[int] | None = None, stop_strings: Sequence[str] | None = None,
+             seed: int = 0, stream: bool | str = False, progress: bool | None = None, mesh=None,
+             logprobs: bool = False, keep: bool = False, context=None, on_round=None):
     """Generate up to ``max_new_tokens`` tokens for each prompt.
 
+    ``generate(model, prompts)`` with a model from :func:`jaxkv.load`, or
+    ``generate(config, params, prompts)`` with a ModelConfig and its params.
+
     Args:
-      model: the ModelConfig of ``params``.
-      params: the model's params pytree (jaxkv.models.llama layout).
-      prompts: list of token-id lists (different lengths allowed).
+      model: a :class:`jaxkv.Model` (from ``jaxkv.load``: config, params, tokenizer) or the
+        ModelConfig of ``params``.
+      params: the model's params pytree (jaxkv.models.llama layout); with a Model, omitted.
+      prompts: one request or a list of them. A request is text (a str), a chat (a list of
+        ``{"role": ..., "content": ...}`` dicts, rendered with the model's chat template) or
+        a list of token ids. Text and chats need a Model (its tokenizer).
       max_new_tokens: per request (traced: changing it does not recompile).
       sampling: :class:`Sampling` (default greedy); traced.
       cache: :class:`CacheConfig` (mode "host" or "resident", selector, page size, pool...).
-      stop_tokens: a list of ids that end a request (default: the model's eos id).
+      stop_tokens: ids that end a request (default: the tokenizer's stop ids, else the
+        model's eos id).
+      stop_strings: strings that end a request (checked after each round; the text stops
+        before the string, the tokens with the token that completes it).
       seed: PRNG seed for sampling, any int >= 0 (:func:`prng_key`).
-      stream: return a :class:`TokenStream` yielding tokens round by round (breaking out and
-        iterating again resumes it).
+      stream: True or "round": return a :class:`TokenStream` yielding each round's new tokens
+        and text; "step": one item per decode step (the round still runs as one program:
+        ``CacheConfig(round_steps=...)`` sets how often new tokens arrive); breaking out and
+        iterating again resumes the stream.
       progress: show a prefill progress bar (default: prompts of >= 8k tokens).
       mesh: tensor parallelism over KV heads (jaxkv.parallel): a one-axis
         ``jax.sharding.Mesh`` or a list of N devices; N must divide num_kv_heads and ffn_dim.
         Each device keeps its heads' host tier, pool and LRU state. None or the one default
         device: the single-device path. Counters in ``stats`` are totals over the devices.
+      logprobs: also return each chosen token's log-probability under the model
+        (temperature 1), computed in the compiled step.
+      keep: return the requests' KV, summaries and conversation as ``result.context``.
+      context: continue a kept context (``jaxkv.context``): the prompts' tokens are appended
+        to its requests (one prompt per request), or a context of one request is forked,
+        once per prompt, without prefilling it again.
+      on_round: ``callback(dict)`` after every decode round with that round's stats (steps,
+        time, tokens/s, context length, hits, misses, hit rate, bytes moved).
     Returns:
       :class:`GenerateResult` (or a :class:`TokenStream` when ``stream``).
     Raises:
@@ -261,8 +314,20 @@ def generate(model: ModelConfig, params, prompts, *, max_new_tokens: int = 32,
       (a RuntimeError whose ``.result`` holds the generated tokens) after the run in strict
       mode. See docs/failure_modes.md.
     """
+    tokenizer = None
+    if isinstance(model, Model):
+        if prompts is None:
+            prompts, params = params, model.params
+        tokenizer, model = model.tokenizer, model.config
+    elif prompts is None:
+        raise TypeError("generate(config, params, prompts) needs prompts (or pass the Model from "
+                        "jaxkv.load(...) as generate(model, prompts))")
+    if stream not in (False, True, "round", "step"):
+        raise ValueError(f"stream must be False, True, 'round' or 'step', got {stream!r}")
     gen = _generate(model, params, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                    cache=cache, stop_tokens=stop_tokens, seed=seed, progress=progress, mesh=mesh)
+                    cache=cache, stop_tokens=stop_tokens, seed=seed, progress=progress, mesh=mesh,
+                    tokenizer=tokenizer, stop_strings=stop_strings, logprobs=logprobs, keep=keep,
+                    context=context, on_round=on_round, per_step=stream == "step")
     if stream:
         return TokenStream(gen)
     try:
@@ -272,8 +337,43 @@ def generate(model: ModelConfig, params, prompts, *, max_new_tokens: int = 32,
         return e.value
 
 
+def _encode_prompts(model, tokenizer, prompts, ctx, src):
+    """(token ids per request: the whole prompt, or with a context the tokens to append;
+    chat messages per request, None where the request is not a chat)."""
+    items = text_api.normalize(prompts)
+    if isinstance(items, np.ndarray) or not isinstance(items, Sequence) or (
+            ctx is None and not any(text_api.is_text(p) for p in items)):
+        ids = _validate_prompts(model, items)
+        return ids, [None] * len(ids)
+    ids, messages = [], []
+    for i, p in enumerate(items):
+        history = None if ctx is None else ctx.messages[src[i]]
+        if text_api.is_chat(p):
+            if ctx is None:
+                ids.append(text_api.encode(tokenizer, p, i))
+                messages.append(list(p))
+            elif history is not None:
+                reply = ctx.tokens[src[i]][ctx.reply_start[src[i]]:]
+                ids.append(text_api.encode_turns(tokenizer, list(history), reply, p, i))
+                messages.append(list(history) + list(p))
+            else:
+                raise ValueError(f"prompt {i} is a chat, but the context's request {src[i]} was "
+                                 "not: continue it with text or token ids")
+        elif isinstance(p, str):
+            ids.append(text_api.encode(tokenizer, p, i, continued=ctx is not None))
+            messages.append(None)
+        else:
+            ids.append(p)
+            messages.append(None)
+    if ctx is None:
+        return _validate_prompts(model, ids), messages
+    return [[int(t) for t in validation.check_token_ids(p, model.vocab_size, f"prompt {i}")]
+            for i, p in enumerate(ids)], messages
+
+
 def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_tokens, seed, progress,
-              mesh=None):
+              mesh=None, tokenizer=None, stop_strings=None, logprobs=False, keep=False,
+              context=None, on_round=None, per_step=False):
     if not isinstance(model, ModelConfig):
         raise TypeError(f"model must be a jaxkv.models.configs.ModelConfig, got {type(model).__name__}")
     cache = CacheConfig() if cache is None else cache
@@ -282,14 +382,33 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     sampling = _validate_sampling(sampling)
     validation.check_int("max_new_tokens", max_new_tokens, minimum=1)
     validation.check_int("seed", seed, minimum=0)
+    for name, v in (("logprobs", logprobs), ("keep", keep)):
+        if not isinstance(v, (bool, np.bool_)):
+            raise ValueError(f"{name} must be a bool, got {v!r}")
+    if on_round is not None and not callable(on_round):
+        raise TypeError(f"on_round must be a callable taking one dict, got {type(on_round).__name__}")
+    stop_strs = text_api.check_stop_strings(stop_strings, tokenizer)
     validation.check_params(model, params)
     tp = parallel.TensorParallel.create(mesh, model)   # None: one device
+    if tp is not None and (keep or context is not None or logprobs):
+        raise ValueError("keep / context / logprobs run on one device: drop mesh, or drop them")
     n_dev = 1 if tp is None else tp.size
     eng = engine if tp is None else tp
-    prompts = _validate_prompts(model, prompts)
-    stops = _validate_stop_tokens(model, stop_tokens)
+    ctx, src = (None, None)
+    if context is not None:
+        n = len(text_api.normalize(prompts)) if not isinstance(prompts, np.ndarray) else len(prompts)
+        ctx, src = context_api.sources(context, n)
+    new_ids, messages = _encode_prompts(model, tokenizer, prompts, ctx, src)
+    if stop_tokens is None:
+        stops = list(tokenizer.stop_ids) if tokenizer is not None and tokenizer.stop_ids else [model.eos_id]
+    else:
+        stops = _validate_stop_tokens(model, stop_tokens)
     num_stop = max(4, _next_pow2(len(stops)))
     stop_ids = jnp.asarray(stops + [-1] * (num_stop - len(stops)), jnp.int32)
+    if ctx is None:
+        prompts = new_ids
+    else:  # each request's whole conversation: the context's, then the new tokens
+        prompts = [list(ctx.tokens[s]) + p for s, p in zip(src, new_ids)]
     lens = [len(p) for p in prompts]
     plan = make_plan(model if tp is None else tp.local_model(model), cache, lens,
                      int(max_new_tokens), num_stop)
@@ -298,75 +417,198 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         plan, params = tp.plan(plan), tp.shard_params(params)
     B, T = plan.batch, plan.prompt_len
     compiles0 = compile_stats.snapshot()
-
-    # ---- prefill ---------------------------------------------------------------------
-    t0 = time.perf_counter()
-    tokens = np.zeros((B, T), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = p
-    lengths = jnp.asarray(lens, jnp.int32)
-    kv = eng.init_kv(plan)
-    summaries = eng.init_summaries(plan)
-    # commit fresh arrays to their shardings: prefill then compiles once, not twice
-    dense = eng.init_dense(plan)
-    kv, summaries, dense = jax.device_put((kv, summaries, dense),
-                                          jax.tree.map(lambda a: a.sharding, (kv, summaries, dense)))
-    x = eng.embed_prompt(plan, params, jnp.asarray(tokens))
-    show = progress if progress is not None else max(lens) >= 8192
-    layers = range(model.num_layers)
-    if show:
-        from tqdm.auto import tqdm
-        layers = tqdm(layers, desc=f"prefill {sum(lens)} tokens", unit="layer")
-    for layer in layers:
-        x, kv, summaries, dense = eng.prefill_layer(plan, params["layers"][layer], jnp.int32(layer), x,
-                                                    lengths, kv, summaries, dense)
     key = prng_key(int(seed))
-    key, sub = jax.random.split(key)
-    first = eng.first_token(plan, params, x, lengths, sampling, sub)
-    first_np = np.asarray(first)
-    t_prefill = time.perf_counter() - t0
-    del x
-
+    out = [[] for _ in range(B)]
+    lps = [[] for _ in range(B)] if logprobs else None
     stop_np = set(stops)
-    done0 = np.array([(t in stop_np) or max_new_tokens <= 1 for t in first_np])
-    state = engine.start_state(plan, kv, summaries, lengths, first, key, done=done0,
-                               lookahead=eng.init_lookahead(plan), dense=dense)
-    out = [[int(t)] for t in first_np]
-    yield [[int(t)] for t in first_np]
+    t0 = time.perf_counter()
+
+    if ctx is None:
+        # ---- prefill -----------------------------------------------------------------
+        tokens = np.zeros((B, T), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = p
+        lengths = jnp.asarray(lens, jnp.int32)
+        kv = eng.init_kv(plan)
+        summaries = eng.init_summaries(plan)
+        # commit fresh arrays to their shardings: prefill then compiles once, not twice
+        dense = eng.init_dense(plan)
+        kv, summaries, dense = jax.device_put((kv, summaries, dense),
+                                              jax.tree.map(lambda a: a.sharding, (kv, summaries, dense)))
+        x = eng.embed_prompt(plan, params, jnp.asarray(tokens))
+        show = progress if progress is not None else max(lens) >= 8192
+        layers = range(model.num_layers)
+        if show:
+            from tqdm.auto import tqdm
+            layers = tqdm(layers, desc=f"prefill {sum(lens)} tokens", unit="layer")
+        for layer in layers:
+            x, kv, summaries, dense = eng.prefill_layer(plan, params["layers"][layer], jnp.int32(layer), x,
+                                                        lengths, kv, summaries, dense)
+        key, sub = jax.random.split(key)
+        if logprobs:
+            first, first_lp = engine.first_token(plan, params, x, lengths, sampling, sub,
+                                                 with_logprob=True)
+            first_lp = [[float(v)] for v in np.asarray(first_lp)]
+        else:
+            first = eng.first_token(plan, params, x, lengths, sampling, sub)
+            first_lp = None
+        first_np = np.asarray(first)
+        t_prefill = time.perf_counter() - t0
+        del x
+        done0 = np.array([(t in stop_np) or max_new_tokens <= 1 for t in first_np])
+        state = engine.start_state(plan, kv, summaries, lengths, first, key, done=done0,
+                                   lookahead=eng.init_lookahead(plan), dense=dense,
+                                   logprobs=logprobs)
+        first_new = [[int(t)] for t in first_np]
+        reused = 0
+    else:
+        # ---- continue a kept context: copy its pages, feed the tokens not yet cached ------
+        context_api.check_compatible(ctx, plan)
+        kv, summaries, dense = context_api.relayout(ctx, plan, src, eng)
+        cached = [ctx.cached[s] for s in src]
+        pending = [p[c:] for p, c in zip(prompts, cached)]
+        for i, p in enumerate(pending):
+            if not p:
+                raise ValueError(f"prompt {i} is empty and context request {src[i]} has no "
+                                 "token left to feed: pass the tokens to append")
+        # a power of two, at least 64: turns of up to 64 tokens share one decode program
+        F = max(64, _next_pow2(max(len(p) - 1 for p in pending)))
+        forced = np.full((B, F), -1, np.int32)
+        for b, p in enumerate(pending):
+            forced[b, :len(p) - 1] = p[1:]
+        state = engine.start_state(plan, kv, summaries, cached, [p[0] for p in pending], key,
+                                   n_generated=0, lookahead=eng.init_lookahead(plan), dense=dense,
+                                   forced=(forced, np.asarray(cached, np.int32) + 1),
+                                   logprobs=logprobs)
+        t_prefill = time.perf_counter() - t0
+        first_new, first_lp = None, None
+        reused = sum(cached)
+
+    detok = [text_api.Detokenizer(tokenizer) for _ in range(B)] if tokenizer is not None else None
+    shown = [""] * B                  # text already streamed per request
+    finish: list = [None] * B         # "stop_string" once one is seen
+    hold = max((len(s) for s in stop_strs), default=1) - 1
+
+    def decoded(b: int) -> str:
+        """Request b's whole text, cut before its first stop string."""
+        txt = tokenizer.decode(out[b], skip_special_tokens=True)
+        i = text_api.find_stop(txt, stop_strs) if stop_strs else -1
+        return txt if i < 0 else txt[:i]
+
+    def absorb(new, new_lp) -> Chunk:
+        """Adds one round's (or step's) tokens; a stop string ends its request. The new text
+        comes from the streaming decoder, or with stop strings from the whole text, without
+        the tail a stop string could still start in (and a partial UTF-8 character)."""
+        texts = [] if detok is not None else None
+        for b in range(B):
+            toks = [] if finish[b] is not None else new[b]
+            out[b].extend(toks)
+            if lps is not None and toks:
+                lps[b].extend(new_lp[b])
+            if detok is None:
+                continue
+            if not stop_strs:
+                piece = detok[b].add(toks)
+                shown[b] += piece
+                texts.append(piece)
+                continue
+            txt = tokenizer.decode(out[b], skip_special_tokens=True) if toks else shown[b]
+            i = text_api.find_stop(txt, stop_strs) if toks else -1
+            if i >= 0:
+                m = text_api.tokens_until(tokenizer, out[b], stop_strs)
+                del out[b][m:]
+                if lps is not None:
+                    del lps[b][m:]
+                finish[b] = "stop_string"
+                vis = txt[:i]
+            else:
+                vis = txt[:max(0, len(txt) - hold)].rstrip("\ufffd")
+            piece = vis[len(shown[b]):] if vis.startswith(shown[b]) else ""
+            shown[b] += piece
+            texts.append(piece)
+        return Chunk(new, texts, new_lp)
+
+    if first_new is not None:
+        yield absorb(first_new, first_lp)
 
     # ---- decode rounds -----------------------------------------------------------------
     max_new = jnp.int32(max_new_tokens)
+    # the decode round never reads the prompt bucket: one program serves every prompt length
+    round_plan = dataclasses.replace(plan, prompt_len=plan.page_size)
     t1 = time.perf_counter()
     compiles_decode0 = compile_stats.snapshot()
-    rounds = 0
+    rounds = []
     totals = {f.name: 0 for f in dataclasses.fields(kvcache.CacheCounters)}
     per_device = {name: np.zeros(n_dev, np.int64) for name in totals}
-    while not bool(np.all(np.asarray(state.done))):
-        state, buf, steps = eng.decode_round(plan, params, state, sampling, stop_ids, max_new)
+    while True:
+        ended = [b for b in range(B) if finish[b] is not None]
+        if ended:  # a stop string ends its request in the compiled loop as well
+            state = state.replace(done=state.done.at[jnp.asarray(ended)].set(True))
+        if bool(np.all(np.asarray(state.done))):
+            break
+        active = int(np.sum(~np.asarray(state.done)))
+        tr = time.perf_counter()
+        before = dict(totals)
+        state, buf, steps = eng.decode_round(round_plan, params, state, sampling, stop_ids, max_new)
         state = _drain_counters(state, totals, per_device)
-        buf = np.asarray(buf)[:, : int(steps)]
-        rounds += 1
-        new = [[int(t) for t in row if t >= 0] for row in buf]
-        for o, n in zip(out, new):
-            o.extend(n)
-        yield new
+        steps = int(steps)
+        buf = np.asarray(buf)[:, :steps]
+        lbuf = np.asarray(state.logprobs[0])[:, :steps] if logprobs else None
+        dt = time.perf_counter() - tr
+        delta = kvcache.CacheCounters(**{k: totals[k] - before[k] for k in totals}).as_dict(plan.spec)
+        n_tok = int(np.sum(buf >= 0))
+        info = {"round": len(rounds), "steps": steps, "active_requests": active,
+                "new_tokens": n_tok, "time_s": dt, "tokens_per_s": n_tok / dt if dt > 0 else float("nan"),
+                "context_tokens": int(np.max(np.asarray(state.lengths))),
+                **delta}
+        rounds.append(info)
+        if on_round is not None:
+            on_round(info)
+        cols = range(steps) if per_step else [slice(0, steps)]
+        for c in cols:
+            part = buf[:, c] if per_step else buf
+            part = part.reshape(B, -1)
+            new = [[int(t) for t in row if t >= 0] for row in part]
+            new_lp = None
+            if lbuf is not None:
+                lp_part = lbuf[:, c].reshape(B, -1)
+                new_lp = [[float(v) for v, t in zip(lr, row) if t >= 0] for lr, row in zip(lp_part, part)]
+            if per_step and not any(new):
+                continue
+            yield absorb(new, new_lp)
     # decode time without the first round's compilation (reported as compile_time_s)
     t_decode = max(0.0, time.perf_counter() - t1 - compile_stats.since(compiles_decode0)["time_s"])
     compiles = compile_stats.since(compiles0)
 
+    reasons = []
+    for b in range(B):
+        if finish[b] is not None:
+            reasons.append(finish[b])
+        elif out[b] and out[b][-1] in stop_np:
+            reasons.append("stop_token")
+        elif len(out[b]) >= max_new_tokens:
+            reasons.append("length")
+        else:
+            reasons.append("capacity")
+    final_text = None
+    if detok is not None:
+        final_text = [decoded(b) for b in range(B)]
+        tail = [t[len(s):] if t.startswith(s) else "" for t, s in zip(final_text, shown)]
+        if any(tail):  # text held back (a possible stop string, a partial character)
+            yield Chunk([[] for _ in range(B)], tail, [[] for _ in range(B)] if logprobs else None)
+
     counters = kvcache.CacheCounters(**totals).as_dict(plan.spec)
     n_new = sum(len(o) for o in out)
-    # a request that ended without a stop token before max_new_tokens hit the context capacity
-    truncated = sum(1 for o in out if len(o) < max_new_tokens and o[-1] not in stop_np)
+    n_decoded = n_new - (B if ctx is None else 0)
     stats = {
         "mode": cache.mode, "selector": cache.selector, "batch": B,
         "prompt_tokens": sum(lens), "generated_tokens": n_new,
         "prefill_time_s": t_prefill, "decode_time_s": t_decode,
-        "prefill_tokens_per_s": sum(lens) / t_prefill if t_prefill else float("nan"),
-        "decode_tokens_per_s": (n_new - B) / t_decode if t_decode > 0 else float("nan"),
-        "decode_rounds": rounds,
+        "prefill_tokens_per_s": (sum(lens) - reused) / t_prefill if t_prefill else float("nan"),
+        "decode_tokens_per_s": n_decoded / t_decode if t_decode > 0 else float("nan"),
+        "decode_rounds": len(rounds),
         **counters,
-        "truncated_requests": truncated,
+        "truncated_requests": reasons.count("capacity"),
         **_memory_stats(plan, state, n_dev),
         "page_size": plan.page_size, "selected_pages": plan.k,
         "selection_lag": cache.selection_lag,
@@ -375,9 +617,24 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         "compile_time_s": compiles["time_s"], "num_compilations": compiles["count"],
         "num_devices": n_dev,
     }
+    if ctx is not None:  # the context's tokens were copied, not prefilled again
+        rate = ctx.prefill_tokens_per_s
+        stats.update({"reused_context_tokens": reused, "appended_tokens": sum(lens) - reused,
+                      "context_copy_time_s": t_prefill,
+                      "prefill_time_saved_s": (reused / rate - t_prefill) if rate and rate > 0
+                      else float("nan")})
     if n_dev > 1:  # counters are totals over the devices; here each device's own
         stats["per_device"] = {k: [int(x) for x in v] for k, v in per_device.items()}
-    result = GenerateResult(tokens=out, stats=stats)
+    kept = None
+    if keep:
+        rate = stats["prefill_tokens_per_s"] if ctx is None else ctx.prefill_tokens_per_s
+        msgs = [None if m is None else m + [{"role": "assistant", "content":
+                                             tokenizer.decode(o, skip_special_tokens=True)}]
+                for m, o in zip(messages, out)]
+        kept = context_api.keep(plan, state, [list(p) + o for p, o in zip(prompts, out)], msgs,
+                                rate, reply_start=[len(p) for p in prompts])
+    result = GenerateResult(tokens=out, stats=stats, text=final_text, finish_reasons=reasons,
+                            logprobs=lps, context=kept, rounds=rounds)
     if cache.strict:
         validation.check_strict(stats, result=result)
     else:

@@ -3,7 +3,9 @@
 Loads SmolLM2-135M-Instruct from its GGUF package, or ``--model PATH``: a GGUF file (llama or
 qwen2 architecture), a Hugging Face checkpoint directory (config.json, safetensors,
 tokenizer.json), a cached hub repo id, or an installed asset name (``qwen2.5-coder-0.5b``).
-Generates with the host tier by default and prints the text, tokens/s and the cache counters.
+Generates with the host tier by default and prints the backend, the text, tokens/s and the
+cache counters (``--json``: one JSON object only). JAX's persistent compilation cache is on
+(``--compile-cache DIR``, ``--no-compile-cache`` or ``JAXKV_COMPILATION_CACHE=0``).
 """
 from __future__ import annotations
 
@@ -32,28 +34,34 @@ _positive_int = _int_at_least(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxkv import __version__
     p = argparse.ArgumentParser(
-        prog="jaxkv", description="Generate text with a host-tier sparse KV cache (JAX/Pallas).")
-    p.add_argument("prompt", nargs="?", help=f"prompt text (default: {DEFAULT_PROMPT!r})")
-    p.add_argument("--file", type=Path, help="read the prompt from a file")
+        prog="jaxkv", description="Generate text with a host-tier sparse KV cache (JAX/Pallas).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--version", action="version", version=f"jaxkv {__version__}")
+    p.add_argument("prompt", nargs="?", default=None, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    p.add_argument("--file", type=Path, help="read the prompt from a file ('-': standard input)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", metavar="PATH",
                      help="GGUF file, Hugging Face checkpoint directory, cached hub repo id or "
                           "asset name (default: SmolLM2-135M-Instruct)")
     src.add_argument("--gguf", type=Path, help="a GGUF file (the same as --model for a GGUF file)")
-    p.add_argument("--mode", choices=["host", "resident"], default="host")
-    p.add_argument("--selector", choices=["quest", "indexer", "dense"], default="quest")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=48)
+    p.add_argument("--mode", choices=["host", "resident"], default="host",
+                   help="host: KV cache in host RAM, device pool as LRU cache; resident: all on device")
+    p.add_argument("--selector", choices=["quest", "indexer", "dense"], default="quest",
+                   help="which pages each step reads (indexer: models with indexer weights)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=48, help="tokens to generate")
     p.add_argument("--budget", type=_positive_int, default=None,
                    help="selected tokens per step, layer and KV head (rounded to pages)")
     p.add_argument("--page-size", type=_positive_int, default=16, help="tokens per page (a power of two)")
     p.add_argument("--pool-pages", type=_positive_int, default=None,
                    help="device pool slots per layer (host mode)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=_int_at_least(0), default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=_int_at_least(0), default=0, help="any int >= 0")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=_int_at_least(0), default=0,
+                   help="keep the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--seed", type=_int_at_least(0), default=0, help="sampling seed, any int >= 0")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weights and activations (default: float32 for GGUF, the checkpoint's own "
                         "dtype for Hugging Face checkpoints)")
@@ -64,31 +72,80 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fail (exit 1, after printing the text) if any selected page was dropped "
                         "or a request was cut at the context capacity; selects the per-layer "
                         "schedule, which drops what the pool cannot hold, unless --schedule is given")
-    p.add_argument("--json", action="store_true", help="print the stats as JSON")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="a stop string (repeatable)")
+    p.add_argument("--stream", action="store_true", help="print the text as it is decoded")
+    p.add_argument("--json", action="store_true",
+                   help="print only one JSON object (backend, text, finish reason, stats)")
+    p.add_argument("--compile-cache", metavar="DIR", default=None,
+                   help="JAX's persistent compilation cache directory (default: "
+                        "$JAXKV_COMPILATION_CACHE or ~/.cache/jaxkv/xla)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="compile without the persistent cache")
     return p
+
+
+def _read_prompt(args) -> str:
+    """The prompt text; raises ValueError naming the problem."""
+    if args.file is None:
+        return args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    if str(args.file) == "-":
+        try:
+            return sys.stdin.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"cannot read standard input as UTF-8 text ({e})") from None
+    if not args.file.is_file():
+        why = "is a directory, not a file" if args.file.is_dir() else "does not exist"
+        raise ValueError(f"prompt file {args.file} {why}")
+    try:
+        return args.file.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read prompt file {args.file} as UTF-8 text ({e})") from None
+
+
+def _check_model_options(args):
+    """Options the chosen model cannot serve fail here, before its weights load: the indexer
+    selector needs indexer weights (GGUF files and the checkpoints read here have none), and
+    --chat needs a chat template in the model's files."""
+    if args.selector != "indexer" and not args.chat:
+        return
+    from jaxkv import models
+    if args.gguf is not None:
+        kind, path = "gguf", args.gguf
+    else:
+        kind, path = models.resolve_model(args.model)
+    if args.selector == "indexer":
+        heads = 0
+        if kind == "hf":
+            from jaxkv.models.hf_loader import load_config
+            heads = load_config(path)[0].indexer_heads
+        if not heads:
+            raise ValueError(f"--selector indexer needs a model with lightning-indexer weights; "
+                             f"{path} has none: use --selector quest or --selector dense")
+    if args.chat:
+        from jaxkv.models.tokenizer import Tokenizer
+        tok = Tokenizer.from_gguf(path) if kind == "gguf" else Tokenizer.from_pretrained(path)
+        if not tok.chat_template:
+            raise ValueError(f"--chat: {path} has no chat template: drop --chat")
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import jaxkv
-    from jaxkv import models
     from jaxkv.validation import StrictModeError
 
-    if args.file is not None:
-        if not args.file.is_file():
-            why = "is a directory, not a file" if args.file.is_dir() else "does not exist"
-            print(f"error: prompt file {args.file} {why}", file=sys.stderr)
-            return 2
-        try:
-            text = args.file.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            print(f"error: cannot read prompt file {args.file} as UTF-8 text ({e})", file=sys.stderr)
-            return 2
-    else:
-        text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    def fail(msg, code=2):
+        print(f"error: {msg}", file=sys.stderr)
+        return code
+
+    try:
+        text = _read_prompt(args)
+    except ValueError as e:
+        return fail(e)
     if not text.strip():
-        print("error: the prompt is empty", file=sys.stderr)
-        return 2
+        return fail("the prompt is empty")
+    if args.json and args.stream:
+        return fail("--json and --stream exclude each other: --json prints one JSON object")
     # settings first: a bad option fails before the model is loaded
     budget = args.budget if args.budget is not None else 4 * args.page_size * 4
     # --strict checks for dropped pages: only the per-layer schedule drops any
@@ -100,58 +157,68 @@ def main(argv=None) -> int:
             strict=args.strict, schedule=schedule,
             prefill_chunk=max(jaxkv.CacheConfig.prefill_chunk, args.page_size))
         sampling = jaxkv.Sampling.make(args.temperature, args.top_k, args.top_p)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, TypeError) as e:
+        return fail(e)
+    from jaxkv import runtime
+    runtime.enable_compilation_cache(False if args.no_compile_cache else args.compile_cache)
+    runtime.warn_if_gpu_unused()
+    backend = runtime.describe_backend()
     try:
+        _check_model_options(args)
         if args.gguf is not None:
             from jaxkv.models import gguf_loader
             from jaxkv.models.tokenizer import Tokenizer
             cfg, params = gguf_loader.load_gguf(args.gguf, dtype=args.dtype or "float32")
-            tok = Tokenizer.from_gguf(args.gguf)
+            model = jaxkv.Model(cfg, params, Tokenizer.from_gguf(args.gguf), str(args.gguf))
         else:
-            cfg, params, tok = models.load(args.model, dtype=args.dtype)
-        if args.chat:
-            ids = tok.apply_chat_template([{"role": "user", "content": text}],
-                                          add_generation_prompt=True, tokenize=True)
-        else:
-            ids = tok.encode(text)
+            model = jaxkv.load(args.model, dtype=args.dtype, compile_cache=False)
+        prompt = [{"role": "user", "content": text}] if args.chat else text
     except (FileNotFoundError, ValueError, TypeError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
+    if not args.json:
+        print(f"[jaxkv] backend {backend}; model {model.config.name}", file=sys.stderr)
     try:
-        res = jaxkv.generate(cfg, params, [ids], max_new_tokens=args.max_new_tokens,
-                             sampling=sampling, cache=cache, stop_tokens=tok.stop_ids,
-                             seed=args.seed)
+        kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, cache=cache,
+                  seed=args.seed, stop_strings=args.stop)
+        if args.stream:
+            if not args.chat:
+                print(text, end="", flush=True)
+            st = jaxkv.generate(model, [prompt], stream=True, **kw)
+            for piece in st.text():
+                print(piece, end="", flush=True)
+            print()
+            res = st.result
+        else:
+            res = jaxkv.generate(model, [prompt], **kw)
     except StrictModeError as e:  # the text is printed, then the failure
-        _print_text(args, text, tok, e.result)
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        if not args.stream:
+            print(text + e.result.text[0] if not args.chat else e.result.text[0])
+        return fail(e, 1)
     except (ValueError, TypeError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    _print_text(args, text, tok, res)
+        return fail(e, 1)
+    out = res.text[0]
     s = res.stats
     if args.json:
-        print(json.dumps(s, indent=1, default=float))
-    else:
-        print(f"\n--- {cfg.name}, {s['mode']} mode, {s['selector']} selector, "
-              f"{s['selected_pages']} pages x {s['page_size']} tokens selected per KV head")
-        print(f"prompt {s['prompt_tokens']} tokens, prefill {s['prefill_time_s']:.2f} s; "
-              f"{s['generated_tokens']} new tokens, decode {s['decode_tokens_per_s']:.1f} tokens/s "
-              f"(compile {s['compile_time_s']:.1f} s, {s['num_compilations']} compilations)")
-        print(f"cache: hit rate {s['hit_rate']:.3f} (hits {s['hits']}, misses {s['misses']}), "
-              f"evictions {s['evictions']}, dropped {s['dropped']}, "
-              f"host->device {s['bytes_host_to_device'] / 2**20:.2f} MiB, "
-              f"device->host {s['bytes_device_to_host'] / 2**20:.2f} MiB")
-        print(f"memory: device KV {s['device_kv_bytes'] / 2**20:.1f} MiB, "
-              f"host KV {s['host_kv_bytes'] / 2**20:.1f} MiB")
+        print(json.dumps({"backend": backend, "model": model.config.name, "prompt": text,
+                          "text": out, "finish_reason": res.finish_reasons[0],
+                          "tokens": res.tokens[0], "stats": s}, indent=1, default=float))
+        return 0
+    if not args.stream:
+        print(text + out if not args.chat else out)
+    cfg = model.config
+    print(f"\n--- {cfg.name} on {backend}, {s['mode']} mode, {s['selector']} selector, "
+          f"{s['selected_pages']} pages x {s['page_size']} tokens selected per KV head; "
+          f"finished: {res.finish_reasons[0]}")
+    print(f"prompt {s['prompt_tokens']} tokens, prefill {s['prefill_time_s']:.2f} s; "
+          f"{s['generated_tokens']} new tokens, decode {s['decode_tokens_per_s']:.1f} tokens/s "
+          f"(compile {s['compile_time_s']:.1f} s, {s['num_compilations']} compilations)")
+    print(f"cache: hit rate {s['hit_rate']:.3f} (hits {s['hits']}, misses {s['misses']}), "
+          f"evictions {s['evictions']}, dropped {s['dropped']}, "
+          f"host->device {s['bytes_host_to_device'] / 2**20:.2f} MiB, "
+          f"device->host {s['bytes_device_to_host'] / 2**20:.2f} MiB")
+    print(f"memory: device KV {s['device_kv_bytes'] / 2**20:.1f} MiB, "
+          f"host KV {s['host_kv_bytes'] / 2**20:.1f} MiB")
     return 0
-
-
-def _print_text(args, text: str, tok, res) -> None:
-    out = tok.decode(res.tokens[0], skip_special_tokens=True)
-    print(text + out if not args.chat else out)
 
 
 if __name__ == "__main__":

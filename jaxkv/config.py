@@ -6,6 +6,7 @@ it recompiles. :class:`Sampling` is a pytree of arrays: changing its values neve
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import jax
@@ -229,22 +230,85 @@ class CacheConfig:
                                  f"got {pc}: set {name}={max(ps, 1 << (pc - 1).bit_length())}")
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """Sampling parameters, traced (new values never recompile).
+def _sampling_number(name: str, v, *, integer: bool = False):
+    """A concrete Sampling value as a Python float (int for ``integer``); traced values and
+    device arrays of the right kind pass through (jit re-builds Sampling from them)."""
+    if isinstance(v, jax.core.Tracer):
+        return v
+    if isinstance(v, (jax.Array, np.ndarray)) and np.ndim(v) == 0:
+        v = v.item()
+    kind = "an int" if integer else "a number"
+    if isinstance(v, (bool, np.bool_)) or v is None or isinstance(v, (str, bytes)) or \
+            not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(f"Sampling.{name} must be {kind}, got {v!r} ({type(v).__name__})")
+    if integer:
+        if isinstance(v, (float, np.floating)) and not float(v).is_integer():
+            raise ValueError(f"Sampling.{name}: top_k must be an int >= 0 (0 = off), got {v!r}")
+        return int(v)
+    return float(v)
 
-    temperature: 0 = greedy. top_k: 0 = off. top_p: 1 = off.
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sampling:
+    """Sampling parameters, traced (new values never recompile): ``Sampling(temperature=0.7,
+    top_p=0.9)``. Values are checked when built (a bad one raises naming the field) and held
+    as 0-d arrays, so a Sampling is a pytree jit traces.
+
+    temperature: 0 = greedy. top_k: keep the k most likely tokens (0 = off). top_p: keep the
+    smallest set of tokens whose probability reaches p (1 = off). min_p: keep the tokens
+    whose probability is at least ``min_p`` times the most likely one's (0 = off). The
+    filters apply after the temperature.
     """
 
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
+    temperature: jax.Array = 0.0
+    top_k: jax.Array = 0
+    top_p: jax.Array = 1.0
+    min_p: jax.Array = 0.0
+
+    def __post_init__(self):
+        t = _sampling_number("temperature", self.temperature)
+        k = _sampling_number("top_k", self.top_k, integer=True)
+        p = _sampling_number("top_p", self.top_p)
+        m = _sampling_number("min_p", self.min_p)
+        if not isinstance(t, jax.core.Tracer) and not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"Sampling.temperature: temperature must be a finite number >= 0 "
+                             f"(0 = greedy), got {t}")
+        if not isinstance(k, jax.core.Tracer) and not 0 <= k < 2**31:
+            raise ValueError(f"Sampling.top_k: top_k must be an int >= 0 and < 2**31 (0 = off), "
+                             f"got {k!r}")
+        if not isinstance(p, jax.core.Tracer) and not 0 < p <= 1:
+            raise ValueError(f"Sampling.top_p: top_p must be in (0, 1] (1 = off), got {p}")
+        if not isinstance(m, jax.core.Tracer) and not 0 <= m <= 1:
+            raise ValueError(f"Sampling.min_p: min_p must be in [0, 1] (0 = off), got {m}")
+        for name, v, dt in (("temperature", t, jnp.float32), ("top_k", k, jnp.int32),
+                            ("top_p", p, jnp.float32), ("min_p", m, jnp.float32)):
+            object.__setattr__(self, name, v if isinstance(v, jax.core.Tracer) else jnp.asarray(v, dt))
 
     @classmethod
-    def make(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "Sampling":
+    def make(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             min_p: float = 0.0) -> "Sampling":
+        """The same as the constructor, with ``validation.check_sampling_args``' messages
+        (which name the argument and the fix)."""
         validation.check_sampling_args(temperature, top_k, top_p)
-        return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+        return cls(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+
+    def __repr__(self):
+        vals = ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        return f"Sampling({vals})"
+
+
+def _sampling_flatten(s: Sampling):
+    return (s.temperature, s.top_k, s.top_p, s.min_p), None
+
+
+def _sampling_unflatten(_, leaves) -> Sampling:
+    s = object.__new__(Sampling)  # leaves may be tracers or placeholders: no validation
+    for f, v in zip(("temperature", "top_k", "top_p", "min_p"), leaves):
+        object.__setattr__(s, f, v)
+    return s
+
+
+jax.tree_util.register_pytree_node(Sampling, _sampling_flatten, _sampling_unflatten)
 
 
 def greedy() -> Sampling:

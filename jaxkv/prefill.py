@@ -97,9 +97,14 @@ def embed_prompt(plan: Plan, params, tokens):
     return llama.embed(params, plan.model, tokens)
 
 
-@functools.partial(jax.jit, static_argnames=("plan",))
-def first_token(plan: Plan, params, x, lengths, sampling: Sampling, key):
-    """Sample the first new token from the prompt's last position. x [B, T, d] -> [B]."""
+@functools.partial(jax.jit, static_argnames=("plan", "with_logprob"))
+def first_token(plan: Plan, params, x, lengths, sampling: Sampling, key, with_logprob: bool = False):
+    """Sample the first new token from the prompt's last position. x [B, T, d] -> [B]
+    (and, ``with_logprob``, its log-probability under the model [B] float32)."""
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)   # [B, 1, d]
     logits = llama.final_logits(params, plan.model, last)[:, 0]
-    return agree(sample(logits, sampling, key), plan.axis_name)
+    tok = agree(sample(logits, sampling, key), plan.axis_name)
+    if not with_logprob:
+        return tok
+    lsm = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return tok, jnp.take_along_axis(lsm, tok[:, None], axis=1)[:, 0]

@@ -1,4 +1,4 @@
-"""Token sampling with traced parameters: greedy, temperature, top-k, top-p."""
+"""Token sampling with traced parameters: greedy, temperature, top-k, top-p, min-p."""
 from __future__ import annotations
 
 import jax
@@ -8,7 +8,7 @@ from jaxkv.config import Sampling
 
 
 def _sample_filtered(logits, s: Sampling, key):
-    """Temperature + top-k + top-p sampling. logits [B, V] f32 -> [B] int32."""
+    """Temperature + top-k + top-p + min-p sampling. logits [B, V] f32 -> [B] int32."""
     V = logits.shape[-1]
     scaled = logits / jnp.maximum(s.temperature, 1e-6)
     order = jnp.argsort(-scaled, axis=-1)                       # descending
@@ -18,6 +18,9 @@ def _sample_filtered(logits, s: Sampling, key):
     probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs                 # mass strictly before rank
     keep &= (before < s.top_p) | (rank == 0)
+    # min-p: against the most likely token's probability (rank 0) of the tempered softmax
+    full = jax.nn.softmax(sorted_logits, axis=-1)
+    keep &= (full >= s.min_p * full[:, :1]) | (rank == 0)
     choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
@@ -31,13 +34,13 @@ def _sample_plain(logits, s: Sampling, key):
 def sample(logits, s: Sampling, key):
     """Next tokens. logits [B, V] float32, key a PRNG key -> [B] int32.
 
-    temperature == 0 is greedy (argmax); top_k == 0 and top_p == 1 sample from the tempered
+    temperature == 0 is greedy (argmax); top_k == 0, top_p == 1 and min_p == 0 sample from the tempered
     softmax directly; otherwise the vocabulary is sorted once for the filters. The choice is
     one ``lax.switch`` on traced values, so switching modes never recompiles (and the sort,
     0.37 ms per step at 8 x 152k logits on the H200 (docs/decisions.md), runs only when a
     filter is on).
     """
-    filtered = (s.top_k > 0) | (s.top_p < 1)
+    filtered = (s.top_k > 0) | (s.top_p < 1) | (s.min_p > 0)
     branch = jnp.where(s.temperature > 0, jnp.where(filtered, 2, 1), 0)
     return jax.lax.switch(branch, [
         lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),

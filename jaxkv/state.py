@@ -19,6 +19,11 @@ class DecodeState:
     kv: HostTierCache (host mode) or ResidentCache. summaries: selector summaries.
     lengths [B]: tokens in the cache = position of ``last_token``. last_token [B]: the next
     token to feed. done [B] bool. n_generated [B]: tokens produced so far. key: PRNG key.
+    forced: () or (tokens [B, F] int32, start [B] int32): a continued context's tokens not yet
+    in the cache (``jaxkv.context``). The step that produces position ``p`` feeds
+    ``tokens[b, p - start[b]]`` instead of its sample while that is in range and >= 0; such
+    steps emit no token (-1) and count nothing as generated. logprobs: () or ([B, N] float32,),
+    the log-probability of each round step's chosen token under the model (NaN: none).
     """
 
     kv: object
@@ -30,6 +35,8 @@ class DecodeState:
     key: jax.Array
     lookahead: tuple = ()
     dense: object = ()
+    forced: tuple = ()
+    logprobs: tuple = ()
 
 
 def init_kv(plan: Plan, *, poison: bool = False, traced: bool = False):
@@ -47,18 +54,22 @@ def init_dense(plan: Plan, *, poison: bool = False, traced: bool = False):
 
 
 def start_state(plan: Plan, kv, summaries, lengths, last_token, key, *, done=None,
-                n_generated: int = 1, lookahead=None, dense=()) -> DecodeState:
+                n_generated: int = 1, lookahead=None, dense=(), forced=(),
+                logprobs: bool = False) -> DecodeState:
     """The decode state right after a prefill: lengths [B] (tokens in the cache), last_token [B]
     (the next token to feed), ``done`` [B] bool (default all False), every request's
     ``n_generated`` set to the given count, empty per-step selections (``lookahead`` default:
-    ``init_lookahead(plan)``)."""
+    ``init_lookahead(plan)``), ``forced`` (see :class:`DecodeState`), a per-round buffer of
+    chosen-token log-probabilities if ``logprobs``."""
     B = plan.batch
     return DecodeState(
         kv=kv, summaries=summaries, lengths=jnp.asarray(lengths, jnp.int32),
         last_token=jnp.asarray(last_token, jnp.int32),
         done=jnp.zeros((B,), jnp.bool_) if done is None else jnp.asarray(done),
         n_generated=jnp.full((B,), n_generated, jnp.int32), key=key,
-        lookahead=init_lookahead(plan) if lookahead is None else lookahead, dense=dense)
+        lookahead=init_lookahead(plan) if lookahead is None else lookahead, dense=dense,
+        forced=tuple(jnp.asarray(a, jnp.int32) for a in forced),
+        logprobs=(jnp.full((B, plan.cache.round_steps), jnp.nan, jnp.float32),) if logprobs else ())
 
 
 def init_lookahead(plan: Plan):

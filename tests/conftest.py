@@ -1,11 +1,15 @@
 """Test configuration: GPU tests (marker ``gpu``) are skipped unless JAX sees a GPU; the
-benchmark modules (benchmarks/: ``synthetic``, ``decode_lib``, ...) import by name."""
+benchmark modules (benchmarks/: ``synthetic``, ``decode_lib``, ...) import by name. The
+persistent compilation cache that jaxkv.load and the command line turn on is off in tests
+(tests/test_cli_runtime.py gives it a directory of its own)."""
+import os
 import sys
 from pathlib import Path
 
 import jax
 import pytest
 
+os.environ.setdefault("JAXKV_COMPILATION_CACHE", "0")
 BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 if BENCHMARKS not in sys.path:
     sys.path.insert(0, BENCHMARKS)

@@ -146,14 +146,21 @@ def test_sampling_make_names_the_argument(kw, exc, match):
     (dict(stop_tokens=2), TypeError, r"stop_tokens must be a list of token ids, got int 2: pass \[2\]"),
     (dict(stop_tokens=2.0), TypeError, "stop_tokens must be a list of token ids, got float"),
     (dict(stop_tokens="2"), TypeError, "stop_tokens is text"),
-    (dict(sampling=Sampling(jnp.array([0.7, 0.0]), jnp.int32(0), jnp.float32(1))), ValueError,
-     r"sampling.temperature has shape \(2,\).*per-request sampling is not supported\): split the batch"),
-    (dict(sampling=Sampling(jnp.float32(0), "3", jnp.float32(1))), TypeError,
-     "sampling.top_k must be a number"),
 ])
 def test_generate_keywords_name_the_argument(kw, exc, match):
     with pytest.raises(exc, match=match):
         run(**kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(temperature=jnp.array([0.7, 0.0])), "Sampling.temperature must be a number"),
+    (dict(top_k="3"), "Sampling.top_k must be an int"),
+    (dict(top_p=None), "Sampling.top_p must be a number"),
+])
+def test_sampling_constructor_names_the_field(kw, match):
+    """Per-request arrays, text and None fail when the Sampling is built, naming the field."""
+    with pytest.raises(TypeError, match=match):
+        Sampling(**kw)
 
 
 def test_jax_array_prompts_accepted_like_numpy():

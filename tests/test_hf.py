@@ -444,7 +444,7 @@ def test_load_dispatch_and_cli(tmp_path, capsys, monkeypatch):
         jaxkv.models.load("qwen2.5-coder-0.5b")
     assert cli_main(["Hello", "--model", str(FIXTURES / "hf_llama"), "--max-new-tokens", "3",
                      "--mode", "resident", "--json"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("Hello") and '"generated_tokens"' in out
+    out = json.loads(capsys.readouterr().out)   # --json: the only output
+    assert out["prompt"] == "Hello" and out["stats"]["generated_tokens"] == 3
     assert cli_main(["Hi", "--model", str(tmp_path / "nothing")]) == 2
     assert "model not found" in capsys.readouterr().err

@@ -74,3 +74,45 @@ def test_switching_modes_does_not_recompile():
               Sampling.make(temperature=1.0, top_p=0.5)):
         f(logits, s, jax.random.key(1))
     assert f._cache_size() == n
+
+
+def test_min_p_keeps_tokens_near_the_most_likely(rng):
+    logits = jnp.asarray(rng.standard_normal((2, 30)) * 2, jnp.float32)
+    min_p = 0.3
+    got = draws(logits, Sampling(temperature=1.0, min_p=min_p), n=500)
+    p = np.asarray(jax.nn.softmax(logits, -1))
+    for b in range(2):
+        kept = set(np.nonzero(p[b] >= min_p * p[b].max())[0].tolist())
+        assert set(got[:, b].tolist()) <= kept
+
+
+def test_plain_constructor_is_traced_and_validated():
+    s = Sampling(temperature=0.7, top_p=0.9)
+    assert float(s.temperature) == pytest.approx(0.7) and float(s.top_p) == pytest.approx(0.9)
+    assert int(s.top_k) == 0 and float(s.min_p) == 0.0
+    leaves, tree = jax.tree.flatten(s)
+    assert len(leaves) == 4 and isinstance(jax.tree.unflatten(tree, leaves), Sampling)
+    f = jax.jit(sample)
+    f(jnp.zeros((1, 8)), s, jax.random.key(0))
+    n = f._cache_size()
+    f(jnp.zeros((1, 8)), Sampling(temperature=1.2, min_p=0.1), jax.random.key(0))
+    assert f._cache_size() == n  # new values, same program
+
+
+@pytest.mark.parametrize("kw, exc, field", [
+    (dict(temperature=float("nan")), ValueError, "temperature"),
+    (dict(temperature=-0.1), ValueError, "temperature"),
+    (dict(temperature="0.7"), TypeError, "temperature"),
+    (dict(temperature=None), TypeError, "temperature"),
+    (dict(top_k=-3), ValueError, "top_k"),
+    (dict(top_k=2.5), ValueError, "top_k"),
+    (dict(top_k=True), TypeError, "top_k"),
+    (dict(top_p=0), ValueError, "top_p"),
+    (dict(top_p=1.5), ValueError, "top_p"),
+    (dict(top_p="high"), TypeError, "top_p"),
+    (dict(min_p=-0.5), ValueError, "min_p"),
+    (dict(min_p=None), TypeError, "min_p"),
+])
+def test_bad_values_name_the_field(kw, exc, field):
+    with pytest.raises(exc, match=rf"Sampling\.{field}"):
+        Sampling(**kw)

@@ -40,7 +40,7 @@ def gen(prompts=PROMPTS, cache=SMALL, model=CFG, params=PARAMS, **kw):
 # ------------------------------------------------------------------------------ prompts
 @pytest.mark.parametrize("prompts, exc, match", [
     ([], ValueError, "non-empty list of token-id lists"),
-    ("hello", ValueError, "non-empty list of token-id lists"),
+    ("hello", TypeError, r"prompt 0 is text: pass token ids \(tokenizer.encode.*jaxkv.load"),
     ([[5, 6], "text"], TypeError, r"prompt 1 is text: pass token ids \(tokenizer.encode"),
     ([[5, 6], []], ValueError, "prompt 1 is empty.*BOS"),
     ([[5, 6, 7], [1.5, 2.0]], TypeError, "prompt 1 must hold integer token ids"),

@@ -1,0 +1,190 @@
+"""Kept contexts: a request's KV (host tier or resident pool), selector summaries and
+conversation, reused by a later :func:`jaxkv.generate` call without prefilling it again.
+
+``generate(..., keep=True)`` returns a :class:`Context` in ``result.context``. A later
+``generate(model, new_prompts, context=ctx)`` continues it: each request's tokens that are
+not in the cache yet (the last generated token) and the new prompt's tokens are fed through
+the compiled decode loop (``DecodeState.forced``), then generation goes on. With as many
+prompts as the context has requests, request ``b`` continues request ``b`` (multi-turn
+chat); a context of one request with N prompts forks it N times (several questions over one
+document). ``context=ctx.select(i, ...)`` picks requests.
+
+Isolation and cost: every call copies the context's pages into fresh arrays laid out for the
+new call's plan (:func:`relayout`), so calls never write into the context or into each
+other, and one context can be continued any number of times. The copy moves each request's
+KV once through host memory (``context_copy_time_s`` in the stats): O(tokens) bytes, far
+less than the prefill it replaces. The appended tokens run one decode step each (the
+selector's sparse attention, as generated tokens do), which suits turns of tens to hundreds
+of tokens; a new long document is better sent as a new prompt.
+
+A request cut by a stop string keeps only the tokens up to the string; its cache may hold the
+K/V of a few tokens after them (generated in the same round). Attention never reads them (the
+length masks them) and the next tokens overwrite them; the selector's page summaries of that
+last page still include them until then (a possible difference in the pages chosen, never in
+what is read as context).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxkv import cache as kvcache
+from jaxkv import selectors
+from jaxkv.plan import Plan
+from jaxkv.spec import INVALID
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Context:
+    """A kept context (see the module doc). ``tokens[b]``: request b's conversation so far
+    (prompt and generated ids); ``cached[b]``: how many of them have their K/V in the arrays
+    (the rest are fed first by the next call). ``messages[b]``: the chat so far for a
+    request built from chat messages (None otherwise), so new turns render with the template.
+    """
+
+    plan: Plan
+    kv_pages: jax.Array          # host mode: the host tier; resident: the pool, [L*P, R]
+    dense_pages: object          # host mode with dense layers: their device copy, else None
+    summaries: tuple
+    tokens: tuple
+    cached: tuple
+    messages: tuple
+    prefill_tokens_per_s: float
+    reply_start: tuple = ()      # per request: where the last generated reply starts in tokens
+
+    @property
+    def batch(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens per request (conversation length)."""
+        return [len(t) for t in self.tokens]
+
+    def select(self, *requests: int) -> "ContextView":
+        """The given requests of this context (e.g. ``ctx.select(0, 0, 2)``: two forks of
+        request 0 and one continuation of request 2) for ``generate(..., context=...)``."""
+        for r in requests:
+            if not isinstance(r, (int, np.integer)) or not 0 <= r < self.batch:
+                raise ValueError(f"Context.select: request {r!r} is not in [0, {self.batch})")
+        if not requests:
+            raise ValueError("Context.select needs at least one request index")
+        return ContextView(self, tuple(int(r) for r in requests))
+
+    def __repr__(self):
+        return (f"Context({self.batch} request(s), tokens={self.lengths}, "
+                f"mode={self.plan.cache.mode!r}, selector={self.plan.cache.selector!r})")
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextView:
+    context: Context
+    requests: tuple
+
+
+def sources(context, num_prompts: int) -> tuple[Context, list[int]]:
+    """(context, the context request each new request continues)."""
+    if isinstance(context, ContextView):
+        src = list(context.requests)
+        context = context.context
+    elif isinstance(context, Context):
+        if context.batch == num_prompts:
+            src = list(range(num_prompts))
+        elif context.batch == 1:
+            src = [0] * num_prompts
+        else:
+            raise ValueError(
+                f"context has {context.batch} requests and there are {num_prompts} prompts: "
+                "pass one prompt per request, or pick requests with context.select(...)")
+    else:
+        raise TypeError(f"context must be a jaxkv Context (generate(..., keep=True).context), "
+                        f"got {type(context).__name__}")
+    if len(src) != num_prompts:
+        raise ValueError(f"context.select(...) picked {len(src)} requests for {num_prompts} prompts")
+    return context, src
+
+
+def check_compatible(context: Context, plan: Plan):
+    """The new call must read the pages and summaries the way they were written."""
+    a, b = context.plan, plan
+    for what, x, y in (("mode", a.cache.mode, b.cache.mode),
+                       ("selector", a.cache.selector, b.cache.selector),
+                       ("page_size", a.page_size, b.page_size),
+                       ("dtype", a.kv_dtype, b.kv_dtype),
+                       ("dense_layers", a.num_dense, b.num_dense),
+                       ("selection_lag", a.lagged, b.lagged)):
+        if x != y:
+            raise ValueError(f"the context was built with CacheConfig {what}={x!r}, this call "
+                             f"uses {y!r}: continue a context with the same cache settings")
+    if a.model != b.model:
+        raise ValueError("the context belongs to another model: continue it with the same model")
+
+
+def keep(plan: Plan, state, tokens: list[list[int]], messages: list, prefill_tokens_per_s: float,
+         reply_start: list[int]) -> Context:
+    """A context from the final decode state (its arrays, which no later call donates)."""
+    lengths = np.asarray(state.lengths)
+    kv = state.kv
+    pages = kv.host_kv if plan.cache.mode == "host" else kv.pool
+    dense = state.dense.pool if plan.num_dense and plan.cache.mode == "host" else None
+    cached = tuple(min(int(n), len(t)) for n, t in zip(lengths, tokens))
+    return Context(plan=plan, kv_pages=pages, dense_pages=dense, summaries=state.summaries,
+                   tokens=tuple(tuple(t) for t in tokens), cached=cached,
+                   messages=tuple(messages), prefill_tokens_per_s=prefill_tokens_per_s,
+                   reply_start=tuple(reply_start))
+
+
+def _copy_pages(old: jax.Array, shape: tuple, sharding, layers: int, old_plan: Plan, plan: Plan,
+                src) -> jax.Array:
+    """Rows [layers * B * Np, R] in ``sharding``: the new request b's pages are the old
+    request src[b]'s (the pages that fit), the rest zero. Built on the host (``np.zeros``)
+    and placed once: no second buffer of the tier's size on the device."""
+    n = min(old_plan.pages_per_seq, plan.pages_per_seq)
+    a = np.asarray(jax.device_get(old)).reshape(layers, old_plan.batch, old_plan.pages_per_seq, -1)
+    out = np.zeros((layers, plan.batch, plan.pages_per_seq, a.shape[-1]), a.dtype)
+    out[:, :, :n] = a[:, src, :n]
+    return jax.device_put(out.reshape(shape), sharding)
+
+
+def _copy_summary(old, new, old_plan: Plan, plan: Plan, src, ahead: bool):
+    """A summary leaf [L, B, Np, ...] (or the lagged ``ahead`` [L, B, H, k], page indices)."""
+    a = np.asarray(jax.device_get(old))[:, src]
+    out = np.array(jax.device_get(new))
+    if ahead:
+        k = min(a.shape[-1], out.shape[-1])
+        out[...] = INVALID
+        out[..., :k] = np.where(a[..., :k] < plan.pages_per_seq, a[..., :k], INVALID)
+    else:
+        n = min(a.shape[2], out.shape[2])
+        out[:, :, :n] = a[:, :, :n]
+    return jax.device_put(out, new.sharding)
+
+
+def relayout(context: Context, plan: Plan, src: list[int], eng):
+    """Fresh (kv, summaries, dense) for ``plan`` holding the context's pages for the new
+    requests (request b <- context request src[b]); the device pool of the host mode starts
+    empty (its pages are fetched again as the selector asks for them)."""
+    old, spec = context.plan, plan.spec
+    L = plan.model.num_layers
+    if plan.cache.mode == "host":
+        kv = kvcache.init_cache(spec, traced=True)      # the pool and LRU state, no host tier
+        kv = dataclasses.replace(kv, host_kv=_copy_pages(
+            context.kv_pages, spec.host_shape, kvcache.host_sharding(), L, old, plan, src))
+    else:
+        kv = kvcache.ResidentCache(pool=_copy_pages(
+            context.kv_pages, spec.host_shape, kvcache.device_sharding(), L, old, plan, src),
+            counters=kvcache.CacheCounters.zeros())
+    dense = eng.init_dense(plan) if context.dense_pages is None else kvcache.ResidentCache(
+        pool=_copy_pages(context.dense_pages, plan.dense_spec.host_shape,
+                         kvcache.device_sharding(), max(1, plan.num_dense), old, plan, src),
+        counters=kvcache.CacheCounters.zeros())
+    fresh = eng.init_summaries(plan)
+    summ, ahead = selectors.split_ahead(tuple(context.summaries), plan.lagged)
+    fsumm, fahead = selectors.split_ahead(tuple(fresh), plan.lagged)
+    summaries = tuple(jax.tree.map(lambda o, n: _copy_summary(o, n, old, plan, src, False),
+                                   summ, fsumm))
+    if plan.lagged:
+        summaries = summaries + (_copy_summary(ahead, fahead, old, plan, src, True),)
+    return kv, summaries, dense

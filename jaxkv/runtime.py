@@ -1,0 +1,89 @@
+"""The process around the compiled programs: JAX's persistent compilation cache (on by
+default for :func:`jaxkv.load` and the command line), the backend in words, and a warning
+when JAX runs on the CPU although an NVIDIA GPU is visible (the CUDA plugin is missing).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import jax
+
+ENV_CACHE = "JAXKV_COMPILATION_CACHE"
+_OFF = ("0", "off", "false", "no", "")
+
+
+def default_cache_dir() -> str | None:
+    """``$JAXKV_COMPILATION_CACHE`` (a directory; "0" / "off": no cache), else
+    ``$XDG_CACHE_HOME/jaxkv/xla`` (``~/.cache/jaxkv/xla``)."""
+    env = os.environ.get(ENV_CACHE)
+    if env is not None:
+        return None if env.strip().lower() in _OFF else env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return os.path.join(base, "jaxkv", "xla")
+
+
+def enable_compilation_cache(setting: bool | str | os.PathLike | None = None, *,
+                             min_compile_time_s: float = 0.2) -> str | None:
+    """Turns on JAX's persistent compilation cache, so a second process loads the compiled
+    prefill and decode programs from disk instead of compiling them (the command line with
+    SmolLM2 on a 2-core CPU: compile 15.9 s -> 0.8 s, the whole run 34 s -> 16 s). ``setting``: None or True = :func:`default_cache_dir`; False = leave
+    it off; a path = that directory. A directory the user already gave JAX
+    (``jax_compilation_cache_dir``) is kept. Programs that compile faster than
+    ``min_compile_time_s`` are not stored. Returns the directory in use, or None."""
+    current = jax.config.jax_compilation_cache_dir
+    if setting is False:
+        return current
+    if current:
+        return current
+    path = default_cache_dir() if setting is None or setting is True else os.fspath(setting)
+    if path is None:
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        warnings.warn(f"jaxkv: cannot create the compilation cache directory {path} ({e}); "
+                      f"compiling without it (set {ENV_CACHE}=0 to silence)", RuntimeWarning,
+                      stacklevel=2)
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
+    return path
+
+
+def gpu_visible() -> bool:
+    """An NVIDIA GPU is visible to this process (device files, or ``nvidia-smi -L`` lists
+    one)."""
+    if glob.glob("/dev/nvidia[0-9]*"):
+        return True
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+def warn_if_gpu_unused() -> bool:
+    """Warns (and returns True) when JAX's backend is the CPU while a GPU is visible."""
+    if jax.default_backend() != "cpu" or not gpu_visible():
+        return False
+    warnings.warn(
+        "jaxkv: JAX runs on the CPU, but an NVIDIA GPU is visible: JAX's CUDA plugin is not "
+        "installed (or does not match jax). Install it with: pip install 'jaxkv[cuda]' "
+        "(README, \"Install on a CUDA GPU\"); check with python -c 'import jax; "
+        "print(jax.devices())'", RuntimeWarning, stacklevel=2)
+    return True
+
+
+def describe_backend() -> str:
+    """E.g. "gpu: NVIDIA H200 (1 device)" or "cpu: cpu (1 device)"."""
+    devs = jax.devices()
+    kind = getattr(devs[0], "device_kind", str(devs[0]))
+    return f"{jax.default_backend()}: {kind} ({len(devs)} device{'s' if len(devs) > 1 else ''})"

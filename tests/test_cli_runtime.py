@@ -1,0 +1,121 @@
+"""The command line (--version, --json only JSON, --file -, --stream, defaults in --help,
+options the model cannot serve failing before it loads) and the runtime: the persistent
+compilation cache a second process hits, the warning when a GPU is visible but JAX runs on
+the CPU."""
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import jaxkv
+import jaxkv.models
+from jaxkv import runtime
+from jaxkv.cli import build_parser, main as cli_main
+
+ROOT = Path(__file__).parent.parent
+FIXTURE = str(ROOT / "tests" / "fixtures" / "hf_qwen2")
+FAST = ["--model", FIXTURE, "--max-new-tokens", "3", "--page-size", "4", "--no-compile-cache"]
+
+
+def test_version_and_help_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["--version"])
+    assert e.value.code == 0 and jaxkv.__version__ in capsys.readouterr().out
+    help_text = " ".join(build_parser().format_help().split())
+    assert "(default: 48)" in help_text and "(default: host)" in help_text
+
+
+def test_json_prints_only_json(capsys):
+    assert cli_main(["Hello", *FAST, "--json"]) == 0
+    out = capsys.readouterr().out
+    d = json.loads(out)
+    assert d["prompt"] == "Hello" and len(d["tokens"]) <= 3
+    assert d["finish_reason"] in ("length", "stop_token") and d["backend"].startswith("cpu")
+    assert isinstance(d["text"], str) and d["stats"]["generated_tokens"] == len(d["tokens"])
+
+
+def test_file_from_stdin_and_stream(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("From standard input"))
+    assert cli_main(["--file", "-", *FAST, "--stream"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.startswith("From standard input") and "finished:" in cap.out
+    assert "backend cpu" in cap.err
+
+
+def test_options_the_model_cannot_serve_fail_before_loading(capsys, monkeypatch, tmp_path):
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(jaxkv.models, "load", no_load)
+    monkeypatch.setattr("jaxkv.models.hf_loader.load_hf", no_load)
+    assert cli_main(["hi", "--model", FIXTURE, "--selector", "indexer"]) == 2
+    assert "needs a model with lightning-indexer weights" in capsys.readouterr().err
+    bare = tmp_path / "no_template"
+    shutil.copytree(FIXTURE, bare)
+    (bare / "chat_template.jinja").unlink()
+    assert cli_main(["hi", "--model", str(bare), "--chat"]) == 2
+    assert "has no chat template: drop --chat" in capsys.readouterr().err
+
+
+def test_gpu_warning(monkeypatch):
+    monkeypatch.setattr(runtime, "gpu_visible", lambda: True)
+    with pytest.warns(RuntimeWarning, match=r"jaxkv\[cuda\]"):
+        assert runtime.warn_if_gpu_unused()
+    monkeypatch.setattr(runtime, "gpu_visible", lambda: False)
+    assert not runtime.warn_if_gpu_unused()
+
+
+def test_cache_dir_switches(monkeypatch, tmp_path):
+    monkeypatch.setenv(runtime.ENV_CACHE, "0")
+    assert runtime.default_cache_dir() is None
+    monkeypatch.setenv(runtime.ENV_CACHE, str(tmp_path))
+    assert runtime.default_cache_dir() == str(tmp_path)
+    monkeypatch.delenv(runtime.ENV_CACHE)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert runtime.default_cache_dir() == str(tmp_path / "jaxkv" / "xla")
+
+
+_CHILD = """
+import sys, jax
+hits = []
+jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name))
+import jaxkv
+import jaxkv.models
+m = jaxkv.load(sys.argv[1], compile_cache=sys.argv[2])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jaxkv.generate(m, ["cache me"], max_new_tokens=2, stop_tokens=[],
+               cache=jaxkv.CacheConfig(page_size=4, round_steps=2))
+print("HITS", sum(1 for h in hits if h == "/jax/compilation_cache/cache_hits"))
+"""
+
+
+def test_second_process_hits_the_compilation_cache(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop(runtime.ENV_CACHE, None)
+    runs = [subprocess.run([sys.executable, "-c", _CHILD, FIXTURE, str(tmp_path / "xla")],
+                           capture_output=True, text=True, env=env, timeout=600)
+            for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    first, second = (int(r.stdout.split("HITS")[-1]) for r in runs)
+    assert any((tmp_path / "xla").iterdir())
+    assert first == 0 and second > 0
+
+
+def test_plot_rounds(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    from jaxkv.plot import plot_rounds
+    rounds = [dict(steps=8, hit_rate=h, context_tokens=100 + 8 * i, tokens_per_s=50.0 - i)
+              for i, h in enumerate([0.5, 0.8, 0.9])]
+    fig = plot_rounds({"quest": rounds, "dense": rounds[:2]}, title="demo")
+    ax_hit, ax_tps = fig.axes
+    assert "hit rate" in ax_hit.get_ylabel() and "tokens / s" in ax_tps.get_ylabel()
+    assert list(ax_hit.lines[0].get_xdata()) == [8, 16, 24]
+    fig.savefig(tmp_path / "rounds.png")
+    with pytest.raises(TypeError, match="GenerateResult"):
+        plot_rounds(3)

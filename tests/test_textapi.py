@@ -1,0 +1,275 @@
+"""Text in, text out (jaxkv.load, text and chat prompts, stop strings, finish reasons,
+log-probabilities, streaming text) and kept contexts (continued chats, forks), on the tiny
+Qwen2 checkpoint of tests/fixtures (random weights: its text is arbitrary bytes)."""
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import CacheConfig, Sampling
+from dense_reference import reference_logits
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hf_qwen2"
+NEW = 12
+# one cache shape for most tests (compiled once): pages of 4 tokens, a budget that covers
+# the contexts here (quest then selects every page: equal to one long prompt)
+QUEST = CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=32, round_steps=8,
+                    max_context=128)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return jaxkv.load(FIXTURE, compile_cache=False)
+
+
+def _gen(model, prompts, cache=QUEST, **kw):
+    kw.setdefault("max_new_tokens", NEW)
+    return jaxkv.generate(model, prompts, cache=cache, **kw)
+
+
+def test_load_returns_a_bundle(model):
+    assert isinstance(model, jaxkv.Model)
+    cfg, params, tok = model
+    assert cfg is model.config and tok is model.tokenizer and model.chat_template
+
+
+def test_text_round_trip(model):
+    tok = model.tokenizer
+    r = _gen(model, "The capital of France is")
+    ids = tok.encode("The capital of France is")
+    ref = jaxkv.generate(model.config, model.params, [ids], cache=QUEST, max_new_tokens=NEW,
+                         stop_tokens=tok.stop_ids)
+    assert r.tokens == ref.tokens and ref.text is None
+    assert r.text == [tok.decode(r.tokens[0], skip_special_tokens=True)]
+    assert r.finish_reasons[0] in ("length", "stop_token")
+    assert len(r.finish_reasons) == 1
+
+
+def test_chat_messages_use_the_template(model):
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    r = _gen(model, [msgs, "plain text"])
+    ids = model.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ref = jaxkv.generate(model.config, model.params, [ids], cache=QUEST, max_new_tokens=NEW,
+                         stop_tokens=model.tokenizer.stop_ids)
+    assert r.tokens[0] == ref.tokens[0] and len(r.text) == 2
+
+
+def test_finish_reasons_stop_token_and_length(model):
+    base = _gen(model, "Once upon a time", stop_tokens=[])
+    assert base.finish_reasons == ["length"] and len(base.tokens[0]) == NEW
+    stop = base.tokens[0][4]
+    r = _gen(model, "Once upon a time", stop_tokens=[stop])
+    first = base.tokens[0].index(stop)
+    assert r.tokens[0] == base.tokens[0][:first + 1] and r.finish_reasons == ["stop_token"]
+
+
+def test_stop_strings_cut_text_and_tokens(model):
+    tok = model.tokenizer
+    base = _gen(model, ["Once upon a time", "Hello"], stop_tokens=[])
+    text = base.text[0]
+    cut = next(i for i in range(2, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    s = text[cut:cut + 2]
+    want = text[:text.find(s)]
+    r = _gen(model, ["Once upon a time", "Hello"], stop_tokens=[], stop_strings=[s])
+    assert r.text[0] == want and r.finish_reasons[0] == "stop_string"
+    m = len(r.tokens[0])
+    assert r.tokens[0] == base.tokens[0][:m]
+    assert s in tok.decode(r.tokens[0]) and s not in tok.decode(r.tokens[0][:-1])
+    # the other request runs on, unless the string is in its text too
+    if s not in base.text[1]:
+        assert r.tokens[1] == base.tokens[1] and r.finish_reasons[1] == "length"
+    # streamed text: the same, never past the stop string
+    st = _gen(model, ["Once upon a time", "Hello"], stop_tokens=[], stop_strings=[s], stream=True)
+    pieces = [c.text[0] for c in st]
+    assert "".join(pieces) == want and st.result.text == r.text
+
+
+def test_logprobs_of_the_chosen_tokens(model):
+    cfg, params, tok = model
+    prompt = tok.encode("Logprobs of greedy tokens")
+    r = jaxkv.generate(model, [prompt], cache=QUEST, max_new_tokens=NEW, stop_tokens=[],
+                       logprobs=True)
+    lp = np.asarray(r.logprobs[0])
+    assert lp.shape == (NEW,) and np.all(lp <= 0)
+    logits = reference_logits(params, cfg, prompt + r.tokens[0][:-1])[len(prompt) - 1:]
+    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    want = ref[np.arange(NEW), r.tokens[0]]
+    np.testing.assert_allclose(lp, want, atol=2e-3)
+
+
+def test_streaming_text_per_round_and_per_step(model):
+    r = _gen(model, "Stream me", stop_tokens=[])
+    st = _gen(model, "Stream me", stop_tokens=[], stream=True)
+    chunks = list(st)
+    assert all(isinstance(c.text, list) for c in chunks)
+    assert [t for c in chunks for t in c[0]] == r.tokens[0]
+    assert "".join(c.text[0] for c in chunks) == r.text[0] == st.result.text[0]
+    steps = list(_gen(model, "Stream me", stop_tokens=[], stream="step"))
+    assert [len(c[0]) for c in steps if c[0]] == [1] * NEW   # one token per item
+    assert "".join(c.text[0] for c in steps) == r.text[0]
+
+
+def test_text_needs_a_tokenizer(model):
+    with pytest.raises(TypeError, match="jaxkv.load"):
+        jaxkv.generate(model.config, model.params, ["some text"], max_new_tokens=2)
+    with pytest.raises(ValueError, match="stop_strings"):
+        _gen(model, "x", stop_strings=[""])
+
+
+def test_on_round_reports_per_round_stats(model):
+    seen = []
+    r = _gen(model, ["Observe the rounds"], stop_tokens=[], on_round=seen.append)
+    assert seen == r.rounds and len(seen) == r.stats["decode_rounds"] >= 1
+    for key in ("hits", "misses", "hit_rate", "bytes_host_to_device", "tokens_per_s",
+                "context_tokens", "steps"):
+        assert key in seen[0]
+    assert sum(x["hits"] for x in seen) == r.stats["hits"]
+    assert sum(x["new_tokens"] for x in seen) == NEW - 1  # the first token comes from prefill
+
+
+# ----------------------------------------------------------------------------- contexts
+
+@pytest.mark.parametrize("cache", [
+    QUEST,
+    CacheConfig(mode="resident", selector="quest", page_size=4, selected_pages=32, round_steps=8,
+                    max_context=128),
+    CacheConfig(mode="host", selector="dense", page_size=4, round_steps=8,
+                max_context=128),
+    CacheConfig(mode="resident", selector="dense", page_size=4, round_steps=8,
+                max_context=128),
+], ids=["host-quest", "resident-quest", "host-dense", "resident-dense"])
+def test_continued_chat_equals_one_long_prompt(model, cache):
+    cfg, params, tok = model
+    p1 = tok.encode("A long shared document about cats.")
+    p2 = tok.encode(" Question: what about dogs?", add_bos=False)
+    r1 = jaxkv.generate(model, [p1], cache=cache, max_new_tokens=NEW, stop_tokens=[], keep=True)
+    ctx = r1.context
+    assert list(ctx.tokens[0]) == p1 + r1.tokens[0] and ctx.cached[0] == len(p1) + NEW - 1
+    r2 = jaxkv.generate(model, [p2], cache=cache, max_new_tokens=NEW, stop_tokens=[],
+                        context=ctx, keep=True)
+    long = jaxkv.generate(model, [p1 + r1.tokens[0] + p2], cache=cache, max_new_tokens=NEW,
+                          stop_tokens=[])
+    assert r2.tokens == long.tokens
+    assert r2.stats["reused_context_tokens"] == len(p1) + NEW - 1
+    # a third turn continues the second
+    p3 = tok.encode(" And birds?", add_bos=False)
+    r3 = jaxkv.generate(model, [p3], cache=cache, max_new_tokens=NEW, stop_tokens=[],
+                        context=r2.context)
+    long3 = jaxkv.generate(model, [p1 + r1.tokens[0] + p2 + r2.tokens[0] + p3], cache=cache,
+                           max_new_tokens=NEW, stop_tokens=[])
+    assert r3.tokens == long3.tokens
+
+
+def _arrays(ctx):
+    return [np.array(jax.device_get(a)) for a in jax.tree.leaves((ctx.kv_pages, ctx.summaries))]
+
+
+def test_forks_are_isolated(model):
+    tok = model.tokenizer
+    doc = tok.encode("The document: " + "lorem ipsum " * 6)
+    questions = [" Q1: first?", " Q2: second one?", " Q3: third."]
+    r = _gen(model, [doc], stop_tokens=[], keep=True)
+    ctx = r.context
+    before = _arrays(ctx)
+    forks = _gen(model, questions, stop_tokens=[], context=ctx, keep=True)
+    assert forks.stats["batch"] == 3
+    # each fork equals that question asked alone of the same context
+    for i, q in enumerate(questions):
+        alone = _gen(model, [q], stop_tokens=[], context=ctx)
+        assert alone.tokens[0] == forks.tokens[i]
+    # the context is unchanged; poisoning a fork's pages changes no other call
+    for a, b in zip(before, _arrays(ctx)):
+        np.testing.assert_array_equal(a, b)
+    poisoned = forks.context
+    import dataclasses
+    nan = jax.device_put(np.full(poisoned.kv_pages.shape, np.nan, poisoned.kv_pages.dtype),
+                         poisoned.kv_pages.sharding)
+    poisoned = dataclasses.replace(poisoned, kv_pages=nan)
+    assert poisoned.kv_pages.unsafe_buffer_pointer() != ctx.kv_pages.unsafe_buffer_pointer()
+    bad = _gen(model, [" Q4", " Q5"], stop_tokens=[], context=poisoned.select(0, 1))
+    again = _gen(model, questions[1:2], stop_tokens=[], context=ctx)
+    assert again.tokens[0] == forks.tokens[1] and bad.tokens[0] != again.tokens[0]
+    sel = _gen(model, [" next", " other"], stop_tokens=[], context=forks.context.select(2, 0))
+    assert len(sel.tokens) == 2
+
+
+def test_continued_chat_messages(model):
+    cache = CacheConfig(mode="host", selector="dense", page_size=4, round_steps=8,
+                max_context=128)
+    msgs = [{"role": "user", "content": "Hi"}]
+    r1 = _gen(model, [msgs], cache=cache, keep=True)
+    r2 = _gen(model, [[{"role": "user", "content": "Again"}]], cache=cache, context=r1.context,
+              keep=True)
+    tok = model.tokenizer
+    conv = list(r2.context.tokens[0])
+    assert conv[:len(r1.context.tokens[0])] == list(r1.context.tokens[0])
+    assert "<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n" in tok.decode(conv)
+    assert r2.context.messages[0][-2] == {"role": "user", "content": "Again"}
+
+
+def test_context_errors(model):
+    r = _gen(model, ["one", "two"], keep=True, max_new_tokens=2)
+    with pytest.raises(ValueError, match="select"):
+        _gen(model, ["a", "b", "c"], context=r.context)
+    with pytest.raises(ValueError, match="page_size"):
+        _gen(model, ["a", "b"], context=r.context,
+             cache=CacheConfig(mode="host", selector="quest", page_size=8, round_steps=8))
+    with pytest.raises(TypeError, match="keep=True"):
+        _gen(model, ["a"], context="not a context")
+
+
+def test_stop_string_then_continue(model):
+    tok = model.tokenizer
+    base = _gen(model, ["Once upon a time"], stop_tokens=[])
+    text = base.text[0]
+    cut = next(i for i in range(2, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    r = _gen(model, ["Once upon a time"], stop_tokens=[], stop_strings=[text[cut:cut + 2]],
+             keep=True)
+    ctx = r.context
+    assert list(ctx.tokens[0]) == tok.encode("Once upon a time") + r.tokens[0]
+    assert ctx.cached[0] <= len(ctx.tokens[0])
+    more = _gen(model, [" The end."], stop_tokens=[], context=ctx)
+    assert len(more.tokens[0]) == NEW
+    if ctx.cached[0] == len(ctx.tokens[0]):
+        with pytest.raises(ValueError, match="no token left to feed"):
+            _gen(model, [[]], context=ctx)
+
+
+def test_continued_context_grows_with_lagged_selection_and_dense_layers(model):
+    """The continuation outgrows the context's capacity (256 -> 512 tokens: the pages are
+    laid out anew), with lagged selection (its ``ahead`` pages copied) and a dense layer
+    (its device copy copied)."""
+    cfg, params, tok = model
+    cache = CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=128,
+                        selection_lag=1, dense_layers=1, round_steps=8)
+    p1 = tok.encode("Short start.")
+    r1 = jaxkv.generate(model, [p1], cache=cache, max_new_tokens=4, stop_tokens=[], keep=True)
+    assert r1.context.plan.max_context == 256
+    rng = np.random.default_rng(0)
+    p2 = [int(t) for t in rng.integers(3, 300, 250)]
+    r2 = jaxkv.generate(model, [p2], cache=cache, max_new_tokens=4, stop_tokens=[],
+                        context=r1.context)
+    assert r2.stats["max_context"] == 512
+    long = jaxkv.generate(model, [p1 + r1.tokens[0] + p2], cache=cache, max_new_tokens=4,
+                          stop_tokens=[])
+    assert r2.tokens == long.tokens
+
+
+def test_detokenizer_never_splits_a_character(model):
+    from jaxkv.text import Detokenizer
+
+    class Bytes:          # a tokenizer without a `tokenizers` backend: one token per byte
+        def decode(self, ids, skip_special_tokens=False):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    d = Detokenizer(Bytes())
+    pieces = [d.add([b]) for b in "né ✓".encode()]
+    assert "".join(pieces) == "né ✓" and "\ufffd" not in "".join(pieces)
+    assert pieces[:3] == ["n", "", "é"]  # the first byte of "é" waits for the second
+    tok = model.tokenizer   # the `tokenizers` streaming decoder
+    ids = tok.encode("héllo wörld ✓")
+    d = Detokenizer(tok)
+    assert "".join(d.add([i]) for i in ids) == tok.decode(ids)
