@@ -95,7 +95,7 @@ def check_blocked(q, k, v, lens, seed, what, **tuning):
     out = prefill_attention(q, k, v, lens, implementation="blocked", **tuning)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert np.isfinite(f32(out)).all(), f"non-finite blocked output (seed {seed})"
-    tile = min(tuning.get("block_q") or pa.BLOCKED_TILE, _common.next_pow2(T))
+    tile = min(tuning.get("block_q") or pa.blocked_tile(T), _common.next_pow2(T))
     computed = -(-int(np.max(np.asarray(lens))) // tile) * tile
     rows = (slice(None), slice(0, min(computed, T)))
     check(out, gqa_attention(q, k, v, full_mask(T, lens)), q.dtype.type, seed, what, rows=rows)
