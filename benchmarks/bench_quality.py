@@ -366,9 +366,12 @@ def _batches(n: int, batch_size: int) -> list[range]:
 
 
 def run_length(model, params, cases, specs, *, length, batch_size, page_size, pool_cap,
-               max_new_tokens, dec, stops, texts, on_run, skip=()):
+               max_new_tokens, dec, stops, texts, on_run, skip=(), logprobs=False):
     """Every run spec over ``cases`` (all at target ``length``); ``on_run(record)`` after each.
-    Returns run name -> generated token ids per case (``cases`` sorted by task and index)."""
+    Returns run name -> generated token ids per case (``cases`` sorted by task and index).
+    A run whose spec differs from an earlier run's only in ``kv_dtype`` gets a
+    ``kv_dtype_drift`` record against it: of the cases that run gets fully right, how many
+    this one keeps, and with ``logprobs`` the log-probability drift (:func:`logprob_drift`)."""
     import jaxkv
 
     cases = sorted(cases, key=lambda c: (c["task"], c["index"]))
@@ -376,7 +379,7 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
     longest = max(c["n_tokens"] + c["max_new_tokens"] for c in cases)
     bsz = len(groups[0])
     dense = None
-    exact, tokens = {}, {}
+    exact, tokens, lps, scores = {}, {}, {}, {}
     for name, spec in specs.items():
         cache = cache_config(spec, length=length, batch=bsz, num_kv_heads=model.num_kv_heads,
                              page_size=page_size, pool_cap=pool_cap, context_tokens=longest)
@@ -386,7 +389,7 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
         if name in skip:
             continue
         t0 = time.perf_counter()
-        stats, toks = None, []
+        stats, toks, lp = None, [], []
         for g in groups:
             batch = [cases[i] for i in g]
             pad = bsz - len(batch)              # same batch shape: no recompilation
@@ -396,11 +399,14 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
                 new = min(new, max_new_tokens)
             new = min(new, length - max(len(p) for p in prompts))
             res = jaxkv.generate(model, params, prompts, max_new_tokens=new, cache=cache,
-                                 stop_tokens=stops, progress=False)
+                                 stop_tokens=stops, progress=False, logprobs=logprobs)
             stats = _merge_stats(stats, res.stats)
             toks += res.tokens[:len(batch)]
+            if logprobs:
+                lp += res.logprobs[:len(batch)]
         wall = time.perf_counter() - t0
         tokens[name] = toks
+        lps[name] = lp
         reqs = []
         for j, (c, t) in enumerate(zip(cases, toks)):
             cap = c["max_new_tokens"] if not max_new_tokens else min(c["max_new_tokens"], max_new_tokens)
@@ -433,6 +439,17 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
                    selection_lag=cache.selection_lag, page_size=cache.page_size,
                    batch=bsz, batches=len(groups), cases=len(cases), wall_s=round(wall, 2),
                    stats=stats, requests=reqs)
+        base = next((n for n, sp in specs.items() if n in tokens and n != name and
+                     {k: v for k, v in sp.items() if k != "kv_dtype"} ==
+                     {k: v for k, v in spec.items() if k != "kv_dtype"}), None)
+        scores[name] = [r["score"] for r in reqs]
+        if spec.get("kv_dtype") and base is not None:
+            right = [b >= 1.0 for b in scores[base]]
+            d = dict(against=base, kept=sum(r and s >= 1.0 for r, s in zip(right, scores[name])),
+                     of=sum(right))
+            if logprobs:
+                d.update(logprob_drift(tokens[base], lps[base], toks, lp))
+            rec["kv_dtype_drift"] = d
         on_run(rec)
         acc = 100 * sum(r["score"] for r in reqs) / len(reqs)
         hr = stats.get("hit_rate")
@@ -442,10 +459,32 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
     return tokens
 
 
+def logprob_drift(ref_tokens, ref_lps, tokens, lps) -> dict:
+    """How far a run's log-probabilities move from a reference run's on the same cases.
+
+    Per case, the two greedy continuations share a prefix of ``m`` tokens; at each of those
+    positions both runs chose the same token after the same context, so the difference of
+    its log-probabilities is the drift the run's numerics (e.g. fp8 KV) cause there. Returns
+    the mean and max absolute difference over those positions, the number of positions, the
+    share of cases whose continuations are identical, and the mean shared prefix length."""
+    diffs, same, prefix = [], 0, []
+    for rt, rl, t, l in zip(ref_tokens, ref_lps, tokens, lps):
+        n = min(len(rt), len(t))
+        m = next((i for i in range(n) if rt[i] != t[i]), n)
+        same += m == len(rt) == len(t)
+        prefix.append(m)
+        diffs += [abs(float(rl[i]) - float(l[i])) for i in range(m)]
+    return dict(positions=len(diffs),
+                mean_abs_logprob_diff=sum(diffs) / len(diffs) if diffs else None,
+                max_abs_logprob_diff=max(diffs) if diffs else None,
+                identical_cases=same, cases=len(prefix),
+                mean_shared_prefix=sum(prefix) / len(prefix) if prefix else None)
+
+
 def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None, tasks=None,
         cases_per_task=None, budgets=None, runs=None, extra_specs=None, resident=False,
         lagged=True, exact=True, batch_size=None, page_size=16, pool_cap=0.75,
-        max_new_tokens=None, tag=None, resume=False, texts="diff"):
+        max_new_tokens=None, tag=None, resume=False, texts="diff", logprobs=False):
     import jax
 
     from jaxkv.models import gguf_loader
@@ -522,7 +561,8 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
         skip.discard("dense")   # the same-as-dense columns need the dense tokens: rerun it
         run_length(model, params, group, specs, length=length, batch_size=batch_size,
                    page_size=page_size, pool_cap=pool_cap, max_new_tokens=max_new_tokens,
-                   dec=dec, stops=stops, texts=texts, on_run=on_run, skip=skip)
+                   dec=dec, stops=stops, texts=texts, on_run=on_run, skip=skip,
+                   logprobs=logprobs)
     write(out, out_dir, name)
     print(markdown(out))
     return out
@@ -641,6 +681,24 @@ def markdown(out: dict) -> str:
                 f"{s.get('bytes_host_to_device', 0) / 2**20:.1f} | "
                 f"{s.get('bytes_host_to_device', 0) / 1024 / gen:.1f} | "
                 f"{sum(x['n_tokens'] for x in q) / len(q):.0f} | {r['wall_s']:.1f} |")
+    drift = [r for L in lengths for n in names
+             if (r := find(L, n)) is not None and r.get("kv_dtype_drift")]
+    if drift:
+        lines += ["", "## KV dtype against the model dtype (kept: of the cases the model-dtype "
+                  "run gets fully right; drift: log-probabilities of the chosen tokens where "
+                  "both greedy continuations still agree)", "",
+                  "| length | run | against | kept of its retrievals | identical continuations "
+                  "| mean shared prefix (tokens) | positions | mean abs logprob diff "
+                  "| max abs logprob diff |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in drift:
+            d = r["kv_dtype_drift"]
+            kept_s = f"{100 * d['kept'] / d['of']:.1f}% ({d['kept']}/{d['of']})" if d["of"] else "-"
+            lines.append(f"| {r['length']} | {r['name']} | {d['against']} | {kept_s} | "
+                         f"{d.get('identical_cases', '-')}/{d.get('cases', '-')} | "
+                         f"{_fmt(d.get('mean_shared_prefix'), 1)} | {d.get('positions', '-')} | "
+                         f"{_fmt(d.get('mean_abs_logprob_diff'), 4)} | "
+                         f"{_fmt(d.get('max_abs_logprob_diff'), 4)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -707,6 +765,9 @@ def main(argv=None):
                     help="keep the runs already in the output file and skip them")
     ap.add_argument("--texts", choices=["all", "diff", "none"], default="diff",
                     help="generated texts in the JSON: all, those differing from dense, none")
+    ap.add_argument("--logprobs", action="store_true",
+                    help="record the chosen tokens' log-probabilities: a run that differs from "
+                         "another only in kv_dtype gets its drift against it (kv_dtype_drift)")
     a = ap.parse_args(argv)
     if a.prepare:
         prepare(a.prepare, a.gguf, tasks=a.tasks, lengths=a.lengths, samples=a.cases,
@@ -724,7 +785,7 @@ def main(argv=None):
         extra_specs=dict(parse_spec(s) for s in a.spec), resident=a.resident,
         lagged=not a.no_lag, exact=not a.no_exact, batch_size=a.batch_size,
         page_size=a.page_size, pool_cap=a.pool_cap, max_new_tokens=a.max_new_tokens, tag=a.tag,
-        resume=a.resume, texts=a.texts)
+        resume=a.resume, texts=a.texts, logprobs=a.logprobs)
 
 
 if __name__ == "__main__":
