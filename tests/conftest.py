@@ -1,7 +1,14 @@
 """Test configuration: GPU tests (marker ``gpu``) are skipped unless JAX sees a GPU; the
 benchmark modules (benchmarks/: ``synthetic``, ``decode_lib``, ...) import by name. The
 persistent compilation cache that jaxkv.load and the command line turn on is off in tests
-(tests/test_cli_runtime.py gives it a directory of its own)."""
+(tests/test_cli_runtime.py gives it a directory of its own).
+
+JAX's compiled programs are dropped after every test module (``jax.clear_caches``). XLA:CPU
+maps each executable's machine code into its own memory regions, and JAX's caches keep every
+executable alive, so one process running the whole suite would otherwise approach Linux's
+limit of 65,530 memory maps per process (``vm.max_map_count``); at the limit XLA:CPU's code
+allocator fails and the process dies with a segmentation fault inside the compiler."""
+import gc
 import os
 import sys
 from pathlib import Path
@@ -22,6 +29,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """After each test module: drop JAX's compiled programs (see the module docstring)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture
