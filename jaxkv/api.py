@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import cache as kvcache
-from jaxkv import compile_stats, engine, parallel, validation
+from jaxkv import compile_stats, engine, parallel, runtime, validation
 from jaxkv import context as context_api
 from jaxkv import text as text_api
 from jaxkv.config import CacheConfig, Sampling
@@ -413,6 +413,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     plan = make_plan(model if tp is None else tp.local_model(model), cache, lens,
                      int(max_new_tokens), num_stop)
     validation.check_params_finite(params)  # after the cheap checks: it reads every weight
+    runtime.release_compiled_programs()  # before this call compiles: no segfault at the map limit
     if tp is not None:
         plan, params = tp.plan(plan), tp.shard_params(params)
     B, T = plan.batch, plan.prompt_len

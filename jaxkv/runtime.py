@@ -1,9 +1,11 @@
 """The process around the compiled programs: JAX's persistent compilation cache (on by
-default for :func:`jaxkv.load` and the command line), the backend in words, and a warning
-when JAX runs on the CPU although an NVIDIA GPU is visible (the CUDA plugin is missing).
+default for :func:`jaxkv.load` and the command line), the backend in words, a warning
+when JAX runs on the CPU although an NVIDIA GPU is visible (the CUDA plugin is missing), and
+the guard that keeps a long-lived process under Linux's limit on memory maps.
 """
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import shutil
@@ -87,3 +89,44 @@ def describe_backend() -> str:
     devs = jax.devices()
     kind = getattr(devs[0], "device_kind", str(devs[0]))
     return f"{jax.default_backend()}: {kind} ({len(devs)} device{'s' if len(devs) > 1 else ''})"
+
+
+MAP_FRACTION = 0.75
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the kernel's per-process limit ``vm.max_map_count``),
+    or None where /proc does not tell (not Linux)."""
+    try:
+        with open("/proc/sys/vm/max_map_count", "rb") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            n = f.read().count(b"\n")
+    except (OSError, ValueError):
+        return None
+    return n, limit
+
+
+def release_compiled_programs(fraction: float = MAP_FRACTION) -> bool:
+    """Drops JAX's compiled programs (``jax.clear_caches()``, with a warning) when this process
+    holds more than ``fraction`` of Linux's memory maps per process; returns whether it did.
+
+    XLA:CPU maps each compiled program's machine code into memory regions of its own, and
+    JAX keeps every compiled program: each new cache configuration that ``generate``
+    compiles adds about 1,100-1,400 maps on the CPU (SmolLM2-135M), so one process that
+    sweeps some 50 configurations reaches the default limit of 65,530, and then XLA:CPU's
+    compiler dies with a segmentation fault. ``generate`` calls this before it compiles:
+    programs dropped here recompile on their next use."""
+    got = memory_maps()
+    if got is None or got[0] < fraction * got[1]:
+        return False
+    n, limit = got
+    warnings.warn(
+        f"jaxkv: this process holds {n} memory maps, near Linux's limit of {limit} per process "
+        f"(vm.max_map_count), most of them compiled programs' machine code: JAX's compiled "
+        f"programs are dropped now (jax.clear_caches()) and compile again when next used. A "
+        f"larger limit avoids this: sysctl -w vm.max_map_count={4 * limit}", RuntimeWarning,
+        stacklevel=3)
+    jax.clear_caches()
+    gc.collect()
+    return True

@@ -119,3 +119,29 @@ def test_plot_rounds(tmp_path):
     fig.savefig(tmp_path / "rounds.png")
     with pytest.raises(TypeError, match="GenerateResult"):
         plot_rounds(3)
+
+
+def test_memory_maps_guard(monkeypatch):
+    """Near Linux's per-process map limit, generate drops JAX's compiled programs with a
+    warning (XLA:CPU would otherwise segfault compiling the next one); below it, nothing."""
+    got = runtime.memory_maps()
+    if sys.platform.startswith("linux"):
+        assert got is not None and 0 < got[0] < got[1]
+    cleared = []
+    monkeypatch.setattr(runtime.jax, "clear_caches", lambda: cleared.append(1))
+    monkeypatch.setattr(runtime, "memory_maps", lambda: (10, 100))
+    assert not runtime.release_compiled_programs() and not cleared
+    monkeypatch.setattr(runtime, "memory_maps", lambda: None)
+    assert not runtime.release_compiled_programs() and not cleared
+    monkeypatch.setattr(runtime, "memory_maps", lambda: (80, 100))
+    with pytest.warns(RuntimeWarning, match=r"vm.max_map_count.*jax.clear_caches"):
+        assert runtime.release_compiled_programs()
+    assert cleared == [1]
+
+    from jaxkv.models import configs, llama
+    cfg = configs.tiny()
+    params = llama.init_params(cfg, seed=0)
+    with pytest.warns(RuntimeWarning, match="memory maps"):
+        res = jaxkv.generate(cfg, params, [[1, 2, 3]], max_new_tokens=2,
+                             cache=jaxkv.CacheConfig(page_size=4))
+    assert len(res.tokens[0]) == 2 and cleared == [1, 1]
