@@ -379,7 +379,7 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
     longest = max(c["n_tokens"] + c["max_new_tokens"] for c in cases)
     bsz = len(groups[0])
     dense = None
-    exact, tokens, lps, scores = {}, {}, {}, {}
+    exact, tokens, lps, records = {}, {}, {}, {}
     for name, spec in specs.items():
         cache = cache_config(spec, length=length, batch=bsz, num_kv_heads=model.num_kv_heads,
                              page_size=page_size, pool_cap=pool_cap, context_tokens=longest)
@@ -442,14 +442,11 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
         base = next((n for n, sp in specs.items() if n in tokens and n != name and
                      {k: v for k, v in sp.items() if k != "kv_dtype"} ==
                      {k: v for k, v in spec.items() if k != "kv_dtype"}), None)
-        scores[name] = [r["score"] for r in reqs]
+        records[name] = rec
         if spec.get("kv_dtype") and base is not None:
-            right = [b >= 1.0 for b in scores[base]]
-            d = dict(against=base, kept=sum(r and s >= 1.0 for r, s in zip(right, scores[name])),
-                     of=sum(right))
-            if logprobs:
-                d.update(logprob_drift(tokens[base], lps[base], toks, lp))
-            rec["kv_dtype_drift"] = d
+            kept, of = kept_of_dense(rec, records[base])
+            rec["kv_dtype_drift"] = dict(against=base, kept=kept, of=of, **logprob_drift(
+                tokens[base], lps[base] if logprobs else None, toks, lp if logprobs else None))
         on_run(rec)
         acc = 100 * sum(r["score"] for r in reqs) / len(reqs)
         hr = stats.get("hit_rate")
@@ -460,21 +457,25 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
 
 
 def logprob_drift(ref_tokens, ref_lps, tokens, lps) -> dict:
-    """How far a run's log-probabilities move from a reference run's on the same cases.
+    """How far a run's tokens and log-probabilities move from a reference run's on the same
+    cases.
 
     Per case, the two greedy continuations share a prefix of ``m`` tokens; at each of those
     positions both runs chose the same token after the same context, so the difference of
     its log-probabilities is the drift the run's numerics (e.g. fp8 KV) cause there. Returns
-    the mean and max absolute difference over those positions, the number of positions, the
-    share of cases whose continuations are identical, and the mean shared prefix length."""
+    the number of cases whose continuations are identical, the mean shared prefix length,
+    and (given both runs' log-probabilities, else None) the mean and max absolute difference
+    over those positions and their number."""
     diffs, same, prefix = [], 0, []
-    for rt, rl, t, l in zip(ref_tokens, ref_lps, tokens, lps):
+    with_lps = ref_lps is not None and lps is not None
+    for j, (rt, t) in enumerate(zip(ref_tokens, tokens)):
         n = min(len(rt), len(t))
         m = next((i for i in range(n) if rt[i] != t[i]), n)
         same += m == len(rt) == len(t)
         prefix.append(m)
-        diffs += [abs(float(rl[i]) - float(l[i])) for i in range(m)]
-    return dict(positions=len(diffs),
+        if with_lps:
+            diffs += [abs(float(ref_lps[j][i]) - float(lps[j][i])) for i in range(m)]
+    return dict(positions=len(diffs) if with_lps else None,
                 mean_abs_logprob_diff=sum(diffs) / len(diffs) if diffs else None,
                 max_abs_logprob_diff=max(diffs) if diffs else None,
                 identical_cases=same, cases=len(prefix),
@@ -695,10 +696,10 @@ def markdown(out: dict) -> str:
             d = r["kv_dtype_drift"]
             kept_s = f"{100 * d['kept'] / d['of']:.1f}% ({d['kept']}/{d['of']})" if d["of"] else "-"
             lines.append(f"| {r['length']} | {r['name']} | {d['against']} | {kept_s} | "
-                         f"{d.get('identical_cases', '-')}/{d.get('cases', '-')} | "
-                         f"{_fmt(d.get('mean_shared_prefix'), 1)} | {d.get('positions', '-')} | "
-                         f"{_fmt(d.get('mean_abs_logprob_diff'), 4)} | "
-                         f"{_fmt(d.get('max_abs_logprob_diff'), 4)} |")
+                         f"{d['identical_cases']}/{d['cases']} | "
+                         f"{_fmt(d['mean_shared_prefix'], 1)} | {_fmt(d['positions'])} | "
+                         f"{_fmt(d['mean_abs_logprob_diff'], 4)} | "
+                         f"{_fmt(d['max_abs_logprob_diff'], 4)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -127,6 +127,12 @@ def release_compiled_programs(fraction: float = MAP_FRACTION) -> bool:
         f"programs are dropped now (jax.clear_caches()) and compile again when next used. A "
         f"larger limit avoids this: sysctl -w vm.max_map_count={4 * limit}", RuntimeWarning,
         stacklevel=3)
+    drop_compiled_programs()
+    return True
+
+
+def drop_compiled_programs() -> None:
+    """Frees every compiled program JAX holds (``jax.clear_caches()``, then a garbage
+    collection so the executables' code maps go now); they compile again when next used."""
     jax.clear_caches()
     gc.collect()
-    return True

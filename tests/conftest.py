@@ -8,7 +8,6 @@ maps each executable's machine code into its own memory regions, and JAX's cache
 executable alive, so one process running the whole suite would otherwise approach Linux's
 limit of 65,530 memory maps per process (``vm.max_map_count``); at the limit XLA:CPU's code
 allocator fails and the process dies with a segmentation fault inside the compiler."""
-import gc
 import os
 import sys
 from pathlib import Path
@@ -35,8 +34,8 @@ def pytest_collection_modifyitems(config, items):
 def _drop_compiled_programs():
     """After each test module: drop JAX's compiled programs (see the module docstring)."""
     yield
-    jax.clear_caches()
-    gc.collect()
+    from jaxkv import runtime
+    runtime.drop_compiled_programs()
 
 
 @pytest.fixture
