@@ -121,7 +121,7 @@ def lookup_in_place(plan: Plan, kv, layer, pages, active, logical, offset, tok_k
     pool, record, rows, host_rows, tok_host_rows = layer_lookup.layer_lookup(
         pages, active, logical, offset, tok_kv, kv.page_table, layer, kv.pool, record,
         pages_per_seq=plan.pages_per_seq, page_size=plan.page_size, reuse=plan.cache.reuse,
-        implementation=impl)
+        slots_per_layer=plan.spec.num_slots, implementation=impl)
     host_kv = page_write.write_tokens(kv.host_kv, tok_host_rows, offset, tok_kv,
                                       page_size=plan.page_size, implementation=impl)
     kv = dataclasses.replace(kv, pool=pool, host_kv=page_write.keep_on_host(host_kv))

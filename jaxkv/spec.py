@@ -22,6 +22,21 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+def alloc_rows(rows: int, row_bytes: int, itemsize: int) -> int:
+    """Rows to allocate for a page array whose kernels address ``rows`` rows of ``row_bytes``.
+
+    Pallas' Triton lowering (jax 0.11.2) picks 32-bit element offsets for any array of at most
+    2**32 bytes and 64-bit ones above. Offsets are signed, so a 1-byte dtype (fp8) array of more
+    than 2**31 bytes is addressed past 2**31 elements with wrapped offsets: an illegal memory
+    access on the GPU. Such an array gets unused rows at its end up to just over 2**32 bytes
+    (at most 2 GiB more, only for fp8 arrays of 2-4 GiB); other arrays are left as they are.
+    """
+    nbytes = rows * row_bytes
+    if itemsize == 1 and 2**31 < nbytes <= 2**32:
+        return 2**32 // row_bytes + 1
+    return rows
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
     """Shapes of the host tier and the device pool.
@@ -118,11 +133,15 @@ class CacheSpec:
 
     @property
     def host_shape(self) -> tuple[int, int]:
-        return (self.num_layers * self.num_logical_pages, self.row_elems)
+        """[L * P (+ unused rows, :func:`alloc_rows`), R]."""
+        return (alloc_rows(self.num_layers * self.num_logical_pages, self.page_bytes,
+                           self.jnp_dtype.itemsize), self.row_elems)
 
     @property
     def pool_shape(self) -> tuple[int, int]:
-        return (self.num_layers * (self.num_slots + self.num_scratch), self.row_elems)
+        """[L * (S + scratch) (+ unused rows, :func:`alloc_rows`), R]."""
+        return (alloc_rows(self.num_layers * (self.num_slots + self.num_scratch), self.page_bytes,
+                           self.jnp_dtype.itemsize), self.row_elems)
 
     @property
     def host_bytes(self) -> int:

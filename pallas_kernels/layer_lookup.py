@@ -18,7 +18,8 @@ are one Pallas launch that also does the pool write. Semantics (kernel and refer
   at that offset; ``tok_host_rows[b] = layer * P + tok_page`` (-1 if none) is returned for the
   caller's write-through to the host tier.
 
-``S = pool.shape[0] // L`` slots per layer, ``P = page_table.shape[1]`` logical pages,
+``S`` slots per layer (``slots_per_layer``, default ``pool.shape[0] // L``; rows past ``L * S``
+are never touched), ``P = page_table.shape[1]`` logical pages,
 ``L = page_table.shape[0]``. ``pool`` and ``record`` are updated in place (aliased; donate them).
 """
 from __future__ import annotations
@@ -36,7 +37,12 @@ from ._common import INVALID
 OP = "layer_lookup"
 
 
-def _check(pages, active, tok_page, tok_offset, tok_kv, page_table, pool, record, page_size):
+def _slots(pool, L, slots_per_layer):
+    return pool.shape[0] // L if slots_per_layer is None else int(slots_per_layer)
+
+
+def _check(pages, active, tok_page, tok_offset, tok_kv, page_table, pool, record, page_size,
+           slots_per_layer=None):
     if pages.ndim != 3:
         raise ValueError(f"pages must be [B, H, K]; got {pages.shape}")
     B, H, K = pages.shape
@@ -50,8 +56,11 @@ def _check(pages, active, tok_page, tok_offset, tok_kv, page_table, pool, record
         raise ValueError(f"page_table must be [L, P] int32; got {page_table.shape} {page_table.dtype}")
     L = page_table.shape[0]
     R = kv_quant.row_elems(pool.dtype, H, page_size, D)
-    if pool.ndim != 2 or pool.shape[0] % L or pool.shape[1] != R:
-        raise ValueError(f"pool {pool.shape} must be [L * S, R] with L = {L}, R = {R} "
+    rows_ok = (pool.shape[0] % L == 0 if slots_per_layer is None
+               else 0 < int(slots_per_layer) and L * int(slots_per_layer) <= pool.shape[0])
+    if pool.ndim != 2 or not rows_ok or pool.shape[1] != R:
+        raise ValueError(f"pool {pool.shape} must be [L * S (+ unused rows), R] with L = {L}, "
+                         f"S = {slots_per_layer or 'pool rows / L'}, R = {R} "
                          f"(2 * H * page_size * D{' + scales' if R != 2 * H * page_size * D else ''})")
     if record.shape != (L, B * H * K) or record.dtype != jnp.int32:
         raise ValueError(f"record {record.shape} {record.dtype} must be [{L}, {B * H * K}] int32")
@@ -66,11 +75,12 @@ def _logical(pages, active, pages_per_seq):
 
 @_common.register(OP, "xla")
 def layer_lookup_reference(pages, active, tok_page, tok_offset, tok_kv, page_table, layer, pool,
-                           record, *, pages_per_seq, page_size, reuse=True):
+                           record, *, pages_per_seq, page_size, reuse=True, slots_per_layer=None):
     """Pure-jnp reference of :func:`layer_lookup` (same arguments and results)."""
-    _check(pages, active, tok_page, tok_offset, tok_kv, page_table, pool, record, page_size)
+    _check(pages, active, tok_page, tok_offset, tok_kv, page_table, pool, record, page_size,
+           slots_per_layer)
     L, P = page_table.shape
-    S = pool.shape[0] // L
+    S = _slots(pool, L, slots_per_layer)
     B, H, K = pages.shape
     D = tok_kv.shape[3]
     layer = jnp.asarray(layer, jnp.int32)
@@ -147,13 +157,14 @@ ENTRIES_PER_PROGRAM = 64
 @_common.register(OP, "pallas")
 @functools.partial(jax.jit, static_argnames=("pages_per_seq", "page_size", "reuse"))
 def layer_lookup_pallas(pages, active, tok_page, tok_offset, tok_kv, page_table, layer, pool,
-                        record, *, pages_per_seq, page_size, reuse=True):
+                        record, *, pages_per_seq, page_size, reuse=True, slots_per_layer=None):
     """Pallas (Triton) kernel of :func:`layer_lookup`: grid (B, C + 1); programs (b, j < C) map
     request b's entries in power-of-two chunks of at most ENTRIES_PER_PROGRAM, program (b, C)
     writes its token."""
-    _check(pages, active, tok_page, tok_offset, tok_kv, page_table, pool, record, page_size)
+    _check(pages, active, tok_page, tok_offset, tok_kv, page_table, pool, record, page_size,
+           slots_per_layer)
     L, P = page_table.shape
-    S = pool.shape[0] // L
+    S = _slots(pool, L, slots_per_layer)
     B, H, K = pages.shape
     D = tok_kv.shape[3]
     if D & (D - 1):
@@ -189,7 +200,7 @@ def layer_lookup_pallas(pages, active, tok_page, tok_offset, tok_kv, page_table,
 
 
 def layer_lookup(pages, active, tok_page, tok_offset, tok_kv, page_table, layer, pool, record, *,
-                 pages_per_seq, page_size, reuse=True, implementation=None):
+                 pages_per_seq, page_size, reuse=True, slots_per_layer=None, implementation=None):
     """Translate one layer's selection, record it and write the new token into the pool.
 
     Args:
@@ -200,9 +211,12 @@ def layer_lookup(pages, active, tok_page, tok_offset, tok_kv, page_table, layer,
         gets it quantized, ``kv_quant``).
       page_table: [L, P] int32 logical page -> slot (-1 = not resident).
       layer: int32 scalar (traced is fine).
-      pool: [L * S, R] device pool (``R = kv_quant.row_elems``); donated, updated in place.
+      pool: [L * S (+ unused rows), R] device pool (``R = kv_quant.row_elems``); donated,
+        updated in place.
       record: [L, B * H * K] int32 selections of the step; donated, row ``layer`` replaced.
       pages_per_seq, page_size: static ints. reuse: static; False = nothing is resident.
+      slots_per_layer: static int S (default ``pool.shape[0] // L``); the pool may have unused
+        rows after ``L * S`` (``jaxkv.spec.alloc_rows``).
       implementation: "pallas" | "xla" | None.
     Returns:
       (pool, record, rows [B, H, K], host_rows [B, H, K], tok_host_rows [B]), int32 rows as in
@@ -210,4 +224,5 @@ def layer_lookup(pages, active, tok_page, tok_offset, tok_kv, page_table, layer,
     """
     fn = _common.resolve(OP, implementation)
     return fn(pages, active, tok_page, tok_offset, tok_kv, page_table, layer, pool, record,
-              pages_per_seq=int(pages_per_seq), page_size=int(page_size), reuse=bool(reuse))
+              pages_per_seq=int(pages_per_seq), page_size=int(page_size), reuse=bool(reuse),
+              slots_per_layer=slots_per_layer)

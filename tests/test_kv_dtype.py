@@ -65,3 +65,44 @@ def test_fp8_needs_a_capable_gpu():
                               types.SimpleNamespace(platform="gpu", compute_capability="9.0"))
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         CacheConfig(kv_dtype="fp8")
+
+
+def test_fp8_page_arrays_avoid_wrapped_32_bit_offsets():
+    """Pallas' Triton lowering addresses an array of at most 2**32 bytes with signed 32-bit
+    element offsets, so an fp8 page array of 2-4 GiB gets unused rows up to just over 2**32
+    bytes (``spec.alloc_rows``); the addressed rows and every other array are unchanged. The
+    first case is the one that hit an illegal address on the H200: SmolLM2-135M, 160 requests
+    of 2k tokens, resident dense fp8 (RULER harness)."""
+    from jaxkv.spec import CacheSpec, alloc_rows
+    base = dict(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, max_requests=8)
+    for dtype, pages in [("float8_e4m3fn", 160 * 130), ("float8_e5m2", 40 * 130),
+                         ("float8_e4m3fn", 160 * 520), ("bfloat16", 160 * 130)]:
+        spec = CacheSpec(dtype=dtype, num_logical_pages=pages, num_slots=pages // 2, **base)
+        for shape, rows in ((spec.host_shape, 30 * pages), (spec.pool_shape, 30 * (pages // 2))):
+            assert shape[0] >= rows and shape[1] == spec.row_elems
+            window = spec.jnp_dtype.itemsize == 1 and 2**31 < rows * spec.page_bytes <= 2**32
+            assert (shape[0] > rows) == window, (dtype, pages, shape)
+            if window:
+                assert 2**32 < shape[0] * spec.page_bytes <= 2**32 + spec.page_bytes
+    smol = CacheSpec(dtype="float8_e4m3fn", num_logical_pages=160 * 130, num_slots=1, **base)
+    assert smol.host_shape[0] > 30 * 160 * 130       # 3.9e9 bytes: padded
+    assert alloc_rows(10, 3 * 2**28, 1) == 10 and alloc_rows(6, 2**29, 1) == 9
+    assert alloc_rows(6, 2**29, 2) == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,selector", [("resident", "dense"), ("host", "quest")])
+def test_gpu_fp8_cache_of_3_gib(mode, selector):
+    """An fp8 cache of ~3.2 GiB (2-layer model, 8 KV heads of 128, 3 x 2**18 tokens): the last
+    request's rows lie past 2**31 bytes. Three copies of one prompt give the tokens of a
+    one-request run with the same context size (an illegal address or wrapped rows otherwise)."""
+    cfg = configs.tiny(num_heads=8, num_kv_heads=8, head_dim=128, d_model=256,
+                       max_position=2**19)
+    params = llama.init_params(cfg, seed=1)
+    prompt = list(RNG.integers(3, cfg.vocab_size, 300))
+    cache = CacheConfig(mode=mode, selector=selector, page_size=16, selected_pages=8,
+                        kv_dtype="float8_e4m3fn", max_context=2**18)
+    one = jaxkv.generate(cfg, params, [prompt], cache=cache, max_new_tokens=8, stop_tokens=[])
+    three = jaxkv.generate(cfg, params, [prompt] * 3, cache=cache, max_new_tokens=8,
+                           stop_tokens=[])
+    assert three.tokens == one.tokens * 3

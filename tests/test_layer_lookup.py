@@ -95,6 +95,33 @@ def test_layer_lookup_matches_oracle(rng, B, H, K, D, ps, Np, S, dtype, reuse):
             np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"{impl} {name}")
 
 
+def test_layer_lookup_with_unused_pool_rows(rng):
+    """``slots_per_layer`` with unused rows after ``L * S`` (``jaxkv.spec.alloc_rows``): the
+    rows are those of the exact pool, and the unused rows (NaN) are never written."""
+    B, H, K, D, ps, Np, S, L, extra = 2, 3, 4, 16, 4, 10, 7, 3, 5
+    c = make_case(rng, B=B, H=H, K=K, D=D, ps=ps, L=L, Np=Np, S=S, dtype=jnp.float32)
+    pool0 = rng.standard_normal((L * S, 2 * H * ps * D)).astype(np.float32)
+    padded = np.concatenate([pool0, np.full((extra, pool0.shape[1]), np.nan, np.float32)])
+    layer = int(rng.integers(0, L))
+    want = oracle(c, layer, Np=Np, S=S, ps=ps, reuse=True, pool=pool0)
+    for impl in ("pallas", "xla"):
+        got = ll.layer_lookup(
+            *(jnp.asarray(c[k]) for k in ("pages", "active", "tok_page", "tok_offset", "tok_kv",
+                                          "page_table")),
+            jnp.int32(layer), jnp.asarray(padded), jnp.asarray(c["record"]), pages_per_seq=Np,
+            page_size=ps, slots_per_layer=S, implementation=impl)
+        pool = np.asarray(got[0])
+        np.testing.assert_array_equal(pool[:L * S], want[0], err_msg=f"{impl} pool")
+        assert np.isnan(pool[L * S:]).all(), impl
+        for name, g, w in zip(("record", "rows", "host_rows", "tok_host_rows"), got[1:], want[1:]):
+            np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"{impl} {name}")
+    with pytest.raises(ValueError, match="pool"):
+        ll.layer_lookup(*(jnp.asarray(c[k]) for k in ("pages", "active", "tok_page", "tok_offset",
+                                                      "tok_kv", "page_table")),
+                        jnp.int32(0), jnp.asarray(pool0[:-1]), jnp.asarray(c["record"]),
+                        pages_per_seq=Np, page_size=ps, slots_per_layer=S, implementation="xla")
+
+
 def test_layer_lookup_in_a_jitted_loop(rng):
     """Traced layer index, pool and record donated through a fori_loop over the layers."""
     B, H, K, D, ps, Np, S, L = 2, 2, 4, 16, 4, 8, 6, 4
