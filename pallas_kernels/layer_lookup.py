@@ -155,7 +155,7 @@ ENTRIES_PER_PROGRAM = 64
 
 
 @_common.register(OP, "pallas")
-@functools.partial(jax.jit, static_argnames=("pages_per_seq", "page_size", "reuse"))
+@functools.partial(jax.jit, static_argnames=("pages_per_seq", "page_size", "reuse", "slots_per_layer"))
 def layer_lookup_pallas(pages, active, tok_page, tok_offset, tok_kv, page_table, layer, pool,
                         record, *, pages_per_seq, page_size, reuse=True, slots_per_layer=None):
     """Pallas (Triton) kernel of :func:`layer_lookup`: grid (B, C + 1); programs (b, j < C) map

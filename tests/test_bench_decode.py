@@ -145,3 +145,6 @@ def test_roofline_bytes_by_part():
     assert roof["floor_ms"] == got["total"] / 1e9 * 1e3
     assert roof["fraction_of_roofline"] == roof["floor_ms"] / 2.0
     assert decode_lib.roofline(dict(step_ms=2.0), got, None, None) == {}
+    peak = decode_lib.roofline(dict(step_ms=2.0, h2d_bytes_per_step=0), got, 1.0, 50.0, peak=4.0)
+    assert peak["peak_floor_ms"] == got["total"] / 4e9 * 1e3
+    assert peak["fraction_of_peak_roofline"] == peak["peak_floor_ms"] / 2.0
