@@ -175,8 +175,21 @@ def run_jaxkv(args, cfg, params) -> list[dict]:
     return rows
 
 
+def cpu_model() -> str:
+    """The processor's name from /proc/cpuinfo ("unknown" elsewhere): the comparison depends
+    on it (torch's MKL and oneDNN paths differ between vendors)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def markdown(res: dict) -> str:
-    out = [f"# bench_cpu ({res['model']}, {res['cpus']} CPUs, jax {res['jax']}, "
+    out = [f"# bench_cpu ({res['model']}, {res['cpus']} CPUs ({res.get('cpu_model', '?')}), jax {res['jax']}, "
            f"commit {res['commit'][:7]})", "",
            "| mode | prompt | prefill tok/s (best / median) | decode tok/s (best / median) | "
            "attention s | rest ms/token | compile s | load |", "|---|---|---|---|---|---|---|---|"]
@@ -238,6 +251,7 @@ def main():
         cfg, params = gguf_loader.load_gguf(gguf, dtype="float32")
         name = "SmolLM2-135M-Instruct f32"
     res = {"model": name, "backend": jax.default_backend(), "cpus": os.cpu_count(),
+           "cpu_model": cpu_model(),
            "jax": jax.__version__, "commit": commit(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args)}
     res["jaxkv"] = run_jaxkv(args, cfg, params)
