@@ -138,14 +138,19 @@ def keep(plan: Plan, state, tokens: list[list[int]], messages: list, prefill_tok
 
 def _copy_pages(old: jax.Array, shape: tuple, sharding, layers: int, old_plan: Plan, plan: Plan,
                 src) -> jax.Array:
-    """Rows [layers * B * Np, R] in ``sharding``: the new request b's pages are the old
-    request src[b]'s (the pages that fit), the rest zero. Built on the host (``np.zeros``)
-    and placed once: no second buffer of the tier's size on the device."""
+    """Rows ``shape`` = [layers * B * Np (+ unused rows, ``spec.alloc_rows``), R] in
+    ``sharding``: the new request b's pages are the old request src[b]'s (the pages that fit),
+    the rest zero. Built on the host (``np.zeros``) and placed once: no second buffer of the
+    tier's size on the device."""
     n = min(old_plan.pages_per_seq, plan.pages_per_seq)
-    a = np.asarray(jax.device_get(old)).reshape(layers, old_plan.batch, old_plan.pages_per_seq, -1)
-    out = np.zeros((layers, plan.batch, plan.pages_per_seq, a.shape[-1]), a.dtype)
-    out[:, :, :n] = a[:, src, :n]
-    return jax.device_put(out.reshape(shape), sharding)
+    used = layers * old_plan.batch * old_plan.pages_per_seq
+    a = np.asarray(jax.device_get(old))[:used].reshape(layers, old_plan.batch,
+                                                        old_plan.pages_per_seq, -1)
+    out = np.zeros(shape, a.dtype)
+    rows = out[:layers * plan.batch * plan.pages_per_seq].reshape(
+        layers, plan.batch, plan.pages_per_seq, a.shape[-1])
+    rows[:, :, :n] = a[:, src, :n]
+    return jax.device_put(out, sharding)
 
 
 def _copy_summary(old, new, old_plan: Plan, plan: Plan, src, ahead: bool):

@@ -106,3 +106,20 @@ def test_gpu_fp8_cache_of_3_gib(mode, selector):
     three = jaxkv.generate(cfg, params, [prompt] * 3, cache=cache, max_new_tokens=8,
                            stop_tokens=[])
     assert three.tokens == one.tokens * 3
+
+
+def test_context_pages_copy_with_unused_rows():
+    """A kept context's pages move to a new tier whose arrays may end with unused rows
+    (``spec.alloc_rows``): the addressed rows are copied by request, the unused ones stay 0."""
+    from jaxkv import context
+    L, R = 2, 3
+    old_plan = types.SimpleNamespace(batch=2, pages_per_seq=4)
+    plan = types.SimpleNamespace(batch=3, pages_per_seq=3)
+    used = L * old_plan.batch * old_plan.pages_per_seq
+    old = np.arange((used + 5) * R, dtype=np.float32).reshape(used + 5, R) + 1
+    shape = (L * plan.batch * plan.pages_per_seq + 7, R)
+    out = np.asarray(context._copy_pages(old, shape, None, L, old_plan, plan, [1, 0, 1]))
+    assert out.shape == shape and not out[L * plan.batch * plan.pages_per_seq:].any()
+    a = old[:used].reshape(L, 2, 4, R)
+    want = a[:, [1, 0, 1], :3].reshape(-1, R)
+    np.testing.assert_array_equal(out[:L * 3 * 3], want)
