@@ -1,0 +1,32 @@
+"""The CPU prefill's work outside attention, per token, by prompt length (issue 34): the same
+prefill with the real causal attention and with attention replaced by zeros (the module-level
+``prefill_attention`` of ``jaxkv.prefill`` swapped in this process only), so that the
+difference is attention in place and the zero run is everything else.
+
+    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/probes/cpu_prefill_rest.py zero 512 2048 8160
+    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/probes/cpu_prefill_rest.py real 512 2048 8160
+
+SmolLM2-135M-Instruct (the bundled GGUF), float32, one request, resident dense; per length one
+compiling call, then the best prefill time of two calls.
+"""
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+import jaxkv
+from jaxkv import prefill as pf
+from jaxkv.models import gguf_loader
+
+if sys.argv[1] == "zero":
+    pf.prefill_attention = lambda q, k, v, lengths, **kw: jnp.zeros_like(q)
+cfg, params = gguf_loader.load_gguf(str(gguf_loader.default_model_path()), dtype="float32")
+rng = np.random.default_rng(0)
+for T in [int(x) for x in sys.argv[2:]]:
+    ids = [int(t) for t in rng.integers(3, cfg.vocab_size, T)]
+    cache = jaxkv.CacheConfig(mode="resident", selector="dense")
+    jaxkv.generate(cfg, params, [ids], max_new_tokens=2, cache=cache)
+    ts = [jaxkv.generate(cfg, params, [ids], max_new_tokens=2, cache=cache).stats["prefill_time_s"]
+          for _ in range(2)]
+    print(f"{sys.argv[1]} T={T}: prefill {min(ts):.2f} s, {1e3 * min(ts) / T:.3f} ms/token",
+          flush=True)
