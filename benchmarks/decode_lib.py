@@ -407,9 +407,9 @@ def step_read_bytes(plan, params, lengths) -> dict:
 def hbm_gbps(nbytes: int = GiB, reps: int = 5) -> float:
     """Device memory bandwidth, GB/s: the faster of a jitted sum over an ``nbytes`` float32
     array (bytes read) and an elementwise pass over it (read + write counted), each the median
-    of ``reps`` calls after a warm-up. The step's floor counts bytes read, and a copy alone
-    reads slower than the step's own kernels do (2.76 TB/s on the H200 with 1 GiB, where dense
-    attention reads its KV at ~3.5 TB/s)."""
+    of ``reps`` calls after a warm-up. The step's floor counts bytes read; both passes read
+    slower than the dense step's attention does (BENCHMARKS.md), so ``roofline`` also gives the
+    floor at the datasheet rate."""
     x = jnp.ones((nbytes // 4,), jnp.float32)
     rates = []
     for fn, moved in ((lambda a: jnp.sum(a), nbytes), (lambda a: a * 1.0001 + 1.0, 2 * nbytes)):
@@ -426,9 +426,9 @@ def hbm_gbps(nbytes: int = GiB, reps: int = 5) -> float:
 
 
 # Datasheet device-memory bandwidth, GB/s, by device kind: the roofline's second floor. The
-# measured bandwidth (``hbm_gbps``) is what a plain XLA pass reaches; the dense step's own
-# attention reads faster (3.82-3.86 TB/s on the H200 against 3.52 measured), so the floor at
-# the datasheet rate is the one a step cannot beat.
+# measured bandwidth (``hbm_gbps``) is what a plain XLA pass reaches, and the dense step's own
+# attention reads faster than that, so the floor at the datasheet rate is the one a step
+# cannot beat.
 PEAK_HBM_GBPS = {"NVIDIA H200": 4800.0, "NVIDIA H100 80GB HBM3": 3350.0}
 
 
