@@ -207,7 +207,7 @@ def main():
                             prompt_len=max_ctx, max_context=max_ctx, num_stop=4).pool_pages
         cache = dataclasses.replace(cache, mode="host",
                                     pool_pages=min(B * (max_ctx // ps), 2 * one_x))
-    st = dataclasses.replace(st, hbm_gbps=bd.hbm_gbps(4 * st.bulk_bytes, st.reps),
+    st = dataclasses.replace(st, hbm_gbps=bd.hbm_gbps(st.hbm_bytes, st.reps),
                              pcie_gbps=bd.bulk_h2d_gbps(st.bulk_bytes, st.reps))
     plans, states, runs, traced = {}, {}, {}, {}
     for name in names:
