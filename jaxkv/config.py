@@ -44,6 +44,9 @@ class Tuning:
       ensure_pallas_max: "auto" with the Pallas implementation runs the compare-matrix form as
         one Pallas kernel when R, S and Q are at most this (above 128 the kernel's matrices
         spill registers).
+      rescore_method: the second stage of the two-stage selectors (``quest_rescore*``),
+        "auto" (``CacheConfig.implementation``'s choice) | "pallas" | "xla" (the same masses to
+        rounding; ``jaxkv.kernels.candidate_mass``).
     """
 
     compiler_options: tuple = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)
@@ -52,6 +55,7 @@ class Tuning:
     ensure_method: str = "auto"
     ensure_dense_max_elems: int = 2 ** 20
     ensure_pallas_max: int = 128
+    rescore_method: str = "auto"
 
     def __post_init__(self):
         opts = self.compiler_options
@@ -66,6 +70,9 @@ class Tuning:
         if self.ensure_method not in ("auto", "dense", "sort", "pallas"):
             raise ValueError("Tuning.ensure_method must be 'auto', 'dense', 'sort' or 'pallas', "
                              f"got {self.ensure_method!r}")
+        if self.rescore_method not in ("auto", "pallas", "xla"):
+            raise ValueError("Tuning.rescore_method must be 'auto', 'pallas' or 'xla', "
+                             f"got {self.rescore_method!r}")
         if self.topk_cmax_min_pages is not None:
             _as_int("topk_cmax_min_pages", self.topk_cmax_min_pages, 1, "Tuning")
         _as_int("ensure_dense_max_elems", self.ensure_dense_max_elems, 0, "Tuning")

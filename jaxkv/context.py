@@ -154,7 +154,9 @@ def _copy_pages(old: jax.Array, shape: tuple, sharding, layers: int, old_plan: P
 
 
 def _copy_summary(old, new, old_plan: Plan, plan: Plan, src, ahead: bool):
-    """A summary leaf [L, B, Np, ...] (or the lagged ``ahead`` [L, B, H, k], page indices)."""
+    """A summary leaf [L, B, ...] (Quest's [L, B, Np, H, D], the two-stage selector's key copy
+    [L, B, H, Np, ps, D], or the lagged ``ahead`` [L, B, H, k], page indices): the region both
+    shapes hold is copied, so a larger capacity keeps its pages (empty past the old ones)."""
     a = np.asarray(jax.device_get(old))[:, src]
     out = np.array(jax.device_get(new))
     if ahead:
@@ -162,8 +164,8 @@ def _copy_summary(old, new, old_plan: Plan, plan: Plan, src, ahead: bool):
         out[...] = INVALID
         out[..., :k] = np.where(a[..., :k] < plan.pages_per_seq, a[..., :k], INVALID)
     else:
-        n = min(a.shape[2], out.shape[2])
-        out[:, :, :n] = a[:, :, :n]
+        both = tuple(slice(0, min(x, y)) for x, y in zip(a.shape, out.shape))
+        out[both] = a[both]
     return jax.device_put(out, new.sharding)
 
 

@@ -11,15 +11,30 @@ Result [B, H, C] float32: per KV head, the softmax mass the group's query heads 
 candidate's valid tokens, the softmax taken over the candidates' valid tokens only and the
 masses summed over the G query heads; ``-inf`` for ``-1``.
 
-One implementation, the jnp one (``candidate_mass``, on every backend): gather the candidates' keys, one einsum,
-the softmax. A Pallas kernel that read each candidate's int8 rows once and wrote per-page
-softmax statistics was 4.3x slower on the H200 at the Qwen-like B=8 128k step
-(docs/decisions.md).
+Two implementations of op ``candidate_mass``:
+
+* ``"xla"``: the reference (gather the candidates' keys, one einsum, the softmax);
+* ``"pallas"``: one program per (request, KV head, ``block_c`` candidates) reads each
+  candidate's [ps, D] key rows once, scores them on the tensor cores and writes the page's
+  max logit ``m`` and ``l = sum_t exp(s_t - m)`` per query head; the masses follow in XLA
+  from those [B, H, C, G] statistics (``mass_from_page_stats``). int8 and bfloat16 keys are
+  exact in bfloat16, and the query enters as two bfloat16 halves (``q = hi + lo``), so the
+  logits carry about 16 bits of the query's mantissa; other key dtypes take the reference.
 """
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from . import _common
+from ._common import register
+
+OP = "candidate_mass"
 
 
 def _check(q, keys, scales, cand, positions):
@@ -36,8 +51,9 @@ def _check(q, keys, scales, cand, positions):
         raise ValueError(f"positions must be [B] = [{B}], got {positions.shape}")
 
 
+@register(OP, "xla")
 def candidate_mass_reference(q, keys, scales, layer, cand, positions):
-    """See the module docstring."""
+    """The reference: see the module docstring."""
     _check(q, keys, scales, cand, positions)
     _, B, H, Np, ps, D = keys.shape
     G = q.shape[1] // H
@@ -59,4 +75,83 @@ def candidate_mass_reference(q, keys, scales, layer, cand, positions):
     return jnp.where(cand >= 0, mass, -jnp.inf)
 
 
-candidate_mass = candidate_mass_reference
+def mass_from_page_stats(m, l, cand, G: int):
+    """Candidate masses [B, H, C] from per-page statistics ``m``, ``l`` [B, H, C, G_pad]
+    (rows ``>= G`` and candidates without a valid token: ``m = -inf``, ``l = 0``)."""
+    m, l = m[..., :G], l[..., :G]
+    top = jnp.max(m, axis=2, keepdims=True)                              # [B, H, 1, G]
+    w = l * jnp.exp(m - jnp.where(jnp.isfinite(top), top, 0.0))
+    den = jnp.sum(w, axis=2, keepdims=True)
+    mass = jnp.sum(w / jnp.where(den > 0, den, 1.0), axis=-1)
+    return jnp.where(cand >= 0, mass, -jnp.inf)
+
+
+def _kernel(layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref, m_ref, l_ref,
+            *, ps, block_c, C):
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    pos = pos_ref[b]
+    q_hi = qhi_ref[...]                                                  # [G_pad, D] bf16
+    q_lo = qlo_ref[...]
+    tok = lax.broadcasted_iota(jnp.int32, (ps,), 0)
+    for i in range(block_c):
+        c = j * block_c + i
+        p = cand_ref[b, h, jnp.minimum(c, C - 1)]
+        ok = (c < C) & (p >= 0) & (jnp.maximum(p, 0) * ps + tok <= pos)  # [ps]
+        row = (layer, b, h, jnp.maximum(p, 0))
+        k = keys_ref[row].astype(jnp.bfloat16)                           # [ps, D]
+        sc = scales_ref[row]                                             # [ps]
+        s = (plgpu.dot(q_hi, k, trans_b=True) + plgpu.dot(q_lo, k, trans_b=True)) * sc[None, :]
+        s = jnp.where(ok[None, :], s, -jnp.inf)                          # [G_pad, ps]
+        mx = jnp.max(s, axis=1)
+        l = jnp.sum(jnp.exp(s - jnp.where(mx == -jnp.inf, 0.0, mx)[:, None]), axis=1)
+        m_ref[i, :] = mx
+        l_ref[i, :] = l
+
+
+@register(OP, "pallas")
+def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: int = 8,
+                          num_warps: int = 4, interpret: bool | None = None):
+    """The Pallas kernel (module docstring); ``block_c`` candidates per program. Keys of a
+    dtype other than int8 / bfloat16, or page shapes the tensor cores cannot take (``ps`` or
+    ``D`` under 16 or not a power of two), take the reference."""
+    _check(q, keys, scales, cand, positions)
+    _, B, H, Np, ps, D = keys.shape
+    if (keys.dtype not in (jnp.int8, jnp.bfloat16) or ps < 16 or D < 16
+            or ps & (ps - 1) or D & (D - 1)):
+        return candidate_mass_reference(q, keys, scales, layer, cand, positions)
+    G = q.shape[1] // H
+    G_pad = max(16, _common.next_pow2(G))  # the dot's row block
+    C = cand.shape[2]
+    block_c = max(1, min(block_c, C))
+    n_prog = pl.cdiv(C, block_c)
+    qg = q.reshape(B, H, G, D).astype(jnp.float32) * D ** -0.5
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, G_pad - G), (0, 0)))
+    q_hi = qg.astype(jnp.bfloat16)
+    q_lo = (qg - q_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    kernel = functools.partial(_kernel, ps=ps, block_c=block_c, C=C)
+    full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
+    q_spec = pl.BlockSpec((None, None, G_pad, D), lambda b, h, j: (b, h, 0, 0))
+    stat = jax.ShapeDtypeStruct((B, H, n_prog * block_c, G_pad), jnp.float32)
+    stat_spec = pl.BlockSpec((None, None, block_c, G_pad), lambda b, h, j: (b, h, j, 0))
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    positions = jnp.asarray(positions, jnp.int32)
+    cand = jnp.asarray(cand, jnp.int32)
+    m, l = pl.pallas_call(
+        kernel,
+        out_shape=(stat, stat),
+        grid=(B, H, n_prog),
+        in_specs=[pl.BlockSpec((1,), lambda *_: (0,)), full(positions), full(cand), q_spec,
+                  q_spec, full(keys), full(scales)],
+        out_specs=(stat_spec, stat_spec),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps),
+        interpret=_common.interpret_mode() if interpret is None else interpret,
+        name="candidate_mass",
+    )(layer_arr, positions, cand, q_hi, q_lo, keys, scales)
+    return mass_from_page_stats(m[:, :, :C], l[:, :, :C], cand, G)
+
+
+def candidate_mass(q, keys, scales, layer, cand, positions, *, implementation=None):
+    """Attention mass on the candidate pages (module docstring); ``implementation`` picks
+    the kernel or the reference (``_common.resolve``)."""
+    return _common.resolve(OP, implementation)(q, keys, scales, layer, cand, positions)

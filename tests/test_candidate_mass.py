@@ -35,6 +35,23 @@ def mass_numpy(q, keys, scales, layer, cand, positions):
     return out
 
 
+def _mass_numpy_vectorized(q, keys, scales, layer, cand, positions):
+    """``mass_numpy`` in float64 array form, for decode-sized cases."""
+    _, B, H, Np, ps, D = keys.shape
+    G = q.shape[1] // H
+    idx = np.clip(cand, 0, Np - 1)
+    bi, hi = np.arange(B)[:, None, None], np.arange(H)[None, :, None]
+    k = keys[layer][bi, hi, idx].astype(np.float64) * scales[layer][bi, hi, idx][..., None]
+    s = np.einsum("bhgd,bhctd->bhgct", q.reshape(B, H, G, D).astype(np.float64), k) / np.sqrt(D)
+    tok = idx[..., None] * ps + np.arange(ps)
+    valid = (cand[..., None] >= 0) & (tok <= positions[:, None, None, None])
+    s = np.where(valid[:, :, None], s, -np.inf)
+    with np.errstate(invalid="ignore"):  # rows without a candidate: masked below
+        p = np.exp(s - s.max(axis=(-2, -1), keepdims=True))
+        mass = (p.sum(-1) / p.sum(axis=(-2, -1))[..., None]).sum(axis=2)
+    return np.where(cand >= 0, mass, -np.inf)
+
+
 def _case(rng, *, L=2, B=3, H=2, G=3, Np=10, ps=4, D=8, C=5, int8=True):
     q = rng.normal(size=(B, H * G, D)).astype(np.float32)
     if int8:
@@ -85,3 +102,66 @@ def test_candidate_mass_matches_numpy_with_poison(int8):
         assert np.all(got[b, h][~ok] == -np.inf)
         if ok.any() and positions[b] >= 0:
             np.testing.assert_allclose(got[b, h][ok].sum(), G, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_candidate_mass_kernel_matches_numpy_with_poison(dtype):
+    """The Pallas kernel (interpret mode off the GPU) at page shapes it takes: 16-token pages,
+    head dim 32, 6 query heads per KV head (padded to the dot's 16 rows), candidates in any
+    order with -1s, a request before its first token; NaN wherever it must not read."""
+    rng = _rng()
+    q, keys, scales, cand, positions = _case(rng, L=2, B=3, H=2, G=6, Np=7, ps=16, D=32, C=5)
+    if dtype == "bfloat16":  # the KV-dtype copy: keys themselves, scales one
+        keys = (keys.astype(np.float32) * scales[..., None]).astype(jnp.bfloat16)
+        scales = np.ones_like(scales)
+    want = mass_numpy(q, np.asarray(keys, np.float32), scales, 1, cand, positions)
+    keys, scales = _poison(np.asarray(keys), scales, cand, positions, 1, 16)
+    got = np.asarray(cm.candidate_mass_pallas(
+        jnp.asarray(q), jnp.asarray(keys), jnp.asarray(scales), jnp.int32(1), jnp.asarray(cand),
+        jnp.asarray(positions), block_c=2))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
+
+
+def test_candidate_mass_kernel_takes_the_reference_for_other_shapes():
+    """Pages under 16 tokens (the tensor cores' smallest block) or float32 keys: the
+    reference's result."""
+    rng = _rng()
+    q, keys, scales, cand, positions = _case(rng)  # ps 4, D 8
+    args = (jnp.asarray(q), jnp.asarray(keys), jnp.asarray(scales), jnp.int32(0),
+            jnp.asarray(cand), jnp.asarray(positions))
+    np.testing.assert_array_equal(np.asarray(cm.candidate_mass_pallas(*args)),
+                                  np.asarray(cm.candidate_mass_reference(*args)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["qwen_b8", "8b_b1"])
+def test_gpu_candidate_mass_kernel_at_decode_shapes(shape):
+    """The kernel on the GPU against the reference at the two 128k decode shapes' second stage
+    (pages shortened to keep the test small): Qwen-like B=8 (64-token pages, 12 / 2 heads,
+    8x 32 candidates), 8B-like B=1 (16-token pages, 32 / 8 heads, 8x 128 candidates)."""
+    rng = _rng()
+    if shape == "qwen_b8":
+        L, B, H, G, Np, ps, D, C = 3, 8, 2, 6, 512, 64, 128, 256
+    else:
+        L, B, H, G, Np, ps, D, C = 3, 1, 8, 4, 2048, 16, 128, 1024
+    q = rng.normal(size=(B, H * G, D)).astype(np.float32)
+    keys = rng.integers(-127, 128, size=(L, B, H, Np, ps, D)).astype(np.int8)
+    scales = (rng.random((L, B, H, Np, ps)) * 0.02).astype(np.float32)
+    positions = rng.integers(Np * ps // 2, Np * ps, size=B).astype(np.int32)
+    cand = np.stack([np.stack([rng.permutation(positions[b] // ps + 1)[:C] for _ in range(H)])
+                     for b in range(B)]).astype(np.int32)
+    cand[:, :, -3:] = -1
+    args = (jnp.asarray(q), jnp.asarray(keys), jnp.asarray(scales), jnp.int32(2),
+            jnp.asarray(cand), jnp.asarray(positions))
+    got = np.asarray(cm.candidate_mass_pallas(*args))
+    want = _mass_numpy_vectorized(q, keys, scales, 2, cand, positions)
+    assert np.all(got[cand < 0] == -np.inf)
+    np.testing.assert_allclose(got[cand >= 0], want[cand >= 0], rtol=2e-3, atol=1e-6)
+
+
+def test_vectorized_numpy_mass_equals_the_loop():
+    rng = _rng()
+    q, keys, scales, cand, positions = _case(rng)
+    positions[-1] = 5  # every request has a token (the vectorized form's one assumption)
+    np.testing.assert_allclose(_mass_numpy_vectorized(q, keys, scales, 1, cand, positions),
+                               mass_numpy(q, keys, scales, 1, cand, positions), rtol=1e-12)

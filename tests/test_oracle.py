@@ -115,6 +115,22 @@ def test_rescore_host_equals_resident_and_full_budget_equals_dense(selector):
         assert full.tokens == dense.tokens
 
 
+def test_rescore_with_the_pallas_second_stage_host_equals_resident():
+    """The candidate-mass kernel (interpret mode off the GPU) inside the decode loop: 16-token
+    pages (the kernel's smallest), host tier == resident token for token, and its masses
+    pick the pages the XLA second stage picks here (same tokens)."""
+    prompts = [list(np.random.default_rng(6).integers(3, CFG.vocab_size, n)) for n in (70, 41)]
+    kw = dict(selector="quest_rescore8", page_size=16, selected_pages=2)
+    t = jaxkv.Tuning(rescore_method="pallas")
+    res = jaxkv.generate(CFG, PARAMS, prompts, max_new_tokens=5, stop_tokens=[],
+                         cache=CacheConfig(mode="resident", tuning=t, **kw))
+    host = jaxkv.generate(CFG, PARAMS, prompts, max_new_tokens=5, stop_tokens=[],
+                          cache=CacheConfig(mode="host", tuning=t, **kw))
+    xla = jaxkv.generate(CFG, PARAMS, prompts, max_new_tokens=5, stop_tokens=[],
+                         cache=CacheConfig(mode="host", **kw))
+    assert host.tokens == res.tokens == xla.tokens
+
+
 def test_rescore_top_candidates_follow_the_rule():
     """The final choice over the candidates equals the shared selection rule applied to the
     candidates' masses scattered into a full row (every other page -inf), and a numpy
@@ -153,3 +169,42 @@ def test_rescore_top_candidates_follow_the_rule():
             ref = best + [-1] * (k - len(best))
             assert got[b, h].tolist() == ref
             assert want[b, h].tolist() == ref
+
+
+def test_rescore_key_copy_avoids_wrapped_32_bit_offsets():
+    """The int8 key copy of 2-4 GiB gets unused layers up to just over 2**32 bytes (the
+    Pallas second stage's offsets, ``spec.alloc_rows``), its scales the same leading shape;
+    other sizes and the KV-dtype copy are as the model has layers."""
+    cfg = configs.tiny(num_heads=8, num_kv_heads=8, head_dim=128, d_model=256,
+                       max_position=2**19)
+    for selector, ctx, padded in (("quest_rescore8", 2**19, True), ("quest_rescore8", 2**18, False),
+                                  ("quest_rescore_exact", 2**19, False)):
+        cache = CacheConfig(mode="resident", selector=selector, page_size=16, selected_pages=8,
+                            max_context=ctx)
+        plan = engine.Plan(model=cfg, cache=cache, batch=3, prompt_len=ctx, max_context=ctx,
+                           num_stop=1)
+        summ = jax.eval_shape(lambda plan=plan: engine.init_summaries(plan))
+        keys, scales = summ[2], summ[3]
+        assert keys.shape[1:] == (3, 8, ctx // 16, 16, 128) and scales.shape == keys.shape[:5]
+        nbytes = keys.size * keys.dtype.itemsize
+        assert (keys.shape[0] > cfg.num_layers) == padded, (selector, ctx, keys.shape)
+        if padded:
+            assert 2**32 < nbytes <= 2**32 + nbytes // keys.shape[0]
+
+
+@pytest.mark.gpu
+def test_gpu_rescore_key_copy_of_3_gib():
+    """The two-stage selector with the Pallas second stage over an int8 key copy of 3 GiB
+    (2 layers, 8 KV heads of 128, 3 x 2**19 tokens; padded to 4.5 GiB): the last request's
+    rows lie past 2**31 bytes. Three copies of one prompt give the tokens of one."""
+    cfg = configs.tiny(num_heads=8, num_kv_heads=8, head_dim=128, d_model=256,
+                       max_position=2**19, dtype="bfloat16")
+    params = llama.init_params(cfg, seed=1)
+    prompt = list(np.random.default_rng(7).integers(3, cfg.vocab_size, 300))
+    cache = CacheConfig(mode="resident", selector="quest_rescore8", page_size=16,
+                        selected_pages=4, max_context=2**19,
+                        tuning=jaxkv.Tuning(rescore_method="pallas"))
+    one = jaxkv.generate(cfg, params, [prompt], cache=cache, max_new_tokens=8, stop_tokens=[])
+    three = jaxkv.generate(cfg, params, [prompt] * 3, cache=cache, max_new_tokens=8,
+                           stop_tokens=[])
+    assert three.tokens == one.tokens * 3

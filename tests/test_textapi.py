@@ -238,12 +238,13 @@ def test_stop_string_then_continue(model):
             _gen(model, [[]], context=ctx)
 
 
-def test_continued_context_grows_with_lagged_selection_and_dense_layers(model):
+@pytest.mark.parametrize("selector", ["quest", "quest_rescore8"])
+def test_continued_context_grows_with_lagged_selection_and_dense_layers(model, selector):
     """The continuation outgrows the context's capacity (256 -> 512 tokens: the pages are
     laid out anew), with lagged selection (its ``ahead`` pages copied) and a dense layer
-    (its device copy copied)."""
+    (its device copy copied); the two-stage selector's key copy is laid out per KV head."""
     cfg, params, tok = model
-    cache = CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=128,
+    cache = CacheConfig(mode="host", selector=selector, page_size=4, selected_pages=128,
                         selection_lag=1, dense_layers=1, round_steps=8)
     p1 = tok.encode("Short start.")
     r1 = jaxkv.generate(model, [p1], cache=cache, max_new_tokens=4, stop_tokens=[], keep=True)

@@ -12,10 +12,12 @@ bf16 plus the scales.
 Summaries: Quest's ``(kmax, kmin)`` [L, B, Np, H, D], then ``keys`` [L, B, H, Np, ps, D]
 (int8 or the KV dtype) and ``scales`` [L, B, H, Np, ps] float32 (ones for the KV dtype):
 head-major, so one KV head's candidate pages are contiguous rows of the copy. The second
-stage is ``jaxkv.kernels.candidate_mass`` (gather + einsum in XLA); the final choice is a
+stage is ``jaxkv.kernels.candidate_mass`` (``Tuning.rescore_method``); the final choice is a
 top-k over the candidates only (``top_candidates``), never over the whole row.
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,7 @@ from jaxkv.kernels import quest as quest_kernels
 from jaxkv.kernels._common import INVALID
 from jaxkv.selectors.base import register
 from jaxkv.selectors.quest import Quest, _select_kw
+from jaxkv.spec import alloc_rows
 
 
 def quantize(k, bits: int):
@@ -71,8 +74,13 @@ class Rescore(Quest):
 
     def init(self, plan) -> tuple:
         m = plan.model
-        shape = (m.num_layers, plan.batch, m.num_kv_heads, plan.pages_per_seq, plan.page_size)
         dt = jnp.int8 if self.key_bits == 8 else jnp.dtype(plan.summary_dtype)
+        per_layer = (plan.batch, m.num_kv_heads, plan.pages_per_seq, plan.page_size)
+        # An int8 copy of 2-4 GiB gets unused layers at its end (spec.alloc_rows: the Pallas
+        # second stage's 32-bit offsets); the scales keep the same leading shape.
+        layers = alloc_rows(m.num_layers, math.prod(per_layer) * m.head_dim,
+                            jnp.dtype(dt).itemsize)
+        shape = (layers,) + per_layer
         return super().init(plan) + (jnp.zeros(shape + (m.head_dim,), dt),
                                      jnp.zeros(shape, jnp.float32))
 
@@ -90,7 +98,10 @@ class Rescore(Quest):
         return min(self.candidates * plan.k, plan.pages_per_seq)
 
     def _rescore(self, plan, summaries, layer, q, cand, positions, seq_lens):
-        mass = mass_kernels.candidate_mass(q, summaries[2], summaries[3], layer, cand, positions)
+        method = plan.cache.tuning.rescore_method
+        mass = mass_kernels.candidate_mass(
+            q, summaries[2], summaries[3], layer, cand, positions,
+            implementation=plan.cache.implementation if method == "auto" else method)
         return top_candidates(mass, cand, seq_lens, k=plan.k, page_size=plan.page_size,
                               num_pages=plan.pages_per_seq, num_sink_pages=plan.cache.sink_pages)
 
