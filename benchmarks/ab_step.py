@@ -176,6 +176,9 @@ def main():
                     help="requests (default 8 for qwen1.5b, 1 for 8b)")
     ap.add_argument("--shape", default="qwen1.5b", choices=("qwen1.5b", "8b"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--trace", default="",
+                    help="after the turns, profile one more round per variant into this "
+                         "directory: device time per kernel in the JSON (``kernels``)")
     a = ap.parse_args()
     names = a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -251,6 +254,13 @@ def main():
             compiles[name] += rec["num_compilations"]
             print(f"  {name:16s} {rec['step_ms']:.3f} ms/step ({rec['num_compilations']} compiles)",
                   flush=True)
+    kernels = {}
+    if a.trace:
+        st_trace = dataclasses.replace(st, trace=a.trace)
+        for name in names:
+            rec, states[name] = bd.run_decode(name, plans[name], params, states[name], st_trace,
+                                              rounds=1, warmup=False)
+            kernels[name] = rec.get("kernels")
     base = names[0]
     ratios = {n: [x / b for x, b in zip(runs[n], runs[base])] for n in names[1:]}
     summary = {n: dict(median_step_ms=statistics.median(runs[n]), step_ms=runs[n],
@@ -274,7 +284,7 @@ def main():
                                                    plans[n].tuning.compiler_options})
                          for n in names},
                baseline=base, results=summary, warmup=warm, compiles_after_warmup=compiles,
-               fused_kernel_traced=traced,
+               fused_kernel_traced=traced, kernels=kernels,
                note="ratio = variant step / baseline step per turn (turns alternate the order); "
                     "fused_kernel_traced = calls of the fused Quest op while tracing each round")
     os.makedirs(a.out, exist_ok=True)

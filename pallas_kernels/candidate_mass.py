@@ -14,8 +14,8 @@ masses summed over the G query heads; ``-inf`` for ``-1``.
 Two implementations of op ``candidate_mass``:
 
 * ``"xla"``: the reference (gather the candidates' keys, one einsum, the softmax);
-* ``"pallas"``: one program per (request, KV head, ``block_c`` candidates) reads each
-  candidate's [ps, D] key rows once, scores them on the tensor cores and writes the page's
+* ``"pallas"``: one program per (request, KV head, ``block_c`` candidates) reads the
+  candidates' [ps, D] key rows as one gathered tile, scores it on the tensor cores and writes each page's
   max logit ``m`` and ``l = sum_t exp(s_t - m)`` per query head; the masses follow in XLA
   from those [B, H, C, G] statistics (``mass_from_page_stats``). int8 and bfloat16 keys are
   exact in bfloat16, and the query enters as two bfloat16 halves (``q = hi + lo``), so the
@@ -88,31 +88,47 @@ def mass_from_page_stats(m, l, cand, G: int):
 
 def _kernel(layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref, m_ref, l_ref,
             *, ps, block_c, C):
+    """One program: ``block_c`` candidates as one [block_c * ps, D] tile, gathered in one load
+    (every index a full int array: interpret mode cannot mix gathers and slices)."""
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    D = qhi_ref.shape[-1]
+    T = block_c * ps
     layer = layer_ref[0]
     pos = pos_ref[b]
-    q_hi = qhi_ref[...]                                                  # [G_pad, D] bf16
-    q_lo = qlo_ref[...]
-    tok = lax.broadcasted_iota(jnp.int32, (ps,), 0)
+    tok = lax.broadcasted_iota(jnp.int32, (T,), 0)
+    tok_page, tok_off = lax.div(tok, ps), lax.rem(tok, ps)
+    c = j * block_c + tok_page                                           # [T] candidate index
+    p = cand_ref[b, h, jnp.minimum(c, C - 1)]                            # [T] its page
+    ok = (c < C) & (p >= 0) & (p * ps + tok_off <= pos)
+    p = jnp.where(ok, p, 0)
+    mask = jnp.broadcast_to(ok[:, None], (T, D))
+    k = plgpu.load(keys_ref.at[layer, b, h, jnp.broadcast_to(p[:, None], (T, D)),
+                               jnp.broadcast_to(tok_off[:, None], (T, D)),
+                               lax.broadcasted_iota(jnp.int32, (T, D), 1)],
+                   mask=mask, other=0).astype(jnp.bfloat16)              # [T, D]
+    sc = plgpu.load(scales_ref.at[layer, b, h, p, tok_off], mask=ok, other=0.0)  # [T]
+    s = plgpu.dot(qhi_ref[...], k, trans_b=True) + plgpu.dot(qlo_ref[...], k, trans_b=True)
+    s = jnp.where(ok[None, :], s * sc[None, :], -jnp.inf)                # [G_pad, T]
+    m_tok = jnp.zeros_like(s)
+    mx = []
+    for i in range(block_c):  # per-page max, spread back over the page's tokens
+        on = (tok_page == i)[None, :]
+        m_i = jnp.max(jnp.where(on, s, -jnp.inf), axis=1)
+        m_i = jnp.where(m_i == -jnp.inf, 0.0, m_i)
+        m_tok = jnp.where(on, m_i[:, None], m_tok)
+        mx.append(m_i)
+    e = jnp.exp(s - m_tok)                                               # 0 where masked
     for i in range(block_c):
-        c = j * block_c + i
-        p = cand_ref[b, h, jnp.minimum(c, C - 1)]
-        ok = (c < C) & (p >= 0) & (jnp.maximum(p, 0) * ps + tok <= pos)  # [ps]
-        row = (layer, b, h, jnp.maximum(p, 0))
-        k = keys_ref[row].astype(jnp.bfloat16)                           # [ps, D]
-        sc = scales_ref[row]                                             # [ps]
-        s = (plgpu.dot(q_hi, k, trans_b=True) + plgpu.dot(q_lo, k, trans_b=True)) * sc[None, :]
-        s = jnp.where(ok[None, :], s, -jnp.inf)                          # [G_pad, ps]
-        mx = jnp.max(s, axis=1)
-        l = jnp.sum(jnp.exp(s - jnp.where(mx == -jnp.inf, 0.0, mx)[:, None]), axis=1)
-        m_ref[i, :] = mx
-        l_ref[i, :] = l
+        l_i = jnp.sum(jnp.where((tok_page == i)[None, :], e, 0.0), axis=1)
+        m_ref[i, :] = jnp.where(l_i > 0, mx[i], -jnp.inf)
+        l_ref[i, :] = l_i
 
 
 @register(OP, "pallas")
-def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: int = 8,
+def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: int | None = None,
                           num_warps: int = 4, interpret: bool | None = None):
-    """The Pallas kernel (module docstring); ``block_c`` candidates per program. Keys of a
+    """The Pallas kernel (module docstring); ``block_c`` candidates per program (default:
+    a tile of 256 tokens, at least one page). Keys of a
     dtype other than int8 / bfloat16, or page shapes the tensor cores cannot take (``ps`` or
     ``D`` under 16 or not a power of two), take the reference."""
     _check(q, keys, scales, cand, positions)
@@ -123,7 +139,11 @@ def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: i
     G = q.shape[1] // H
     G_pad = max(16, _common.next_pow2(G))  # the dot's row block
     C = cand.shape[2]
-    block_c = max(1, min(block_c, C))
+    if block_c is None:
+        block_c = max(1, 256 // ps)
+    block_c = max(1, min(block_c, _common.next_pow2(C)))
+    if block_c & (block_c - 1):
+        raise ValueError(f"block_c {block_c} must be a power of two (the tile's tokens)")
     n_prog = pl.cdiv(C, block_c)
     qg = q.reshape(B, H, G, D).astype(jnp.float32) * D ** -0.5
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, G_pad - G), (0, 0)))

@@ -1,5 +1,5 @@
 """The two-stage selector's second stage alone (issue 27's cost): ``candidate_mass`` per layer,
-the XLA reference against the Pallas kernel (block_c x num_warps sweep), at the 128k decode
+the XLA reference against the Pallas kernel (tile tokens x num_warps sweep), at the 128k decode
 shapes of ``ab_step.py``: Qwen-like B=8 (64-token pages, 12 / 2 heads, head dim 128, 28
 layers, 8x 32 candidates) and 8B-like B=1 (16-token pages, 32 / 8 heads, 32 layers, 8x 128
 candidates), the key copy int8 with the selector's own allocation (``Rescore.init``'s layers).
@@ -57,11 +57,14 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
     shapes = QUICK if a.quick else SHAPES
-    variants = [("xla", {})] + [(f"pallas_c{c}_w{w}", dict(block_c=c, num_warps=w))
-                               for c in ((2, 4) if a.quick else (4, 8, 16)) for w in (4, 8)]
     rows = []
     for name, shape in shapes.items():
         L, B, H, G, Np, ps, D, C, k = shape
+        # the kernel's tile: block_c candidates of ps tokens
+        tiles = (16, 32) if a.quick else (64, 128, 256, 512)
+        variants = [("xla", {})] + [(f"pallas_t{t}_w{w}", dict(block_c=max(1, t // ps),
+                                                                num_warps=w))
+                                   for t in tiles for w in (4, 8)]
         q, keys, scales, cand, pos = case(shape)
         ref = np.asarray(jax.jit(cm.candidate_mass_reference)(q, keys, scales, 1, cand, pos))
         ref_top = np.sort(np.argsort(-ref, axis=-1)[..., :k], axis=-1)
