@@ -39,7 +39,9 @@ variant is a plan of its own, so nothing is read at trace time.
   ``rescore8``: the two-stage selectors ``quest_rescore`` / ``quest_rescore8`` (Quest picks 4x /
   8x the budget, the int8 key copy re-ranks them); ``lagged_rescore8``: with
   ``selection_lag=1``. ``rescore8_xla`` / ``rescore8_pallas``: ``quest_rescore8`` with its
-  second stage in XLA / as the Pallas kernel (``Tuning.rescore_method``).
+  second stage in XLA / as the Pallas kernel (``Tuning.rescore_method``);
+  ``rescore8_topk_{sort,pallas,chunked}``: the kernel, and the first stage's top-k method
+  (``Tuning.topk_method``).
 
 ``--shape`` picks the model shape: ``qwen1.5b`` (default; 64-token pages, ``--batch`` requests,
 default 8) or ``8b`` (Llama-3-8B-like, 16-token pages, ``--batch`` 1). Each variant holds its
@@ -116,6 +118,10 @@ VARIANTS = {
     # the second stage's implementation (Tuning.rescore_method) under quest_rescore8
     "rescore8_xla": ({"rescore_method": "xla"}, ()),
     "rescore8_pallas": ({"rescore_method": "pallas"}, ()),
+    # ... and its first stage's top-k (Tuning.topk_method)
+    "rescore8_topk_sort": ({"rescore_method": "pallas", "topk_method": "sort"}, ()),
+    "rescore8_topk_pallas": ({"rescore_method": "pallas", "topk_method": "pallas"}, ()),
+    "rescore8_topk_chunked": ({"rescore_method": "pallas", "topk_method": "chunked"}, ()),
 }
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
 CACHE_CHANGES = {n: {"selection_lag": 1} for n in VARIANTS if n.startswith("lagged")}
@@ -124,7 +130,10 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8={"selector": "quest_rescore8"},
                      lagged_rescore8={"selector": "quest_rescore8", "selection_lag": 1},
                      rescore8_xla={"selector": "quest_rescore8"},
-                     rescore8_pallas={"selector": "quest_rescore8"})
+                     rescore8_pallas={"selector": "quest_rescore8"},
+                     rescore8_topk_sort={"selector": "quest_rescore8"},
+                     rescore8_topk_pallas={"selector": "quest_rescore8"},
+                     rescore8_topk_chunked={"selector": "quest_rescore8"})
 
 
 def variant_tuning(name: str, base: Tuning = Tuning()) -> Tuning:

@@ -128,7 +128,8 @@ def _kernel(layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref
 def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: int | None = None,
                           num_warps: int = 4, interpret: bool | None = None):
     """The Pallas kernel (module docstring); ``block_c`` candidates per program (default:
-    a tile of 256 tokens, at least one page). Keys of a
+    a tile of 128 tokens, at least one page: the fastest at both 128k decode shapes on the
+    H200, docs/decisions.md). Keys of a
     dtype other than int8 / bfloat16, or page shapes the tensor cores cannot take (``ps`` or
     ``D`` under 16 or not a power of two), take the reference."""
     _check(q, keys, scales, cand, positions)
@@ -140,7 +141,7 @@ def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: i
     G_pad = max(16, _common.next_pow2(G))  # the dot's row block
     C = cand.shape[2]
     if block_c is None:
-        block_c = max(1, 256 // ps)
+        block_c = max(1, 128 // ps)
     block_c = max(1, min(block_c, _common.next_pow2(C)))
     if block_c & (block_c - 1):
         raise ValueError(f"block_c {block_c} must be a power of two (the tile's tokens)")
