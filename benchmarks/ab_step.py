@@ -40,7 +40,7 @@ variant is a plan of its own, so nothing is read at trace time.
   8x the budget, the int8 key copy re-ranks them); ``lagged_rescore8``: with
   ``selection_lag=1``. ``rescore8_xla`` / ``rescore8_pallas``: ``quest_rescore8`` with its
   second stage in XLA / as the Pallas kernel (``Tuning.rescore_method``);
-  ``rescore8_topk_{sort,pallas,chunked}``: the kernel, and the first stage's top-k method
+  ``rescore8_topk_{sort,pallas,chunked,cmax}``: the kernel, and the first stage's top-k method
   (``Tuning.topk_method``).
 
 ``--shape`` picks the model shape: ``qwen1.5b`` (default; 64-token pages, ``--batch`` requests,
@@ -122,6 +122,7 @@ VARIANTS = {
     "rescore8_topk_sort": ({"rescore_method": "pallas", "topk_method": "sort"}, ()),
     "rescore8_topk_pallas": ({"rescore_method": "pallas", "topk_method": "pallas"}, ()),
     "rescore8_topk_chunked": ({"rescore_method": "pallas", "topk_method": "chunked"}, ()),
+    "rescore8_topk_cmax": ({"rescore_method": "pallas", "topk_method": "pallas_cmax"}, ()),
 }
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
 CACHE_CHANGES = {n: {"selection_lag": 1} for n in VARIANTS if n.startswith("lagged")}
@@ -133,7 +134,8 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_pallas={"selector": "quest_rescore8"},
                      rescore8_topk_sort={"selector": "quest_rescore8"},
                      rescore8_topk_pallas={"selector": "quest_rescore8"},
-                     rescore8_topk_chunked={"selector": "quest_rescore8"})
+                     rescore8_topk_chunked={"selector": "quest_rescore8"},
+                     rescore8_topk_cmax={"selector": "quest_rescore8"})
 
 
 def variant_tuning(name: str, base: Tuning = Tuning()) -> Tuning:

@@ -32,7 +32,8 @@ class Tuning:
         default orders the round's CUDA graph by buffer dependencies so independent kernels may
         overlap (a faster step: docs/decisions.md). Options this XLA rejects are dropped
         with a warning; the CPU backend accepts and ignores this one.
-      topk_method: top-k of the scored selectors (Quest, indexer): "auto" or one of
+      topk_method: top-k of the scored selectors (Quest, indexer, the two-stage selectors'
+        first stage, where "auto" is XLA's "sort"): "auto" or one of
         ``jaxkv.kernels.dense_select.TOPK_METHODS``.
       topk_cmax_min_pages: with "auto" and the Pallas implementation, rows of at least this
         many pages take the chunk-maxima top-k ("pallas_cmax": the scores kernel writes chunk

@@ -136,10 +136,10 @@ def _topk_indices(x: jax.Array, k: int, method: str) -> tuple[jax.Array, jax.Arr
 
 
 @functools.partial(jax.jit, static_argnames=("num_pages", "k", "page_size", "num_sink_pages",
-                                             "method", "implementation"))
+                                             "method", "implementation", "ordered"))
 def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, k: int,
                      page_size: int, num_sink_pages: int, method: str = "auto",
-                     implementation: str | None = None) -> jax.Array:
+                     implementation: str | None = None, ordered: bool = True) -> jax.Array:
     """Top-``k`` pages per row of ``scores`` under the selector convention (module docstring).
 
     scores: [B, N] or [B, H, N] float, column ``p`` = page ``p``; columns ``>= num_pages``
@@ -150,6 +150,8 @@ def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, 
     ``quest_select`` gets them from its scores kernel instead), "sort", "rounds", "chunked"
     (XLA top-k; see ``_topk_indices``) or "auto" (module docstring).
     implementation: "pallas" | "xla" | None: whether "auto" may use the kernel.
+    ordered: False lets the XLA methods skip the ascending sort: the same pages, in the
+    top-k's order with the ``-1`` padding last (a candidate list that is re-ranked anyway).
     """
     if k < num_sink_pages + 1:
         raise ValueError(f"k={k} must be >= num_sink_pages + 1 = {num_sink_pages + 1}")
@@ -182,6 +184,8 @@ def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, 
     rows = x.reshape(-1, x.shape[-1])
     vals, idx = _topk_indices(rows, k, method)
     big = jnp.int32(2**31 - 1)
+    if not ordered:  # top_k's values descend, so the -inf picks (-1) are already last
+        return jnp.where(vals == -jnp.inf, INVALID, idx.astype(jnp.int32)).reshape(lead + (k,))
     key = jnp.where(vals == -jnp.inf, big, idx.astype(jnp.int32))
     key = jnp.sort(key, axis=-1)
     return jnp.where(key == big, INVALID, key).reshape(lead + (k,))

@@ -325,7 +325,7 @@ def quest_update_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, k_new, posit
 
 def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, page_size,
                         num_sink_pages, implementation=None, topk_method="auto",
-                        cmax_min_pages=ds.CMAX_MIN_PAGES):
+                        cmax_min_pages=ds.CMAX_MIN_PAGES, ordered=True):
     """One decode step of Quest for one layer: :func:`quest_update` then :func:`quest_select`.
 
     q [B, Hq, D]; kmax, kmin [L, B, Np, H, D]; layer int32 scalar; seq_lens [B] int32 (tokens
@@ -333,13 +333,28 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
     then reads its K in place: no slice kernel); positions [B] int32 (-1 = inactive). Returns (kmax,
     kmin, pages [B, H, k] int32). With the "pallas_cmax" top-k the update runs inside the
     scores kernel (op ``quest_update_scores_cmax``: one launch; summaries updated in place when
-    they are donated or loop-carried). ``topk_method`` / ``cmax_min_pages``: as in
-    :func:`quest_select`."""
+    they are donated or loop-carried); the XLA top-k methods take the same kernel's scores
+    when the implementation is "pallas". ``topk_method`` / ``cmax_min_pages``: as in
+    :func:`quest_select`; ``ordered``: as in ``dense_select.select_top_pages``."""
     np_ = kmax.shape[2]
     method = ds.resolve_topk_method(np_, implementation, topk_method, cmax_min_pages, k)
+    pallas = _common.implementation_name(implementation) == "pallas"
+    if method == "auto" and pallas and np_ <= ds.PALLAS_TOPK_MAX_COLUMNS and topk.fits(np_, k):
+        method = "pallas"  # select_top_pages' own "auto"
+    if pallas and method not in ("pallas", "pallas_cmax"):
+        # an XLA top-k: the update and the scores in one launch (the scores kernel with the
+        # update folded in; its chunk maxima go unused)
+        fn = _common.resolve(OP_UPDATE_CMAX, implementation)
+        scores, _, kmax, kmin = fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, k_new,
+                                   positions, page_size=page_size,
+                                   chunk=topk.default_cmax_chunk(np_, k))
+        return kmax, kmin, ds.select_top_pages(
+            scores, seq_lens, num_pages=np_, k=k, page_size=page_size,
+            num_sink_pages=num_sink_pages, method=method, implementation=implementation,
+            ordered=ordered)
     if method != "pallas_cmax":
         kmax, kmin = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size)
-        if _common.implementation_name(implementation) != "pallas":
+        if not pallas:
             # the XLA scores then read the summaries after the in-place update: fused with it,
             # they would recompute the update from the old arrays, and XLA would copy both
             # whole [L, ...] arrays (every layer of every step) to keep the old ones alive
@@ -347,7 +362,7 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
         return kmax, kmin, quest_select(q, kmax, kmin, layer, seq_lens, k=k, page_size=page_size,
                                         num_sink_pages=num_sink_pages,
                                         implementation=implementation, topk_method=method,
-                                        cmax_min_pages=cmax_min_pages)
+                                        cmax_min_pages=cmax_min_pages, ordered=ordered)
     chunk = topk.default_cmax_chunk(np_, k)
     fn = _common.resolve(OP_UPDATE_CMAX, implementation)
     scores, cmax, kmax, kmin = fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, k_new,
@@ -359,9 +374,11 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
 
 
 @functools.partial(jax.jit, static_argnames=("k", "page_size", "num_sink_pages",
-                                             "implementation", "topk_method", "cmax_min_pages"))
+                                             "implementation", "topk_method", "cmax_min_pages",
+                                             "ordered"))
 def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages,
-                 implementation=None, topk_method="auto", cmax_min_pages=ds.CMAX_MIN_PAGES):
+                 implementation=None, topk_method="auto", cmax_min_pages=ds.CMAX_MIN_PAGES,
+                 ordered=True):
     """Quest top-``k`` pages per KV head.
 
     q: [B, Hq, D] (post-RoPE query); kmax, kmin: [L, B, Np, H, D] (whole, all layers);
@@ -388,7 +405,7 @@ def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages
     scores = _common.resolve(OP, implementation)(q, kmax, kmin, layer, seq_lens,
                                                  page_size=page_size)
     return select_top_pages(scores, seq_lens, method=topk_method,
-                            implementation=implementation, **sel_kw)
+                            implementation=implementation, ordered=ordered, **sel_kw)
 
 
 def quest_update(kmax, kmin, layer, k_new, positions, *, page_size):

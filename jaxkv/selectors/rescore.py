@@ -2,7 +2,8 @@
 the candidates are scored by the attention mass the query puts on their tokens, from a
 device copy of every key, and the best k are kept.
 
-The first stage is cheap and has a high recall at a wider budget; the second is exact up to
+The first stage is cheap and has a high recall at a wider budget (its candidates come in
+the top-k's order); the second is exact up to
 the key copy's precision and reads only the candidates' keys. The key copy lives with the
 summaries on the device (int8 with a scale per token and KV head, or the KV dtype), so the
 selector works with the host tier as well as resident. Its device bytes per token are
@@ -97,6 +98,16 @@ class Rescore(Quest):
     def _candidates_k(self, plan) -> int:
         return min(self.candidates * plan.k, plan.pages_per_seq)
 
+    def _first_stage_kw(self, plan) -> dict:
+        """Quest's selection of the candidates: XLA's top-k ("sort") unless the tuning names a
+        method, in the top-k's order (the second stage re-ranks them; no ascending sort).
+        The Pallas top-k kernels are built for budgets, not for 4-8x the budget: at 256 of
+        2048 pages the chunk-maxima kernel takes 87 us per layer against XLA's 8
+        (docs/decisions.md)."""
+        t = plan.cache.tuning.topk_method
+        return dict(_select_kw(plan), k=self._candidates_k(plan),
+                    topk_method="sort" if t == "auto" else t, ordered=False)
+
     def _rescore(self, plan, summaries, layer, q, cand, positions, seq_lens):
         method = plan.cache.tuning.rescore_method
         mass = mass_kernels.candidate_mass(
@@ -108,9 +119,9 @@ class Rescore(Quest):
     def update_select(self, plan, summaries, layer, layer_params, h, q, kv_new, positions, *,
                       ahead=False):
         seq_lens = jnp.maximum(positions + 1 + int(ahead), 1)
-        kw = dict(_select_kw(plan), k=self._candidates_k(plan))
         kmax, kmin, cand = quest_kernels.quest_update_select(
-            q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions, **kw)
+            q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
+            **self._first_stage_kw(plan))
         ps, Np = plan.page_size, plan.pages_per_seq
         k_new = kv_new if kv_new.ndim == 3 else kv_new[:, 0]                # [B, H, D]
         vals, scale = quantize(k_new, self.key_bits)
@@ -127,9 +138,8 @@ class Rescore(Quest):
 
     def first_pages(self, plan, summaries, layer, layer_params, h_last, q_last, lengths):
         lengths = jnp.asarray(lengths, jnp.int32)
-        kw = dict(_select_kw(plan), k=self._candidates_k(plan))
         cand = quest_kernels.quest_select(q_last, summaries[0], summaries[1], layer, lengths + 1,
-                                          **kw)
+                                          **self._first_stage_kw(plan))
         return self._rescore(plan, summaries, layer, q_last, cand, lengths - 1, lengths + 1)
 
     def update_select_all_layers(self, plan, summaries, q, kv_new, positions):
