@@ -131,44 +131,53 @@ def test_rescore_with_the_pallas_second_stage_host_equals_resident():
     assert host.tokens == res.tokens == xla.tokens
 
 
-def test_rescore_top_candidates_follow_the_rule():
-    """The final choice over the candidates equals the shared selection rule applied to the
-    candidates' masses scattered into a full row (every other page -inf), and a numpy
-    reference: forced sinks and current page, then most mass, ascending, -1 last."""
+@pytest.mark.parametrize("case", ["distinct", "ties_any_order", "fewer_than_k"])
+def test_rescore_top_candidates_follow_the_rule(case):
+    """The final choice over the candidates against numpy: forced sinks and current page,
+    then most mass, ties to the earlier candidate; ascending, -1 last. Candidates come in any
+    order (the first stage's top-k order) with -1s anywhere; with distinct masses it also
+    equals the shared selection rule applied to the masses scattered into a full row."""
     from jaxkv.selectors import rescore
     from jaxkv.kernels import dense_select
     rng = _rng()
     B, H, Np, C, k, ps, sinks = 3, 2, 40, 12, 5, 4, 1
+    if case == "fewer_than_k":
+        C, k = 4, 7
     seq_lens = np.array([150, 37, 9], np.int32)
     cand = np.full((B, H, C), -1, np.int32)
     for b in range(B):
         n = -(-seq_lens[b] // ps)
         for h in range(H):
-            others = rng.permutation(np.arange(sinks, n - 1))[:C - 2 - h]
-            c = np.unique(np.concatenate([np.arange(sinks), [n - 1], others]))
+            others = rng.permutation(np.arange(sinks, n - 1))[:max(0, C - 2 - h)]
+            c = np.unique(np.concatenate([np.arange(sinks), [n - 1], others]))[:C]
             cand[b, h, :len(c)] = c
-    mass = np.where(cand >= 0, rng.random((B, H, C)), -np.inf).astype(np.float32)
+            if case != "distinct":
+                cand[b, h] = rng.permutation(cand[b, h])
+    mass = rng.random((B, H, C))
+    if case == "ties_any_order":
+        mass = np.round(mass * 3) / 3  # four values: many ties
+    mass = np.where(cand >= 0, mass, -np.inf).astype(np.float32)
     got = np.asarray(rescore.top_candidates(jnp.asarray(mass), jnp.asarray(cand),
                                             jnp.asarray(seq_lens), k=k, page_size=ps,
                                             num_pages=Np, num_sink_pages=sinks))
-    full = np.full((B, H, Np), -np.inf, np.float32)
     for b in range(B):
-        for h in range(H):
-            ok = cand[b, h] >= 0
-            full[b, h, cand[b, h][ok]] = mass[b, h][ok]
-    want = np.asarray(dense_select.select_top_pages(
-        jnp.asarray(full), jnp.asarray(seq_lens), num_pages=Np, k=k, page_size=ps,
-        num_sink_pages=sinks, method="sort"))
-    for b in range(B):  # numpy: forced first, then by mass; ascending, -1 padded
         n = -(-seq_lens[b] // ps)
         for h in range(H):
             c, m = cand[b, h], mass[b, h]
-            score = {int(p): (np.inf if p < sinks or p == n - 1 else float(v))
-                     for p, v in zip(c, m) if p >= 0}
-            best = sorted(sorted(score, key=lambda p: -score[p])[:k])
-            ref = best + [-1] * (k - len(best))
-            assert got[b, h].tolist() == ref
-            assert want[b, h].tolist() == ref
+            score = [(np.inf if p < sinks or p == n - 1 else float(v), i)
+                     for i, (p, v) in enumerate(zip(c, m)) if p >= 0]
+            best = sorted(int(c[i]) for _, i in sorted(score, key=lambda t: (-t[0], t[1]))[:k])
+            assert got[b, h].tolist() == best + [-1] * (k - len(best))
+    if case == "distinct":
+        full = np.full((B, H, Np), -np.inf, np.float32)
+        for b in range(B):
+            for h in range(H):
+                ok = cand[b, h] >= 0
+                full[b, h, cand[b, h][ok]] = mass[b, h][ok]
+        want = np.asarray(dense_select.select_top_pages(
+            jnp.asarray(full), jnp.asarray(seq_lens), num_pages=Np, k=k, page_size=ps,
+            num_sink_pages=sinks, method="sort"))
+        np.testing.assert_array_equal(got, want)
 
 
 def test_rescore_key_copy_avoids_wrapped_32_bit_offsets():
