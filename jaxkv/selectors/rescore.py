@@ -47,29 +47,23 @@ def top_candidates(mass, cand, seq_lens, *, k: int, page_size: int, num_pages: i
                    num_sink_pages: int):
     """The ``k`` candidates of most ``mass`` under the selector convention
     (``jaxkv.kernels.dense_select``): the sink pages and the current page among the
-    candidates are forced, ties go to the earlier candidate, rows ascending, ``-1`` last.
-    mass, cand [B, H, C] (valid candidates distinct, in any order); seq_lens [B].
-
-    Sort-free: a candidate's rank is the number of candidates before it in (value desc,
-    index asc) order and its output slot the number of chosen pages below its page; two
-    compare-matrix reductions and one scatter (XLA's top-k and sort at these sizes are
-    sorting kernels, two more per layer: docs/decisions.md)."""
-    B, H, C = cand.shape
+    candidates are forced, ties go to the earlier candidate (``lax.top_k``'s order), rows
+    ascending, ``-1`` last. mass, cand [B, H, C] (valid candidates distinct, in any order);
+    seq_lens [B]."""
+    C = cand.shape[-1]
     n_valid = dense_select.num_valid_pages(seq_lens, page_size, num_pages)[:, None, None]
     ok = (cand >= 0) & (cand < n_valid)
     forced = ok & ((cand < num_sink_pages) | (cand == n_valid - 1))
-    x = jnp.where(forced, jnp.inf, jnp.where(ok & (mass == mass), mass, -jnp.inf))
-    xi, xj = x[..., :, None], x[..., None, :]
-    idx = jnp.arange(C, dtype=jnp.int32)
-    before = (xj > xi) | ((xj == xi) & (idx[None, :] < idx[:, None]))
-    rank = jnp.sum(before, axis=-1, dtype=jnp.int32)
-    chosen = (rank < k) & (x > -jnp.inf)
-    below = chosen[..., None, :] & (cand[..., None, :] < cand[..., :, None])
-    slot = jnp.where(chosen, jnp.sum(below, axis=-1, dtype=jnp.int32), k)
-    b = jnp.arange(B)[:, None, None]
-    h = jnp.arange(H)[None, :, None]
-    out = jnp.full((B, H, k), INVALID, jnp.int32)
-    return out.at[b, h, slot].set(cand, mode="drop")
+    x = jnp.where(forced, jnp.inf, jnp.where(ok, mass, -jnp.inf))
+    if C < k:  # top_k needs k <= C: pad with never-selected columns
+        pad = [(0, 0), (0, 0), (0, k - C)]
+        x = jnp.pad(x, pad, constant_values=-jnp.inf)
+        cand = jnp.pad(cand, pad, constant_values=INVALID)
+    vals, j = jax.lax.top_k(x, k)
+    pages = jnp.take_along_axis(cand, j, axis=-1)
+    big = jnp.int32(2**31 - 1)
+    pages = jnp.sort(jnp.where(vals == -jnp.inf, big, pages), axis=-1)
+    return jnp.where(pages == big, INVALID, pages)
 
 
 @register
