@@ -103,8 +103,7 @@ class Rescore(Quest):
     def _first_stage_kw(self, plan) -> dict:
         """Quest's selection of the candidates: XLA's top-k ("sort") unless the tuning names a
         method, in the top-k's order (the second stage re-ranks them; no ascending sort).
-        The Pallas top-k kernels are built for budgets, not for 4-8x the budget: at 256 of
-        2048 pages the chunk-maxima kernel takes 87 us per layer against XLA's 8
+        The Pallas top-k kernels are built for budgets and slow down at 4-8x the budget
         (docs/decisions.md)."""
         t = plan.cache.tuning.topk_method
         return dict(_select_kw(plan), k=self._candidates_k(plan),
