@@ -40,8 +40,8 @@ variant is a plan of its own, so nothing is read at trace time.
   8x the budget, the int8 key copy re-ranks them); ``lagged_rescore8``: with
   ``selection_lag=1``. ``rescore8_xla`` / ``rescore8_pallas``: ``quest_rescore8`` with its
   second stage in XLA / as the Pallas kernel (``Tuning.rescore_method``);
-  ``rescore8_topk_{sort,pallas,chunked,cmax}``: the kernel, and the first stage's top-k method
-  (``Tuning.topk_method``).
+  ``rescore8_topk_{chunked,cmax}``: the kernel, and the first stage's top-k method
+  (``Tuning.topk_method``; the default is "sort").
 
 ``--shape`` picks the model shape: ``qwen1.5b`` (default; 64-token pages, ``--batch`` requests,
 default 8) or ``8b`` (Llama-3-8B-like, 16-token pages, ``--batch`` 1). Each variant holds its
@@ -119,8 +119,6 @@ VARIANTS = {
     "rescore8_xla": ({"rescore_method": "xla"}, ()),
     "rescore8_pallas": ({"rescore_method": "pallas"}, ()),
     # ... and its first stage's top-k (Tuning.topk_method)
-    "rescore8_topk_sort": ({"rescore_method": "pallas", "topk_method": "sort"}, ()),
-    "rescore8_topk_pallas": ({"rescore_method": "pallas", "topk_method": "pallas"}, ()),
     "rescore8_topk_chunked": ({"rescore_method": "pallas", "topk_method": "chunked"}, ()),
     "rescore8_topk_cmax": ({"rescore_method": "pallas", "topk_method": "pallas_cmax"}, ()),
 }
@@ -132,8 +130,6 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      lagged_rescore8={"selector": "quest_rescore8", "selection_lag": 1},
                      rescore8_xla={"selector": "quest_rescore8"},
                      rescore8_pallas={"selector": "quest_rescore8"},
-                     rescore8_topk_sort={"selector": "quest_rescore8"},
-                     rescore8_topk_pallas={"selector": "quest_rescore8"},
                      rescore8_topk_chunked={"selector": "quest_rescore8"},
                      rescore8_topk_cmax={"selector": "quest_rescore8"})
 

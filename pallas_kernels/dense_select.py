@@ -64,6 +64,13 @@ def resolve_topk_method(num_pages: int, implementation, method: str,
     return method
 
 
+def takes_topk_kernel(num_pages: int, k: int, implementation) -> bool:
+    """Whether ``select_top_pages``' "auto" runs the full-row Pallas top-k kernel for rows of
+    ``num_pages`` pages and ``k`` picks (else an XLA top-k)."""
+    return (_common.implementation_name(implementation) == "pallas"
+            and num_pages <= PALLAS_TOPK_MAX_COLUMNS and topk.fits(num_pages, k))
+
+
 def num_valid_pages(seq_lens: jax.Array, page_size: int, num_pages: int) -> jax.Array:
     """Pages holding at least one token: ``min(ceil(seq_lens / page_size), num_pages)``.
 
@@ -157,8 +164,7 @@ def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, 
         raise ValueError(f"k={k} must be >= num_sink_pages + 1 = {num_sink_pages + 1}")
     if method not in TOPK_METHODS:
         raise ValueError(f"unknown top-k method {method!r}; choose one of {TOPK_METHODS}")
-    if (method == "auto" and _common.implementation_name(implementation) == "pallas"
-            and scores.shape[-1] <= PALLAS_TOPK_MAX_COLUMNS and topk.fits(scores.shape[-1], k)):
+    if method == "auto" and takes_topk_kernel(scores.shape[-1], k, implementation):
         method = "pallas"
     if method == "pallas":
         return topk.select_top_pages_pallas(scores, seq_lens, num_pages=num_pages, k=k,

@@ -339,37 +339,33 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
     np_ = kmax.shape[2]
     method = ds.resolve_topk_method(np_, implementation, topk_method, cmax_min_pages, k)
     pallas = _common.implementation_name(implementation) == "pallas"
-    if method == "auto" and pallas and np_ <= ds.PALLAS_TOPK_MAX_COLUMNS and topk.fits(np_, k):
-        method = "pallas"  # select_top_pages' own "auto"
-    if pallas and method not in ("pallas", "pallas_cmax"):
-        # an XLA top-k: the update and the scores in one launch (the scores kernel with the
-        # update folded in; its chunk maxima go unused)
+    if method == "auto" and ds.takes_topk_kernel(np_, k, implementation):
+        method = "pallas"
+    if method == "pallas_cmax" or (pallas and method != "pallas"):
+        # the update and the scores in one launch; an XLA top-k leaves the chunk maxima unused
+        chunk = topk.default_cmax_chunk(np_, k)
         fn = _common.resolve(OP_UPDATE_CMAX, implementation)
-        scores, _, kmax, kmin = fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, k_new,
-                                   positions, page_size=page_size,
-                                   chunk=topk.default_cmax_chunk(np_, k))
-        return kmax, kmin, ds.select_top_pages(
-            scores, seq_lens, num_pages=np_, k=k, page_size=page_size,
-            num_sink_pages=num_sink_pages, method=method, implementation=implementation,
-            ordered=ordered)
-    if method != "pallas_cmax":
-        kmax, kmin = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size)
-        if not pallas:
-            # the XLA scores then read the summaries after the in-place update: fused with it,
-            # they would recompute the update from the old arrays, and XLA would copy both
-            # whole [L, ...] arrays (every layer of every step) to keep the old ones alive
-            kmax, kmin = lax.optimization_barrier((kmax, kmin))
-        return kmax, kmin, quest_select(q, kmax, kmin, layer, seq_lens, k=k, page_size=page_size,
-                                        num_sink_pages=num_sink_pages,
-                                        implementation=implementation, topk_method=method,
-                                        cmax_min_pages=cmax_min_pages, ordered=ordered)
-    chunk = topk.default_cmax_chunk(np_, k)
-    fn = _common.resolve(OP_UPDATE_CMAX, implementation)
-    scores, cmax, kmax, kmin = fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, k_new,
-                                  positions, page_size=page_size, chunk=chunk)
-    pages = topk.select_top_pages_pallas(scores, seq_lens, chunk=chunk, chunk_max=cmax,
-                                         num_pages=np_, k=k, page_size=page_size,
-                                         num_sink_pages=num_sink_pages)
+        scores, cmax, kmax, kmin = fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens,
+                                      k_new, positions, page_size=page_size, chunk=chunk)
+        if method == "pallas_cmax":
+            pages = topk.select_top_pages_pallas(scores, seq_lens, chunk=chunk, chunk_max=cmax,
+                                                 num_pages=np_, k=k, page_size=page_size,
+                                                 num_sink_pages=num_sink_pages)
+        else:
+            pages = ds.select_top_pages(scores, seq_lens, num_pages=np_, k=k,
+                                        page_size=page_size, num_sink_pages=num_sink_pages,
+                                        method=method, implementation=implementation,
+                                        ordered=ordered)
+        return kmax, kmin, pages
+    kmax, kmin = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size)
+    if not pallas:
+        # the XLA scores then read the summaries after the in-place update: fused with it,
+        # they would recompute the update from the old arrays, and XLA would copy both
+        # whole [L, ...] arrays (every layer of every step) to keep the old ones alive
+        kmax, kmin = lax.optimization_barrier((kmax, kmin))
+    pages = quest_select(q, kmax, kmin, layer, seq_lens, k=k, page_size=page_size,
+                         num_sink_pages=num_sink_pages, implementation=implementation,
+                         topk_method=method, cmax_min_pages=cmax_min_pages, ordered=ordered)
     return kmax, kmin, pages
 
 
