@@ -43,6 +43,9 @@ variant is a plan of its own, so nothing is read at trace time.
   ``rescore8_topk_{chunked,cmax}``: the kernel, and the first stage's top-k method
   (``Tuning.topk_method``; the default is "sort").
 
+``--budget-tokens`` sets the selected tokens per KV head (default 2048) and
+``--candidate-pages`` the two-stage variants' first stage (``CacheConfig.candidate_pages``).
+
 ``--shape`` picks the model shape: ``qwen1.5b`` (default; 64-token pages, ``--batch`` requests,
 default 8) or ``8b`` (Llama-3-8B-like, 16-token pages, ``--batch`` 1). Each variant holds its
 own KV cache: at 128k, four Qwen-like B=8 variants or five 8B-like B=1 ones fit the H200.
@@ -69,7 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # noqa: E402
 import decode_lib as bd  # noqa: E402
 import synthetic  # noqa: E402
-from jaxkv import CacheConfig, Tuning, engine  # noqa: E402
+from jaxkv import CacheConfig, Tuning, engine, selectors  # noqa: E402
 from jaxkv.kernels import _common, quest  # noqa: E402
 
 _EXH = ("xla_gpu_exhaustive_tiling_search", True)
@@ -183,6 +186,11 @@ def main():
                     help="requests (default 8 for qwen1.5b, 1 for 8b)")
     ap.add_argument("--shape", default="qwen1.5b", choices=("qwen1.5b", "8b"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--budget-tokens", type=int, default=None,
+                    help="selected tokens per KV head (default: decode_lib.Settings', 2048)")
+    ap.add_argument("--candidate-pages", type=int, default=None,
+                    help="CacheConfig.candidate_pages of the two-stage variants (default: "
+                         "their multiple of the budget)")
     ap.add_argument("--trace", default="",
                     help="after the turns, profile one more round per variant into this "
                          "directory: device time per kernel in the JSON (``kernels``)")
@@ -204,6 +212,8 @@ def main():
         shape, ctx = a.shape, 131072
         B = a.batch or (8 if shape == "qwen1.5b" else 1)
         st = bd.Settings(page_size=64 if shape == "qwen1.5b" else 16)
+        if a.budget_tokens:
+            st = dataclasses.replace(st, selected_tokens=a.budget_tokens)
         cfg = bd.model_config(shape)
     ps, k = st.page_size, st.k
     max_ctx = -(-(ctx + st.round_steps * (2 * a.pairs + 4)) // ps) * ps
@@ -229,6 +239,8 @@ def main():
     for name in names:
         cc = dataclasses.replace(cache, tuning=variant_tuning(name, base_tuning),
                                  **CACHE_CHANGES.get(name, {}))
+        if a.candidate_pages and selectors.get(cc.selector).two_stage:
+            cc = dataclasses.replace(cc, candidate_pages=a.candidate_pages)
         plans[name] = engine.Plan(model=cfg, batch=B, prompt_len=max_ctx, cache=cc,
                                   max_context=max_ctx, num_stop=4)
         states[name] = synthetic.build_state(plans[name], lengths, synth=synth, seed=st.seed,
@@ -285,6 +297,8 @@ def main():
                hbm_gbps=st.hbm_gbps, pcie_gbps=st.pcie_gbps,
                config=a.config, pool_pages=plans[base].pool_pages if a.config == "c2" else None,
                salience=float(sal), simulated_overlap=float(sim), pairs=a.pairs,
+               candidate_pages={n: plans[n].selector.candidate_count(plans[n])
+                                for n in names if plans[n].selector.two_stage},
                variants={n: dict(tuning={k_: str(v) for k_, v in VARIANTS[n][0].items()},
                                  cache_changes=CACHE_CHANGES.get(n, {}),
                                  compiler_options={k_: str(v) for k_, v in

@@ -394,7 +394,7 @@ def step_read_bytes(plan, params, lengths) -> dict:
     if isinstance(sel, sel_quest.Quest):
         selector = n_sel * valid.sum() * H * D * 2 * sdt
         if isinstance(sel, sel_rescore.Rescore):
-            cand = np.minimum(valid, sel.candidates * plan.k).sum() * H
+            cand = np.minimum(valid, sel.candidate_count(plan)).sum() * H
             kb = 1 if sel.key_bits == 8 else sdt
             selector += n_sel * cand * ps * (D * kb + 4)
     elif isinstance(sel, sel_indexer.Indexer):

@@ -100,6 +100,12 @@ class CacheConfig:
       page_size: tokens per page (power of two).
       selected_pages: k, pages selected per request, layer and KV head per step
         (ignored by "dense").
+      candidate_pages: the two-stage selectors' first-stage pages per request, layer and KV
+        head: Quest's bound picks this many, the key copy re-ranks them down to
+        ``selected_pages`` (``jaxkv.selectors.rescore``). ``None``: the selector's own multiple
+        of ``selected_pages`` (4x "quest_rescore", 8x "quest_rescore8"). The re-ranking reads
+        every candidate's keys, so its cost grows with this number, not with
+        ``selected_pages``; at a small budget more candidates buy recall (docs/decisions.md).
       pool_pages: device slots per layer in "host" mode. ``None``: enough for the
         worst-case working set of a step (no drops).
       sink_pages / recent_pages: pages pinned in the pool (never evicted); the selectors
@@ -159,6 +165,7 @@ class CacheConfig:
     selector: Selector = "quest"
     page_size: int = 16
     selected_pages: int = 16
+    candidate_pages: int | None = None
     pool_pages: int | None = None
     sink_pages: int = 1
     recent_pages: int = 1
@@ -199,6 +206,14 @@ class CacheConfig:
         if self.mode == "host" and not selectors.get(self.selector).host_tier:
             raise ValueError(f"CacheConfig.selector={self.selector!r} keeps a full copy of the "
                              "keys on device and runs resident only: set mode='resident'")
+        if self.candidate_pages is not None:
+            object.__setattr__(self, "candidate_pages",
+                               _as_int("candidate_pages", self.candidate_pages, 1))
+            if not selectors.get(self.selector).two_stage:
+                two = [n for n in selectors.names() if selectors.get(n).two_stage]
+                raise ValueError(f"CacheConfig.candidate_pages is the first stage of a two-stage "
+                                 f"selector ({two}); selector={self.selector!r} has none: leave "
+                                 "candidate_pages=None")
         if self.selection_lag and not selectors.get(self.selector).scored:
             raise ValueError(f"CacheConfig.selection_lag=1 needs a scored selector (the "
                              f"{self.selector!r} selector reads every page): set selection_lag=0")
@@ -214,6 +229,10 @@ class CacheConfig:
         if ps & (ps - 1):
             raise ValueError(f"CacheConfig.page_size must be a power of two, got {ps!r}: "
                              f"use {1 << (ps.bit_length() - 1)} or {1 << ps.bit_length()}")
+        if self.candidate_pages is not None and self.candidate_pages < self.selected_pages:
+            raise ValueError(f"CacheConfig.candidate_pages ({self.candidate_pages}) must be at "
+                             f"least selected_pages ({self.selected_pages}): the second stage "
+                             "keeps selected_pages of the candidates")
         if self.selected_pages < self.sink_pages + 1:
             raise ValueError(
                 f"selected_pages ({self.selected_pages}) must cover the sink pages "

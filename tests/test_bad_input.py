@@ -191,7 +191,7 @@ _values = st.one_of(st.none(), st.booleans(), st.integers(-3, 70), st.integers(-
 @given(st.dictionaries(st.sampled_from(
     ["mode", "selector", "page_size", "selected_pages", "pool_pages", "sink_pages", "recent_pages",
      "max_context", "strict", "dtype", "prefill_chunk", "round_steps", "schedule",
-     "selection_lag", "dense_layers", "reuse"]), _values, max_size=4),
+     "selection_lag", "dense_layers", "reuse", "candidate_pages"]), _values, max_size=4),
     st.integers(1, 600))
 def test_random_cache_configs_fail_early_or_plan(kw, new):
     """CacheConfig(...) and the plan of a call either hold or raise ValueError / TypeError."""

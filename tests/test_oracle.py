@@ -131,6 +131,24 @@ def test_rescore_with_the_pallas_second_stage_host_equals_resident():
     assert host.tokens == res.tokens == xla.tokens
 
 
+def test_rescore_candidate_pages_sets_the_first_stage():
+    """``candidate_pages`` replaces the selector's multiple of the budget (capped at the row's
+    pages): quest_rescore with 8x the budget as candidates is quest_rescore8, token for token
+    (host tier against resident)."""
+    kw = dict(page_size=4, selected_pages=3)
+    for n, want in ((None, 12), (7, 7), (1000, 64)):
+        cache = CacheConfig(mode="resident", selector="quest_rescore", candidate_pages=n, **kw)
+        plan = engine.Plan(model=CFG, cache=cache, batch=1, prompt_len=200, max_context=256,
+                           num_stop=1)
+        assert plan.selector.candidate_count(plan) == want
+    wide = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                          cache=CacheConfig(mode="resident", selector="quest_rescore8", **kw))
+    set8 = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                          cache=CacheConfig(mode="host", selector="quest_rescore",
+                                            candidate_pages=24, **kw))
+    assert set8.tokens == wide.tokens
+
+
 @pytest.mark.parametrize("case", ["distinct", "ties_any_order", "fewer_than_k"])
 def test_rescore_top_candidates_follow_the_rule(case):
     """The final choice over the candidates against numpy: forced sinks and current page,

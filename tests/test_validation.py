@@ -238,6 +238,10 @@ def test_device_memory_env_override(monkeypatch):
     (dict(mode="device"), "'host' or 'resident'"),
     (dict(selector="topk"), r"selector must be one of \(.*'dense'.*'quest'.*\), got 'topk'"),
     (dict(prefill_chunk=24), "prefill_chunk must be a power of two"),
+    (dict(candidate_pages=64), r"selector='quest' has none: leave candidate_pages=None"),
+    (dict(selector="quest_rescore", selected_pages=32, candidate_pages=16),
+     r"candidate_pages \(16\) must be at least selected_pages \(32\)"),
+    (dict(selector="quest_rescore", candidate_pages=0), "candidate_pages must be an int >= 1"),
     (dict(prefill_token_chunk=8, page_size=16), "prefill_token_chunk must be a power of two >= page_size"),
 ])
 def test_cache_config_errors(kw, match):

@@ -22,6 +22,9 @@ class Selector:
     #: Whether it may run with the host tier (False: a measurement device that keeps a full
     #: copy of the keys on device, resident mode only).
     host_tier: bool = True
+    #: Whether a first stage picks candidates that a second re-ranks
+    #: (``CacheConfig.candidate_pages`` sets their number).
+    two_stage: bool = False
 
     def init(self, plan) -> tuple:
         """Empty summaries of all layers (a tuple of device arrays; () for none)."""

@@ -70,7 +70,9 @@ def top_candidates(mass, cand, seq_lens, *, k: int, page_size: int, num_pages: i
 class Rescore(Quest):
     name = "quest_rescore"
     selects_all_layers = False
-    #: First-stage pages per KV head, as a multiple of the budget k.
+    two_stage = True
+    #: First-stage pages per KV head, as a multiple of the budget k, unless
+    #: ``CacheConfig.candidate_pages`` sets their number.
     candidates = 4
     #: Precision of the key copy: 8 (int8, a scale per token and KV head) or 16 (KV dtype).
     key_bits = 8
@@ -97,8 +99,10 @@ class Rescore(Quest):
         scales = summaries[3].at[layer, :, :, :T // ps].set(scale)
         return qsumm + (keys, scales)
 
-    def _candidates_k(self, plan) -> int:
-        return min(self.candidates * plan.k, plan.pages_per_seq)
+    def candidate_count(self, plan) -> int:
+        """First-stage pages per request, layer and KV head (at most the row's pages)."""
+        n = plan.cache.candidate_pages or self.candidates * plan.k
+        return min(n, plan.pages_per_seq)
 
     def _first_stage_kw(self, plan) -> dict:
         """Quest's selection of the candidates: XLA's top-k ("sort") unless the tuning names a
@@ -106,7 +110,7 @@ class Rescore(Quest):
         The Pallas top-k kernels are built for budgets and slow down at 4-8x the budget
         (docs/decisions.md)."""
         t = plan.cache.tuning.topk_method
-        return dict(_select_kw(plan), k=self._candidates_k(plan),
+        return dict(_select_kw(plan), k=self.candidate_count(plan),
                     topk_method="sort" if t == "auto" else t, ordered=False)
 
     def _rescore(self, plan, summaries, layer, q, cand, positions, seq_lens):
