@@ -9,8 +9,7 @@ indices ``<= positions[b]`` are valid).
 
 Result [B, H, C] float32: per KV head, the softmax mass the group's query heads put on each
 candidate's valid tokens, the softmax taken over the candidates' valid tokens only and the
-masses combined over the G query heads by ``heads``: ``"sum"`` (the group's total) or
-``"max"`` (the largest one head puts there); ``-inf`` for ``-1``.
+masses summed over the G query heads; ``-inf`` for ``-1``.
 
 Two implementations of op ``candidate_mass``:
 
@@ -52,17 +51,8 @@ def _check(q, keys, scales, cand, positions):
         raise ValueError(f"positions must be [B] = [{B}], got {positions.shape}")
 
 
-def combine_heads(mass, heads: str, axis: int):
-    """Per-query-head masses combined over the group's ``axis``: ``"sum"`` or ``"max"``."""
-    if heads == "sum":
-        return jnp.sum(mass, axis=axis)
-    if heads == "max":
-        return jnp.max(mass, axis=axis)
-    raise ValueError(f"heads must be 'sum' or 'max', got {heads!r}")
-
-
 @register(OP, "xla")
-def candidate_mass_reference(q, keys, scales, layer, cand, positions, *, heads: str = "sum"):
+def candidate_mass_reference(q, keys, scales, layer, cand, positions):
     """The reference: see the module docstring."""
     _check(q, keys, scales, cand, positions)
     _, B, H, Np, ps, D = keys.shape
@@ -81,19 +71,18 @@ def candidate_mass_reference(q, keys, scales, layer, cand, positions, *, heads: 
     m = jnp.max(s, axis=(-2, -1), keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     den = jnp.sum(p, axis=(-2, -1), keepdims=True)
-    mass = combine_heads(jnp.sum(p, axis=-1) / jnp.where(den[..., 0] > 0, den[..., 0], 1.0),
-                         heads, axis=2)
+    mass = jnp.sum(jnp.sum(p, axis=-1) / jnp.where(den[..., 0] > 0, den[..., 0], 1.0), axis=2)
     return jnp.where(cand >= 0, mass, -jnp.inf)
 
 
-def mass_from_page_stats(m, l, cand, G: int, heads: str = "sum"):
+def mass_from_page_stats(m, l, cand, G: int):
     """Candidate masses [B, H, C] from per-page statistics ``m``, ``l`` [B, H, C, G_pad]
     (rows ``>= G`` and candidates without a valid token: ``m = -inf``, ``l = 0``)."""
     m, l = m[..., :G], l[..., :G]
     top = jnp.max(m, axis=2, keepdims=True)                              # [B, H, 1, G]
     w = l * jnp.exp(m - jnp.where(jnp.isfinite(top), top, 0.0))
     den = jnp.sum(w, axis=2, keepdims=True)
-    mass = combine_heads(w / jnp.where(den > 0, den, 1.0), heads, axis=-1)
+    mass = jnp.sum(w / jnp.where(den > 0, den, 1.0), axis=-1)
     return jnp.where(cand >= 0, mass, -jnp.inf)
 
 
@@ -136,9 +125,8 @@ def _kernel(layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref
 
 
 @register(OP, "pallas")
-def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, heads: str = "sum",
-                          block_c: int | None = None, num_warps: int = 4,
-                          interpret: bool | None = None):
+def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: int | None = None,
+                          num_warps: int = 4, interpret: bool | None = None):
     """The Pallas kernel (module docstring); ``block_c`` candidates per program (default:
     a tile of 128 tokens, at least one page: the fastest at both 128k decode shapes on the
     H200, docs/decisions.md). Keys of a
@@ -148,7 +136,7 @@ def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, heads: str
     _, B, H, Np, ps, D = keys.shape
     if (keys.dtype not in (jnp.int8, jnp.bfloat16) or ps < 16 or D < 16
             or ps & (ps - 1) or D & (D - 1)):
-        return candidate_mass_reference(q, keys, scales, layer, cand, positions, heads=heads)
+        return candidate_mass_reference(q, keys, scales, layer, cand, positions)
     G = q.shape[1] // H
     G_pad = max(16, _common.next_pow2(G))  # the dot's row block
     C = cand.shape[2]
@@ -181,12 +169,10 @@ def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, heads: str
         interpret=_common.interpret_mode() if interpret is None else interpret,
         name="candidate_mass",
     )(layer_arr, positions, cand, q_hi, q_lo, keys, scales)
-    return mass_from_page_stats(m[:, :, :C], l[:, :, :C], cand, G, heads)
+    return mass_from_page_stats(m[:, :, :C], l[:, :, :C], cand, G)
 
 
-def candidate_mass(q, keys, scales, layer, cand, positions, *, heads: str = "sum",
-                   implementation=None):
+def candidate_mass(q, keys, scales, layer, cand, positions, *, implementation=None):
     """Attention mass on the candidate pages (module docstring); ``implementation`` picks
     the kernel or the reference (``_common.resolve``)."""
-    return _common.resolve(OP, implementation)(q, keys, scales, layer, cand, positions,
-                                               heads=heads)
+    return _common.resolve(OP, implementation)(q, keys, scales, layer, cand, positions)

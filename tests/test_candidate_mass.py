@@ -12,9 +12,8 @@ def _rng():
     return np.random.default_rng(np.random.SeedSequence().entropy)
 
 
-def mass_numpy(q, keys, scales, layer, cand, positions, heads="sum"):
-    """Float64 masses: per KV head and query head, softmax over the candidates' valid tokens;
-    the query heads' masses summed or their largest (``heads``)."""
+def mass_numpy(q, keys, scales, layer, cand, positions):
+    """Float64 masses: per KV head and query head, softmax over the candidates' valid tokens."""
     _, B, H, Np, ps, D = keys.shape
     G = q.shape[1] // H
     out = np.full(cand.shape, -np.inf)
@@ -23,7 +22,7 @@ def mass_numpy(q, keys, scales, layer, cand, positions, heads="sum"):
             c = cand[b, h]
             toks = [(i, p, t) for i, p in enumerate(c) if p >= 0 for t in range(ps)
                     if p * ps + t <= positions[b]]
-            per_head = np.zeros((G, len(c)))
+            mass = np.zeros(len(c))
             for g in range(G):
                 if not toks:
                     break
@@ -31,8 +30,7 @@ def mass_numpy(q, keys, scales, layer, cand, positions, heads="sum"):
                               @ q[b, h * G + g].astype(np.float64) for _, p, t in toks]) / np.sqrt(D)
                 w = np.exp(s - s.max())
                 for (i, _, _), wi in zip(toks, w / w.sum()):
-                    per_head[g, i] += wi
-            mass = per_head.sum(0) if heads == "sum" else per_head.max(0)
+                    mass[i] += wi
             out[b, h] = np.where(c >= 0, mass, -np.inf)
     return out
 
@@ -104,23 +102,6 @@ def test_candidate_mass_matches_numpy_with_poison(int8):
         assert np.all(got[b, h][~ok] == -np.inf)
         if ok.any() and positions[b] >= 0:
             np.testing.assert_allclose(got[b, h][ok].sum(), G, rtol=1e-5)
-
-
-def test_candidate_mass_max_over_heads_matches_numpy():
-    """``heads="max"``: a candidate's score is the largest mass one query head puts on it,
-    the reference and the kernel (interpret mode off the GPU) alike."""
-    rng = _rng()
-    q, keys, scales, cand, positions = _case(rng, L=2, B=3, H=2, G=6, Np=7, ps=16, D=32, C=5)
-    want = mass_numpy(q, keys, scales, 0, cand, positions, heads="max")
-    keys, scales = _poison(keys, scales, cand, positions, 0, 16)
-    args = (jnp.asarray(q), jnp.asarray(keys), jnp.asarray(scales), jnp.int32(0),
-            jnp.asarray(cand), jnp.asarray(positions))
-    ref = np.asarray(cm.candidate_mass_reference(*args, heads="max"))
-    np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-6)
-    got = np.asarray(cm.candidate_mass_pallas(*args, heads="max", block_c=2))
-    np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
-    with pytest.raises(ValueError, match="heads must be 'sum' or 'max'"):
-        cm.candidate_mass_reference(*args, heads="mean")
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])

@@ -18,9 +18,8 @@ PARAMS = llama.init_params(CFG, seed=0)
 PROMPTS = [list(np.random.default_rng(5).integers(3, CFG.vocab_size, n)) for n in (37, 21, 50)]
 
 
-def mass_numpy(q, keys, positions, page_size, heads="sum"):
-    """attention_mass in float64: q [B, Hq, D], keys [B, Np, ps, H, D]; the query heads'
-    masses summed or their largest (``heads``)."""
+def mass_numpy(q, keys, positions, page_size):
+    """attention_mass in float64: q [B, Hq, D], keys [B, Np, ps, H, D]."""
     B, Np, ps, H, D = keys.shape
     G = q.shape[1] // H
     out = np.zeros((B, H, Np))
@@ -30,18 +29,15 @@ def mass_numpy(q, keys, positions, page_size, heads="sum"):
             continue
         k = keys[b].reshape(Np * ps, H, D)[:n].astype(np.float64)
         for h in range(H):
-            per_head = np.zeros((G, Np))
             for g in range(G):
                 s = k[:, h] @ q[b, h * G + g].astype(np.float64) / np.sqrt(D)
                 p = np.exp(s - s.max())
                 p /= p.sum()
-                per_head[g] = np.bincount(np.arange(n) // ps, p, minlength=Np)[:Np]
-            out[b, h] = per_head.sum(0) if heads == "sum" else per_head.max(0)
+                out[b, h] += np.bincount(np.arange(n) // ps, p, minlength=Np)[:Np]
     return out
 
 
-@pytest.mark.parametrize("heads", ["sum", "max"])
-def test_attention_mass_matches_numpy(heads):
+def test_attention_mass_matches_numpy():
     rng = _rng()
     B, Np, ps, H, G, D = 3, 6, 4, 2, 3, 8
     q = rng.normal(size=(B, H * G, D)).astype(np.float32)
@@ -51,11 +47,10 @@ def test_attention_mass_matches_numpy(heads):
     for b, p in enumerate(positions):  # keys past the sequence never reach a score
         keys_poisoned[b].reshape(Np * ps, H, D)[p + 1:] = np.nan
     got = np.asarray(oracle.attention_mass(jnp.asarray(q), jnp.asarray(keys_poisoned),
-                                           jnp.asarray(positions), ps, heads))
-    want = mass_numpy(q, keys, positions, ps, heads)
+                                           jnp.asarray(positions), ps))
+    want = mass_numpy(q, keys, positions, ps)
     np.testing.assert_allclose(got[:2], want[:2], rtol=1e-5, atol=1e-6)
-    if heads == "sum":
-        np.testing.assert_allclose(got[:2].sum(-1), H * G / H, rtol=1e-5)  # G heads' mass each
+    np.testing.assert_allclose(got[:2].sum(-1), H * G / H, rtol=1e-5)  # G heads' mass each
 
 
 def test_oracle_selection_follows_the_rule():
@@ -101,7 +96,7 @@ def test_oracle_is_resident_only():
         CacheConfig(mode="host", selector="oracle")
 
 
-@pytest.mark.parametrize("selector", ["quest_rescore", "quest_rescore_exact", "quest_rescore8_max"])
+@pytest.mark.parametrize("selector", ["quest_rescore", "quest_rescore_exact"])
 def test_rescore_host_equals_resident_and_full_budget_equals_dense(selector):
     """Two-stage selection: host tier == resident token for token; with a budget that covers
     the context it gives dense decoding's tokens (exact keys)."""

@@ -17,15 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.kernels import dense_select
-from jaxkv.kernels.candidate_mass import combine_heads
 from jaxkv.selectors.base import Selector, register
 
 
-def attention_mass(q, keys, positions, page_size, heads: str = "sum"):
+def attention_mass(q, keys, positions, page_size):
     """Per-page attention mass. q [B, Hq, D]; keys [B, Np, ps, H, D]; positions [B] int32:
     tokens at indices <= positions[b] are valid (-1: none). Returns [B, H, Np] float32: for
-    KV head h, the softmax mass on each page's valid tokens of its G query heads, summed
-    (``heads="sum"``) or the largest (``"max"``)."""
+    KV head h, sum over its G query heads of the softmax mass on each page's valid tokens."""
     B, Np, ps, H, D = keys.shape
     G = q.shape[1] // H
     qg = q.reshape(B, H, G, D).astype(jnp.float32)
@@ -37,15 +35,13 @@ def attention_mass(q, keys, positions, page_size, heads: str = "sum"):
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     den = jnp.sum(p, axis=(-2, -1), keepdims=True)
     mass = jnp.sum(p, axis=-1) / jnp.where(den[..., 0] > 0, den[..., 0], 1.0)  # [B, H, G, Np]
-    return combine_heads(mass, heads, axis=2)
+    return jnp.sum(mass, axis=2)
 
 
 @register
 class Oracle(Selector):
     name = "oracle"
     host_tier = False
-    #: How a KV head's query heads' masses combine into a page's score ("sum" | "max").
-    heads = "sum"
 
     def init(self, plan) -> tuple:
         m = plan.model
@@ -61,7 +57,7 @@ class Oracle(Selector):
 
     def _select(self, plan, keys, q, positions, seq_lens):
         t = plan.cache.tuning
-        scores = attention_mass(q, keys, positions, plan.page_size, self.heads)
+        scores = attention_mass(q, keys, positions, plan.page_size)
         return dense_select.select_top_pages(
             scores, seq_lens, num_pages=plan.pages_per_seq, k=plan.k, page_size=plan.page_size,
             num_sink_pages=plan.cache.sink_pages, method=t.topk_method,
@@ -83,10 +79,3 @@ class Oracle(Selector):
         lengths = jnp.asarray(lengths, jnp.int32)
         layer_keys = jax.lax.dynamic_index_in_dim(summaries[0], layer, 0, keepdims=False)
         return self._select(plan, layer_keys, q_last, lengths - 1, lengths + 1)
-
-
-@register
-class OracleMax(Oracle):
-    """A page's score is the largest mass one query head of the group puts on it."""
-    name = "oracle_max"
-    heads = "max"

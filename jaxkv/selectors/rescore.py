@@ -76,8 +76,6 @@ class Rescore(Quest):
     candidates = 4
     #: Precision of the key copy: 8 (int8, a scale per token and KV head) or 16 (KV dtype).
     key_bits = 8
-    #: How a KV head's query heads' masses combine into a candidate's score ("sum" | "max").
-    heads = "sum"
 
     def init(self, plan) -> tuple:
         m = plan.model
@@ -118,7 +116,7 @@ class Rescore(Quest):
     def _rescore(self, plan, summaries, layer, q, cand, positions, seq_lens):
         method = plan.cache.tuning.rescore_method
         mass = mass_kernels.candidate_mass(
-            q, summaries[2], summaries[3], layer, cand, positions, heads=self.heads,
+            q, summaries[2], summaries[3], layer, cand, positions,
             implementation=plan.cache.implementation if method == "auto" else method)
         return top_candidates(mass, cand, seq_lens, k=plan.k, page_size=plan.page_size,
                               num_pages=plan.pages_per_seq, num_sink_pages=plan.cache.sink_pages)
@@ -166,10 +164,3 @@ class RescoreWide(Rescore):
     """The first stage keeps 8x the budget: how much of the loss is the first stage's recall."""
     name = "quest_rescore8"
     candidates = 8
-
-
-@register
-class RescoreWideMax(RescoreWide):
-    """quest_rescore8 with a candidate's score the largest mass one query head puts on it."""
-    name = "quest_rescore8_max"
-    heads = "max"
