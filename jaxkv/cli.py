@@ -49,8 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--gguf", type=Path, help="a GGUF file (the same as --model for a GGUF file)")
     p.add_argument("--mode", choices=["host", "resident"], default="host",
                    help="host: KV cache in host RAM, device pool as LRU cache; resident: all on device")
-    p.add_argument("--selector", choices=["quest", "indexer", "dense"], default="quest",
-                   help="which pages each step reads (indexer: models with indexer weights)")
+    p.add_argument("--selector", choices=["quest", "quest_rescore8", "indexer", "dense"],
+                   default="quest",
+                   help="which pages each step reads (quest_rescore8: Quest's candidates "
+                        "re-ranked by attention mass from an int8 key copy, near-lossless on "
+                        "RULER; indexer: models with indexer weights)")
+    p.add_argument("--candidate-pages", type=_positive_int, default=None,
+                   help="quest_rescore8: pages per KV head Quest hands to the re-ranking "
+                        "(default: 8x the budget's pages; 16x kept an exact oracle's retrievals)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=48, help="tokens to generate")
     p.add_argument("--budget", type=_positive_int, default=None,
                    help="selected tokens per step, layer and KV head (rounded to pages)")
@@ -154,6 +160,7 @@ def main(argv=None) -> int:
         cache = jaxkv.CacheConfig(
             mode=args.mode, selector=args.selector, page_size=args.page_size,
             selected_pages=max(2, -(-budget // args.page_size)), pool_pages=args.pool_pages,
+            candidate_pages=args.candidate_pages,
             strict=args.strict, schedule=schedule,
             prefill_chunk=max(jaxkv.CacheConfig.prefill_chunk, args.page_size))
         sampling = jaxkv.Sampling.make(args.temperature, args.top_k, args.top_p)

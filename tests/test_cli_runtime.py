@@ -39,6 +39,16 @@ def test_json_prints_only_json(capsys):
     assert isinstance(d["text"], str) and d["stats"]["generated_tokens"] == len(d["tokens"])
 
 
+def test_two_stage_selector_from_the_command_line(capsys):
+    """--selector quest_rescore8 with --candidate-pages runs; --candidate-pages with a
+    one-stage selector fails naming the field and the fix."""
+    assert cli_main(["Hello", *FAST, "--json", "--selector", "quest_rescore8", "--budget", "8",
+                     "--candidate-pages", "6"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["generated_tokens"] >= 1
+    assert cli_main(["Hello", *FAST, "--candidate-pages", "6"]) == 2
+    assert "leave candidate_pages=None" in capsys.readouterr().err
+
+
 def test_file_from_stdin_and_stream(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("From standard input"))
     assert cli_main(["--file", "-", *FAST, "--stream"]) == 0
