@@ -195,3 +195,14 @@ def test_bench_cpu_quick(tmp_path):
                for r in res["jaxkv"])
     assert res["transformers"]["source"].startswith("issue 34")
     assert "| resident | 128 |" in (tmp_path / "bench_cpu.md").read_text()
+
+
+def test_fp8_rotation_probe_small(tmp_path):
+    """probes/fp8_rotation.py on a short prompt: one row per layer; fp8 errs more than bf16."""
+    out = tmp_path / "rot.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probes" / "fp8_rotation.py"),
+                    "--tokens", "96", "--queries", "8", "--out", str(out)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
+    d = json.loads(out.read_text())
+    assert d["tokens"] == 96 and len(d["layers"]) == 30
+    assert d["mean"]["out_rel"] > d["mean"]["out_rel_bf16"] > 0

@@ -1,0 +1,120 @@
+"""fp8 keys and values against float32, and two exact transforms of the stored keys that
+could make fp8 more accurate (issue 31): the error of one layer's attention output, on a real
+model and real text, CPU.
+
+Per layer: the model's own q / k / v (float32 prefill of ``--tokens`` tokens of Paul Graham's
+essays), attention of the last ``--queries`` positions over every earlier key, with K and / or
+V quantized as ``kv_quant`` stores them (``--dtype``, a power-of-two scale per token and head):
+
+- ``out_rel``: K and V in fp8; ``out_rel_bf16``: both rounded to bf16 (for scale);
+  ``k_only`` / ``v_only``: one of them in fp8;
+- ``*_rot``: the stored vectors rotated by the normalized Hadamard matrix R (q R . k R = q . k;
+  V's output rotated back); ``k_only_rot_signs``: R after random signs;
+- ``k_only_smooth``: K minus its mean over the tokens (per head) before quantizing, exact
+  under softmax (q . mu is the same for every key of a query); ``k_only_smooth_rot``: both.
+
+Each is the relative L2 error of the attention output; ``logit_max*``: the largest score
+error. Prints per layer, then the means (``--out``: JSON).
+
+    PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/probes/fp8_rotation.py [--gguf FILE]
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.kernels import kv_quant
+from jaxkv.models import gguf_loader, llama
+from jaxkv.models.tokenizer import load_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import decode_lib  # noqa: E402  (benchmarks/)
+
+
+def hadamard(D):
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < D:
+        h = np.block([[h, h], [h, -h]])
+    assert h.shape[0] == D, "head_dim must be a power of two"
+    return jnp.asarray(h / np.sqrt(D))
+
+
+def fp8(x, dtype="float8_e4m3fn"):
+    return kv_quant.dequantize(*kv_quant.quantize(x, dtype))
+
+
+def attend(q, k, v, t0):
+    """q [Q, Hq, D] (positions t0..), k/v [T, H, D] -> out [Q, Hq, D], scores [Hq, Q, T]."""
+    Hq, H = q.shape[1], k.shape[1]
+    kk = jnp.repeat(k, Hq // H, axis=1)
+    vv = jnp.repeat(v, Hq // H, axis=1)
+    s = jnp.einsum("qhd,thd->hqt", q, kk) / np.sqrt(q.shape[-1])
+    t = jnp.arange(k.shape[0])
+    s = jnp.where(t[None, None, :] <= (t0 + jnp.arange(q.shape[0]))[None, :, None], s, -jnp.inf)
+    return jnp.einsum("hqt,thd->qhd", jax.nn.softmax(s, axis=-1), vv), s
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--queries", type=int, default=128)
+    ap.add_argument("--dtype", default="float8_e4m3fn")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    path = a.gguf or str(gguf_loader.default_model_path())
+    cfg, params = gguf_loader.load_gguf(path, dtype="float32")
+    tok = load_tokenizer(path)
+    ids = decode_lib.haystack_tokens(tok, a.tokens)
+    T = len(ids)
+    R = hadamard(cfg.head_dim)
+    signs = np.random.default_rng(0).choice([-1.0, 1.0], cfg.head_dim).astype(np.float32)
+    RS = jnp.asarray(signs)[:, None] * R
+    x = llama.embed(params, cfg, jnp.asarray([ids], jnp.int32))
+    pos = jnp.arange(T, dtype=jnp.int32)[None]
+    t0 = T - a.queries
+    rows = []
+    for i, lp in enumerate(params["layers"]):
+        _, q, k, v = llama.attention_inputs(lp, cfg, x, pos)
+        attn, _ = llama.dense_attend(i, lp, None, q, k, v, None)
+        x = llama.layer_output(lp, cfg, x, attn)
+        q1, k1, v1 = q[0, t0:], k[0], v[0]
+        ref, s_ref = attend(q1, k1, v1, t0)
+        out, s = attend(q1, fp8(k1, a.dtype), fp8(v1, a.dtype), t0)
+        out_r, s_r = attend(q1 @ R, fp8(k1 @ R, a.dtype), fp8(v1 @ R, a.dtype), t0)
+        out_r = out_r @ R.T
+        bf = lambda t: t.astype(jnp.bfloat16).astype(jnp.float32)
+        out_bf, _ = attend(q1, bf(k1), bf(v1), t0)
+        out_k, _ = attend(q1, fp8(k1, a.dtype), v1, t0)                  # K alone in fp8
+        out_v, _ = attend(q1, k1, fp8(v1, a.dtype), t0)                  # V alone
+        out_kr, _ = attend(q1 @ R, fp8(k1 @ R, a.dtype), v1 @ R, t0)
+        out_krs, _ = attend(q1 @ RS, fp8(k1 @ RS, a.dtype), v1, t0)      # random signs, then H
+        mu = jnp.mean(k1, axis=0)                                       # [H, D] over the prompt
+        out_ks, _ = attend(q1, fp8(k1 - mu, a.dtype), v1, t0)            # smoothed: softmax-exact
+        out_ksr, _ = attend(q1 @ R, fp8((k1 - mu) @ R, a.dtype), v1, t0)  # smoothed, then rotated
+        out_vr, _ = attend(q1, k1, fp8(v1 @ R, a.dtype) @ R.T, t0)
+        ok = jnp.isfinite(s_ref)
+        rel = lambda o: float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref))
+        mx = lambda s_: float(jnp.max(jnp.where(ok, jnp.abs(s_ - s_ref), 0)))
+        row = dict(layer=i, out_rel=rel(out), out_rel_rot=rel(out_r), out_rel_bf16=rel(out_bf),
+                   k_only=rel(out_k), k_only_rot=rel(out_kr @ R.T), k_only_rot_signs=rel(out_krs), k_only_smooth=rel(out_ks), k_only_smooth_rot=rel(out_ksr), v_only=rel(out_v),
+                   v_only_rot=rel(out_vr), logit_max=mx(s),
+                   logit_max_rot=mx(s_r),
+                   k_kurtosis=float(jnp.mean(jnp.max(jnp.abs(k1), -1) / jnp.sqrt(jnp.mean(k1 ** 2, -1)))))
+        rows.append(row)
+        print(" ".join(f"{k_}={v_:.4g}" if isinstance(v_, float) else f"{k_}={v_}"
+                       for k_, v_ in row.items()), flush=True)
+    mean = {k_: float(np.mean([r[k_] for r in rows])) for k_ in rows[0] if k_ != "layer"}
+    print("mean", json.dumps(mean))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(model=path, tokens=T, queries=a.queries, dtype=a.dtype, layers=rows,
+                           mean=mean), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
