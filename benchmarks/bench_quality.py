@@ -439,9 +439,11 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
                    selection_lag=cache.selection_lag, page_size=cache.page_size,
                    batch=bsz, batches=len(groups), cases=len(cases), wall_s=round(wall, 2),
                    stats=stats, requests=reqs)
+        numerics = ("kv_dtype", "kv_key_shift")   # the twin differs in these only
         base = next((n for n, sp in specs.items() if n in tokens and n != name and
-                     {k: v for k, v in sp.items() if k != "kv_dtype"} ==
-                     {k: v for k, v in spec.items() if k != "kv_dtype"}), None)
+                     not sp.get("kv_dtype") and
+                     {k: v for k, v in sp.items() if k not in numerics} ==
+                     {k: v for k, v in spec.items() if k not in numerics}), None)
         records[name] = rec
         if spec.get("kv_dtype") and base is not None:
             kept, of = kept_of_dense(rec, records[base])

@@ -78,10 +78,10 @@ def time_selector(plan, params, summaries, lengths, st: Settings):
         return summ, acc + jnp.sum(pages[..., :1])
 
     layers = llama.stack_layer_tree(params["layers"]) if use_lp else {}
-    own, ahead = selectors.split_ahead(summaries, plan.lagged)  # the same work either way
+    own, shift, ahead = selectors.split(summaries, plan)  # the same work either way
     sec, (summ, _) = time_loop(body, (own, jnp.int32(0)), (qs, ks, hs, layers, pos),
                                 st.split_steps * L, st.reps)
-    return sec * L, summ + (() if ahead is None else (ahead,))
+    return sec * L, selectors.join(summ, shift, ahead)
 
 
 def _ensure_shapes(plan, lengths):

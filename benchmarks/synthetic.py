@@ -316,7 +316,9 @@ def build_state(plan: engine.Plan, lengths, *, synth: Synthetic = Synthetic(), s
         kv, summaries = engine.init_kv(plan, poison=poison), engine.init_summaries(plan)
     else:
         kv, summaries = tp.init_kv(plan, poison=poison), tp.init_summaries(plan) or ()
-    summaries, _ = selectors.split_ahead(summaries, plan.lagged)
+    # the selector's own summaries are filled; the keys' shift (fp8) stays zero: the
+    # synthetic keys are stored as drawn
+    summaries, shift, _ = selectors.split(summaries, plan)
     dst = kv.host_kv if lay.host else kv.pool
     shardings = (dst.sharding, tuple(s.sharding for s in summaries))
     fn = _fill_fn(lay, *shardings) if tp is None else _tp_fill_fn(tp, lay, *shardings)
@@ -330,10 +332,11 @@ def build_state(plan: engine.Plan, lengths, *, synth: Synthetic = Synthetic(), s
                 dst, summaries = fn(dst, summaries, np.int32(layer), np.int32(b), np.int32(j0),
                                     np.int32(lengths[b]), key, sal)
     kv = dataclasses.replace(kv, host_kv=dst) if lay.host else dataclasses.replace(kv, pool=dst)
+    summaries = selectors.join(summaries, shift)
     if tp is None:
         return _fresh(plan, kv, summaries, lengths, seed)
     # every device's shard gets its fresh state (forced pages, first tokens) in reuse_state
-    state = engine.start_state(plan, kv, tuple(summaries), lengths,
+    state = engine.start_state(plan, kv, summaries, lengths,
                                jnp.zeros((plan.batch,), jnp.int32), jax.random.key(seed),
                                n_generated=0, lookahead=tp.init_lookahead(plan))
     return reuse_state(plan, state, lengths, seed=seed, tp=tp)
@@ -403,12 +406,13 @@ def reuse_state(plan: engine.Plan, state: engine.DecodeState, lengths, *, seed: 
         if not isinstance(kv, kvcache.ResidentCache) or kv.pool.shape != spec.host_shape:
             raise ValueError("reuse_state: the state's resident pool does not match the plan")
         kv = kvcache.ResidentCache(pool=kv.pool, counters=kvcache.CacheCounters.zeros())
-    if plan.cache.selector == "dense":
-        summ = ()
+    fresh = jax.eval_shape(functools.partial(engine.init_summaries, plan))
+    own, shift, _ = selectors.split(fresh, plan)
+    want = selectors.join(own, shift)                 # without a lagged state's pages
+    if plan.cache.selector == "dense":               # the keys' shift (fp8) only: zeros
+        summ = tuple(jnp.zeros(a.shape, a.dtype) for a in want)
     else:
         summ = tuple(state.summaries if summaries is None else summaries)
-        want, _ = selectors.split_ahead(
-            jax.eval_shape(functools.partial(engine.init_summaries, plan)), plan.lagged)
         if len(summ) == len(want) + 1:  # a lagged state's pages: chosen again below
             summ = summ[:-1]
         want = [(a.shape, a.dtype) for a in jax.tree.leaves(want)]
@@ -441,7 +445,9 @@ def _trace(plan: engine.Plan, params, state: engine.DecodeState, tokens):
             q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
             tok_kv = jnp.stack([k1, v1], axis=1).astype(plan.summary_dtype)
             kv = kvcache.write_resident(spec, kv, layer, logical, offset, tok_kv, implementation=impl)
-            summ, pages = plan.selector.update_select(plan, summ, layer, lp, h, q1, tok_kv, pos)
+            own, shift, ahead = selectors.split(summ, plan)
+            own, pages = plan.selector.update_select(plan, own, layer, lp, h, q1, tok_kv, pos)
+            summ = selectors.join(own, shift, ahead)
             rows = jnp.where(pages >= 0, layer * P + b_idx[:, None, None] * Np + pages, INVALID)
             out, _ = sparse_paged_attention(q1, kv.pool, rows, pages, pos + 1, page_size=ps,
                                             num_kv_heads=H, implementation=impl)

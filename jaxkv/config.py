@@ -123,6 +123,12 @@ class CacheConfig:
         dequantizes inside its kernel. The prefill attention uses the prompt's unquantized
         K/V, decode reads what is stored; the selector's summaries stay in the model's dtype.
         fp8 needs a GPU of compute capability >= 8.9 (H100, H200, L40S) or the CPU.
+      kv_key_shift: with an fp8 ``kv_dtype``, store each key minus its request's mean key
+        (per layer and KV head, the mean over the prompt, fixed at the prefill and kept with
+        a continued context). Exact: a query's scores all move by the same ``q . mean``,
+        which the softmax cancels; the keys' common component (a K bias) is then not
+        quantized, and fp8's error on the attention output falls 1.2-2.2x
+        (``benchmarks/probes/fp8_rotation.py``). Ignored for other dtypes.
       prefill_chunk: query tokens per chunk of the XLA prefill attention (bounds its memory;
         the flash-attention implementations on the GPU do not need it).
       prefill_token_chunk: tokens per piece of a prefill layer's per-token work (norms,
@@ -172,6 +178,7 @@ class CacheConfig:
     max_context: int | None = None
     strict: bool = False
     kv_dtype: str | None = None
+    kv_key_shift: bool = True
     prefill_chunk: int = 2048
     prefill_token_chunk: int | None = None
     round_steps: int = 64
@@ -247,7 +254,7 @@ class CacheConfig:
         if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"CacheConfig.implementation must be 'pallas', 'xla' or None, "
                              f"got {self.implementation!r}")
-        for name in ("strict",) + (("unroll_layers",) if self.unroll_layers is not None else ()):
+        for name in ("strict", "kv_key_shift") + (("unroll_layers",) if self.unroll_layers is not None else ()):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"CacheConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("prefill_chunk", "prefill_token_chunk"):

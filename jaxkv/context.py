@@ -113,6 +113,7 @@ def check_compatible(context: Context, plan: Plan):
                        ("selector", a.cache.selector, b.cache.selector),
                        ("page_size", a.page_size, b.page_size),
                        ("dtype", a.kv_dtype, b.kv_dtype),
+                       ("kv_key_shift", a.key_shift, b.key_shift),
                        ("dense_layers", a.num_dense, b.num_dense),
                        ("selection_lag", a.lagged, b.lagged)):
         if x != y:
@@ -188,10 +189,11 @@ def relayout(context: Context, plan: Plan, src: list[int], eng):
                          kvcache.device_sharding(), max(1, plan.num_dense), old, plan, src),
         counters=kvcache.CacheCounters.zeros())
     fresh = eng.init_summaries(plan)
-    summ, ahead = selectors.split_ahead(tuple(context.summaries), plan.lagged)
-    fsumm, fahead = selectors.split_ahead(tuple(fresh), plan.lagged)
-    summaries = tuple(jax.tree.map(lambda o, n: _copy_summary(o, n, old, plan, src, False),
-                                   summ, fsumm))
+    # the selector's arrays and the keys' shift are per request: copied by region
+    own, shift, ahead = selectors.split(context.summaries, plan)
+    fown, fshift, fahead = selectors.split(fresh, plan)
+    own, shift = jax.tree.map(lambda o, n: _copy_summary(o, n, old, plan, src, False),
+                              (tuple(own), shift), (tuple(fown), fshift))
     if plan.lagged:
-        summaries = summaries + (_copy_summary(ahead, fahead, old, plan, src, True),)
-    return kv, summaries, dense
+        ahead = _copy_summary(ahead, fahead, old, plan, src, True)
+    return kv, selectors.join(own, shift, ahead), dense

@@ -52,12 +52,22 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     sel_in = ((jnp.zeros((L, B, Hq, D), cfg.dtype), jnp.zeros((L, B, 2, H, D), plan.summary_dtype))
               if batched else ())
 
+    def stored(tok_kv, summ, layer):
+        """The new token's K/V [B, 2, H, D] as the cache stores them: with fp8 KV the keys
+        less their request's shift (``plan.key_shift``), which the softmax cancels."""
+        if not plan.key_shift:
+            return tok_kv
+        shift = selectors.split(summ, plan)[1][layer]                  # [B, H, D] float32
+        k_st = tok_kv[:, 0].astype(jnp.float32) - shift
+        return tok_kv.at[:, 0].set(k_st.astype(tok_kv.dtype))
+
     def attend_dense(layer, lp, h, q, k, v, carry):
         """The first plan.num_dense layers: every valid page, read from device memory."""
         kv, summ, look, dense, sel_in = carry
         q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
         tok_kv = jnp.stack([k1, v1], axis=1).astype(plan.summary_dtype)
-        kv, dense, pool = sched.write_dense(plan, kv, dense, layer, logical, offset, tok_kv)
+        kv, dense, pool = sched.write_dense(plan, kv, dense, layer, logical, offset,
+                                            stored(tok_kv, summ, layer))
         pages = dense_select.dense_select(jnp.maximum(positions + 1, 1), num_pages=Np,
                                           num_kv_heads=H, page_size=ps)
         pages = jnp.where(active[:, None, None], pages, INVALID)
@@ -70,18 +80,20 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         kv, summ, look, dense, sel_in = carry
         q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
         tok_kv = jnp.stack([k1, v1], axis=1).astype(plan.summary_dtype)       # [B, 2, H, D]
-        kv = sched.write(plan, kv, layer, logical, offset, tok_kv)
+        st_kv = stored(tok_kv, summ, layer)
+        kv = sched.write(plan, kv, layer, logical, offset, st_kv)
         # select
         if batched:  # attend to the pages chosen last step; select for the next after the loop
             pages = summ[-1][layer]
             sel_in = tuple(a.at[layer].set(x) for a, x in zip(sel_in, (q1, tok_kv)))
         else:
-            summ, ahead = selectors.split_ahead(summ, plan.lagged)
-            summ, pages = selector.update_select(plan, summ, layer, lp, h, q1, tok_kv, positions,
-                                                 ahead=plan.lagged)
+            own, shift, ahead = selectors.split(summ, plan)
+            own, pages = selector.update_select(plan, own, layer, lp, h, q1, tok_kv, positions,
+                                                ahead=plan.lagged)
             if plan.lagged:  # attend to the pages chosen last step; keep these for the next
                 keep = jnp.where(active[:, None, None], pages, ahead[layer])  # inactive: kept
-                pages, summ = ahead[layer], summ + (ahead.at[layer].set(keep),)
+                pages, ahead = ahead[layer], ahead.at[layer].set(keep)
+            summ = selectors.join(own, shift, ahead)
         # inactive requests select nothing (a lookup that masks them itself still gets lagged
         # pages masked here: a fusion instead of a copy of the slice of ``ahead``)
         if not sched.lookup_masks_inactive or plan.lagged:
@@ -89,7 +101,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         # residency, then attention
         kv, rows, host, look = sched.rows(plan, kv, layer, pages, look, b_idx=b_idx,
                                           active=active, logical=logical, offset=offset,
-                                          tok_kv=tok_kv, protect=protect, pool_only=pool_only)
+                                          tok_kv=st_kv, protect=protect, pool_only=pool_only)
         out, _ = sparse_paged_attention(q1, kv.pool, rows, pages, jnp.where(active, pos + 1, 1),
                                         page_size=ps, num_kv_heads=H, implementation=impl, **host)
         if host:  # order the next in-place host write after this read (no host-array copy)
@@ -108,8 +120,10 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     kv, summ, look, dense, sel_in = carry
     if batched:
         lpos = jnp.where(jnp.arange(L)[:, None] >= nd, positions[None, :], INVALID)  # [L, B]
-        summ, ahead = selector.update_select_all_layers(plan, summ[:-1], *sel_in, lpos)
-        summ = summ + (jnp.where(lpos[:, :, None, None] >= 0, ahead, st.summaries[-1]),)
+        own, shift, _ = selectors.split(summ, plan)
+        own, ahead = selector.update_select_all_layers(plan, own, *sel_in, lpos)
+        summ = selectors.join(own, shift,
+                              jnp.where(lpos[:, :, None, None] >= 0, ahead, st.summaries[-1]))
     kv = sched.end(plan, kv, look, active, before, pool_only)
     logits = llama.final_logits(params, cfg, x)
     key, sub = jax.random.split(st.key)

@@ -61,9 +61,16 @@ class Plan:
         return min(self.cache.selected_pages, self.pages_per_seq)
 
     @property
+    def key_shift(self) -> bool:
+        """Stored keys are shifted by their request's mean key (fp8 KV with
+        ``CacheConfig.kv_key_shift``): the summaries tuple then holds the shift
+        [L, B, H, D] float32 after the selector's own arrays (``jaxkv.selectors.split``)."""
+        return self.cache.kv_key_shift and kv_quant.is_fp8(self.kv_dtype)
+
+    @property
     def lagged(self) -> bool:
         """Pages chosen one step ahead (CacheConfig.selection_lag): the summaries tuple then
-        ends with ``ahead`` [L, B, H, k] (``jaxkv.selectors.split_ahead``)."""
+        ends with ``ahead`` [L, B, H, k] (``jaxkv.selectors.split``)."""
         return self.cache.selection_lag == 1 and self.selector.scored
 
     @property

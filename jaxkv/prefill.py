@@ -62,7 +62,13 @@ def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, de
     x = _in_token_chunks(lambda x, a: llama.layer_output(lp, cfg, x, a, axis_name=plan.axis_name),
                          pieces, x, attn)
 
-    pages = kv_quant.pack_pages(k, v, ps, plan.kv_dtype)            # [B, n, R] (fp8: quantized)
+    own, shift, ahead = selectors.split(summaries, plan)
+    k_st = k
+    if plan.key_shift:  # fp8: store the keys less the request's mean key (softmax-exact)
+        mean = key_mean(k, lengths)                                  # [B, H, D] float32
+        shift = shift.at[layer].set(mean)
+        k_st = k.astype(jnp.float32) - mean[:, None]
+    pages = kv_quant.pack_pages(k_st, v, ps, plan.kv_dtype)         # [B, n, R] (fp8: quantized)
     n = T // ps
     j = jnp.arange(n, dtype=jnp.int32)
     used = j[None, :] * ps < lengths[:, None]
@@ -81,15 +87,22 @@ def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, de
         dense = dataclasses.replace(dense, pool=page_write.write_pages(
             dense.pool, drows, pages.reshape(B * n, -1), implementation=impl))
     selector = plan.selector
-    summ, ahead = selectors.split_ahead(summaries, plan.lagged)
-    summ = selector.fill(plan, summ, layer, lp, h, k, positions, lengths)
+    own = selector.fill(plan, own, layer, lp, h, k, positions, lengths)
     if plan.lagged:  # the first decode step's pages, chosen with the prompt's last query
         last = jnp.maximum(lengths - 1, 0)
         h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)             # [B, 1, d]
         q_last = jnp.take_along_axis(q, last[:, None, None, None], axis=1)[:, 0]  # [B, Hq, D]
-        pages = selector.first_pages(plan, summ, layer, lp, h_last, q_last, lengths)
-        summ = summ + (ahead.at[layer].set(pages),)
-    return x, kv, summ, dense
+        pages = selector.first_pages(plan, own, layer, lp, h_last, q_last, lengths)
+        ahead = ahead.at[layer].set(pages)
+    return x, kv, selectors.join(own, shift, ahead), dense
+
+
+def key_mean(k, lengths):
+    """The mean key of each request and KV head over its prompt, k [B, T, H, D] (tokens at
+    or past ``lengths`` [B] ignored) -> [B, H, D] float32; zeros for an empty prompt."""
+    valid = jnp.arange(k.shape[1])[None, :] < lengths[:, None]                  # [B, T]
+    total = jnp.sum(jnp.where(valid[..., None, None], k.astype(jnp.float32), 0.0), axis=1)
+    return total / jnp.maximum(lengths, 1).astype(jnp.float32)[:, None, None]
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxkv import cache as kvcache
+from jaxkv import selectors
 from jaxkv.plan import Plan
 from jaxkv.spec import INVALID
 
@@ -84,12 +85,15 @@ def init_lookahead(plan: Plan):
 
 
 def init_summaries(plan: Plan):
-    """The selector's empty summaries; with lagged selection followed by ``ahead``
-    [L, B, H, k] int32, all -1 (no page)."""
+    """The selector's empty summaries, then (``jaxkv.selectors.split``) with fp8 KV the
+    stored keys' shift [L, B, H, D] float32 (zeros until the prefill) and with lagged
+    selection ``ahead`` [L, B, H, k] int32, all -1 (no page)."""
     m = plan.model
-    ahead = ((jnp.full((m.num_layers, plan.batch, m.num_kv_heads, plan.k), INVALID, jnp.int32),)
-             if plan.lagged else ())
-    return tuple(plan.selector.init(plan)) + ahead
+    shift = (jnp.zeros((m.num_layers, plan.batch, m.num_kv_heads, m.head_dim), jnp.float32)
+             if plan.key_shift else None)
+    ahead = (jnp.full((m.num_layers, plan.batch, m.num_kv_heads, plan.k), INVALID, jnp.int32)
+             if plan.lagged else None)
+    return selectors.join(plan.selector.init(plan), shift, ahead)
 
 
 def state_shardings(state: DecodeState):

@@ -65,6 +65,11 @@ def case_host_churn():
     return _compare(dataclasses.replace(QUEST, pool_pages=6, schedule="scratch"), (4,))
 
 
+def case_fp8():
+    # fp8 KV with the keys' shift: each device keeps the shift of its own KV heads
+    return _compare(dataclasses.replace(QUEST, kv_dtype="float8_e4m3fn"), (2,), max_new_tokens=6)
+
+
 def case_resident_quest():
     return _compare(dataclasses.replace(QUEST, mode="resident"), (4,))
 

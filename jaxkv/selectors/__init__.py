@@ -10,11 +10,12 @@ module that registers a :class:`Selector` subclass with :func:`register`.
 
 Lagged selection (``CacheConfig.selection_lag=1``) is the step's business, not a selector's:
 the summaries tuple then ends with one more array, ``ahead`` [L, B, H, k] int32, the pages
-each layer attends to at the next step (:func:`split_ahead`).
+each layer attends to at the next step; with fp8 KV the stored keys' shift comes before it
+(:func:`split`, :func:`join`).
 """
 from __future__ import annotations
 
-from jaxkv.selectors.base import Selector, get, names, register, split_ahead
+from jaxkv.selectors.base import Selector, get, join, names, register, split
 from jaxkv.selectors import dense, indexer, oracle, quest, rescore  # noqa: F401 - register
 
-__all__ = ["Selector", "get", "names", "register", "split_ahead"]
+__all__ = ["Selector", "get", "join", "names", "register", "split"]

@@ -78,7 +78,22 @@ def names() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def split_ahead(summaries: tuple, lagged: bool):
-    """(the selector's own summaries, ``ahead`` or None): with lagged selection the pages of
-    the next step are the tuple's last array."""
-    return (tuple(summaries[:-1]), summaries[-1]) if lagged else (tuple(summaries), None)
+def split(summaries: tuple, plan):
+    """(the selector's own arrays, ``shift`` or None, ``ahead`` or None) of a summaries tuple.
+
+    The engine appends its own arrays after the selector's: the stored keys' shift
+    [L, B, H, D] float32 when ``plan.key_shift`` (fp8 KV), then, with lagged selection,
+    ``ahead`` [L, B, H, k] int32, the pages of the next step (always the last array)."""
+    summaries = tuple(summaries)
+    ahead = summaries[-1] if plan.lagged else None
+    if plan.lagged:
+        summaries = summaries[:-1]
+    shift = summaries[-1] if plan.key_shift else None
+    if plan.key_shift:
+        summaries = summaries[:-1]
+    return summaries, shift, ahead
+
+
+def join(own: tuple, shift=None, ahead=None) -> tuple:
+    """The inverse of :func:`split`."""
+    return tuple(own) + tuple(a for a in (shift, ahead) if a is not None)

@@ -1,0 +1,169 @@
+"""fp8 KV's key shift (``CacheConfig.kv_key_shift``, issue 31): the cache stores each key less
+its request's mean prompt key (per layer and KV head, fixed at the prefill, kept by a
+continued context), which the softmax cancels; on a tiny model whose keys share a large
+common component (a K bias, as Qwen2's). CPU, Pallas kernels in interpret mode."""
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+import jaxkv
+from jaxkv import CacheConfig, selectors
+from jaxkv.kernels import kv_quant
+from jaxkv.models import configs, llama
+from jaxkv.prefill import key_mean
+
+# a slow RoPE: the K bias stays a common component of the keys after it
+CFG = configs.tiny(qkv_bias=True, rope_theta=1e8)
+
+
+def _params():
+    p = llama.init_params(CFG, seed=3)
+    qd, kvd = CFG.q_dim, CFG.kv_dim
+    bias = np.random.default_rng(0).normal(0.0, 4.0, kvd).astype(np.float32)
+    for lp in p["layers"]:
+        lp["bqkv"] = lp["bqkv"].at[qd:qd + kvd].add(bias)   # every key gets a large offset
+    return p
+
+
+PARAMS = _params()
+RNG = np.random.default_rng(77)
+PROMPTS = [list(RNG.integers(3, CFG.vocab_size, n)) for n in (29, 18)]
+FP8 = dict(kv_dtype="float8_e4m3fn", page_size=4, selected_pages=4, round_steps=8,
+           max_context=64)
+
+
+def test_key_mean_matches_numpy():
+    rng = np.random.default_rng(1)
+    k = rng.normal(size=(3, 10, 2, 8)).astype(np.float32)
+    lengths = np.array([10, 4, 0], np.int32)
+    got = np.asarray(key_mean(jnp.asarray(k), jnp.asarray(lengths)))
+    want = np.stack([k[b, :max(n, 1)].mean(0) if n else np.zeros((2, 8), np.float32)
+                     for b, n in enumerate(lengths)])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _layer0_keys(tokens):
+    """Layer 0's keys of a token sequence [T, H, D] (its input is the embedding alone)."""
+    ids = jnp.asarray([tokens], jnp.int32)
+    x = llama.embed(PARAMS, CFG, ids)
+    pos = jnp.arange(len(tokens), dtype=jnp.int32)[None]
+    return np.asarray(llama.attention_inputs(PARAMS["layers"][0], CFG, x, pos)[2][0])
+
+
+@pytest.mark.parametrize("mode", ["resident", "host"])
+def test_stored_keys_are_the_keys_less_the_prompt_mean(mode):
+    """Layer 0's stored keys, prompt and decoded tokens alike, are fp8(k - mean of the
+    prompt's keys) (the numpy reference of the quantization), and the shift the summaries
+    carry is that mean; the values are stored as they are."""
+    r = jaxkv.generate(CFG, PARAMS, PROMPTS, cache=CacheConfig(mode=mode, selector="quest", **FP8),
+                       max_new_tokens=6, stop_tokens=[], keep=True)
+    ctx = r.context
+    plan = ctx.plan
+    _, shift, _ = selectors.split(ctx.summaries, plan)
+    H, ps, D = CFG.num_kv_heads, plan.page_size, CFG.head_dim
+    rows = kv_quant.unpack_rows(jnp.asarray(ctx.kv_pages), H, ps, D)      # [rows, 2, H, ps, D]
+    Np = plan.pages_per_seq
+    for b, prompt in enumerate(PROMPTS):
+        n = ctx.cached[b]
+        assert n > len(prompt)                                   # decoded tokens are stored too
+        k = _layer0_keys(list(ctx.tokens[b][:n]))                # [n, H, D]
+        mean = k[:len(prompt)].mean(0)
+        np.testing.assert_allclose(np.asarray(shift[0, b]), mean, rtol=1e-5, atol=1e-4)
+        stored = np.asarray(rows[b * Np:(b + 1) * Np])           # layer 0: rows [0, P)
+        k_st = stored[:, 0].transpose(0, 2, 1, 3).reshape(Np * ps, H, D)[:n]
+        want = kv_quant.dequantize_np(*kv_quant.quantize_np(k - mean, "float8_e4m3fn"))
+        # one fp8 step of tolerance: the engine's keys and these differ in float rounding
+        err = np.abs(k_st - want)
+        assert (err <= 0.13 * np.abs(want) + 1e-3 * np.abs(want).max()).all()
+        assert np.abs(k_st - k).max() > 1.0                      # not the unshifted keys
+        v = np.asarray(llama.attention_inputs(
+            PARAMS["layers"][0], CFG, llama.embed(PARAMS, CFG, jnp.asarray([ctx.tokens[b][:n]])),
+            jnp.arange(n)[None])[3][0])
+        v_st = stored[:, 1].transpose(0, 2, 1, 3).reshape(Np * ps, H, D)[:n]
+        np.testing.assert_allclose(v_st, v, rtol=0.07, atol=1e-3 * np.abs(v).max())
+
+
+@pytest.mark.parametrize("kw", [dict(selector="quest", selection_lag=1, dense_layers=1),
+                                dict(selector="quest_rescore8", selected_pages=3)])
+def test_fp8_host_equals_resident_with_the_shift(kw):
+    """The host tier gives the resident run's tokens with the shift (lagged selection and a
+    dense first layer; the two-stage selector)."""
+    out = []
+    for mode in ("host", "resident"):
+        cache = CacheConfig(mode=mode, **{**FP8, **kw})
+        out.append(jaxkv.generate(CFG, PARAMS, PROMPTS, cache=cache, max_new_tokens=8,
+                                  stop_tokens=[]))
+    assert out[0].tokens == out[1].tokens
+    assert out[0].stats["misses"] > 0
+
+
+def _stored_layer0(ctx, b):
+    """Request b's stored K and V of layer 0, dequantized, [n, H, D] each (n: cached tokens)."""
+    plan = ctx.plan
+    H, ps, D, Np = CFG.num_kv_heads, plan.page_size, CFG.head_dim, plan.pages_per_seq
+    rows = np.asarray(kv_quant.unpack_rows(jnp.asarray(ctx.kv_pages), H, ps, D))[b * Np:(b + 1) * Np]
+    kv = rows.transpose(1, 0, 3, 2, 4).reshape(2, Np * ps, H, D)[:, :ctx.cached[b]]
+    return kv[0], kv[1]
+
+
+def test_shift_brings_fp8_attention_closer_to_float32():
+    """Attention of layer 0's last query over the stored keys: with the shift its error
+    against the float32 keys is a fraction of the error without it (the keys' common
+    component is not quantized)."""
+    err = {}
+    for shift in (True, False):
+        cache = CacheConfig(mode="resident", selector="dense", kv_key_shift=shift,
+                            **{**FP8, "selected_pages": 16})
+        ctx = jaxkv.generate(CFG, PARAMS, PROMPTS, cache=cache, max_new_tokens=2,
+                             stop_tokens=[], keep=True).context
+        e = []
+        for b in range(len(PROMPTS)):
+            k_st, v_st = _stored_layer0(ctx, b)
+            toks = list(ctx.tokens[b][:ctx.cached[b]])
+            x = llama.embed(PARAMS, CFG, jnp.asarray([toks], jnp.int32))
+            _, q, k, v = (np.asarray(a[0]) for a in llama.attention_inputs(
+                PARAMS["layers"][0], CFG, x, jnp.arange(len(toks))[None]))
+            G = CFG.num_heads // CFG.num_kv_heads
+
+            def attend(kk, vv):
+                s = np.einsum("hd,thd->ht", q[-1], np.repeat(kk, G, axis=1)) / np.sqrt(CFG.head_dim)
+                p = np.exp(s - s.max(-1, keepdims=True))
+                p /= p.sum(-1, keepdims=True)
+                return np.einsum("ht,thd->hd", p, np.repeat(vv, G, axis=1))
+            ref = attend(k, v)
+            e.append(np.linalg.norm(attend(k_st, v) - ref) / np.linalg.norm(ref))  # keys' share
+        err[shift] = max(e)
+    assert err[True] < 0.7 * err[False], err
+
+
+def test_context_keeps_its_shift_and_checks_the_setting():
+    """A continued fp8 context carries its requests' shift (not a new mean), and continuing it
+    with kv_key_shift changed fails naming the setting."""
+    cache = CacheConfig(mode="host", selector="quest", **FP8)
+    r = jaxkv.generate(CFG, PARAMS, PROMPTS, cache=cache, max_new_tokens=4, stop_tokens=[],
+                       keep=True)
+    more = [list(RNG.integers(3, CFG.vocab_size, 5)) for _ in PROMPTS]
+    r2 = jaxkv.generate(CFG, PARAMS, more, cache=cache, context=r.context, max_new_tokens=3,
+                        stop_tokens=[], keep=True)
+    s1 = selectors.split(r.context.summaries, r.context.plan)[1]
+    s2 = selectors.split(r2.context.summaries, r2.context.plan)[1]
+    np.testing.assert_array_equal(np.asarray(s1), np.asarray(s2))
+    with pytest.raises(ValueError, match="kv_key_shift"):
+        jaxkv.generate(CFG, PARAMS, more, cache=CacheConfig(mode="host", selector="quest",
+                                                             kv_key_shift=False, **FP8),
+                       context=r.context, max_new_tokens=2)
+
+
+def test_shift_only_with_fp8():
+    """kv_key_shift changes nothing for other KV dtypes (no shift array either)."""
+    a = jaxkv.generate(CFG, PARAMS, PROMPTS, cache=CacheConfig(
+        mode="host", selector="quest", page_size=4, selected_pages=4, max_context=64),
+        max_new_tokens=5, stop_tokens=[], keep=True)
+    b = jaxkv.generate(CFG, PARAMS, PROMPTS, cache=CacheConfig(
+        mode="host", selector="quest", page_size=4, selected_pages=4, max_context=64,
+        kv_key_shift=False), max_new_tokens=5, stop_tokens=[], keep=True)
+    assert a.tokens == b.tokens
+    assert len(a.context.summaries) == len(b.context.summaries)
+    with pytest.raises(ValueError, match="kv_key_shift must be a bool"):
+        CacheConfig(kv_key_shift="yes")
