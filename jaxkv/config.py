@@ -178,7 +178,7 @@ class CacheConfig:
     max_context: int | None = None
     strict: bool = False
     kv_dtype: str | None = None
-    kv_key_shift: bool = True
+    kv_key_shift: bool | None = None
     prefill_chunk: int = 2048
     prefill_token_chunk: int | None = None
     round_steps: int = 64
@@ -254,9 +254,12 @@ class CacheConfig:
         if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"CacheConfig.implementation must be 'pallas', 'xla' or None, "
                              f"got {self.implementation!r}")
-        for name in ("strict", "kv_key_shift") + (("unroll_layers",) if self.unroll_layers is not None else ()):
+        for name in ("strict",) + tuple(n for n in ("unroll_layers", "kv_key_shift")
+                                        if getattr(self, n) is not None):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise ValueError(f"CacheConfig.{name} must be a bool, got {getattr(self, name)!r}")
+                opt = "" if name == "strict" else "None or "
+                raise ValueError(f"CacheConfig.{name} must be {opt}a bool, got "
+                                 f"{getattr(self, name)!r}")
         for name in ("prefill_chunk", "prefill_token_chunk"):
             pc = getattr(self, name)
             if pc is not None and (pc & (pc - 1) or pc < ps):

@@ -63,9 +63,13 @@ class Plan:
     @property
     def key_shift(self) -> bool:
         """Stored keys are shifted by their request's mean key (fp8 KV with
-        ``CacheConfig.kv_key_shift``): the summaries tuple then holds the shift
-        [L, B, H, D] float32 after the selector's own arrays (``jaxkv.selectors.split``)."""
-        return self.cache.kv_key_shift and kv_quant.is_fp8(self.kv_dtype)
+        ``CacheConfig.kv_key_shift``; ``None``: models with a K bias): the summaries tuple
+        then holds the shift [L, B, H, D] float32 after the selector's own arrays
+        (``jaxkv.selectors.split``)."""
+        shift = self.cache.kv_key_shift
+        if shift is None:
+            shift = self.model.qkv_bias
+        return bool(shift) and kv_quant.is_fp8(self.kv_dtype)
 
     @property
     def lagged(self) -> bool:

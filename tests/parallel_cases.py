@@ -67,7 +67,8 @@ def case_host_churn():
 
 def case_fp8():
     # fp8 KV with the keys' shift: each device keeps the shift of its own KV heads
-    return _compare(dataclasses.replace(QUEST, kv_dtype="float8_e4m3fn"), (2,), max_new_tokens=6)
+    return _compare(dataclasses.replace(QUEST, kv_dtype="float8_e4m3fn", kv_key_shift=True), (2,),
+                    max_new_tokens=6)
 
 
 def case_resident_quest():

@@ -155,6 +155,21 @@ def test_context_keeps_its_shift_and_checks_the_setting():
                        context=r.context, max_new_tokens=2)
 
 
+def test_default_shifts_the_keys_of_models_with_a_k_bias():
+    """kv_key_shift=None: on for a model with a K bias (qwen2), off without one (llama), and
+    only with fp8 KV; an explicit value wins."""
+    from jaxkv.plan import Plan
+    plain = configs.tiny()
+
+    def shift(cfg, **kw):
+        return Plan(model=cfg, cache=CacheConfig(**kw), batch=1, prompt_len=16, max_context=64,
+                    num_stop=1).key_shift
+    assert shift(CFG, kv_dtype="float8_e4m3fn") and not shift(plain, kv_dtype="float8_e4m3fn")
+    assert shift(plain, kv_dtype="float8_e4m3fn", kv_key_shift=True)
+    assert not shift(CFG, kv_dtype="float8_e4m3fn", kv_key_shift=False)
+    assert not shift(CFG) and not shift(CFG, kv_dtype="bfloat16", kv_key_shift=True)
+
+
 def test_shift_only_with_fp8():
     """kv_key_shift changes nothing for other KV dtypes (no shift array either)."""
     a = jaxkv.generate(CFG, PARAMS, PROMPTS, cache=CacheConfig(
@@ -165,5 +180,5 @@ def test_shift_only_with_fp8():
         kv_key_shift=False), max_new_tokens=5, stop_tokens=[], keep=True)
     assert a.tokens == b.tokens
     assert len(a.context.summaries) == len(b.context.summaries)
-    with pytest.raises(ValueError, match="kv_key_shift must be a bool"):
+    with pytest.raises(ValueError, match="kv_key_shift must be None or a bool"):
         CacheConfig(kv_key_shift="yes")
