@@ -127,8 +127,10 @@ class CacheConfig:
         (per layer and KV head, the mean over the prompt, fixed at the prefill and kept with
         a continued context). Exact: a query's scores all move by the same ``q . mean``,
         which the softmax cancels; the keys' common component (a K bias) is then not
-        quantized, and fp8's error on the attention output falls 1.2-2.2x
-        (``benchmarks/probes/fp8_rotation.py``). Ignored for other dtypes.
+        quantized. ``None`` (default): on for models with a K bias (qwen2), where it keeps
+        97.0% of the bf16 cache's RULER retrievals against 92.6% without; off otherwise
+        (SmolLM2-135M: 93.1% with it, 94.5% without; BENCHMARKS.md). Ignored for other
+        dtypes.
       prefill_chunk: query tokens per chunk of the XLA prefill attention (bounds its memory;
         the flash-attention implementations on the GPU do not need it).
       prefill_token_chunk: tokens per piece of a prefill layer's per-token work (norms,
