@@ -43,12 +43,22 @@ def test_key_mean_matches_numpy():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-def _layer0_keys(tokens):
-    """Layer 0's keys of a token sequence [T, H, D] (its input is the embedding alone)."""
-    ids = jnp.asarray([tokens], jnp.int32)
-    x = llama.embed(PARAMS, CFG, ids)
+def _layer0_qkv(tokens):
+    """Layer 0's q, k, v of a token sequence, [T, heads, D] each (its input is the embedding
+    alone, so no earlier layer is needed)."""
+    x = llama.embed(PARAMS, CFG, jnp.asarray([tokens], jnp.int32))
     pos = jnp.arange(len(tokens), dtype=jnp.int32)[None]
-    return np.asarray(llama.attention_inputs(PARAMS["layers"][0], CFG, x, pos)[2][0])
+    _, q, k, v = llama.attention_inputs(PARAMS["layers"][0], CFG, x, pos)
+    return np.asarray(q[0]), np.asarray(k[0]), np.asarray(v[0])
+
+
+def _stored_layer0(ctx, b):
+    """Request b's stored K and V of layer 0, dequantized, [n, H, D] each (n: cached tokens)."""
+    plan = ctx.plan
+    H, ps, D, Np = CFG.num_kv_heads, plan.page_size, CFG.head_dim, plan.pages_per_seq
+    rows = np.asarray(kv_quant.unpack_rows(jnp.asarray(ctx.kv_pages), H, ps, D))[b * Np:(b + 1) * Np]
+    kv = rows.transpose(1, 0, 3, 2, 4).reshape(2, Np * ps, H, D)[:, :ctx.cached[b]]
+    return kv[0], kv[1]
 
 
 @pytest.mark.parametrize("mode", ["resident", "host"])
@@ -61,26 +71,18 @@ def test_stored_keys_are_the_keys_less_the_prompt_mean(mode):
     ctx = r.context
     plan = ctx.plan
     _, shift, _ = selectors.split(ctx.summaries, plan)
-    H, ps, D = CFG.num_kv_heads, plan.page_size, CFG.head_dim
-    rows = kv_quant.unpack_rows(jnp.asarray(ctx.kv_pages), H, ps, D)      # [rows, 2, H, ps, D]
-    Np = plan.pages_per_seq
     for b, prompt in enumerate(PROMPTS):
         n = ctx.cached[b]
         assert n > len(prompt)                                   # decoded tokens are stored too
-        k = _layer0_keys(list(ctx.tokens[b][:n]))                # [n, H, D]
+        _, k, v = _layer0_qkv(list(ctx.tokens[b][:n]))           # [n, H, D]
         mean = k[:len(prompt)].mean(0)
         np.testing.assert_allclose(np.asarray(shift[0, b]), mean, rtol=1e-5, atol=1e-4)
-        stored = np.asarray(rows[b * Np:(b + 1) * Np])           # layer 0: rows [0, P)
-        k_st = stored[:, 0].transpose(0, 2, 1, 3).reshape(Np * ps, H, D)[:n]
+        k_st, v_st = _stored_layer0(ctx, b)
         want = kv_quant.dequantize_np(*kv_quant.quantize_np(k - mean, "float8_e4m3fn"))
         # one fp8 step of tolerance: the engine's keys and these differ in float rounding
         err = np.abs(k_st - want)
         assert (err <= 0.13 * np.abs(want) + 1e-3 * np.abs(want).max()).all()
         assert np.abs(k_st - k).max() > 1.0                      # not the unshifted keys
-        v = np.asarray(llama.attention_inputs(
-            PARAMS["layers"][0], CFG, llama.embed(PARAMS, CFG, jnp.asarray([ctx.tokens[b][:n]])),
-            jnp.arange(n)[None])[3][0])
-        v_st = stored[:, 1].transpose(0, 2, 1, 3).reshape(Np * ps, H, D)[:n]
         np.testing.assert_allclose(v_st, v, rtol=0.07, atol=1e-3 * np.abs(v).max())
 
 
@@ -98,15 +100,6 @@ def test_fp8_host_equals_resident_with_the_shift(kw):
     assert out[0].stats["misses"] > 0
 
 
-def _stored_layer0(ctx, b):
-    """Request b's stored K and V of layer 0, dequantized, [n, H, D] each (n: cached tokens)."""
-    plan = ctx.plan
-    H, ps, D, Np = CFG.num_kv_heads, plan.page_size, CFG.head_dim, plan.pages_per_seq
-    rows = np.asarray(kv_quant.unpack_rows(jnp.asarray(ctx.kv_pages), H, ps, D))[b * Np:(b + 1) * Np]
-    kv = rows.transpose(1, 0, 3, 2, 4).reshape(2, Np * ps, H, D)[:, :ctx.cached[b]]
-    return kv[0], kv[1]
-
-
 def test_shift_brings_fp8_attention_closer_to_float32():
     """Attention of layer 0's last query over the stored keys: with the shift its error
     against the float32 keys is a fraction of the error without it (the keys' common
@@ -119,11 +112,8 @@ def test_shift_brings_fp8_attention_closer_to_float32():
                              stop_tokens=[], keep=True).context
         e = []
         for b in range(len(PROMPTS)):
-            k_st, v_st = _stored_layer0(ctx, b)
-            toks = list(ctx.tokens[b][:ctx.cached[b]])
-            x = llama.embed(PARAMS, CFG, jnp.asarray([toks], jnp.int32))
-            _, q, k, v = (np.asarray(a[0]) for a in llama.attention_inputs(
-                PARAMS["layers"][0], CFG, x, jnp.arange(len(toks))[None]))
+            k_st, _ = _stored_layer0(ctx, b)
+            q, k, v = _layer0_qkv(list(ctx.tokens[b][:ctx.cached[b]]))
             G = CFG.num_heads // CFG.num_kv_heads
 
             def attend(kk, vv):

@@ -111,9 +111,13 @@ def main():
     mean = {k_: float(np.mean([r[k_] for r in rows])) for k_ in rows[0] if k_ != "layer"}
     print("mean", json.dumps(mean))
     if a.out:
+        import time
+        from _meta import commit
+        meta = dict(device=str(jax.devices()[0]), jax=jax.__version__, commit=commit(),
+                    date=time.strftime("%Y-%m-%d %H:%M:%S"))
         with open(a.out, "w") as f:
-            json.dump(dict(model=path, tokens=T, queries=a.queries, dtype=a.dtype, layers=rows,
-                           mean=mean), f, indent=1)
+            json.dump(dict(meta, model=path, tokens=T, queries=a.queries, dtype=a.dtype,
+                           layers=rows, mean=mean), f, indent=1)
 
 
 if __name__ == "__main__":
