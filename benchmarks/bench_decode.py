@@ -84,7 +84,7 @@ def main():
                     help="CacheConfig.selection_lag of the sparse configs: 1 = pages chosen with "
                          "the previous token's queries")
     ap.add_argument("--kv-dtype", default=None,
-                    choices=("bfloat16", "float32", "float16", "float8_e4m3fn", "float8_e5m2"),
+                    choices=("bfloat16", "float32", "float16", "float8_e4m3fn", "float8_e5m2", "int8"),
                     help="CacheConfig.kv_dtype of every config (default: the model's dtype)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-decode", action="store_true", help="prefill section only")

@@ -168,9 +168,9 @@ def _fill_chunk(lay: _Layout, dst, summaries, layer, b, j0, length, key, salienc
         keys = _page_keys(pk, salience, H=H, D=D, ps=ps, center_scale=lay.center_scale)
         vals = _page_values(pk, H=H, D=D, ps=ps, value_scale=lay.value_scale)
         # the barrier pins the stored values: the summaries read exactly what is written
-        # (fp8: the rows carry scales; the summaries, like the prefill's, read the keys in
+        # (fp8 / int8: the rows carry scales; the summaries, like the prefill's, read the keys in
         # the model's dtype)
-        if kv_quant.is_fp8(kv_dt):
+        if kv_quant.is_quantized(kv_dt):
             row = jax.lax.optimization_barrier(kv_quant.encode_rows(jnp.stack([keys, vals]), kv_dt))
             stored = keys.astype(m_dt)
         else:
@@ -316,7 +316,7 @@ def build_state(plan: engine.Plan, lengths, *, synth: Synthetic = Synthetic(), s
         kv, summaries = engine.init_kv(plan, poison=poison), engine.init_summaries(plan)
     else:
         kv, summaries = tp.init_kv(plan, poison=poison), tp.init_summaries(plan) or ()
-    # the selector's own summaries are filled; the keys' shift (fp8) stays zero: the
+    # the selector's own summaries are filled; the keys' shift (quantized KV) stays zero: the
     # synthetic keys are stored as drawn
     summaries, shift, _ = selectors.split(summaries, plan)
     dst = kv.host_kv if lay.host else kv.pool
@@ -409,7 +409,7 @@ def reuse_state(plan: engine.Plan, state: engine.DecodeState, lengths, *, seed: 
     fresh = jax.eval_shape(functools.partial(engine.init_summaries, plan))
     own, shift, _ = selectors.split(fresh, plan)
     want = selectors.join(own, shift)                 # without a lagged state's pages
-    if plan.cache.selector == "dense":               # the keys' shift (fp8) only: zeros
+    if plan.cache.selector == "dense":               # the keys' shift (quantized KV) only: zeros
         summ = tuple(jnp.zeros(a.shape, a.dtype) for a in want)
     else:
         summ = tuple(state.summaries if summaries is None else summaries)

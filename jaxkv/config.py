@@ -17,7 +17,7 @@ from jaxkv import validation
 
 Mode = Literal["host", "resident"]
 Selector = Literal["quest", "indexer", "dense"]
-KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8")
 IMPLEMENTATIONS = ("pallas", "xla")
 
 
@@ -117,20 +117,23 @@ class CacheConfig:
       kv_dtype: the dtype K and V are stored in, in the host tier and the device pool (None =
         the model's dtype). "float32" / "bfloat16" / "float16" store them as they are (a
         dtype other than the model's is converted on write; attention multiplies in the wider
-        of the two). "float8_e4m3fn" / "float8_e5m2" store them in fp8 with one power-of-two
-        scale per (token, KV head, K or V) at the end of each page row (``jaxkv.kernels.
-        kv_quant``): half the bytes of bf16 in the host tier, the pool and over PCIe; attention
-        dequantizes inside its kernel. The prefill attention uses the prompt's unquantized
-        K/V, decode reads what is stored; the selector's summaries stay in the model's dtype.
-        fp8 needs a GPU of compute capability >= 8.9 (H100, H200, L40S) or the CPU.
-      kv_key_shift: with an fp8 ``kv_dtype``, store each key minus its request's mean key
+        of the two). "int8" / "float8_e4m3fn" / "float8_e5m2" quantize them to one byte
+        per value with one power-of-two scale per (token, KV head, K or V) at the end of each
+        page row (``jaxkv.kernels.kv_quant``): half the bytes of bf16 in the host tier, the
+        pool and over PCIe; attention dequantizes inside its kernel. The prefill attention
+        uses the prompt's unquantized K/V, decode reads what is stored; the selector's
+        summaries stay in the model's dtype. int8 is the more accurate of the three (7 bits
+        relative to each vector's largest element against fp8 e4m3's 3 mantissa bits; see
+        BENCHMARKS.md for retrievals kept) and runs on any GPU; fp8 needs a GPU of compute
+        capability >= 8.9 (H100, H200, L40S) or the CPU.
+      kv_key_shift: with a quantized ``kv_dtype``, store each key minus its request's mean key
         (per layer and KV head, the mean over the prompt, fixed at the prefill and kept with
         a continued context). Exact: a query's scores all move by the same ``q . mean``,
         which the softmax cancels; the keys' common component (a K bias) is then not
-        quantized. ``None`` (default): on for models with a K bias (qwen2), where it keeps
-        97.0% of the bf16 cache's RULER retrievals against 92.6% without; off otherwise
-        (SmolLM2-135M: 93.1% with it, 94.5% without; BENCHMARKS.md). Ignored for other
-        dtypes.
+        quantized. ``None`` (default): on for int8; for fp8 on for models with a K bias
+        (qwen2), where it keeps 97.0% of the bf16 cache's RULER retrievals against 92.6%
+        without, and off otherwise (SmolLM2-135M: 93.1% with it, 94.5% without;
+        BENCHMARKS.md). Ignored for other dtypes.
       prefill_chunk: query tokens per chunk of the XLA prefill attention (bounds its memory;
         the flash-attention implementations on the GPU do not need it).
       prefill_token_chunk: tokens per piece of a prefill layer's per-token work (norms,

@@ -53,7 +53,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
               if batched else ())
 
     def stored(tok_kv, summ, layer):
-        """The new token's K/V [B, 2, H, D] as the cache stores them: with fp8 KV the keys
+        """The new token's K/V [B, 2, H, D] as the cache stores them: with quantized KV the keys
         less their request's shift (``plan.key_shift``), which the softmax cancels."""
         if not plan.key_shift:
             return tok_kv

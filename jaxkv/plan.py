@@ -62,14 +62,14 @@ class Plan:
 
     @property
     def key_shift(self) -> bool:
-        """Stored keys are shifted by their request's mean key (fp8 KV with
-        ``CacheConfig.kv_key_shift``; ``None``: models with a K bias): the summaries tuple
-        then holds the shift [L, B, H, D] float32 after the selector's own arrays
-        (``jaxkv.selectors.split``)."""
+        """Stored keys are shifted by their request's mean key (quantized KV with
+        ``CacheConfig.kv_key_shift``; ``None``: int8 always, fp8 for models with a K bias):
+        the summaries tuple then holds the shift [L, B, H, D] float32 after the selector's own
+        arrays (``jaxkv.selectors.split``)."""
         shift = self.cache.kv_key_shift
         if shift is None:
-            shift = self.model.qkv_bias
-        return bool(shift) and kv_quant.is_fp8(self.kv_dtype)
+            shift = self.model.qkv_bias or jnp.dtype(self.kv_dtype) == jnp.int8
+        return bool(shift) and kv_quant.is_quantized(self.kv_dtype)
 
     @property
     def lagged(self) -> bool:
@@ -140,8 +140,8 @@ class Plan:
     @property
     def summary_dtype(self) -> str:
         """The dtype of K/V outside the cache: the new token's K/V before its write and the
-        selector's summaries. The KV dtype, or the model's where the KV is fp8."""
-        return self.model.dtype if kv_quant.is_fp8(self.kv_dtype) else self.kv_dtype
+        selector's summaries. The KV dtype, or the model's where the KV is quantized (fp8, int8)."""
+        return self.model.dtype if kv_quant.is_quantized(self.kv_dtype) else self.kv_dtype
 
     @property
     def pool_pages(self) -> int:

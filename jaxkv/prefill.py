@@ -64,11 +64,11 @@ def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, de
 
     own, shift, ahead = selectors.split(summaries, plan)
     k_st = k
-    if plan.key_shift:  # fp8: store the keys less the request's mean key (softmax-exact)
+    if plan.key_shift:  # quantized KV: store the keys less the request's mean key (softmax-exact)
         mean = key_mean(k, lengths)                                  # [B, H, D] float32
         shift = shift.at[layer].set(mean)
         k_st = k.astype(jnp.float32) - mean[:, None]
-    pages = kv_quant.pack_pages(k_st, v, ps, plan.kv_dtype)         # [B, n, R] (fp8: quantized)
+    pages = kv_quant.pack_pages(k_st, v, ps, plan.kv_dtype)         # [B, n, R] (fp8 / int8: quantized)
     n = T // ps
     j = jnp.arange(n, dtype=jnp.int32)
     used = j[None, :] * ps < lengths[:, None]

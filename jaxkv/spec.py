@@ -15,7 +15,7 @@ import numpy as np
 from jaxkv.kernels import kv_quant
 from jaxkv.kernels._common import INVALID  # noqa: F401 - "no page" in every index array
 
-_DTYPES = ("float32", "bfloat16", "float16") + kv_quant.FP8_DTYPES
+_DTYPES = ("float32", "bfloat16", "float16") + kv_quant.QUANT_DTYPES
 
 
 def _is_pow2(n: int) -> bool:
@@ -26,10 +26,10 @@ def alloc_rows(rows: int, row_bytes: int, itemsize: int) -> int:
     """Rows to allocate for a page array whose kernels address ``rows`` rows of ``row_bytes``.
 
     Pallas' Triton lowering (jax 0.11.2) picks 32-bit element offsets for any array of at most
-    2**32 bytes and 64-bit ones above. Offsets are signed, so a 1-byte dtype (fp8) array of more
+    2**32 bytes and 64-bit ones above. Offsets are signed, so a 1-byte dtype (fp8, int8) array of more
     than 2**31 bytes is addressed past 2**31 elements with wrapped offsets: an illegal memory
     access on the GPU. Such an array gets unused rows at its end up to just over 2**32 bytes
-    (at most 2 GiB more, only for fp8 arrays of 2-4 GiB); other arrays are left as they are.
+    (at most 2 GiB more, only for 1-byte arrays of 2-4 GiB); other arrays are left as they are.
     """
     nbytes = rows * row_bytes
     if itemsize == 1 and 2**31 < nbytes <= 2**32:
@@ -47,7 +47,8 @@ class CacheSpec:
       head_dim: D, a power of two.
       page_size: tokens per page, a power of two.
       dtype: KV dtype name ("bfloat16", "float32", "float16", "float8_e4m3fn",
-        "float8_e5m2"; fp8 rows end with their scales, ``jaxkv.kernels.kv_quant``).
+        "float8_e5m2", "int8"; quantized rows end with their scales,
+        ``jaxkv.kernels.kv_quant``).
       num_logical_pages: P, logical pages per layer in the host tier (all requests together).
       num_slots: S, device pool slots per layer.
       max_requests: R, page requests per layer per step that ``ensure`` accepts
@@ -112,12 +113,12 @@ class CacheSpec:
 
     @property
     def quantized(self) -> bool:
-        """fp8 rows (payload + per-token scales)."""
-        return kv_quant.is_fp8(self.dtype)
+        """Quantized rows, fp8 or int8 (payload + per-token scales)."""
+        return kv_quant.is_quantized(self.dtype)
 
     @property
     def row_elems(self) -> int:
-        """R: elements of one (layer, page) row, [2, H, page_size, D] flattened (fp8: then
+        """R: elements of one (layer, page) row, [2, H, page_size, D] flattened (quantized: then
         the scale bytes [2, H, page_size])."""
         return kv_quant.row_elems(self.dtype, self.num_kv_heads, self.page_size, self.head_dim)
 

@@ -85,7 +85,7 @@ def init_lookahead(plan: Plan):
 
 
 def init_summaries(plan: Plan):
-    """The selector's empty summaries, then (``jaxkv.selectors.split``) with fp8 KV the
+    """The selector's empty summaries, then (``jaxkv.selectors.split``) with quantized KV the
     stored keys' shift [L, B, H, D] float32 (zeros until the prefill) and with lagged
     selection ``ahead`` [L, B, H, k] int32, all -1 (no page)."""
     m = plan.model

@@ -1,22 +1,30 @@
-"""fp8 page rows: K/V quantized per token and head, with power-of-two scales in the row.
+"""Quantized page rows (fp8 or int8): K/V per token and head, with power-of-two scales in
+the row.
 
-A page array (the host tier or the device pool) of an fp8 dtype (``FP8_DTYPES``) keeps each
-(layer, page) row contiguous, payload first, scales after it::
+A page array (the host tier or the device pool) of a quantized dtype (``QUANT_DTYPES``: the
+two fp8 formats and int8) keeps each (layer, page) row contiguous, payload first, scales after
+it::
 
-    columns [0, 2*H*ps*D)                 payload [2 (K, V), H, ps, D], fp8 values
+    columns [0, 2*H*ps*D)                 payload [2 (K, V), H, ps, D], fp8 or int8 values
     columns [2*H*ps*D, 2*H*ps*(D + 1))    scales  [2 (K, V), H, ps], one byte each
 
 A token's K (or V) vector of one head is ``payload * 2**(e - 127)``, where ``e`` is the scale
-byte (the bit pattern stored in the fp8 array, read as uint8): an E8M0 exponent, as in the OCP
-microscaling formats. Granularity: one scale per (token, KV head, K or V), so a decode step's
-write-through quantizes the new token on its own and never rewrites the rest of its page (a
-scale per page would need the page's maximum before its tokens exist). Cost: one byte per
+byte (the bit pattern stored in the array, read as uint8): an E8M0 exponent, as in the OCP
+microscaling formats. fp8 payloads are the format's rounding of ``x / scale``; int8 payloads
+round ``x / scale`` to the nearest integer (half to even) in [-127, 127]. With the same scale
+rule the vector's largest element lands in (63.5, 127] for int8: about 7 bits of precision
+relative to it, against fp8 e4m3's 3 mantissa bits relative to each element; on real keys
+int8 errs 3-4x less (``benchmarks/probes/fp8_rotation.py``).
+
+Granularity: one scale per (token, KV head, K or V), so a decode step's write-through
+quantizes the new token on its own and never rewrites the rest of its page (a scale per page
+would need the page's maximum before its tokens exist). Cost: one byte per
 ``D`` payload bytes (0.8% at D = 128). Power-of-two scales keep the relative precision of the
 fp8 format (only the range moves) and make dequantization exact: ``payload * scale`` is the
 value, in the kernels and in the numpy reference alike.
 
 ``e`` is the smallest exponent with ``amax <= fmax * 2**(e - 127)`` (``amax`` the vector's
-largest magnitude, ``fmax`` the format's largest finite value), clipped to [1, 254]; an
+largest magnitude, ``fmax`` = :func:`format_max`: fp8's largest finite value, 127 for int8), clipped to [1, 254]; an
 all-zero vector gets ``e = 1``. Other dtypes have no scales: their rows are the payload only.
 """
 from __future__ import annotations
@@ -27,6 +35,7 @@ import ml_dtypes
 import numpy as np
 
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+QUANT_DTYPES = FP8_DTYPES + ("int8",)
 EXP_BIAS = 127
 _E_MIN, _E_MAX = 1, 254
 
@@ -35,9 +44,20 @@ def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype).name in FP8_DTYPES
 
 
+def is_quantized(dtype) -> bool:
+    """Rows of payload + per-token scale bytes (fp8 or int8)."""
+    return jnp.dtype(dtype).name in QUANT_DTYPES
+
+
+def format_max(dtype) -> float:
+    """The payload's largest magnitude: the fp8 format's largest finite value, 127 for int8."""
+    dtype = jnp.dtype(dtype)
+    return 127.0 if dtype == jnp.int8 else float(ml_dtypes.finfo(dtype).max)
+
+
 def tail_elems(dtype, num_kv_heads: int, page_size: int) -> int:
-    """Scale bytes after the payload of one row: ``2 * H * ps`` for fp8, else 0."""
-    return 2 * num_kv_heads * page_size if is_fp8(dtype) else 0
+    """Scale bytes after the payload of one row: ``2 * H * ps`` when quantized, else 0."""
+    return 2 * num_kv_heads * page_size if is_quantized(dtype) else 0
 
 
 def row_elems(dtype, num_kv_heads: int, page_size: int, head_dim: int) -> int:
@@ -47,13 +67,14 @@ def row_elems(dtype, num_kv_heads: int, page_size: int, head_dim: int) -> int:
 
 def token_elems(dtype, num_kv_heads: int, head_dim: int) -> int:
     """Elements of one encoded token (:func:`encode_tokens`): ``2 * H * D`` (+ ``2 * H``)."""
-    return 2 * num_kv_heads * (head_dim + (1 if is_fp8(dtype) else 0))
+    return 2 * num_kv_heads * (head_dim + (1 if is_quantized(dtype) else 0))
 
 
 def compute_dtype(q_dtype, kv_dtype):
-    """The dtype the attention kernels multiply in: q's for an fp8 cache, else the wider of
-    the two (an f32 cache under a bf16 model keeps its precision)."""
-    if is_fp8(kv_dtype):
+    """The dtype the attention kernels multiply in: q's for a quantized cache, else the wider
+    of the two (an f32 cache under a bf16 model keeps its precision). int8 payloads convert
+    to bf16 exactly (|v| <= 127)."""
+    if is_quantized(kv_dtype):
         return jnp.dtype(q_dtype)
     return jnp.promote_types(q_dtype, kv_dtype)
 
@@ -82,17 +103,20 @@ def quantize(x, dtype):
     dtype = jnp.dtype(dtype)
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1)
-    e = _exponent(amax, float(jnp.finfo(dtype).max))
-    return (x / scale_of(e)[..., None]).astype(dtype), e.astype(jnp.uint8)  # exact: 2**k
+    e = _exponent(amax, format_max(dtype))
+    y = x / scale_of(e)[..., None]                             # exact: 2**k
+    if dtype == jnp.int8:
+        y = jnp.clip(jnp.round(y), -127, 127)
+    return y.astype(dtype), e.astype(jnp.uint8)
 
 
 def dequantize(payload, e):
-    """payload [..., D] fp8, e [...] uint8 -> float32 [..., D]."""
+    """payload [..., D] fp8 or int8, e [...] uint8 -> float32 [..., D]."""
     return payload.astype(jnp.float32) * scale_of(e)[..., None]
 
 
 def exps_as(e, dtype):
-    """uint8 exponents as the bit patterns of an fp8 array's elements (and back with
+    """uint8 exponents as the bit patterns of a quantized array's elements (and back with
     ``exps_of``)."""
     return jax.lax.bitcast_convert_type(e.astype(jnp.uint8), jnp.dtype(dtype))
 
@@ -103,10 +127,10 @@ def exps_of(stored):
 
 def encode_tokens(kv, dtype):
     """One token's K/V per entry, ``kv`` [M, 2, H, D] (any float dtype), as ``dtype``
-    elements [M, token_elems]: the ``2 * H`` head vectors (K heads then V heads), then for
-    fp8 their ``2 * H`` scale bytes in the same order."""
+    elements [M, token_elems]: the ``2 * H`` head vectors (K heads then V heads), then, when
+    quantized, their ``2 * H`` scale bytes in the same order."""
     M = kv.shape[0]
-    if not is_fp8(dtype):
+    if not is_quantized(dtype):
         return kv.astype(dtype).reshape(M, -1)
     payload, e = quantize(kv, dtype)
     return jnp.concatenate([payload.reshape(M, -1), exps_as(e, dtype).reshape(M, -1)], axis=1)
@@ -118,7 +142,7 @@ def token_columns(num_kv_heads: int, page_size: int, head_dim: int, offset, dtyp
     H, ps, D = num_kv_heads, page_size, head_dim
     seg = jnp.arange(2 * H, dtype=jnp.int32)
     cols = ((seg[:, None] * ps + offset) * D + jnp.arange(D, dtype=jnp.int32)).reshape(-1)
-    if is_fp8(dtype):
+    if is_quantized(dtype):
         cols = jnp.concatenate([cols, 2 * H * ps * D + seg * ps + offset])
     return cols
 
@@ -127,7 +151,7 @@ def encode_rows(kv, dtype):
     """Pages ``kv`` [..., 2, H, ps, D] (any float dtype) -> rows [..., row_elems] of a
     ``dtype`` page array (layout in the module docstring)."""
     lead = kv.shape[:-4]
-    if not is_fp8(dtype):
+    if not is_quantized(dtype):
         return kv.astype(dtype).reshape(lead + (-1,))
     payload, e = quantize(kv, dtype)                           # e [..., 2, H, ps]
     return jnp.concatenate([payload.reshape(lead + (-1,)), exps_as(e, dtype).reshape(lead + (-1,))],
@@ -148,7 +172,7 @@ def unpack_rows(rows, num_kv_heads: int, page_size: int, head_dim: int):
     H, ps, D = num_kv_heads, page_size, head_dim
     lead = rows.shape[:-1]
     payload = rows[..., :2 * H * ps * D].reshape(lead + (2, H, ps, D))
-    if not is_fp8(rows.dtype):
+    if not is_quantized(rows.dtype):
         return payload.astype(jnp.float32)
     e = exps_of(rows[..., 2 * H * ps * D:]).reshape(lead + (2, H, ps))
     return dequantize(payload, e)
@@ -162,7 +186,7 @@ def quantize_np(x, dtype):
     dtype = np.dtype(jnp.dtype(dtype))
     x = np.asarray(x, np.float32)
     amax = np.max(np.abs(x), axis=-1)
-    fmax = float(ml_dtypes.finfo(dtype).max)
+    fmax = 127.0 if dtype == np.int8 else float(ml_dtypes.finfo(dtype).max)
     e = np.zeros(amax.shape, np.int64)
     for idx, a in np.ndenumerate(amax):
         if a > 0:  # smallest integer k with a <= fmax * 2**k, by search from frexp's estimate
@@ -174,7 +198,10 @@ def quantize_np(x, dtype):
             e[idx] = _E_MIN
     e = np.clip(e, _E_MIN, _E_MAX)
     scale = np.ldexp(np.float32(1), e - EXP_BIAS).astype(np.float32)
-    return (x / scale[..., None]).astype(dtype), e.astype(np.uint8)
+    y = x / scale[..., None]
+    if dtype == np.int8:  # np.round: half to even, as jnp.round
+        y = np.clip(np.round(y), -127, 127)
+    return y.astype(dtype), e.astype(np.uint8)
 
 
 def dequantize_np(payload, e):

@@ -99,7 +99,7 @@ def layer_lookup_reference(pages, active, tok_page, tok_offset, tok_kv, page_tab
     tok_slot = slot_of(jnp.where(tok_ok, tok_page, INVALID))
     tok_host_rows = jnp.where(tok_ok, layer * P + tok_page, INVALID).astype(jnp.int32)
     # The encoded token into its pool row (kv_quant.token_columns: [2, H, D] at the offset of
-    # the [2, H, ps, D] payload, for fp8 also its scale bytes).
+    # the [2, H, ps, D] payload, quantized: also its scale bytes).
     ok = (tok_slot >= 0) & (tok_offset >= 0) & (tok_offset < page_size)
     prow = jnp.where(ok, layer * S + tok_slot, 0)
     off = jnp.where(ok, tok_offset, 0)
@@ -174,7 +174,7 @@ def layer_lookup_pallas(pages, active, tok_page, tok_offset, tok_kv, page_table,
     C = -(-HK // CH)
     kernel = functools.partial(_kernel, B=B, HK=HK, CH=CH, C=C, Np=pages_per_seq, P=P, S=S,
                                ps=page_size, H=H, D=D, reuse=reuse,
-                               scales=kv_quant.is_fp8(pool.dtype))
+                               scales=kv_quant.is_quantized(pool.dtype))
     operands = [jnp.asarray(layer, jnp.int32).reshape(1), pages.astype(jnp.int32).reshape(-1),
                 active.astype(jnp.int32), tok_page.astype(jnp.int32), tok_offset.astype(jnp.int32),
                 kv_quant.encode_tokens(tok_kv, pool.dtype), page_table.reshape(-1), pool,
@@ -207,7 +207,7 @@ def layer_lookup(pages, active, tok_page, tok_offset, tok_kv, page_table, layer,
       pages: [B, H, K] int32 selected pages of each request's sequence (-1 pad).
       active: [B] bool or int32, requests decoding this step (inactive ones select nothing).
       tok_page: [B] int32 logical page of the new token (-1 = none); tok_offset: [B] int32.
-      tok_kv: [B, 2, H, D] the new token's K and V (cast to ``pool.dtype``; an fp8 pool
+      tok_kv: [B, 2, H, D] the new token's K and V (cast to ``pool.dtype``; a quantized pool
         gets it quantized, ``kv_quant``).
       page_table: [L, P] int32 logical page -> slot (-1 = not resident).
       layer: int32 scalar (traced is fine).

@@ -438,7 +438,7 @@ def row_chunks(row: int, cap: int, min_elems: int) -> tuple[int, int, tuple]:
     """How a row of ``row`` elements is copied in loads of at most ``cap`` elements (powers of
     two): (chunk B, whole chunks n, tail pieces ((offset, size), ...)). B is the largest power
     of two dividing the row when that is at least ``min_elems`` (no tail); otherwise (a row
-    such as an fp8 page row, payload + scales, whose largest power-of-two divisor is small)
+    such as a quantized page row, payload + scales, whose largest power-of-two divisor is small)
     the largest power of two <= min(row, cap), with the rest of the row in power-of-two
     pieces (its binary digits)."""
     B = _common.largest_pow2_divisor(row, cap)
@@ -472,7 +472,7 @@ def fetch_layer_pages_pallas(host_kv, pool, fetch_src, fetch_dst, *, src_stride:
     program ``(l, g, j)`` copies chunk ``j`` (``B`` elements) of layer ``l``'s entries
     ``g, g + G, ...`` below one past the layer's last listed entry (a loop whose trip count
     it reads from the list), so an empty list costs one small launch. A row whose length has
-    only a small power-of-two divisor (fp8 rows: payload + scales) is copied in large chunks
+    only a small power-of-two divisor (quantized rows: payload + scales) is copied in large chunks
     plus one more column for the rest (:func:`row_chunks`)."""
     _check_layers(host_kv, pool, fetch_src, fetch_dst, src_stride, dst_stride)
     L, R = fetch_src.shape

@@ -1,8 +1,9 @@
 """Writes into a page array (the pinned_host tier or the device pool), in place.
 
 * ``write_tokens(dst, rows, offsets, kv, page_size=)``: one token's K and V per entry into
-  row ``rows[m]`` at token offset ``offsets[m]`` (row layout ``[2, H, page_size, D]``; an
-  fp8 ``dst`` gets the token quantized and its scale bytes in the row's tail, ``kv_quant``).
+  row ``rows[m]`` at token offset ``offsets[m]`` (row layout ``[2, H, page_size, D]``; a
+  quantized (fp8 / int8) ``dst`` gets the token quantized and its scale bytes in the row's
+  tail, ``kv_quant``).
 * ``write_tokens_pair(host, host_rows, pool, pool_rows, offsets, kv, page_size=)``: the same
   tokens into the host tier and the device pool (write-through).
 * ``write_pages(dst, rows, pages)``: whole rows (prefill).
@@ -66,7 +67,7 @@ def _check_tokens(dst, rows, offsets, kv, page_size):
     R = kv_quant.row_elems(dst.dtype, H, page_size, D)
     if dst.shape[1] != R:
         raise ValueError(f"row length {dst.shape[1]} != {R} (2 * H {H} * page_size {page_size} * "
-                         f"D {D}{' + scales' if kv_quant.is_fp8(dst.dtype) else ''})")
+                         f"D {D}{' + scales' if kv_quant.is_quantized(dst.dtype) else ''})")
     if rows.shape != (M,) or offsets.shape != (M,):
         raise ValueError(f"rows {rows.shape} and offsets {offsets.shape} must be [{M}]")
 
@@ -104,7 +105,7 @@ def _write_tokens_pallas(dst, rows, offsets, kv, *, page_size: int, num_warps: i
     if D & (D - 1):
         raise ValueError(f"head_dim {D} must be a power of two (Triton blocks)")
     kv2 = kv_quant.encode_tokens(kv, dst.dtype)
-    scales = kv_quant.is_fp8(dst.dtype)
+    scales = kv_quant.is_quantized(dst.dtype)
     rows = jnp.asarray(rows, jnp.int32)
     offsets = jnp.asarray(offsets, jnp.int32)
 
@@ -176,7 +177,7 @@ def write_tokens(dst, rows, offsets, kv, *, page_size, implementation=None, **tu
       rows: [M] int32 global rows of ``dst``; ``-1`` (or out of range) = write nothing.
       offsets: [M] int32 token offsets within the page, in ``[0, page_size)``.
       kv: [M, 2, H, D] K (index 0) and V (index 1) of the token; cast to ``dst.dtype``
-        (fp8: quantized, its scales written too).
+        (fp8 / int8: quantized, its scales written too).
       page_size: static int, tokens per page.
       implementation: "pallas" | "xla" | None.
       **tuning: ``num_warps`` of the Pallas kernel.
@@ -232,14 +233,14 @@ def write_pages(dst, rows, pages, *, implementation=None, **tuning):
     Args:
       dst: [N, R] page array (pinned_host tier or device pool); donated.
       rows: [M] int32 global rows; ``-1`` = write nothing; valid ones distinct.
-      pages: [M, R] rows to write (device array); cast to ``dst.dtype`` (fp8: already
+      pages: [M, R] rows to write (device array); cast to ``dst.dtype`` (quantized: already
         encoded, ``kv_quant.pack_pages``).
       implementation: "pallas" | "xla" | None.
       **tuning: tunables of the copy kernel (see ``page_fetch.resolve_tuning``).
     Returns:
       dst [N, R]. Inside a traced loop over a host carry, wrap it in :func:`keep_on_host`.
     """
-    if kv_quant.is_fp8(dst.dtype) and pages.dtype != dst.dtype:
+    if kv_quant.is_quantized(dst.dtype) and pages.dtype != dst.dtype:
         raise ValueError(f"write_pages into a {dst.dtype} array takes encoded rows of that dtype "
                          f"(kv_quant.pack_pages / encode_rows), got {pages.dtype}")
     fn = _common.resolve(OP_PAGES, implementation)

@@ -2,11 +2,11 @@
 of the device page pool (GQA), with split-K partial results merged by log-sum-exp.
 
 Layouts follow docs/DESIGN.md: the pool is ``[N_rows, R]`` with ``R = 2 * H * ps * D`` and is
-viewed as ``[N_rows, 2 (K, V), H, ps, D]``; ``block_rows`` hold global pool rows. An fp8 pool
-(``kv_quant``) has the scale bytes ``[2, H, ps]`` after that payload (``R = 2 * H * ps *
-(D + 1)``): the kernel loads the fp8 tiles and their per-token scales and dequantizes in
-registers (K's scales multiply the scores, V's the probabilities before ``p @ v``), so no
-wider copy of the pool exists. The pool's dtype may differ from q's: the products run in
+viewed as ``[N_rows, 2 (K, V), H, ps, D]``; ``block_rows`` hold global pool rows. A
+quantized (fp8 / int8) pool (``kv_quant``) has the scale bytes ``[2, H, ps]`` after that
+payload (``R = 2 * H * ps * (D + 1)``): the kernel loads the quantized tiles and their
+per-token scales and dequantizes in registers (K's scales multiply the scores, V's the
+probabilities before ``p @ v``), so no wider copy of the pool exists. The pool's dtype may differ from q's: the products run in
 ``kv_quant.compute_dtype``.
 
 Semantics shared by the kernel ("pallas") and the reference ("xla"):
@@ -88,11 +88,13 @@ def _check(q, pool, block_rows, page_index, seq_lens, page_size, num_kv_heads, h
         raise ValueError(f"query heads {Hq} not a multiple of kv heads {H}")
     R = kv_quant.row_elems(pool.dtype, H, page_size, D)
     if pool.ndim != 2 or pool.shape[1] != R:
-        raise ValueError(f"pool shape {pool.shape} != [N, 2*H*ps*D{' + scales' if kv_quant.is_fp8(pool.dtype) else ''} = {R}]")
+        raise ValueError(f"pool shape {pool.shape} != [N, 2*H*ps*D{' + scales' if kv_quant.is_quantized(pool.dtype) else ''} = {R}]")
     if block_rows.shape != page_index.shape or block_rows.shape[:2] != (B, H):
         raise ValueError(f"block_rows {block_rows.shape} / page_index {page_index.shape} != [B, H, K]")
-    if not jnp.issubdtype(pool.dtype, jnp.floating) or not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"pool dtype {pool.dtype} and q dtype {q.dtype} must be float types")
+    if not (jnp.issubdtype(pool.dtype, jnp.floating) or kv_quant.is_quantized(pool.dtype)) \
+            or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"pool dtype {pool.dtype} must be a float type or int8, and q dtype "
+                         f"{q.dtype} a float type")
     if seq_lens.shape != (B,):
         raise ValueError(f"seq_lens shape {seq_lens.shape} != ({B},)")
     for name, v in (("page_size", page_size), ("head_dim", D)):
@@ -294,11 +296,11 @@ BLOCKED_CHUNK = 32  # selection entries (pages) per chunk of the blocked formula
 
 def _heads(a, r, h, H, ps, D):
     """K/V of head ``h`` of rows ``r`` of the page array ``a`` [N, R] (r, h broadcast
-    together): (payload [..., 2, ps, D] in a's dtype, scale bytes [..., 2, ps] uint8 of an fp8
+    together): (payload [..., 2, ps, D] in a's dtype, scale bytes [..., 2, ps] uint8 of a quantized
     array, else None)."""
     n = 2 * H * ps * D
     payload = (a if a.shape[1] == n else a[:, :n]).reshape(a.shape[0], 2, H, ps, D)[r, :, h]
-    if not kv_quant.is_fp8(a.dtype):
+    if not kv_quant.is_quantized(a.dtype):
         return payload, None
     return payload, kv_quant.exps_of(a[:, n:].reshape(a.shape[0], 2, H, ps)[r, :, h])
 
@@ -326,7 +328,7 @@ def _gather_heads(arr, rows, num_kv_heads, page_size, head_dim):
     from jax.experimental.compute_on import compute_on
 
     host = jax.memory.Space.Host
-    n_out = 2 if kv_quant.is_fp8(arr.dtype) else 1
+    n_out = 2 if kv_quant.is_quantized(arr.dtype) else 1
     out = compute_on(gather, compute_type="device_host", out_memory_spaces=(host,) * n_out)(
         arr, jax.device_put(rows, host), jax.device_put(heads, host))
     out = [jax.device_put(o, jax.memory.Space.Device) for o in out]
@@ -418,7 +420,7 @@ prefer_on_cpu(OP, "blocked")
 # --------------------------------------------------------------------------------------------
 def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter, k_per, G, G_pad,
             scale2, precision, has_host, quantized, H, cdt):
-    """``quantized``: the pool (and host) refs are fp8 rows [N, R] (payload, then scale
+    """``quantized``: the pool (and host) refs are quantized rows [N, R] (payload, then scale
     bytes; ``kv_quant``), else [N, 2, H, ps, D] views. ``cdt``: the products' dtype."""
     if has_host:
         hrows_ref, host_ref, o_ref, lse_ref = refs
@@ -535,7 +537,7 @@ def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv
     S = max(1, min(S, -(-K // ppi)))
     k_per = -(-K // (S * ppi)) * ppi  # entries per split, a multiple of ppi
     S = -(-K // k_per)  # drop splits that would be empty
-    quantized = kv_quant.is_fp8(pool.dtype)
+    quantized = kv_quant.is_quantized(pool.dtype)
     view = (lambda a: a) if quantized else (lambda a: a.reshape(a.shape[0], 2, H, ps, D))  # noqa: E731
     pool5 = view(pool)
     scale = (1.0 / math.sqrt(D)) if sm_scale is None else float(sm_scale)
@@ -589,7 +591,7 @@ def sparse_paged_attention(q, pool, block_rows, page_index, seq_lens, *, page_si
 
     q: ``[B, Hq, D]`` bf16/f32 (query head j uses KV head ``j // (Hq // H)``); pool: ``[N_rows, R]``
     any float dtype (products in ``kv_quant.compute_dtype``), ``R = kv_quant.row_elems`` (``2 *
-    H * ps * D``, fp8: then the scales); block_rows, page_index: ``[B, H, K]`` int32 (global pool row
+    H * ps * D``, quantized: then the scales); block_rows, page_index: ``[B, H, K]`` int32 (global pool row
     and within-sequence page number of each entry, -1 = none); seq_lens: ``[B]`` int32.
     Static: page_size, num_kv_heads (H), sm_scale (default ``D**-0.5``), num_splits (partial results
     per (b, h), default :func:`default_num_splits`), tuning (:class:`AttentionTuning`).

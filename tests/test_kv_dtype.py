@@ -1,5 +1,5 @@
 """CacheConfig.kv_dtype through generate() on the tiny model (CPU): a KV dtype other than the
-model's (issue 29), and fp8 KV (issue 31): the host tier gives the resident run's tokens, token
+model's (issue 29), and quantized KV, fp8 and int8 (issue 31): the host tier gives the resident run's tokens, token
 for token, with the selector dense and Quest; bad values fail early, naming the fix."""
 import dataclasses
 import types
@@ -43,14 +43,14 @@ def test_kv_dtype_other_than_the_models(model, kv_dtype, selector):
 
 
 @pytest.mark.parametrize("kv_dtype,selector", [("float8_e4m3fn", "quest"),
-                                               ("float8_e5m2", "dense")])
+                                               ("float8_e5m2", "dense"), ("int8", "quest")])
 def test_fp8_host_equals_resident(kv_dtype, selector):
     host, resident = _pair(CFG, PARAMS, kv_dtype=kv_dtype, selector=selector)
     assert host.tokens == resident.tokens
     s = host.stats
     assert s["misses"] > 0 and s["dropped"] == 0
     H, ps, D = CFG.num_kv_heads, 4, CFG.head_dim
-    page_bytes = 2 * H * ps * (D + 1)  # fp8 payload + one scale byte per token, head, K/V
+    page_bytes = 2 * H * ps * (D + 1)  # 1-byte payload + one scale byte per token, head, K/V
     assert s["bytes_host_to_device"] == (s["pages_fetched"] * page_bytes
                                          + s["host_reads"] * page_bytes // H)
 
@@ -61,6 +61,7 @@ def test_fp8_needs_a_capable_gpu():
                                          r"capability >= 8.9.*A100.*kv_dtype='bfloat16'"):
         validation.check_kv_dtype("float8_e4m3fn", old)
     validation.check_kv_dtype("bfloat16", old)
+    validation.check_kv_dtype("int8", old)                  # int8 converts on any GPU
     validation.check_kv_dtype("float8_e5m2",
                               types.SimpleNamespace(platform="gpu", compute_capability="9.0"))
     with pytest.raises(ValueError, match="kv_dtype must be one of"):

@@ -61,13 +61,15 @@ def _stored_layer0(ctx, b):
     return kv[0], kv[1]
 
 
-@pytest.mark.parametrize("mode", ["resident", "host"])
-def test_stored_keys_are_the_keys_less_the_prompt_mean(mode):
-    """Layer 0's stored keys, prompt and decoded tokens alike, are fp8(k - mean of the
-    prompt's keys) (the numpy reference of the quantization), and the shift the summaries
-    carry is that mean; the values are stored as they are."""
-    r = jaxkv.generate(CFG, PARAMS, PROMPTS, cache=CacheConfig(mode=mode, selector="quest", **FP8),
-                       max_new_tokens=6, stop_tokens=[], keep=True)
+@pytest.mark.parametrize("mode,dt", [("resident", "float8_e4m3fn"), ("host", "float8_e4m3fn"),
+                                     ("host", "int8")])
+def test_stored_keys_are_the_keys_less_the_prompt_mean(mode, dt):
+    """Layer 0's stored keys, prompt and decoded tokens alike, are q(k - mean of the
+    prompt's keys) (the numpy reference of the quantization, fp8 or int8), and the shift the
+    summaries carry is that mean; the values are stored as they are."""
+    cache = CacheConfig(mode=mode, selector="quest", **{**FP8, "kv_dtype": dt})
+    r = jaxkv.generate(CFG, PARAMS, PROMPTS, cache=cache, max_new_tokens=6, stop_tokens=[],
+                       keep=True)
     ctx = r.context
     plan = ctx.plan
     _, shift, _ = selectors.split(ctx.summaries, plan)
@@ -78,12 +80,17 @@ def test_stored_keys_are_the_keys_less_the_prompt_mean(mode):
         mean = k[:len(prompt)].mean(0)
         np.testing.assert_allclose(np.asarray(shift[0, b]), mean, rtol=1e-5, atol=1e-4)
         k_st, v_st = _stored_layer0(ctx, b)
-        want = kv_quant.dequantize_np(*kv_quant.quantize_np(k - mean, "float8_e4m3fn"))
-        # one fp8 step of tolerance: the engine's keys and these differ in float rounding
+        want = kv_quant.dequantize_np(*kv_quant.quantize_np(k - mean, dt))
+        # one step of tolerance: the engine's keys and these differ in float rounding
         err = np.abs(k_st - want)
-        assert (err <= 0.13 * np.abs(want) + 1e-3 * np.abs(want).max()).all()
+        if dt == "int8":   # a step is the vector's scale, at most 1/64 of its largest element
+            step = np.abs(want).max(-1, keepdims=True) / 63.5
+            assert (err <= step + 1e-6).all()
+        else:
+            assert (err <= 0.13 * np.abs(want) + 1e-3 * np.abs(want).max()).all()
         assert np.abs(k_st - k).max() > 1.0                      # not the unshifted keys
-        np.testing.assert_allclose(v_st, v, rtol=0.07, atol=1e-3 * np.abs(v).max())
+        v_tol = 1e-2 if dt == "int8" else 1e-3     # int8: half a step, <= 1/128 of the largest
+        np.testing.assert_allclose(v_st, v, rtol=0.07, atol=v_tol * np.abs(v).max())
 
 
 @pytest.mark.parametrize("kw", [dict(selector="quest", selection_lag=1, dense_layers=1),
@@ -146,8 +153,8 @@ def test_context_keeps_its_shift_and_checks_the_setting():
 
 
 def test_default_shifts_the_keys_of_models_with_a_k_bias():
-    """kv_key_shift=None: on for a model with a K bias (qwen2), off without one (llama), and
-    only with fp8 KV; an explicit value wins."""
+    """kv_key_shift=None: with fp8 KV on for a model with a K bias (qwen2), off without one
+    (llama); with int8 KV on for both; never for other dtypes; an explicit value wins."""
     from jaxkv.plan import Plan
     plain = configs.tiny()
 
@@ -158,6 +165,8 @@ def test_default_shifts_the_keys_of_models_with_a_k_bias():
     assert shift(plain, kv_dtype="float8_e4m3fn", kv_key_shift=True)
     assert not shift(CFG, kv_dtype="float8_e4m3fn", kv_key_shift=False)
     assert not shift(CFG) and not shift(CFG, kv_dtype="bfloat16", kv_key_shift=True)
+    assert shift(plain, kv_dtype="int8") and shift(CFG, kv_dtype="int8")
+    assert not shift(plain, kv_dtype="int8", kv_key_shift=False)
 
 
 def test_shift_only_with_fp8():

@@ -1,7 +1,8 @@
-"""fp8 KV (jaxkv.kernels.kv_quant): the quantize / dequantize pair vs its numpy reference, and
-every kernel that reads or writes fp8 page rows (Pallas in interpret mode on CPU) vs its
-pure-jnp reference: fresh seeds, NaN-poisoned unused pages and tokens, permuted page tables;
-the Triton lowering of the fp8 paths for an H200."""
+"""Quantized KV, fp8 and int8 (jaxkv.kernels.kv_quant): the quantize / dequantize pair vs its
+numpy reference, and every kernel that reads or writes quantized page rows (Pallas in
+interpret mode on CPU) vs its pure-jnp reference: fresh seeds, poisoned unused pages and
+tokens (NaN for fp8; for int8 the scale byte 255, 2**128, so they dequantize to +-inf / NaN),
+permuted page tables; the Triton lowering of the quantized paths for an H200."""
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -20,6 +21,24 @@ from test_sparse_attention import dense_f64, fresh_seed, make_case, split_to_hos
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 FP8 = kq.FP8_DTYPES
+QUANT = kq.QUANT_DTYPES
+
+
+def poison_np(shape, dtype):
+    """numpy rows of ``dtype`` that dequantize to non-finite values: NaN for fp8, all bytes
+    0xFF for int8 (payload -1, scale byte 255 = 2**128: -inf)."""
+    dtype = np.dtype(jnp.dtype(dtype))
+    if dtype == np.int8:
+        return np.full(shape, -1, dtype)
+    return np.full(shape, np.nan, dtype)
+
+
+def is_poison(a):
+    """Elements still holding :func:`poison_np`'s value."""
+    a = np.asarray(a)
+    if a.dtype == np.int8:
+        return a == -1
+    return np.isnan(a.astype(np.float32))
 
 
 def bits(a):
@@ -27,8 +46,8 @@ def bits(a):
 
 
 def assert_same(a, b, msg=""):
-    """fp8 arrays equal bit for bit, except that any NaN equals any NaN (XLA may canonicalize
-    the NaN patterns of untouched poison)."""
+    """Quantized arrays equal bit for bit, except that any NaN equals any NaN (XLA may
+    canonicalize the NaN patterns of untouched poison)."""
     fa, fb = (np.asarray(jnp.asarray(x).astype(jnp.float32)) for x in (a, b))
     same = (bits(a) == bits(b)) | (np.isnan(fa) & np.isnan(fb))
     assert same.all(), f"{msg}: {np.sum(~same)} of {same.size} differ, first at {np.argwhere(~same)[:3].tolist()}"
@@ -64,12 +83,38 @@ def test_quantize_matches_numpy_reference(rng, dtype):
     assert back[0, 1, 3] == x[0, 1, 3]
 
 
+def test_int8_quantize_matches_numpy_reference(rng):
+    """int8: bit-exact against the numpy reference (round half to even, ties included); the
+    error is within half a step of the vector's scale, and the largest element lands in
+    (63.5, 127]."""
+    mags = 10.0 ** rng.uniform(-30, 30, (6, 5, 1))
+    x = (rng.standard_normal((6, 5, 32)) * mags).astype(np.float32)
+    x[0, 0] = 0.0
+    x[0, 1] = 0.0; x[0, 1, 3] = 127.0 * 2.0 ** 5                     # amax on the format's max
+    x[0, 1, 4] = 2.5 * 2.0 ** 5; x[0, 1, 5] = -3.5 * 2.0 ** 5        # ties: to even
+    x[0, 2] = -np.float32(2.0 ** -20)
+    p, e = kq.quantize(jnp.asarray(x), "int8")
+    pn, en = kq.quantize_np(x, "int8")
+    np.testing.assert_array_equal(np.asarray(e), en)
+    np.testing.assert_array_equal(np.asarray(p), pn)
+    assert p.dtype == jnp.int8 and e.dtype == jnp.uint8
+    back = kq.dequantize_np(pn, en)
+    np.testing.assert_array_equal(np.asarray(kq.dequantize(p, e)), back)
+    scale = np.ldexp(np.float32(1), en.astype(np.int64) - kq.EXP_BIAS)[..., None]
+    assert np.all(np.abs(back - x) <= scale / 2 + 1e-37)
+    amax = np.abs(x).max(-1)
+    peak = np.abs(pn.astype(np.int32)).max(-1)
+    assert np.all(peak[amax > 0] >= 64) and np.all(np.abs(pn.astype(np.int32)) <= 127)
+    assert pn[0, 1, 3] == 127 and pn[0, 1, 4] == 2 and pn[0, 1, 5] == -4
+    assert en[0, 0] == 1 and np.all(back[0, 0] == 0)
+
+
 def test_row_layout_helpers():
     """pack_pages / unpack_rows / encode_tokens / token_columns agree on the row layout."""
     rng_ = np.random.default_rng(fresh_seed())
     B, T, H, D, ps = 2, 8, 3, 16, 4
     k, v = (jnp.asarray(rng_.standard_normal((B, T, H, D)), jnp.float32) for _ in range(2))
-    for dt in FP8 + ("bfloat16",):
+    for dt in QUANT + ("bfloat16",):
         rows = kq.pack_pages(k, v, ps, dt)
         assert rows.shape == (B, T // ps, kq.row_elems(dt, H, ps, D)) and rows.dtype == jnp.dtype(dt)
         kv = kq.unpack_rows(rows, H, ps, D)                       # [B, n, 2, H, ps, D]
@@ -80,31 +125,38 @@ def test_row_layout_helpers():
             np.testing.assert_array_equal(bits(rows.reshape(-1, rows.shape[-1])[:, cols]), bits(enc))
             want = np.asarray(tok[:, :, t].astype(jnp.float32))
             got = np.asarray(kv[:, :, :, :, t])
-            tol = 2.0 ** -ml_dtypes.finfo(dt).nmant if dt in FP8 else 0.01
+            tol = (2.0 ** -ml_dtypes.finfo(dt).nmant if dt in FP8 else 2.0 ** -7 if dt == "int8"
+                   else 0.01)
             np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max())
 
 
 # --------------------------------------------------------------------------------------------
-# sparse attention over fp8 pages
+# sparse attention over quantized pages
 # --------------------------------------------------------------------------------------------
 def to_fp8(case, static, dtype, q_dtype):
-    """make_case's pool (float32, NaN in unused rows and tokens) as fp8 rows: NaN vectors keep a
-    NaN payload and get random scale bytes."""
+    """make_case's pool (float32, NaN in unused rows and tokens) as quantized rows: fp8 NaN
+    vectors keep a NaN payload and get random scale bytes; int8 ones get a random payload and
+    the scale byte 255 (2**128: +-inf, NaN for zeros)."""
     H, ps = static["num_kv_heads"], static["page_size"]
     q = case["q"]
     D = q.shape[-1]
     pool = np.asarray(case["pool"], np.float32).reshape(-1, 2, H, ps, D)
     payload, e = kq.quantize_np(np.nan_to_num(pool, nan=0.0), dtype)
     bad = np.isnan(pool).any(-1)
-    payload[bad] = np.nan
-    e[bad] = np.random.default_rng(0).integers(0, 256, bad.sum())
+    poison_rng = np.random.default_rng(0)
+    if payload.dtype == np.int8:
+        payload[bad] = poison_rng.integers(-127, 128, (bad.sum(), D))
+        e[bad] = 255
+    else:
+        payload[bad] = np.nan
+        e[bad] = poison_rng.integers(0, 256, bad.sum())
     N = pool.shape[0]
     rows = np.concatenate([payload.reshape(N, -1), e.view(payload.dtype).reshape(N, -1)], 1)
     return dict(case, pool=jnp.asarray(rows), q=q.astype(q_dtype))
 
 
 def dequantized(case, static):
-    """The fp8 case with a float32 pool of the dequantized values (for the float64 oracle)."""
+    """The quantized case with a float32 pool of the dequantized values (for the float64 oracle)."""
     H, ps, D = static["num_kv_heads"], static["page_size"], case["q"].shape[-1]
     pool = np.asarray(kq.unpack_rows(case["pool"], H, ps, D)).reshape(case["pool"].shape[0], -1)
     return dict(case, pool=jnp.asarray(pool))
@@ -114,6 +166,8 @@ FP8_CASES = [  # (B, H, G, D, ps, K, kv dtype, q dtype, splits)
     (2, 3, 3, 64, 16, 5, "float8_e4m3fn", jnp.bfloat16, None),
     (2, 2, 4, 32, 8, 6, "float8_e5m2", jnp.float32, 2),       # two pages per tile
     (3, 2, 1, 32, 64, 4, "float8_e4m3fn", jnp.float32, 1),
+    (2, 3, 3, 64, 16, 5, "int8", jnp.bfloat16, None),
+    (2, 2, 4, 32, 8, 6, "int8", jnp.float32, 2),
 ]
 
 
@@ -130,7 +184,7 @@ def test_fp8_attention_matches_reference(B, H, G, D, ps, K, dt, qdt, splits):
     tol = dict(rtol=2e-2, atol=2e-2) if qdt == jnp.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(ref_o, np.float32), want_o, err_msg=f"seed {seed}", **tol)
     split, _ = split_to_host(dequantized(case, static), seed)
-    # the split's host rows, re-encoded: the same fp8 rows moved (split_to_host works in f32)
+    # the split's host rows, re-encoded: the same quantized rows moved (split_to_host works in f32)
     split = host_split_fp8(case, split)
     assert np.isfinite(np.asarray(ref_l)[np.isfinite(want_l)]).all()
     for impl, kw in (("pallas", dict(num_splits=splits)), ("blocked", dict(tuning=AttentionTuning(pages_per_iter=3)))):
@@ -144,30 +198,32 @@ def test_fp8_attention_matches_reference(B, H, G, D, ps, K, dt, qdt, splits):
 
 
 def host_split_fp8(case, split):
-    """split_to_host's result with the fp8 rows of ``case`` (its host rows are copies of pool
-    rows, its poisoned rows NaN): the same moves on the fp8 arrays."""
+    """split_to_host's result with the quantized rows of ``case`` (its host rows are copies of
+    pool rows, the others poisoned): the same moves on the quantized arrays."""
     pool = np.asarray(case["pool"])
     rows, host_rows = np.asarray(case["block_rows"]), np.asarray(split["host_rows"])
     n_host = split["host"].shape[0]
-    host = np.full((n_host, pool.shape[1]), np.nan, pool.dtype)
+    host = poison_np((n_host, pool.shape[1]), pool.dtype)
     new_pool = pool.copy()
     for r, hr in zip(rows.ravel(), host_rows.ravel()):
         if hr >= 0:
             host[hr] = pool[r]
-            new_pool[r] = np.nan
+            new_pool[r] = poison_np(pool.shape[1:], pool.dtype)
     return dict(split, pool=jnp.asarray(new_pool), host=jnp.asarray(host), q=case["q"])
 
 
-@pytest.mark.parametrize("G,ppi", [(4, 1), (6, 2)])
-def test_fp8_attention_lowers_to_triton(G, ppi):
-    """The fp8 kernel (scale loads, bitcasts, fp8 -> bf16 converts) with a pinned-host tier."""
+@pytest.mark.parametrize("G,ppi,dt", [(4, 1, "float8_e4m3fn"), (6, 2, "float8_e4m3fn"),
+                                      (4, 1, "int8")])
+def test_fp8_attention_lowers_to_triton(G, ppi, dt):
+    """The quantized kernel (scale loads, bitcasts, fp8 / int8 -> bf16 converts) with a
+    pinned-host tier."""
     B, H, K, D, ps = 2, 8, 32, 128, 16 if ppi == 2 else 64
     f = lambda q, pool, r, p, l, host, hr: sa._pallas_impl(  # noqa: E731
         q, pool, r, p, l, page_size=ps, num_kv_heads=H, sm_scale=None, num_splits=None,
         tuning=AttentionTuning(pages_per_iter=ppi), interpret=False, host=host, host_rows=hr)
     S = jax.ShapeDtypeStruct
-    R = kq.row_elems("float8_e4m3fn", H, ps, D)
-    f8 = jnp.float8_e4m3fn
+    R = kq.row_elems(dt, H, ps, D)
+    f8 = jnp.dtype(dt)
     txt = lower_for_h200(f, S((B, H * G, D), jnp.bfloat16), S((512, R), f8),
                          S((B, H, K), jnp.int32), S((B, H, K), jnp.int32), S((B,), jnp.int32),
                          S((4096, R), f8), S((B, H, K), jnp.int32))
@@ -175,13 +231,14 @@ def test_fp8_attention_lowers_to_triton(G, ppi):
 
 
 # --------------------------------------------------------------------------------------------
-# writes: write_tokens (write-through), layer_lookup (the pool write), fetch of fp8 rows
+# writes: write_tokens (write-through), layer_lookup (the pool write), fetch of quantized rows
 # --------------------------------------------------------------------------------------------
 def poisoned(n, row, dtype):
-    return jnp.full((n, row), jnp.nan, jnp.dtype(dtype))
+    return jnp.asarray(poison_np((n, row), dtype))
 
 
-@pytest.mark.parametrize("dt,H,D,ps", [("float8_e4m3fn", 3, 16, 4), ("float8_e5m2", 2, 32, 1)])
+@pytest.mark.parametrize("dt,H,D,ps", [("float8_e4m3fn", 3, 16, 4), ("float8_e5m2", 2, 32, 1),
+                                       ("int8", 2, 16, 4)])
 def test_fp8_write_tokens_matches_reference(rng, dt, H, D, ps):
     n = 8
     R = kq.row_elems(dt, H, ps, D)
@@ -202,8 +259,9 @@ def test_fp8_write_tokens_matches_reference(rng, dt, H, D, ps):
             assert_same(got, want, impl)
 
 
-def test_fp8_write_tokens_lowers_to_triton(no_interpret):
-    H, D, ps, dt = 8, 128, 64, jnp.float8_e4m3fn
+@pytest.mark.parametrize("dt", [jnp.float8_e4m3fn, jnp.int8])
+def test_fp8_write_tokens_lowers_to_triton(no_interpret, dt):
+    H, D, ps = 8, 128, 64
     S = jax.ShapeDtypeStruct
     txt = lower_for_h200(lambda d, r, o, kv: page_write._write_tokens_pallas(d, r, o, kv, page_size=ps),
                          S((64, kq.row_elems(dt, H, ps, D)), dt), S((4,), jnp.int32),
@@ -211,10 +269,11 @@ def test_fp8_write_tokens_lowers_to_triton(no_interpret):
     assert "__gpu$xla.gpu.triton" in txt
 
 
-@pytest.mark.parametrize("reuse", [True, False])
-def test_fp8_layer_lookup_matches_reference(rng, reuse):
+@pytest.mark.parametrize("reuse,dt", [(True, "float8_e4m3fn"), (False, "float8_e4m3fn"),
+                                      (True, "int8")])
+def test_fp8_layer_lookup_matches_reference(rng, reuse, dt):
     from test_layer_lookup import make_case as lookup_case
-    B, H, K, D, ps, L, Np, S, dt = 3, 2, 3, 16, 4, 2, 5, 7, "float8_e4m3fn"
+    B, H, K, D, ps, L, Np, S = 3, 2, 3, 16, 4, 2, 5, 7
     c = lookup_case(rng, B=B, H=H, K=K, D=D, ps=ps, L=L, Np=Np, S=S, dtype=jnp.dtype(jnp.float32))
     layer = int(rng.integers(0, L))
     outs = []
@@ -228,15 +287,15 @@ def test_fp8_layer_lookup_matches_reference(rng, reuse):
     assert_same(outs[0][0], outs[1][0], "pool")
     for a, b in zip(outs[0][1:], outs[1][1:]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    written = ~np.isnan(np.asarray(outs[1][0].astype(jnp.float32))).all(1)
+    written = ~is_poison(outs[1][0]).all(1)
     assert written.sum() == 0 or reuse
 
 
-@pytest.mark.parametrize("H,ps,D", [(8, 16, 128), (3, 4, 16)])
-def test_fp8_fetch_moves_whole_rows(rng, H, ps, D):
-    """fetch_pages / fetch_layer_pages copy fp8 rows with their scales (the row length is not
-    a power of two): Pallas vs reference, bit for bit."""
-    dt = "float8_e4m3fn"
+@pytest.mark.parametrize("H,ps,D,dt", [(8, 16, 128, "float8_e4m3fn"), (3, 4, 16, "float8_e4m3fn"),
+                                       (3, 4, 16, "int8")])
+def test_fp8_fetch_moves_whole_rows(rng, H, ps, D, dt):
+    """fetch_pages / fetch_layer_pages copy quantized rows with their scales (the row length
+    is not a power of two): Pallas vs reference, bit for bit."""
     R = kq.row_elems(dt, H, ps, D)
     L, P, Sl = 2, 6, 3
     host = jnp.asarray(rng.integers(0, 256, (L * P, R), dtype=np.uint8).view(jnp.dtype(dt)))
@@ -276,9 +335,10 @@ def test_fp8_layer_lookup_lowers_to_triton(no_interpret):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dt,ps", [("float8_e4m3fn", 64), ("float8_e5m2", 8)])
+@pytest.mark.parametrize("dt,ps", [("float8_e4m3fn", 64), ("float8_e5m2", 8), ("int8", 64),
+                                   ("int8", 8)])
 def test_gpu_fp8_attention_reads_pinned_host(dt, ps):
-    """The compiled kernel on fp8 rows, half of them read in place from a pinned_host array
+    """The compiled kernel on quantized rows, half of them read in place from a pinned_host array
     (64-token pages: a tile is one page; 8-token pages: mixed tiles), vs the reference."""
     from jax.sharding import SingleDeviceSharding
     pinned = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")

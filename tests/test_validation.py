@@ -231,7 +231,7 @@ def test_device_memory_env_override(monkeypatch):
     (dict(pool_pages=0), "pool_pages must be an int >= 1"),
     (dict(pool_pages=True), "pool_pages must be an int >= 1"),
     (dict(sink_pages=-1), "sink_pages must be an int >= 0"),
-    (dict(kv_dtype="int8"), "kv_dtype must be one of"),
+    (dict(kv_dtype="int4"), "kv_dtype must be one of"),
     (dict(kv_dtype="float8"), "kv_dtype must be one of.*float8_e4m3fn"),
     (dict(implementation="triton"), "'pallas', 'xla' or None"),
     (dict(strict="yes"), "strict must be a bool"),
@@ -276,7 +276,7 @@ SPEC = dict(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, dtype="float
 @pytest.mark.parametrize("kw, match", [
     (dict(head_dim=24), "head_dim must be a power of two"),
     (dict(page_size=3), "page_size must be a power of two"),
-    (dict(dtype="int8"), "dtype must be one of"),
+    (dict(dtype="int4"), "dtype must be one of"),
     (dict(num_slots=3), r"pinned pages need 4 slots.*raise the pool size or pin fewer pages"),
     (dict(num_slots=13), "pool would be larger than the host tier"),
     (dict(num_layers=0), "num_layers must be a positive int"),

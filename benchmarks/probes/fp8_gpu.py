@@ -16,6 +16,8 @@ Points, in this order (later ones are skipped once --budget seconds are spent):
    allocator keeps its regions, so the largest tier must come first.
 3. 8B-like B=1 and Qwen-like B=8 at 128k: {fp8, bf16} x {host tier (2x pool), resident}.
 
+``--extra-dtypes int8`` adds those KV dtypes to every point of 3, in the same process.
+
 Each decode point: synthetic context (benchmarks/synthetic.py, keys calibrated once per point
 to the real-text selection overlap), one warm-up round (compile), --rounds timed rounds of 32
 steps (decode_lib.run_decode). Writes DIR/fp8_gpu.json; prints a table last.
@@ -103,6 +105,10 @@ def plan_for(cfg, B, max_ctx, st: lib.Settings, *, mode, kv_dtype):
     return mk(dataclasses.replace(cache, mode="host", pool_pages=min(P, 2 * one_x)))
 
 
+def short(dt: str) -> str:
+    return {"bfloat16": "bf16", "float8_e4m3fn": "fp8", "float8_e5m2": "e5m2"}.get(dt, dt)
+
+
 def decode_point(shape, B, ctx, dtypes, modes, st: lib.Settings, target, budget, records):
     cfg = lib.model_config(shape)
     max_ctx = -(-(ctx + st.room) // st.page_size) * st.page_size
@@ -132,7 +138,7 @@ def decode_point(shape, B, ctx, dtypes, modes, st: lib.Settings, target, budget,
                                               chunk_bytes=st.chunk_bytes)
                 jax.block_until_ready(state)
                 rec["fill_s"] = time.perf_counter() - t1
-                name = f"{'fp8' if 'float8' in dt else dt[:4]}-{mode[:4]}"
+                name = f"{short(dt)}-{mode[:4]}"
                 r, state = lib.run_decode(name, plan, params, state, st, rounds=st.timed_rounds)
                 rec.update({k: r[k] for k in ("tokens_per_s", "step_ms", "steps", "hit_rate",
                                               "h2d_bytes_per_step", "h2d_gbps_over_step",
@@ -152,7 +158,7 @@ def table(records) -> str:
     lines = [head, "-" * len(head)]
     for r in records:
         pt = f"{r['shape']} B={r['batch']} {r['context']}"
-        kv = "fp8" if r["kv_dtype"].startswith("float8") else "bf16"
+        kv = short(r["kv_dtype"])
         if "error" in r:
             lines.append(f"{pt:28s} {kv:6s} {r['mode']:8s} ERROR {r['error'][:60]}")
             continue
@@ -172,6 +178,8 @@ def main():
     ap.add_argument("--budget", type=float, default=225.0, help="seconds; later points skipped")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds of 32 steps per point")
     ap.add_argument("--new-tokens", type=int, default=48, help="token check: tokens generated")
+    ap.add_argument("--extra-dtypes", nargs="*", default=[],
+                    help="KV dtypes measured beside fp8 and bf16 at the 128k points (e.g. int8)")
     ap.add_argument("--overlap", type=float, default=None,
                     help="target selection overlap (default: results/selection_overlap.json)")
     a = ap.parse_args()
@@ -210,6 +218,8 @@ def main():
     if a.quick and a.points != "tokens":
         pick = points
     for shape, B, ctx, dts, modes in pick:
+        if len(dts) > 1:
+            dts = tuple(a.extra_dtypes) + dts
         if not budget.ok(f"{shape} B={B} {ctx}", 40):
             continue
         decode_point(shape, B, ctx, dts, modes, st, target, budget, res["records"])

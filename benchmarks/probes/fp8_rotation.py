@@ -1,5 +1,5 @@
-"""fp8 keys and values against float32, and two exact transforms of the stored keys that
-could make fp8 more accurate (issue 31): the error of one layer's attention output, on a real
+"""fp8 and int8 keys and values against float32, and two exact transforms of the stored keys
+that could make them more accurate (issue 31): the error of one layer's attention output, on a real
 model and real text, CPU.
 
 Per layer: the model's own q / k / v (float32 prefill of ``--tokens`` tokens of Paul Graham's
@@ -12,6 +12,10 @@ V quantized as ``kv_quant`` stores them (``--dtype``, a power-of-two scale per t
   V's output rotated back); ``k_only_rot_signs``: R after random signs;
 - ``k_only_smooth``: K minus its mean over the tokens (per head) before quantizing, exact
   under softmax (q . mu is the same for every key of a query); ``k_only_smooth_rot``: both.
+- ``int8_*``: the same with int8 payloads (``kv_quant``'s power-of-two scale per token and
+  head): ``int8_kv`` (K and V), ``int8_kv_smooth`` (K shifted, as ``kv_key_shift`` stores it),
+  ``int8_k_only``, ``int8_k_only_smooth``, ``int8_k_only_rot``, ``int8_k_only_smooth_rot``,
+  ``int8_v_only``.
 
 Each is the relative L2 error of the attention output; ``logit_max*``: the largest score
 error. Prints per layer, then the means (``--out``: JSON).
@@ -97,14 +101,24 @@ def main():
         out_ks, _ = attend(q1, fp8(k1 - mu, a.dtype), v1, t0)            # smoothed: softmax-exact
         out_ksr, _ = attend(q1 @ R, fp8((k1 - mu) @ R, a.dtype), v1, t0)  # smoothed, then rotated
         out_vr, _ = attend(q1, k1, fp8(v1 @ R, a.dtype) @ R.T, t0)
+        i8 = lambda t: fp8(t, "int8")  # noqa: E731
         ok = jnp.isfinite(s_ref)
         rel = lambda o: float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref))
+        int8 = dict(
+            int8_kv=rel(attend(q1, i8(k1), i8(v1), t0)[0]),
+            int8_kv_smooth=rel(attend(q1, i8(k1 - mu), i8(v1), t0)[0]),
+            int8_k_only=rel(attend(q1, i8(k1), v1, t0)[0]),
+            int8_k_only_smooth=rel(attend(q1, i8(k1 - mu), v1, t0)[0]),
+            int8_k_only_rot=rel(attend(q1 @ R, i8(k1 @ R), v1, t0)[0]),
+            int8_k_only_smooth_rot=rel(attend(q1 @ R, i8((k1 - mu) @ R), v1, t0)[0]),
+            int8_v_only=rel(attend(q1, k1, i8(v1), t0)[0]))
         mx = lambda s_: float(jnp.max(jnp.where(ok, jnp.abs(s_ - s_ref), 0)))
         row = dict(layer=i, out_rel=rel(out), out_rel_rot=rel(out_r), out_rel_bf16=rel(out_bf),
                    k_only=rel(out_k), k_only_rot=rel(out_kr @ R.T), k_only_rot_signs=rel(out_krs), k_only_smooth=rel(out_ks), k_only_smooth_rot=rel(out_ksr), v_only=rel(out_v),
                    v_only_rot=rel(out_vr), logit_max=mx(s),
                    logit_max_rot=mx(s_r),
-                   k_kurtosis=float(jnp.mean(jnp.max(jnp.abs(k1), -1) / jnp.sqrt(jnp.mean(k1 ** 2, -1)))))
+                   k_kurtosis=float(jnp.mean(jnp.max(jnp.abs(k1), -1) / jnp.sqrt(jnp.mean(k1 ** 2, -1)))),
+                   **int8)
         rows.append(row)
         print(" ".join(f"{k_}={v_:.4g}" if isinstance(v_, float) else f"{k_}={v_}"
                        for k_, v_ in row.items()), flush=True)

@@ -10,7 +10,7 @@ module that registers a :class:`Selector` subclass with :func:`register`.
 
 Lagged selection (``CacheConfig.selection_lag=1``) is the step's business, not a selector's:
 the summaries tuple then ends with one more array, ``ahead`` [L, B, H, k] int32, the pages
-each layer attends to at the next step; with fp8 KV the stored keys' shift comes before it
+each layer attends to at the next step; with quantized KV the stored keys' shift comes before it
 (:func:`split`, :func:`join`).
 """
 from __future__ import annotations

@@ -82,7 +82,7 @@ def split(summaries: tuple, plan):
     """(the selector's own arrays, ``shift`` or None, ``ahead`` or None) of a summaries tuple.
 
     The engine appends its own arrays after the selector's: the stored keys' shift
-    [L, B, H, D] float32 when ``plan.key_shift`` (fp8 KV), then, with lagged selection,
+    [L, B, H, D] float32 when ``plan.key_shift`` (quantized KV), then, with lagged selection,
     ``ahead`` [L, B, H, k] int32, the pages of the next step (always the last array)."""
     summaries = tuple(summaries)
     ahead = summaries[-1] if plan.lagged else None

@@ -1,7 +1,7 @@
 """Quest: per page and KV head the elementwise max / min of the post-RoPE keys; a page's
 score is an upper bound of the query's dot product with its keys
 (``jaxkv.kernels.quest``). Summaries ``(kmax, kmin)`` [L, B, Np, H, D] in
-``plan.summary_dtype`` (the KV dtype; the model's when the KV is fp8)."""
+``plan.summary_dtype`` (the KV dtype; the model's when the KV is quantized)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
