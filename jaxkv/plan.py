@@ -63,12 +63,12 @@ class Plan:
     @property
     def key_shift(self) -> bool:
         """Stored keys are shifted by their request's mean key (quantized KV with
-        ``CacheConfig.kv_key_shift``; ``None``: int8 always, fp8 for models with a K bias):
+        ``CacheConfig.kv_key_shift``; ``None``: models with a K bias):
         the summaries tuple then holds the shift [L, B, H, D] float32 after the selector's own
         arrays (``jaxkv.selectors.split``)."""
         shift = self.cache.kv_key_shift
         if shift is None:
-            shift = self.model.qkv_bias or jnp.dtype(self.kv_dtype) == jnp.int8
+            shift = self.model.qkv_bias
         return bool(shift) and kv_quant.is_quantized(self.kv_dtype)
 
     @property

@@ -153,8 +153,8 @@ def test_context_keeps_its_shift_and_checks_the_setting():
 
 
 def test_default_shifts_the_keys_of_models_with_a_k_bias():
-    """kv_key_shift=None: with fp8 KV on for a model with a K bias (qwen2), off without one
-    (llama); with int8 KV on for both; never for other dtypes; an explicit value wins."""
+    """kv_key_shift=None: with quantized KV (fp8, int8) on for a model with a K bias (qwen2),
+    off without one (llama); never for other dtypes; an explicit value wins."""
     from jaxkv.plan import Plan
     plain = configs.tiny()
 
@@ -165,8 +165,8 @@ def test_default_shifts_the_keys_of_models_with_a_k_bias():
     assert shift(plain, kv_dtype="float8_e4m3fn", kv_key_shift=True)
     assert not shift(CFG, kv_dtype="float8_e4m3fn", kv_key_shift=False)
     assert not shift(CFG) and not shift(CFG, kv_dtype="bfloat16", kv_key_shift=True)
-    assert shift(plain, kv_dtype="int8") and shift(CFG, kv_dtype="int8")
-    assert not shift(plain, kv_dtype="int8", kv_key_shift=False)
+    assert shift(CFG, kv_dtype="int8") and not shift(plain, kv_dtype="int8")
+    assert shift(plain, kv_dtype="int8", kv_key_shift=True)
 
 
 def test_shift_only_with_fp8():
