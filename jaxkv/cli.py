@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weights and activations (default: float32 for GGUF, the checkpoint's own "
                         "dtype for Hugging Face checkpoints)")
+    p.add_argument("--kv-dtype", choices=["bfloat16", "float32", "int8", "float8_e4m3fn"],
+                   default=None,
+                   help="how the KV cache is stored (default: the model's dtype); int8 and "
+                        "float8_e4m3fn halve bf16's host RAM and PCIe bytes, int8 the more "
+                        "accurately (fp8 needs an H100/H200-class GPU)")
     p.add_argument("--schedule", choices=["step", "scratch", "layer"], default=None,
                    help="host-mode residency schedule (default: step, which never drops a page; "
                         "layer with --strict)")
@@ -160,7 +165,7 @@ def main(argv=None) -> int:
         cache = jaxkv.CacheConfig(
             mode=args.mode, selector=args.selector, page_size=args.page_size,
             selected_pages=max(2, -(-budget // args.page_size)), pool_pages=args.pool_pages,
-            candidate_pages=args.candidate_pages,
+            candidate_pages=args.candidate_pages, kv_dtype=args.kv_dtype,
             strict=args.strict, schedule=schedule,
             prefill_chunk=max(jaxkv.CacheConfig.prefill_chunk, args.page_size))
         sampling = jaxkv.Sampling.make(args.temperature, args.top_k, args.top_p)

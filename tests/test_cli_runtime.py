@@ -49,6 +49,16 @@ def test_two_stage_selector_from_the_command_line(capsys):
     assert "leave candidate_pages=None" in capsys.readouterr().err
 
 
+def test_int8_kv_from_the_command_line(capsys):
+    """--kv-dtype int8 runs; a dtype the cache cannot store fails naming the option."""
+    assert cli_main(["Hello", *FAST, "--json", "--kv-dtype", "int8"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["stats"]["generated_tokens"] >= 1
+    with pytest.raises(SystemExit) as e:
+        cli_main(["Hello", *FAST, "--kv-dtype", "int4"])
+    assert e.value.code == 2 and "--kv-dtype" in capsys.readouterr().err
+
+
 def test_file_from_stdin_and_stream(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("From standard input"))
     assert cli_main(["--file", "-", *FAST, "--stream"]) == 0
