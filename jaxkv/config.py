@@ -135,6 +135,11 @@ class CacheConfig:
         the shift against 96.2% without (fp8: 97.0% against 92.6%); SmolLM2-135M keeps
         97.4% with int8 and the shift against 98.3% without (fp8: 93.1% against 94.5%;
         BENCHMARKS.md). Ignored for other dtypes.
+      kv_key_rotation: with a quantized ``kv_dtype``, store each key (after the shift)
+        rotated by the normalized Hadamard matrix of the head dimension, and rotate the
+        decode queries alike: exact (``(q R) . (k R) = q . k``); the rotation spreads a key's
+        large channels over all of them, so one scale per vector fits it better. Ignored for
+        other dtypes.
       prefill_chunk: query tokens per chunk of the XLA prefill attention (bounds its memory;
         the flash-attention implementations on the GPU do not need it).
       prefill_token_chunk: tokens per piece of a prefill layer's per-token work (norms,
@@ -185,6 +190,7 @@ class CacheConfig:
     strict: bool = False
     kv_dtype: str | None = None
     kv_key_shift: bool | None = None
+    kv_key_rotation: bool = False
     prefill_chunk: int = 2048
     prefill_token_chunk: int | None = None
     round_steps: int = 64
@@ -260,10 +266,10 @@ class CacheConfig:
         if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"CacheConfig.implementation must be 'pallas', 'xla' or None, "
                              f"got {self.implementation!r}")
-        for name in ("strict",) + tuple(n for n in ("unroll_layers", "kv_key_shift")
+        for name in ("strict", "kv_key_rotation") + tuple(n for n in ("unroll_layers", "kv_key_shift")
                                         if getattr(self, n) is not None):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
-                opt = "" if name == "strict" else "None or "
+                opt = "" if name in ("strict", "kv_key_rotation") else "None or "
                 raise ValueError(f"CacheConfig.{name} must be {opt}a bool, got "
                                  f"{getattr(self, name)!r}")
         for name in ("prefill_chunk", "prefill_token_chunk"):

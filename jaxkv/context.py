@@ -114,6 +114,7 @@ def check_compatible(context: Context, plan: Plan):
                        ("page_size", a.page_size, b.page_size),
                        ("dtype", a.kv_dtype, b.kv_dtype),
                        ("kv_key_shift", a.key_shift, b.key_shift),
+                       ("kv_key_rotation", a.key_rotation, b.key_rotation),
                        ("dense_layers", a.num_dense, b.num_dense),
                        ("selection_lag", a.lagged, b.lagged)):
         if x != y:

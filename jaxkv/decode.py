@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxkv import residency, selectors
 from jaxkv.config import Sampling
-from jaxkv.kernels import dense_select
+from jaxkv.kernels import dense_select, kv_quant
 from jaxkv.kernels.sparse_attention import sparse_paged_attention
 from jaxkv.models import llama
 from jaxkv.plan import Plan, round_compiler_options
@@ -52,14 +52,26 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     sel_in = ((jnp.zeros((L, B, Hq, D), cfg.dtype), jnp.zeros((L, B, 2, H, D), plan.summary_dtype))
               if batched else ())
 
+    rot = kv_quant.hadamard(D) if plan.key_rotation else None
+
     def stored(tok_kv, summ, layer):
         """The new token's K/V [B, 2, H, D] as the cache stores them: with quantized KV the keys
-        less their request's shift (``plan.key_shift``), which the softmax cancels."""
-        if not plan.key_shift:
+        less their request's shift (``plan.key_shift``), which the softmax cancels, then
+        rotated (``plan.key_rotation``), which the rotated queries cancel."""
+        if not (plan.key_shift or plan.key_rotation):
             return tok_kv
-        shift = selectors.split(summ, plan)[1][layer]                  # [B, H, D] float32
-        k_st = tok_kv[:, 0].astype(jnp.float32) - shift
+        k_st = tok_kv[:, 0].astype(jnp.float32)
+        if plan.key_shift:
+            k_st = k_st - selectors.split(summ, plan)[1][layer]        # [B, H, D] float32
+        if plan.key_rotation:
+            k_st = k_st @ rot
         return tok_kv.at[:, 0].set(k_st.astype(tok_kv.dtype))
+
+    def query(q1):
+        """The query attention multiplies with the stored keys (rotated alike)."""
+        if rot is None:
+            return q1
+        return (q1.astype(jnp.float32) @ rot).astype(q1.dtype)
 
     def attend_dense(layer, lp, h, q, k, v, carry):
         """The first plan.num_dense layers: every valid page, read from device memory."""
@@ -72,8 +84,9 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
                                           num_kv_heads=H, page_size=ps)
         pages = jnp.where(active[:, None, None], pages, INVALID)
         rows = jnp.where(pages >= 0, layer * P + b_idx[:, None, None] * Np + pages, INVALID)
-        out, _ = sparse_paged_attention(q1, pool, rows, pages, jnp.where(active, pos + 1, 1),
-                                        page_size=ps, num_kv_heads=H, implementation=impl)
+        out, _ = sparse_paged_attention(query(q1), pool, rows, pages,
+                                        jnp.where(active, pos + 1, 1), page_size=ps,
+                                        num_kv_heads=H, implementation=impl)
         return out[:, None].astype(q.dtype), (kv, summ, look, dense, sel_in)
 
     def attend(layer, lp, h, q, k, v, carry):
@@ -102,7 +115,8 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         kv, rows, host, look = sched.rows(plan, kv, layer, pages, look, b_idx=b_idx,
                                           active=active, logical=logical, offset=offset,
                                           tok_kv=st_kv, protect=protect, pool_only=pool_only)
-        out, _ = sparse_paged_attention(q1, kv.pool, rows, pages, jnp.where(active, pos + 1, 1),
+        out, _ = sparse_paged_attention(query(q1), kv.pool, rows, pages,
+                                        jnp.where(active, pos + 1, 1),
                                         page_size=ps, num_kv_heads=H, implementation=impl, **host)
         if host:  # order the next in-place host write after this read (no host-array copy)
             host_kv, out = jax.lax.optimization_barrier((kv.host_kv, out))

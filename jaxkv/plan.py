@@ -72,6 +72,12 @@ class Plan:
         return bool(shift) and kv_quant.is_quantized(self.kv_dtype)
 
     @property
+    def key_rotation(self) -> bool:
+        """Stored keys and decode queries are rotated by ``kv_quant.hadamard(D)`` (quantized KV
+        with ``CacheConfig.kv_key_rotation``)."""
+        return bool(self.cache.kv_key_rotation) and kv_quant.is_quantized(self.kv_dtype)
+
+    @property
     def lagged(self) -> bool:
         """Pages chosen one step ahead (CacheConfig.selection_lag): the summaries tuple then
         ends with ``ahead`` [L, B, H, k] (``jaxkv.selectors.split``)."""

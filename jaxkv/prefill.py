@@ -68,6 +68,8 @@ def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, de
         mean = key_mean(k, lengths)                                  # [B, H, D] float32
         shift = shift.at[layer].set(mean)
         k_st = k.astype(jnp.float32) - mean[:, None]
+    if plan.key_rotation:  # quantized KV: keys rotated (decode rotates its queries alike)
+        k_st = k_st.astype(jnp.float32) @ kv_quant.hadamard(k.shape[-1])
     pages = kv_quant.pack_pages(k_st, v, ps, plan.kv_dtype)         # [B, n, R] (fp8 / int8: quantized)
     n = T // ps
     j = jnp.arange(n, dtype=jnp.int32)

@@ -92,6 +92,17 @@ def _exponent(amax, fmax: float):
     return jnp.clip(e, _E_MIN, _E_MAX).astype(jnp.int32)
 
 
+def hadamard(dim: int):
+    """The normalized Hadamard matrix [dim, dim] float32 (Sylvester's construction; symmetric
+    and orthogonal: ``R @ R = I``), for a power-of-two ``dim``."""
+    if dim < 1 or dim & (dim - 1):
+        raise ValueError(f"hadamard needs a power-of-two dimension, got {dim}")
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < dim:
+        h = np.block([[h, h], [h, -h]])
+    return jnp.asarray(h / np.sqrt(np.float32(dim)))
+
+
 def scale_of(e):
     """2**(e - 127) as float32 from biased exponents (any int dtype): the exponent bits of an
     f32, exact (no exp2)."""

@@ -61,13 +61,16 @@ def _stored_layer0(ctx, b):
     return kv[0], kv[1]
 
 
-@pytest.mark.parametrize("mode,dt", [("resident", "float8_e4m3fn"), ("host", "float8_e4m3fn"),
-                                     ("host", "int8")])
-def test_stored_keys_are_the_keys_less_the_prompt_mean(mode, dt):
+@pytest.mark.parametrize("mode,dt,rot", [("resident", "float8_e4m3fn", False),
+                                         ("host", "float8_e4m3fn", False), ("host", "int8", False),
+                                         ("resident", "int8", True)])
+def test_stored_keys_are_the_keys_less_the_prompt_mean(mode, dt, rot):
     """Layer 0's stored keys, prompt and decoded tokens alike, are q(k - mean of the
-    prompt's keys) (the numpy reference of the quantization, fp8 or int8), and the shift the
-    summaries carry is that mean; the values are stored as they are."""
-    cache = CacheConfig(mode=mode, selector="quest", **{**FP8, "kv_dtype": dt})
+    prompt's keys) (the numpy reference of the quantization, fp8 or int8), rotated by the
+    normalized Hadamard matrix with ``kv_key_rotation``, and the shift the summaries carry is
+    that mean; the values are stored as they are."""
+    cache = CacheConfig(mode=mode, selector="quest", kv_key_rotation=rot,
+                        **{**FP8, "kv_dtype": dt})
     r = jaxkv.generate(CFG, PARAMS, PROMPTS, cache=cache, max_new_tokens=6, stop_tokens=[],
                        keep=True)
     ctx = r.context
@@ -80,7 +83,8 @@ def test_stored_keys_are_the_keys_less_the_prompt_mean(mode, dt):
         mean = k[:len(prompt)].mean(0)
         np.testing.assert_allclose(np.asarray(shift[0, b]), mean, rtol=1e-5, atol=1e-4)
         k_st, v_st = _stored_layer0(ctx, b)
-        want = kv_quant.dequantize_np(*kv_quant.quantize_np(k - mean, dt))
+        R = hadamard_np(k.shape[-1]) if rot else np.eye(k.shape[-1], dtype=np.float32)
+        want = kv_quant.dequantize_np(*kv_quant.quantize_np((k - mean) @ R, dt))
         # one step of tolerance: the engine's keys and these differ in float rounding
         err = np.abs(k_st - want)
         if dt == "int8":   # a step is the vector's scale, at most 1/64 of its largest element
@@ -93,8 +97,25 @@ def test_stored_keys_are_the_keys_less_the_prompt_mean(mode, dt):
         np.testing.assert_allclose(v_st, v, rtol=0.07, atol=v_tol * np.abs(v).max())
 
 
+def hadamard_np(d):
+    h = np.array([[1.0]])
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(d)).astype(np.float32)
+
+
+def test_hadamard_matches_numpy_and_is_orthogonal():
+    R = np.asarray(kv_quant.hadamard(16))
+    np.testing.assert_array_equal(R, hadamard_np(16))
+    np.testing.assert_allclose(R @ R, np.eye(16), atol=1e-6)
+    with pytest.raises(ValueError, match="power-of-two"):
+        kv_quant.hadamard(12)
+
+
 @pytest.mark.parametrize("kw", [dict(selector="quest", selection_lag=1, dense_layers=1),
-                                dict(selector="quest_rescore8", selected_pages=3)])
+                                dict(selector="quest_rescore8", selected_pages=3),
+                                dict(selector="quest", kv_dtype="int8", kv_key_rotation=True,
+                                     selection_lag=1, dense_layers=1)])
 def test_fp8_host_equals_resident_with_the_shift(kw):
     """The host tier gives the resident run's tokens with the shift (lagged selection and a
     dense first layer; the two-stage selector)."""
@@ -132,6 +153,34 @@ def test_shift_brings_fp8_attention_closer_to_float32():
             e.append(np.linalg.norm(attend(k_st, v) - ref) / np.linalg.norm(ref))  # keys' share
         err[shift] = max(e)
     assert err[True] < 0.7 * err[False], err
+
+
+def test_rotated_int8_keys_read_with_rotated_queries():
+    """Layer 0's last query over the stored int8 keys: rotated keys read with the rotated
+    query give the float32 keys' attention more closely than unrotated ones (the rotation is
+    exact, and it spreads the keys' large channels)."""
+    err, toks = {}, {}
+    G = CFG.num_heads // CFG.num_kv_heads
+    for rot in (True, False):
+        cache = CacheConfig(mode="resident", selector="dense", kv_key_rotation=rot,
+                            **{**FP8, "kv_dtype": "int8", "selected_pages": 16})
+        ctx = jaxkv.generate(CFG, PARAMS, PROMPTS, cache=cache, max_new_tokens=2,
+                             stop_tokens=[], keep=True).context
+        R = hadamard_np(CFG.head_dim) if rot else np.eye(CFG.head_dim, dtype=np.float32)
+        e = []
+        for b in range(len(PROMPTS)):
+            k_st, _ = _stored_layer0(ctx, b)
+            q, k, v = _layer0_qkv(list(ctx.tokens[b][:ctx.cached[b]]))
+
+            def attend(qq, kk):
+                s = np.einsum("hd,thd->ht", qq, np.repeat(kk, G, axis=1)) / np.sqrt(CFG.head_dim)
+                p = np.exp(s - s.max(-1, keepdims=True))
+                p /= p.sum(-1, keepdims=True)
+                return np.einsum("ht,thd->hd", p, np.repeat(v, G, axis=1))
+            ref = attend(q[-1], k)
+            e.append(np.linalg.norm(attend(q[-1] @ R, k_st) - ref) / np.linalg.norm(ref))
+        err[rot] = max(e)
+    assert err[True] < err[False], err
 
 
 def test_context_keeps_its_shift_and_checks_the_setting():
@@ -181,3 +230,5 @@ def test_shift_only_with_fp8():
     assert len(a.context.summaries) == len(b.context.summaries)
     with pytest.raises(ValueError, match="kv_key_shift must be None or a bool"):
         CacheConfig(kv_key_shift="yes")
+    with pytest.raises(ValueError, match="kv_key_rotation must be a bool"):
+        CacheConfig(kv_key_rotation=None)
