@@ -439,7 +439,7 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
                    selection_lag=cache.selection_lag, page_size=cache.page_size,
                    batch=bsz, batches=len(groups), cases=len(cases), wall_s=round(wall, 2),
                    stats=stats, requests=reqs)
-        numerics = ("kv_dtype", "kv_key_shift")   # the twin differs in these only
+        numerics = ("kv_dtype", "kv_key_shift", "kv_key_rotation")   # the twin differs in these only
         base = next((n for n, sp in specs.items() if n in tokens and n != name and
                      not sp.get("kv_dtype") and
                      {k: v for k, v in sp.items() if k not in numerics} ==
