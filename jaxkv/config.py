@@ -124,8 +124,8 @@ class CacheConfig:
         uses the prompt's unquantized K/V, decode reads what is stored; the selector's
         summaries stay in the model's dtype. int8 is the more accurate of the three (7 bits
         relative to each vector's largest element against fp8 e4m3's 3 mantissa bits; see
-        BENCHMARKS.md for retrievals kept) and runs on any GPU; fp8 needs a GPU of compute
-        capability >= 8.9 (H100, H200, L40S) or the CPU.
+        BENCHMARKS.md for retrievals kept) and needs no fp8 support in the GPU; fp8 needs
+        compute capability >= 8.9 (H100, H200, L40S) or the CPU.
       kv_key_shift: with a quantized ``kv_dtype``, store each key minus its request's mean key
         (per layer and KV head, the mean over the prompt, fixed at the prefill and kept with
         a continued context). Exact: a query's scores all move by the same ``q . mean``,
