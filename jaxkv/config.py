@@ -268,8 +268,9 @@ class CacheConfig:
         if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"CacheConfig.implementation must be 'pallas', 'xla' or None, "
                              f"got {self.implementation!r}")
-        for name in ("strict", "kv_key_rotation") + tuple(n for n in ("unroll_layers", "kv_key_shift")
-                                        if getattr(self, n) is not None):
+        optional = tuple(n for n in ("unroll_layers", "kv_key_shift")
+                         if getattr(self, n) is not None)
+        for name in ("strict", "kv_key_rotation") + optional:
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 opt = "" if name in ("strict", "kv_key_rotation") else "None or "
                 raise ValueError(f"CacheConfig.{name} must be {opt}a bool, got "

@@ -64,13 +64,13 @@ def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, de
 
     own, shift, ahead = selectors.split(summaries, plan)
     k_st = k
-    if plan.key_shift:  # quantized KV: store the keys less the request's mean key (softmax-exact)
+    if plan.key_shift:  # quantized KV: store the keys less the request's mean (softmax-exact)
         mean = key_mean(k, lengths)                                  # [B, H, D] float32
         shift = shift.at[layer].set(mean)
         k_st = k.astype(jnp.float32) - mean[:, None]
     if plan.key_rotation:  # quantized KV: keys rotated (decode rotates its queries alike)
         k_st = k_st.astype(jnp.float32) @ kv_quant.hadamard(k.shape[-1])
-    pages = kv_quant.pack_pages(k_st, v, ps, plan.kv_dtype)         # [B, n, R] (fp8 / int8: quantized)
+    pages = kv_quant.pack_pages(k_st, v, ps, plan.kv_dtype)         # [B, n, R] (quantized rows)
     n = T // ps
     j = jnp.arange(n, dtype=jnp.int32)
     used = j[None, :] * ps < lengths[:, None]
