@@ -199,6 +199,10 @@ def test_context_keeps_its_shift_and_checks_the_setting():
         jaxkv.generate(CFG, PARAMS, more, cache=CacheConfig(mode="host", selector="quest",
                                                              kv_key_shift=False, **FP8),
                        context=r.context, max_new_tokens=2)
+    with pytest.raises(ValueError, match="kv_key_rotation"):
+        jaxkv.generate(CFG, PARAMS, more, cache=CacheConfig(mode="host", selector="quest",
+                                                             kv_key_rotation=True, **FP8),
+                       context=r.context, max_new_tokens=2)
 
 
 def test_default_shifts_the_keys_of_models_with_a_k_bias():
