@@ -14,7 +14,7 @@ microscaling formats. fp8 payloads are the format's rounding of ``x / scale``; i
 round ``x / scale`` to the nearest integer (half to even) in [-127, 127]. With the same scale
 rule the vector's largest element lands in (63.5, 127] for int8: about 7 bits of precision
 relative to it, against fp8 e4m3's 3 mantissa bits relative to each element; on real keys
-int8 errs 3-4x less (``benchmarks/probes/fp8_rotation.py``).
+int8's keys err 2-3x less (``benchmarks/probes/fp8_rotation.py``).
 
 Granularity: one scale per (token, KV head, K or V), so a decode step's write-through
 quantizes the new token on its own and never rewrites the rest of its page (a scale per page
