@@ -39,14 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decode_lib  # noqa: E402  (benchmarks/)
 
 
-def hadamard(D):
-    h = np.ones((1, 1), np.float32)
-    while h.shape[0] < D:
-        h = np.block([[h, h], [h, -h]])
-    assert h.shape[0] == D, "head_dim must be a power of two"
-    return jnp.asarray(h / np.sqrt(D))
-
-
 def fp8(x, dtype="float8_e4m3fn"):
     return kv_quant.dequantize(*kv_quant.quantize(x, dtype))
 
@@ -75,7 +67,7 @@ def main():
     tok = load_tokenizer(path)
     ids = decode_lib.haystack_tokens(tok, a.tokens)
     T = len(ids)
-    R = hadamard(cfg.head_dim)
+    R = kv_quant.hadamard(cfg.head_dim)
     signs = np.random.default_rng(0).choice([-1.0, 1.0], cfg.head_dim).astype(np.float32)
     RS = jnp.asarray(signs)[:, None] * R
     x = llama.embed(params, cfg, jnp.asarray([ids], jnp.int32))
