@@ -8,24 +8,33 @@ it::
     columns [0, 2*H*ps*D)                 payload [2 (K, V), H, ps, D], fp8 or int8 values
     columns [2*H*ps*D, 2*H*ps*(D + 1))    scales  [2 (K, V), H, ps], one byte each
 
-A token's K (or V) vector of one head is ``payload * 2**(e - 127)``, where ``e`` is the scale
-byte (the bit pattern stored in the array, read as uint8): an E8M0 exponent, as in the OCP
-microscaling formats. fp8 payloads are the format's rounding of ``x / scale``; int8 payloads
-round ``x / scale`` to the nearest integer (half to even) in [-127, 127]. With the same scale
-rule the vector's largest element lands in (63.5, 127] for int8: about 7 bits of precision
-relative to it, against fp8 e4m3's 3 mantissa bits relative to each element; on real keys
-int8's keys err 2-3x less (``benchmarks/probes/fp8_rotation.py``).
+A token's K (or V) vector of one head is ``payload * scale(e)``, where ``e`` is the scale byte
+(the bit pattern stored in the array, read as uint8) and the scale depends on the payload:
+
+- fp8: ``2**(e - 127)``, an E8M0 exponent as in the OCP microscaling formats; the payload is
+  the format's rounding of ``x / scale``. Power-of-two scales keep fp8's relative precision
+  (only the range moves) and make ``x / scale`` exact.
+- int8: ``2**(e / 4 - 48)``, quarter powers of two from ``2**-48`` to ``2**15.5`` (``e`` in
+  [0, 254]); the payload rounds ``x / scale`` to the nearest integer (half to even) in
+  [-127, 127]. The vector's largest element lands in (106.8, 127], against (63.5, 127] with
+  power-of-two scales: on real keys and values the attention error falls 20-25% for the
+  same byte (``benchmarks/probes/fp8_rotation.py``; docs/decisions.md). int8 keeps about 7
+  bits relative to the vector's largest element, against fp8 e4m3's 3 mantissa bits
+  relative to each element: its keys err 2-3x less than fp8's. Vectors beyond
+  ``127 * 2**15.5`` (about 5.9e6) saturate; real K and V stay orders of magnitude below.
+
+Byte 255 is NaN for both (as in E8M0): rows of all-ones bytes poison a test.
 
 Granularity: one scale per (token, KV head, K or V), so a decode step's write-through
 quantizes the new token on its own and never rewrites the rest of its page (a scale per page
 would need the page's maximum before its tokens exist). Cost: one byte per
-``D`` payload bytes (0.8% at D = 128). Power-of-two scales keep the relative precision of the
-fp8 format (only the range moves) and make dequantization exact: ``payload * scale`` is the
-value, in the kernels and in the numpy reference alike.
+``D`` payload bytes (0.8% at D = 128). Dequantization is ``payload * scale`` in float32, in
+the kernels and in the numpy reference alike, bit for bit.
 
-``e`` is the smallest exponent with ``amax <= fmax * 2**(e - 127)`` (``amax`` the vector's
-largest magnitude, ``fmax`` = :func:`format_max`: fp8's largest finite value, 127 for int8), clipped to [1, 254]; an
-all-zero vector gets ``e = 1``. Other dtypes have no scales: their rows are the payload only.
+``e`` is the smallest code with ``amax <= fmax * scale(e)`` (``amax`` the vector's largest
+magnitude, ``fmax`` = :func:`format_max`: fp8's largest finite value, 127 for int8), clipped
+to fp8's [1, 254] or int8's [0, 254]; an all-zero vector gets the smallest code. Other dtypes
+have no scales: their rows are the payload only.
 """
 from __future__ import annotations
 
@@ -37,7 +46,11 @@ import numpy as np
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 QUANT_DTYPES = FP8_DTYPES + ("int8",)
 EXP_BIAS = 127
-_E_MIN, _E_MAX = 1, 254
+_E_MIN, _E_MAX = 1, 254            # fp8's scale codes
+I8_STEPS, I8_OFFSET = 4, 192        # int8: scale(e) = 2**((e - I8_OFFSET) / I8_STEPS)
+_I8_MIN, _I8_MAX = 0, 254
+_I8_FRAC = np.float32(2.0) ** (np.arange(I8_STEPS, dtype=np.float32) / I8_STEPS)
+NAN_CODE = 255
 
 
 def is_fp8(dtype) -> bool:
@@ -103,10 +116,35 @@ def hadamard(dim: int):
     return jnp.asarray(h / np.sqrt(np.float32(dim)))
 
 
-def scale_of(e):
-    """2**(e - 127) as float32 from biased exponents (any int dtype): the exponent bits of an
-    f32, exact (no exp2)."""
-    return jax.lax.bitcast_convert_type(e.astype(jnp.int32) << 23, jnp.float32)
+def _is_int8(dtype) -> bool:
+    return jnp.dtype(dtype) == jnp.int8
+
+
+def scale_of(e, dtype):
+    """The float32 scale of scale codes ``e`` (any int dtype) for a ``dtype`` payload, built
+    from the exponent bits of an f32 (no exp2): ``2**(e - 127)`` for fp8; for int8
+    ``2**((e >> 2) - 48)`` times one of the four constants ``2**(j / 4)``, ``j = e & 3``.
+    Code 255 is NaN. Pallas kernels call this too (Triton and interpret mode)."""
+    e = e.astype(jnp.int32)
+    if not _is_int8(dtype):
+        return jax.lax.bitcast_convert_type(e << 23, jnp.float32)
+    base = jax.lax.bitcast_convert_type(((e >> 2) + (EXP_BIAS - I8_OFFSET // I8_STEPS)) << 23,
+                                        jnp.float32)
+    j = e & (I8_STEPS - 1)
+    frac = jnp.where(j == 0, _I8_FRAC[0], jnp.where(j == 1, _I8_FRAC[1],
+                     jnp.where(j == 2, _I8_FRAC[2], _I8_FRAC[3])))
+    return jnp.where(e == NAN_CODE, jnp.float32(jnp.nan), base * frac)
+
+
+def _int8_code(amax):
+    """int8's scale code (int32): the smallest e in [0, 254] with amax <= 127 * scale(e)."""
+    est = jnp.ceil(I8_STEPS * jnp.log2(jnp.maximum(amax, 1e-38) / 127.0)).astype(jnp.int32)
+    e = jnp.clip(est + I8_OFFSET, _I8_MIN + 1, _I8_MAX - 1)
+    fits = lambda c: amax <= jnp.float32(127.0) * scale_of(c, jnp.int8)  # noqa: E731
+    e = jnp.where(fits(e - 1), e - 1, e)           # log2's estimate may be one code high
+    e = jnp.where(fits(e), e, e + 1)               # ... or one low
+    e = jnp.where(amax > 0, e, _I8_MIN)
+    return jnp.clip(e, _I8_MIN, _I8_MAX)
 
 
 def quantize(x, dtype):
@@ -114,16 +152,18 @@ def quantize(x, dtype):
     dtype = jnp.dtype(dtype)
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1)
-    e = _exponent(amax, format_max(dtype))
-    y = x / scale_of(e)[..., None]                             # exact: 2**k
     if dtype == jnp.int8:
-        y = jnp.clip(jnp.round(y), -127, 127)
+        e = _int8_code(amax)
+        y = jnp.clip(jnp.round(x / scale_of(e, dtype)[..., None]), -127, 127)
+    else:
+        e = _exponent(amax, format_max(dtype))
+        y = x / scale_of(e, dtype)[..., None]                  # exact: 2**k
     return y.astype(dtype), e.astype(jnp.uint8)
 
 
 def dequantize(payload, e):
     """payload [..., D] fp8 or int8, e [...] uint8 -> float32 [..., D]."""
-    return payload.astype(jnp.float32) * scale_of(e)[..., None]
+    return payload.astype(jnp.float32) * scale_of(e, payload.dtype)[..., None]
 
 
 def exps_as(e, dtype):
@@ -192,30 +232,36 @@ def unpack_rows(rows, num_kv_heads: int, page_size: int, head_dim: int):
 # --------------------------------------------------------------------------------------------
 # numpy reference (ml_dtypes for the fp8 types)
 # --------------------------------------------------------------------------------------------
+def scale_of_np(e, dtype):
+    """numpy reference of :func:`scale_of`."""
+    e = np.asarray(e, np.int64)
+    if np.dtype(jnp.dtype(dtype)) != np.int8:
+        return np.ldexp(np.float32(1), e - EXP_BIAS).astype(np.float32)
+    base = np.ldexp(np.float32(1), (e >> 2) - I8_OFFSET // I8_STEPS).astype(np.float32)
+    s = (base * _I8_FRAC[e & (I8_STEPS - 1)]).astype(np.float32)
+    return np.where(e == NAN_CODE, np.float32(np.nan), s).astype(np.float32)
+
+
 def quantize_np(x, dtype):
     """numpy reference of :func:`quantize`: x [..., D] -> (payload ``dtype``, e uint8)."""
     dtype = np.dtype(jnp.dtype(dtype))
     x = np.asarray(x, np.float32)
     amax = np.max(np.abs(x), axis=-1)
-    fmax = 127.0 if dtype == np.int8 else float(ml_dtypes.finfo(dtype).max)
-    e = np.zeros(amax.shape, np.int64)
-    for idx, a in np.ndenumerate(amax):
-        if a > 0:  # smallest integer k with a <= fmax * 2**k, by search from frexp's estimate
-            k = int(np.frexp(a)[1] - np.frexp(np.float32(fmax))[1]) - 1
-            while a > np.ldexp(np.float32(fmax), k):
-                k += 1
-            e[idx] = k + EXP_BIAS
-        else:
-            e[idx] = _E_MIN
-    e = np.clip(e, _E_MIN, _E_MAX)
-    scale = np.ldexp(np.float32(1), e - EXP_BIAS).astype(np.float32)
-    y = x / scale[..., None]
-    if dtype == np.int8:  # np.round: half to even, as jnp.round
+    int8 = dtype == np.int8
+    fmax = 127.0 if int8 else float(ml_dtypes.finfo(dtype).max)
+    lo, hi = (_I8_MIN, _I8_MAX) if int8 else (_E_MIN, _E_MAX)
+    codes = np.arange(lo, hi + 1)
+    with np.errstate(over="ignore"):                     # fp8's top codes: inf, never chosen
+        fits = (np.float32(fmax) * scale_of_np(codes, dtype)).astype(np.float32)  # increasing
+    e = lo + np.minimum(np.searchsorted(fits, amax, side="left"), hi - lo)    # smallest that fits
+    e = np.where(amax > 0, e, lo)
+    y = x / scale_of_np(e, dtype)[..., None]
+    if int8:  # np.round: half to even, as jnp.round
         y = np.clip(np.round(y), -127, 127)
     return y.astype(dtype), e.astype(np.uint8)
 
 
 def dequantize_np(payload, e):
     """numpy reference of :func:`dequantize`."""
-    scale = np.ldexp(np.float32(1), np.asarray(e, np.int64) - EXP_BIAS).astype(np.float32)
-    return np.asarray(payload).astype(np.float32) * scale[..., None]
+    payload = np.asarray(payload)
+    return payload.astype(np.float32) * scale_of_np(e, payload.dtype)[..., None]

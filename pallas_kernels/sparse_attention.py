@@ -419,9 +419,10 @@ prefer_on_cpu(OP, "blocked")
 # Triton kernel: one program per (b, kv head, split), looping over its pages.
 # --------------------------------------------------------------------------------------------
 def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter, k_per, G, G_pad,
-            scale2, precision, has_host, quantized, H, cdt):
+            scale2, precision, has_host, quantized, kv_dtype, H, cdt):
     """``quantized``: the pool (and host) refs are quantized rows [N, R] (payload, then scale
-    bytes; ``kv_quant``), else [N, 2, H, ps, D] views. ``cdt``: the products' dtype."""
+    bytes; ``kv_quant``, whose scale codes depend on ``kv_dtype``), else [N, 2, H, ps, D]
+    views. ``cdt``: the products' dtype."""
     if has_host:
         hrows_ref, host_ref, o_ref, lse_ref = refs
     else:
@@ -468,7 +469,7 @@ def _kernel(len_ref, q_ref, rows_ref, pidx_ref, pool_ref, *refs, ps, ppi, n_iter
                 e = pltriton.load(ref.at[r1, 2 * H * ps * D + (kv * H + h) * ps + tok_off],
                                   mask=sel_mask)
                 e = lax.bitcast_convert_type(e, jnp.uint8).astype(jnp.int32)
-                sc = lax.bitcast_convert_type(e << 23, jnp.float32)  # 2**(e - 127)
+                sc = kv_quant.scale_of(e, kv_dtype)
                 scales.append(jnp.where(sel_mask, sc, 0.0))
             return tuple(tiles) + tuple(scales)
 
@@ -545,7 +546,7 @@ def _pallas_impl(q, pool, block_rows, page_index, seq_lens, *, page_size, num_kv
     precision = lax.Precision.HIGHEST if cdt == jnp.float32 else None
     kernel = functools.partial(_kernel, ps=ps, ppi=ppi, n_iter=k_per // ppi, k_per=k_per, G=G, G_pad=G_pad,
                                scale2=scale * _LOG2E, precision=precision, has_host=host is not None,
-                               quantized=quantized, H=H, cdt=cdt)
+                               quantized=quantized, kv_dtype=pool.dtype, H=H, cdt=cdt)
     in_specs = [
         pl.BlockSpec((B,), lambda b, h, s: (0,)),
         pl.BlockSpec((B, Hq, D), lambda b, h, s: (0, 0, 0)),

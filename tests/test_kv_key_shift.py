@@ -56,7 +56,7 @@ def _stored_layer0(ctx, b):
     """Request b's stored K and V of layer 0, dequantized, [n, H, D] each (n: cached tokens)."""
     plan = ctx.plan
     H, ps, D, Np = CFG.num_kv_heads, plan.page_size, CFG.head_dim, plan.pages_per_seq
-    rows = np.asarray(kv_quant.unpack_rows(jnp.asarray(ctx.kv_pages), H, ps, D))[b * Np:(b + 1) * Np]
+    rows = np.asarray(kv_quant.unpack_rows(jnp.asarray(np.asarray(ctx.kv_pages)), H, ps, D))[b * Np:(b + 1) * Np]
     kv = rows.transpose(1, 0, 3, 2, 4).reshape(2, Np * ps, H, D)[:, :ctx.cached[b]]
     return kv[0], kv[1]
 
@@ -87,13 +87,13 @@ def test_stored_keys_are_the_keys_less_the_prompt_mean(mode, dt, rot):
         want = kv_quant.dequantize_np(*kv_quant.quantize_np((k - mean) @ R, dt))
         # one step of tolerance: the engine's keys and these differ in float rounding
         err = np.abs(k_st - want)
-        if dt == "int8":   # a step is the vector's scale, at most 1/64 of its largest element
-            step = np.abs(want).max(-1, keepdims=True) / 63.5
+        if dt == "int8":   # a step is the vector's scale, at most 1/106.8 of its largest element
+            step = np.abs(want).max(-1, keepdims=True) / 106.7
             assert (err <= step + 1e-6).all()
         else:
             assert (err <= 0.13 * np.abs(want) + 1e-3 * np.abs(want).max()).all()
         assert np.abs(k_st - k).max() > 1.0                      # not the unshifted keys
-        v_tol = 1e-2 if dt == "int8" else 1e-3     # int8: half a step, <= 1/128 of the largest
+        v_tol = 5e-3 if dt == "int8" else 1e-3     # int8: half a step, <= 1/213 of the largest
         np.testing.assert_allclose(v_st, v, rtol=0.07, atol=v_tol * np.abs(v).max())
 
 

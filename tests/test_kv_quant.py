@@ -1,7 +1,7 @@
 """Quantized KV, fp8 and int8 (jaxkv.kernels.kv_quant): the quantize / dequantize pair vs its
 numpy reference, and every kernel that reads or writes quantized page rows (Pallas in
 interpret mode on CPU) vs its pure-jnp reference: fresh seeds, poisoned unused pages and
-tokens (NaN for fp8; for int8 the scale byte 255, 2**128, so they dequantize to +-inf / NaN),
+tokens (NaN for fp8; for int8 the scale byte 255, NaN, so they dequantize to NaN),
 permuted page tables; the Triton lowering of the quantized paths for an H200."""
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ QUANT = kq.QUANT_DTYPES
 
 def poison_np(shape, dtype):
     """numpy rows of ``dtype`` that dequantize to non-finite values: NaN for fp8, all bytes
-    0xFF for int8 (payload -1, scale byte 255 = 2**128: -inf)."""
+    0xFF for int8 (payload -1, scale byte 255: NaN)."""
     dtype = np.dtype(jnp.dtype(dtype))
     if dtype == np.int8:
         return np.full(shape, -1, dtype)
@@ -84,15 +84,16 @@ def test_quantize_matches_numpy_reference(rng, dtype):
 
 
 def test_int8_quantize_matches_numpy_reference(rng):
-    """int8: bit-exact against the numpy reference (round half to even, ties included); the
-    error is within half a step of the vector's scale, and the largest element lands in
-    (63.5, 127]."""
-    mags = 10.0 ** rng.uniform(-30, 30, (6, 5, 1))
+    """int8: bit-exact against the numpy reference (round half to even, ties included) over
+    the scale's range (2**-48 to 2**15.5); the error is within half a step of the vector's
+    scale, the largest element lands in (106.8, 127], and each code is the smallest that fits."""
+    mags = 10.0 ** rng.uniform(-12, 6, (6, 5, 1))
     x = (rng.standard_normal((6, 5, 32)) * mags).astype(np.float32)
     x[0, 0] = 0.0
     x[0, 1] = 0.0; x[0, 1, 3] = 127.0 * 2.0 ** 5                     # amax on the format's max
     x[0, 1, 4] = 2.5 * 2.0 ** 5; x[0, 1, 5] = -3.5 * 2.0 ** 5        # ties: to even
     x[0, 2] = -np.float32(2.0 ** -20)
+    x[0, 3] = 0.0; x[0, 3, 0] = 127.0 * float(kq.scale_of_np(201, "int8"))  # on a quarter code
     p, e = kq.quantize(jnp.asarray(x), "int8")
     pn, en = kq.quantize_np(x, "int8")
     np.testing.assert_array_equal(np.asarray(e), en)
@@ -100,13 +101,34 @@ def test_int8_quantize_matches_numpy_reference(rng):
     assert p.dtype == jnp.int8 and e.dtype == jnp.uint8
     back = kq.dequantize_np(pn, en)
     np.testing.assert_array_equal(np.asarray(kq.dequantize(p, e)), back)
-    scale = np.ldexp(np.float32(1), en.astype(np.int64) - kq.EXP_BIAS)[..., None]
-    assert np.all(np.abs(back - x) <= scale / 2 + 1e-37)
+    scale = kq.scale_of_np(en, "int8")[..., None]
+    np.testing.assert_array_equal(np.asarray(kq.scale_of(jnp.asarray(en), jnp.int8)), scale[..., 0])
+    np.testing.assert_allclose(scale[..., 0], 2.0 ** (en.astype(np.float64) / 4 - 48), rtol=1e-7)
+    assert np.all(np.abs(back - x) <= scale / 2 * (1 + 1e-6) + 1e-37)
     amax = np.abs(x).max(-1)
     peak = np.abs(pn.astype(np.int32)).max(-1)
-    assert np.all(peak[amax > 0] >= 64) and np.all(np.abs(pn.astype(np.int32)) <= 127)
+    assert np.all(peak[amax > 0] >= 107) and np.all(np.abs(pn.astype(np.int32)) <= 127)
+    nz = amax > 0
+    assert np.all(amax[nz] <= 127 * scale[..., 0][nz])                        # fits
+    smaller = kq.scale_of_np(en.astype(np.int64) - 1, "int8")
+    assert np.all(amax[nz] > 127 * smaller[nz])                               # the smallest that fits
     assert pn[0, 1, 3] == 127 and pn[0, 1, 4] == 2 and pn[0, 1, 5] == -4
-    assert en[0, 0] == 1 and np.all(back[0, 0] == 0)
+    assert en[0, 3] == 201 and pn[0, 3, 0] == 127
+    assert en[0, 0] == 0 and np.all(back[0, 0] == 0)
+
+
+def test_int8_scale_codes():
+    """int8's scale codes: quarter powers of two, 2**-48 at code 0, exact powers of two at
+    multiples of 4, code 255 NaN; vectors beyond the range saturate at code 254."""
+    codes = np.arange(256)
+    s = kq.scale_of_np(codes, "int8")
+    np.testing.assert_array_equal(np.asarray(kq.scale_of(jnp.asarray(codes, jnp.uint8), jnp.int8)), s)
+    assert s[0] == 2.0 ** -48 and s[192] == 1.0 and s[196] == 2.0 and np.isnan(s[255])
+    assert np.all(np.diff(s[:255]) > 0)
+    np.testing.assert_allclose(s[:255], 2.0 ** (codes[:255] / 4 - 48), rtol=1e-7)
+    big = np.full((1, 8), 1e9, np.float32)
+    p, e = kq.quantize(jnp.asarray(big), "int8")
+    assert int(e[0]) == 254 and np.all(np.asarray(p) == 127)
 
 
 def test_row_layout_helpers():
