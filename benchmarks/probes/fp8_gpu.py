@@ -157,17 +157,17 @@ def decode_point(shape, B, ctx, dtypes, modes, st: lib.Settings, target, budget,
 
 
 def table(records) -> str:
-    head = f"{'point':28s} {'kv':6s} {'mode':8s} {'tok/s':>9s} {'step ms':>8s} {'hit':>6s} " \
+    head = f"{'point':28s} {'kv':8s} {'mode':8s} {'tok/s':>9s} {'step ms':>8s} {'hit':>6s} " \
            f"{'MB/step':>8s} {'tier GiB':>8s}"
     lines = [head, "-" * len(head)]
     for r in records:
         pt = f"{r['shape']} B={r['batch']} {r['context']}"
         kv = short(r["kv_dtype"])
         if "error" in r:
-            lines.append(f"{pt:28s} {kv:6s} {r['mode']:8s} ERROR {r['error'][:60]}")
+            lines.append(f"{pt:28s} {kv:8s} {r['mode']:8s} ERROR {r['error'][:60]}")
             continue
         hit = r.get("hit_rate")
-        lines.append(f"{pt:28s} {kv:6s} {r['mode']:8s} {r['tokens_per_s']:9.1f} "
+        lines.append(f"{pt:28s} {kv:8s} {r['mode']:8s} {r['tokens_per_s']:9.1f} "
                      f"{r['step_ms']:8.3f} {(hit if hit is not None else float('nan')):6.3f} "
                      f"{r['h2d_bytes_per_step'] / 1e6:8.2f} {r['host_tier_gib']:8.2f}")
     return "\n".join(lines)
