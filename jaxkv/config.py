@@ -118,12 +118,13 @@ class CacheConfig:
         the model's dtype). "float32" / "bfloat16" / "float16" store them as they are (a
         dtype other than the model's is converted on write; attention multiplies in the wider
         of the two). "int8" / "float8_e4m3fn" / "float8_e5m2" quantize them to one byte
-        per value with one power-of-two scale per (token, KV head, K or V) at the end of each
-        page row (``jaxkv.kernels.kv_quant``): half the bytes of bf16 in the host tier, the
+        per value with one scale byte per (token, KV head, K or V) at the end of each page
+        row (``jaxkv.kernels.kv_quant``; a power of two for fp8, a quarter power of two for
+        int8): half the bytes of bf16 in the host tier, the
         pool and over PCIe; attention dequantizes inside its kernel. The prefill attention
         uses the prompt's unquantized K/V, decode reads what is stored; the selector's
-        summaries stay in the model's dtype. int8 is the more accurate of the three (7 bits
-        relative to each vector's largest element against fp8 e4m3's 3 mantissa bits; see
+        summaries stay in the model's dtype. int8 is the more accurate of the three (about 7
+        bits relative to each vector's largest element against fp8 e4m3's 3 mantissa bits; see
         BENCHMARKS.md for retrievals kept) and needs no fp8 support in the GPU; fp8 needs
         compute capability >= 8.9 (H100, H200, L40S) or the CPU.
       kv_key_shift: with a quantized ``kv_dtype``, store each key minus its request's mean key

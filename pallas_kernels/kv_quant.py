@@ -17,10 +17,10 @@ A token's K (or V) vector of one head is ``payload * scale(e)``, where ``e`` is 
 - int8: ``2**(e / 4 - 48)``, quarter powers of two from ``2**-48`` to ``2**15.5`` (``e`` in
   [0, 254]); the payload rounds ``x / scale`` to the nearest integer (half to even) in
   [-127, 127]. The vector's largest element lands in (106.8, 127], against (63.5, 127] with
-  power-of-two scales: on real keys and values the attention error falls 20-25% for the
+  power-of-two scales: on real keys and values the attention error falls 21-29% for the
   same byte (``benchmarks/probes/fp8_rotation.py``; docs/decisions.md). int8 keeps about 7
   bits relative to the vector's largest element, against fp8 e4m3's 3 mantissa bits
-  relative to each element: its keys err 2-3x less than fp8's. Vectors beyond
+  relative to each element: its keys err 2.3-4.2x less than fp8's. Vectors beyond
   ``127 * 2**15.5`` (about 5.9e6) saturate; real K and V stay orders of magnitude below.
 
 Byte 255 is NaN for both (as in E8M0): rows of all-ones bytes poison a test.

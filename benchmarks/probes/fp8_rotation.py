@@ -12,7 +12,7 @@ V quantized as ``kv_quant`` stores them (``--dtype``, a power-of-two scale per t
   V's output rotated back); ``k_only_rot_signs``: R after random signs;
 - ``k_only_smooth``: K minus its mean over the tokens (per head) before quantizing, exact
   under softmax (q . mu is the same for every key of a query); ``k_only_smooth_rot``: both.
-- ``int8_*``: the same with int8 payloads (``kv_quant``'s power-of-two scale per token and
+- ``int8_*``: the same with int8 payloads (``kv_quant``'s int8 scale per token and
   head): ``int8_kv`` (K and V), ``int8_kv_smooth`` (K shifted, as ``kv_key_shift`` stores it),
   ``int8_k_only``, ``int8_k_only_smooth``, ``int8_k_only_rot``, ``int8_k_only_smooth_rot``,
   ``int8_v_only``.
