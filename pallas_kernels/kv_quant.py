@@ -23,7 +23,8 @@ A token's K (or V) vector of one head is ``payload * scale(e)``, where ``e`` is 
   relative to each element: its keys err 2.3-4.2x less than fp8's. Vectors beyond
   ``127 * 2**15.5`` (about 5.9e6) saturate; real K and V stay orders of magnitude below.
 
-Byte 255 is NaN for both (as in E8M0): rows of all-ones bytes poison a test.
+No vector is given code 255. For int8 it reads as NaN, so rows of all-ones bytes (payload -1,
+scale NaN) poison a test; for fp8 it reads as ``2**128`` (inf), and NaN payloads poison.
 
 Granularity: one scale per (token, KV head, K or V), so a decode step's write-through
 quantizes the new token on its own and never rewrites the rest of its page (a scale per page
@@ -124,7 +125,7 @@ def scale_of(e, dtype):
     """The float32 scale of scale codes ``e`` (any int dtype) for a ``dtype`` payload, built
     from the exponent bits of an f32 (no exp2): ``2**(e - 127)`` for fp8; for int8
     ``2**((e >> 2) - 48)`` times one of the four constants ``2**(j / 4)``, ``j = e & 3``.
-    Code 255 is NaN. Pallas kernels call this too (Triton and interpret mode)."""
+    int8's code 255 is NaN. Pallas kernels call this too (Triton and interpret mode)."""
     e = e.astype(jnp.int32)
     if not _is_int8(dtype):
         return jax.lax.bitcast_convert_type(e << 23, jnp.float32)
