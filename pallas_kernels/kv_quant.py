@@ -23,8 +23,10 @@ A token's K (or V) vector of one head is ``payload * scale(e)``, where ``e`` is 
   relative to each element: its keys err 2.3-4.2x less than fp8's. Vectors beyond
   ``127 * 2**15.5`` (about 5.9e6) saturate; real K and V stay orders of magnitude below.
 
-No vector is given code 255. For int8 it reads as NaN, so rows of all-ones bytes (payload -1,
-scale NaN) poison a test; for fp8 it reads as ``2**128`` (inf), and NaN payloads poison.
+Code 255 is never a finite vector's. For int8 it reads as NaN: a vector holding an inf or NaN
+gets it (its payload is 0), so the failure propagates as it would in a float cache, and rows
+of all-ones bytes (payload -1, scale NaN) poison a test. For fp8 it reads as ``2**128`` (inf);
+fp8 payloads carry NaN themselves.
 
 Granularity: one scale per (token, KV head, K or V), so a decode step's write-through
 quantizes the new token on its own and never rewrites the rest of its page (a scale per page
@@ -138,14 +140,16 @@ def scale_of(e, dtype):
 
 
 def _int8_code(amax):
-    """int8's scale code (int32): the smallest e in [0, 254] with amax <= 127 * scale(e)."""
+    """int8's scale code (int32): the smallest e in [0, 254] with amax <= 127 * scale(e);
+    ``NAN_CODE`` for a vector with an inf or NaN, so it dequantizes to NaN and the failure
+    shows downstream as it would in a float cache (an int8 payload cannot hold it)."""
     est = jnp.ceil(I8_STEPS * jnp.log2(jnp.maximum(amax, 1e-38) / 127.0)).astype(jnp.int32)
     e = jnp.clip(est + I8_OFFSET, _I8_MIN + 1, _I8_MAX - 1)
     fits = lambda c: amax <= jnp.float32(127.0) * scale_of(c, jnp.int8)  # noqa: E731
     e = jnp.where(fits(e - 1), e - 1, e)           # log2's estimate may be one code high
     e = jnp.where(fits(e), e, e + 1)               # ... or one low
-    e = jnp.where(amax > 0, e, _I8_MIN)
-    return jnp.clip(e, _I8_MIN, _I8_MAX)
+    e = jnp.clip(jnp.where(amax > 0, e, _I8_MIN), _I8_MIN, _I8_MAX)
+    return jnp.where(jnp.isfinite(amax), e, NAN_CODE)
 
 
 def quantize(x, dtype):
@@ -156,6 +160,7 @@ def quantize(x, dtype):
     if dtype == jnp.int8:
         e = _int8_code(amax)
         y = jnp.clip(jnp.round(x / scale_of(e, dtype)[..., None]), -127, 127)
+        y = jnp.where(jnp.isnan(y), 0.0, y)                    # NaN vectors: the scale says so
     else:
         e = _exponent(amax, format_max(dtype))
         y = x / scale_of(e, dtype)[..., None]                  # exact: 2**k
@@ -256,9 +261,12 @@ def quantize_np(x, dtype):
         fits = (np.float32(fmax) * scale_of_np(codes, dtype)).astype(np.float32)  # increasing
     e = lo + np.minimum(np.searchsorted(fits, amax, side="left"), hi - lo)    # smallest that fits
     e = np.where(amax > 0, e, lo)
-    y = x / scale_of_np(e, dtype)[..., None]
-    if int8:  # np.round: half to even, as jnp.round
-        y = np.clip(np.round(y), -127, 127)
+    if int8:  # a vector with an inf or NaN: code 255, NaN
+        e = np.where(np.isfinite(amax), e, NAN_CODE)
+    with np.errstate(invalid="ignore"):
+        y = x / scale_of_np(e, dtype)[..., None]
+    if int8:  # np.round: half to even, as jnp.round; a NaN vector's payload is 0
+        y = np.nan_to_num(np.clip(np.round(y), -127, 127), nan=0.0)
     return y.astype(dtype), e.astype(np.uint8)
 
 

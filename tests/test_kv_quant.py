@@ -131,6 +131,21 @@ def test_int8_scale_codes():
     assert int(e[0]) == 254 and np.all(np.asarray(p) == 127)
 
 
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_int8_non_finite_vectors_dequantize_to_nan(bad):
+    """A K or V vector holding an inf or NaN gets scale code 255 (NaN), so it reads back as NaN
+    (as a float cache would fail) and never as finite numbers; its neighbours are unaffected."""
+    x = np.ones((2, 3, 8), np.float32)
+    x[1, 2, 5] = bad
+    p, e = kq.quantize(jnp.asarray(x), "int8")
+    pn, en = kq.quantize_np(x, "int8")
+    np.testing.assert_array_equal(np.asarray(e), en)
+    np.testing.assert_array_equal(np.asarray(p), pn)
+    back = np.asarray(kq.dequantize(p, e))
+    assert en[1, 2] == kq.NAN_CODE and np.isnan(back[1, 2]).all()
+    np.testing.assert_allclose(back[0], x[0], rtol=1 / 200)        # within half a step
+
+
 def test_row_layout_helpers():
     """pack_pages / unpack_rows / encode_tokens / token_columns agree on the row layout."""
     rng_ = np.random.default_rng(fresh_seed())
