@@ -21,7 +21,9 @@ A token's K (or V) vector of one head is ``payload * scale(e)``, where ``e`` is 
   same byte (``benchmarks/probes/fp8_rotation.py``; docs/decisions.md). int8 keeps about 7
   bits relative to the vector's largest element, against fp8 e4m3's 3 mantissa bits
   relative to each element: its keys err 2.3-4.2x less than fp8's. Vectors beyond
-  ``127 * 2**15.5`` (about 5.9e6) saturate; real K and V stay orders of magnitude below.
+  ``127 * 2**15.5`` (about 5.9e6) saturate; real K and V stay four orders of magnitude below
+  (on 2k tokens of text the largest element is 216 in Qwen2.5-Coder-0.5B's keys, 23 in
+  SmolLM2-135M's; the smallest vector's largest element is 0.03).
 
 Code 255 is never a finite vector's. For int8 it reads as NaN: a vector holding an inf or NaN
 gets it (its payload is 0), so the failure propagates as it would in a float cache, and rows
