@@ -135,14 +135,16 @@ class CacheConfig:
         Of the bf16 cache's RULER retrievals, Qwen2.5-Coder-0.5B keeps 98.9% with int8 and
         the shift against 96.2% without (fp8: 97.0% against 92.6%); SmolLM2-135M keeps
         97.4% with int8 and the shift against 98.3% without (fp8: 93.1% against 94.5%;
-        BENCHMARKS.md). Ignored for other dtypes.
+        int8 with the power-of-two scales it had then; BENCHMARKS.md). Ignored for other
+        dtypes.
       kv_key_rotation: with a quantized ``kv_dtype``, store each key (after the shift)
         rotated by the normalized Hadamard matrix of the head dimension, and rotate the
         decode queries alike: exact (``(q R) . (k R) = q . k``); the rotation spreads a key's
-        large channels over all of them, so one scale per vector fits it better. On RULER with
-        SmolLM2-135M, int8 keeps 98.8% of the bf16 cache's retrievals with it against 98.3%
-        without, with 12% less logprob drift (BENCHMARKS.md); off by default until measured
-        on the 32k model. Ignored for other dtypes.
+        large channels over all of them, so one scale per vector fits it better. On RULER
+        with int8 it lowers the logprob drift against bf16 by 4-13% but keeps no more
+        retrievals (Qwen2.5-Coder-0.5B 100% with and without, SmolLM2-135M 97.2% against
+        97.9%), and costs 0.3-0.6% of a Qwen-like B=8 step (BENCHMARKS.md): off by default.
+        Ignored for other dtypes.
       prefill_chunk: query tokens per chunk of the XLA prefill attention (bounds its memory;
         the flash-attention implementations on the GPU do not need it).
       prefill_token_chunk: tokens per piece of a prefill layer's per-token work (norms,
