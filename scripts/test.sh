@@ -10,11 +10,4 @@ bash scripts/setup.sh
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 NCPU=$(nproc 2>/dev/null || echo 1)
 WORKERS=${JAXKV_TEST_WORKERS:-$(( NCPU < 4 ? NCPU : 4 ))}
-# One persistent XLA cache for the run, shared by the workers and the multi-device
-# subprocesses (tests/xla_cache.py), removed at the end.
-if [ -z "${JAXKV_TEST_XLA_CACHE:-}" ]; then
-    JAXKV_TEST_XLA_CACHE=$(mktemp -d "${TMPDIR:-/tmp}/jaxkv-tests-xla-XXXXXX")
-    export JAXKV_TEST_XLA_CACHE
-    trap 'rm -rf "$JAXKV_TEST_XLA_CACHE"' EXIT
-fi
-.venv/bin/python -m pytest -q --durations=15 -n "$WORKERS" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -q --durations=15 -n "$WORKERS" --dist loadfile "$@"

@@ -21,9 +21,6 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import xla_cache  # noqa: E402  (tests/, this script's folder)
-
-xla_cache.enable()
 import numpy as np  # noqa: E402
 
 import jaxkv  # noqa: E402
