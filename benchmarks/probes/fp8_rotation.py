@@ -23,20 +23,14 @@ error. Prints per layer, then the means (``--out``: JSON).
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/probes/fp8_rotation.py [--gguf FILE]
 """
 import argparse
-import json
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from _probe import layer_qkv, print_row, report
 from jaxkv.kernels import kv_quant
-from jaxkv.models import gguf_loader, llama
-from jaxkv.models.tokenizer import load_tokenizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import decode_lib  # noqa: E402  (benchmarks/)
+from jaxkv.models import gguf_loader
 
 
 def fp8(x, dtype="float8_e4m3fn"):
@@ -63,22 +57,14 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     path = a.gguf or str(gguf_loader.default_model_path())
-    cfg, params = gguf_loader.load_gguf(path, dtype="float32")
-    tok = load_tokenizer(path)
-    ids = decode_lib.haystack_tokens(tok, a.tokens)
-    T = len(ids)
-    R = kv_quant.hadamard(cfg.head_dim)
-    signs = np.random.default_rng(0).choice([-1.0, 1.0], cfg.head_dim).astype(np.float32)
-    RS = jnp.asarray(signs)[:, None] * R
-    x = llama.embed(params, cfg, jnp.asarray([ids], jnp.int32))
-    pos = jnp.arange(T, dtype=jnp.int32)[None]
-    t0 = T - a.queries
     rows = []
-    for i, lp in enumerate(params["layers"]):
-        _, q, k, v = llama.attention_inputs(lp, cfg, x, pos)
-        attn, _ = llama.dense_attend(i, lp, None, q, k, v, None)
-        x = llama.layer_output(lp, cfg, x, attn)
-        q1, k1, v1 = q[0, t0:], k[0], v[0]
+    for i, q, k, v in layer_qkv(path, a.tokens):
+        T, D = k.shape[0], k.shape[-1]
+        t0 = T - a.queries
+        R = kv_quant.hadamard(D)
+        signs = np.random.default_rng(0).choice([-1.0, 1.0], D).astype(np.float32)
+        RS = jnp.asarray(signs)[:, None] * R
+        q1, k1, v1 = q[t0:], k, v
         ref, s_ref = attend(q1, k1, v1, t0)
         out, s = attend(q1, fp8(k1, a.dtype), fp8(v1, a.dtype), t0)
         out_r, s_r = attend(q1 @ R, fp8(k1 @ R, a.dtype), fp8(v1 @ R, a.dtype), t0)
@@ -112,18 +98,8 @@ def main():
                    k_kurtosis=float(jnp.mean(jnp.max(jnp.abs(k1), -1) / jnp.sqrt(jnp.mean(k1 ** 2, -1)))),
                    **int8)
         rows.append(row)
-        print(" ".join(f"{k_}={v_:.4g}" if isinstance(v_, float) else f"{k_}={v_}"
-                       for k_, v_ in row.items()), flush=True)
-    mean = {k_: float(np.mean([r[k_] for r in rows])) for k_ in rows[0] if k_ != "layer"}
-    print("mean", json.dumps(mean))
-    if a.out:
-        import time
-        from _meta import commit
-        meta = dict(device=str(jax.devices()[0]), jax=jax.__version__, commit=commit(),
-                    date=time.strftime("%Y-%m-%d %H:%M:%S"))
-        with open(a.out, "w") as f:
-            json.dump(dict(meta, model=path, tokens=T, queries=a.queries, dtype=a.dtype,
-                           layers=rows, mean=mean), f, indent=1)
+        print_row(row)
+    report(rows, a.out, model=path, tokens=T, queries=a.queries, dtype=a.dtype)
 
 
 if __name__ == "__main__":
