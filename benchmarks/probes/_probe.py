@@ -17,14 +17,15 @@ import decode_lib  # noqa: E402  (benchmarks/)
 from _meta import commit  # noqa: E402
 
 
-def layer_qkv(path, tokens: int):
+def layer_qkv(path, tokens: int, layers: int | None = None):
     """Yields (layer, q [T, Hq, D], k [T, H, D], v [T, H, D]) of a float32 prefill of
-    ``tokens`` tokens of Paul Graham's essays through the GGUF model at ``path``."""
+    ``tokens`` tokens of Paul Graham's essays through the GGUF model at ``path`` (its first
+    ``layers`` layers; default all)."""
     cfg, params = gguf_loader.load_gguf(path, dtype="float32")
     ids = decode_lib.haystack_tokens(load_tokenizer(path), tokens)
     x = llama.embed(params, cfg, jnp.asarray([ids], jnp.int32))
     pos = jnp.arange(len(ids), dtype=jnp.int32)[None]
-    for i, lp in enumerate(params["layers"]):
+    for i, lp in enumerate(params["layers"][:layers]):
         _, q, k, v = llama.attention_inputs(lp, cfg, x, pos)
         attn, _ = llama.dense_attend(i, lp, None, q, k, v, None)
         x = llama.layer_output(lp, cfg, x, attn)

@@ -54,11 +54,12 @@ def main():
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--queries", type=int, default=128)
     ap.add_argument("--dtype", default="float8_e4m3fn")
+    ap.add_argument("--layers", type=int, default=None, help="the first N layers only")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     path = a.gguf or str(gguf_loader.default_model_path())
     rows = []
-    for i, q, k, v in layer_qkv(path, a.tokens):
+    for i, q, k, v in layer_qkv(path, a.tokens, a.layers):
         T, D = k.shape[0], k.shape[-1]
         t0 = T - a.queries
         R = kv_quant.hadamard(D)

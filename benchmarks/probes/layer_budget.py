@@ -62,12 +62,13 @@ def main():
     ap.add_argument("--queries", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
+    ap.add_argument("--layers", type=int, default=None, help="the first N layers only")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     path = a.gguf or str(gguf_loader.default_model_path())
     fn = jax.jit(kept_attention, static_argnums=(3, 4, 5))
     rows = []
-    for i, q, k, v in layer_qkv(path, a.tokens):
+    for i, q, k, v in layer_qkv(path, a.tokens, a.layers):
         T = k.shape[0]
         t0 = T - a.queries
         row = dict(layer=i)
