@@ -81,6 +81,20 @@ SETS = {
 }
 BUDGETS = {"full": (256, 512, 1024, 2048, 4096), "quick": (128,)}
 QUICK_CASES, QUICK_MAX_NEW = 1, 24   # --quick: the first case of each task
+# Default requests per generate call on a GPU: at most 160, and at most this many prompt tokens
+# per call. The dense prefill's buffers grow with batch x length: on the H200 (139 GiB)
+# Qwen2.5-Coder-0.5B ran 150 x 8k and 90 x 16k, and ran out of memory at 150 x 16k (a 70.9
+# GiB buffer of 103 GiB).
+GPU_BATCH, GPU_BATCH_TOKENS = 160, 160 * 8192
+
+
+def default_batch_size(platform: str, length: int) -> int:
+    """Requests per generate call when --batch-size is not given: 8 on the CPU; on a GPU 160,
+    fewer from 16k tokens on (``GPU_BATCH_TOKENS`` prompt tokens per call: 80 at 16k, 40 at
+    32k)."""
+    if platform != "gpu":
+        return 8
+    return max(1, min(GPU_BATCH, GPU_BATCH_TOKENS // length))
 
 
 # ----------------------------------------------------------------------------------------
@@ -519,7 +533,6 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
         raise SystemExit("no cases left after --lengths / --tasks / --cases filtering")
     dev = jax.devices()[0]
     dtype = dtype or ("bfloat16" if dev.platform == "gpu" else "float32")
-    batch_size = batch_size or (160 if dev.platform == "gpu" else 8)
     specs = run_specs(budgets or BUDGETS[which], page_size=page_size, exact=exact, lagged=lagged,
                       resident=resident, extra=extra_specs)
     if runs:
@@ -541,7 +554,7 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
                gguf=gguf_path.name, dtype=dtype, cases_source=source,
                generator=meta.get("generator"), seed=meta.get("seed"),
                template=meta.get("template"), page_size=page_size, pool_cap=pool_cap,
-               batch_size=batch_size, max_new_tokens=max_new_tokens, specs=specs,
+               batch_size=batch_size or "auto", max_new_tokens=max_new_tokens, specs=specs,
                score="RULER: post-processed prediction, string_match_all (share of the expected "
                      "strings found, case-insensitive); greedy", runs=[])
     done = set()
@@ -562,7 +575,8 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
         if set(specs) <= skip:
             continue
         skip.discard("dense")   # the same-as-dense columns need the dense tokens: rerun it
-        run_length(model, params, group, specs, length=length, batch_size=batch_size,
+        run_length(model, params, group, specs, length=length,
+                   batch_size=batch_size or default_batch_size(dev.platform, length),
                    page_size=page_size, pool_cap=pool_cap, max_new_tokens=max_new_tokens,
                    dec=dec, stops=stops, texts=texts, on_run=on_run, skip=skip,
                    logprobs=logprobs)
@@ -756,8 +770,10 @@ def main(argv=None):
     ap.add_argument("--resident", action="store_true", help="also quest<B>-resident runs")
     ap.add_argument("--no-lag", action="store_true", help="no quest<B>-lag runs")
     ap.add_argument("--no-exact", action="store_true", help="no exact quest<B> runs")
-    ap.add_argument("--batch-size", type=int, help="requests per generate call (default 160 on "
-                                                   "GPU, 8 elsewhere; batches are equalized)")
+    ap.add_argument("--batch-size", type=int,
+                    help="requests per generate call (default on a GPU 160, and at most 1.3M "
+                         "prompt tokens per call: 80 at 16k, 40 at 32k; 8 elsewhere; batches "
+                         "are equalized)")
     ap.add_argument("--max-new-tokens", type=int,
                     help="cap on RULER's tokens_to_generate (128 niah, 30 vt)")
     ap.add_argument("--page-size", type=int, default=16)

@@ -221,6 +221,15 @@ def _req(task, index, score):
     return dict(task=task, index=index, n_tokens=100, score=score, generated=5)
 
 
+def test_default_batch_size_bounds_prompt_tokens_per_call():
+    """On a GPU at most 160 requests and 1.3M prompt tokens per generate call (Qwen ran out of
+    the H200's memory at 150 x 16k); 8 on the CPU."""
+    assert [bench_quality.default_batch_size("gpu", n) for n in (2048, 8192, 16384, 32768)] == \
+        [160, 160, 80, 40]
+    assert bench_quality.default_batch_size("gpu", 2 ** 21) == 1
+    assert bench_quality.default_batch_size("cpu", 32768) == 8
+
+
 def test_markdown_and_summarize(tmp_path):
     stats = dict(pool_pages=10, hit_rate=0.5, evictions=1, dropped=0, bytes_host_to_device=2**20,
                  generated_tokens=10, pool_fraction_of_context=0.4)
