@@ -5,8 +5,9 @@ layer's attention output. CPU, float32.
 Per layer: the model's own q / k / v (prefill of ``--tokens`` tokens of Paul Graham's essays),
 the last ``--queries`` positions. For each query position and KV head the oracle keeps the
 ``budget / page_size`` pages with the largest attention mass summed over the head's query
-group (the ``oracle`` selector's rule; the query's own page always kept), and attention is
-renormalized over them:
+group (the ``oracle`` selector's page score, ``oracle.attention_mass``), the query's own page
+always among them (no sink page forced, unlike the selector's ``sink_pages``), and attention
+is renormalized over them:
 
 - ``lost_mass``: the mean share of a query head's attention mass outside the kept pages;
 - ``out_rel``: the relative L2 error of the layer's attention output against full attention.
@@ -25,6 +26,7 @@ import numpy as np
 
 from _probe import layer_qkv, print_row, report
 from jaxkv.models import gguf_loader
+from jaxkv.selectors import oracle
 
 
 def kept_attention(q, k, v, t0, page_size, n_pages):
@@ -33,26 +35,23 @@ def kept_attention(q, k, v, t0, page_size, n_pages):
     Q, Hq, D = q.shape
     T, H, _ = k.shape
     G = Hq // H
-    s = jnp.einsum("qhd,thd->hqt", q, jnp.repeat(k, G, axis=1)) / np.sqrt(D)
-    t = jnp.arange(T)
-    qpos = t0 + jnp.arange(Q)
-    s = jnp.where(t[None, None, :] <= qpos[None, :, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)                                   # [Hq, Q, T]
-    vv = jnp.repeat(v, G, axis=1)
-    full = jnp.einsum("hqt,thd->qhd", p, vv)
     n_all = -(-T // page_size)
-    pad = n_all * page_size - T
-    pm = jnp.pad(p, ((0, 0), (0, 0), (0, pad))).reshape(Hq, Q, n_all, page_size).sum(-1)
-    gm = pm.reshape(H, G, Q, n_all).sum(1)                            # [H, Q, pages]
-    own = qpos // page_size
-    gm = gm.at[:, jnp.arange(Q), own].set(jnp.inf)                   # the query's own page
+    qpos = t0 + jnp.arange(Q, dtype=jnp.int32)
+    keys = jnp.pad(k, ((0, n_all * page_size - T), (0, 0), (0, 0))).reshape(n_all, page_size, H, D)
+    gm = jax.vmap(lambda qi, pos: oracle.attention_mass(qi[None], keys[None], pos[None],
+                                                         page_size)[0])(q, qpos)  # [Q, H, pages]
+    gm = gm.at[jnp.arange(Q), :, qpos // page_size].set(jnp.inf)      # the query's own page
     kth = -jnp.sort(-gm, axis=-1)[..., min(n_pages, n_all) - 1:min(n_pages, n_all)]
-    keep = jnp.repeat(gm >= kth, G, axis=0)                          # [Hq, Q, pages]
+    keep = jnp.repeat(gm >= kth, G, axis=1)                           # [Q, Hq, pages]
     keep_t = jnp.repeat(keep, page_size, axis=-1)[..., :T]
-    lost = 1.0 - jnp.sum(jnp.where(keep_t, p, 0.0), axis=-1)         # [Hq, Q]
-    pk = jax.nn.softmax(jnp.where(keep_t, s, -jnp.inf), axis=-1)
-    part = jnp.einsum("hqt,thd->qhd", pk, vv)
-    return full, part, lost.T
+    s = jnp.einsum("qhd,thd->qht", q, jnp.repeat(k, G, axis=1)) / np.sqrt(D)
+    s = jnp.where(jnp.arange(T)[None, None, :] <= qpos[:, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)                                   # [Q, Hq, T]
+    vv = jnp.repeat(v, G, axis=1)
+    full = jnp.einsum("qht,thd->qhd", p, vv)
+    lost = 1.0 - jnp.sum(jnp.where(keep_t, p, 0.0), axis=-1)         # [Q, Hq]
+    part = jnp.einsum("qht,thd->qhd", jax.nn.softmax(jnp.where(keep_t, s, -jnp.inf), axis=-1), vv)
+    return full, part, lost
 
 
 def main():
@@ -79,6 +78,7 @@ def main():
         rows.append(row)
         print_row(row)
     report(rows, a.out, model=path, tokens=T, queries=a.queries, page_size=a.page_size)
+
 
 if __name__ == "__main__":
     main()
