@@ -301,11 +301,25 @@ def run_specs(budgets, *, page_size: int, exact: bool = True, lagged: bool = Tru
     return specs
 
 
+def _top_level_items(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets: ``a=1,b=(2, 3)`` -> [``a=1``, ``b=(2, 3)``]."""
+    items, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return items + [cur]
+
+
 def parse_spec(text: str) -> tuple[str, dict]:
-    """``NAME=key=value,key=value`` -> (NAME, kwargs); values are Python literals or strings."""
+    """``NAME=key=value,key=value`` -> (NAME, kwargs); values are Python literals (tuples in
+    brackets, ``dense_layers=(3,5)``) or strings."""
     name, _, rest = text.partition("=")
     kw = {}
-    for item in filter(None, rest.split(",")):
+    for item in filter(None, _top_level_items(rest)):
         k, _, v = item.partition("=")
         try:
             kw[k.strip()] = ast.literal_eval(v.strip())

@@ -87,6 +87,26 @@ def _as_int(name: str, v, minimum: int, owner: str = "CacheConfig"):
     return int(v)
 
 
+def _dense_layers(v):
+    """CacheConfig.dense_layers as an int >= 0 or a tuple of distinct ints (a list or any
+    iterable of ints accepted; the layer count checks the range, ``jaxkv.api``)."""
+    if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+        return _as_int("dense_layers", v, 0)
+    fix = ("pass an int N (the first N layers) or a tuple of layer indices, "
+           "e.g. dense_layers=(0, 1, -1)")
+    if isinstance(v, (str, bytes, float, bool, np.bool_)) or not hasattr(v, "__iter__"):
+        raise ValueError(f"CacheConfig.dense_layers must be an int or a tuple of ints, got {v!r}: "
+                         f"{fix}")
+    items = tuple(v)
+    for i in items:
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+            raise ValueError(f"CacheConfig.dense_layers holds {i!r}, not a layer index: {fix}")
+    items = tuple(int(i) for i in items)
+    if len(set(items)) != len(items):
+        raise ValueError(f"CacheConfig.dense_layers names a layer twice: {items!r}")
+    return items
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """How generate() keeps and reads the KV cache.
@@ -168,8 +188,11 @@ class CacheConfig:
       reuse: keep fetched pages in the pool for later steps. False (schedule "step" or
         "scratch") is the no-cache baseline: every selected page is read from the host every
         step.
-      dense_layers: the first N layers attend densely to every page (as Quest does for its
-        first 2 layers); in "host" mode their K/V are also kept fully on device.
+      dense_layers: the layers that attend densely to every page: an int N for the first N
+        (Quest keeps its first 2 dense), or a tuple of layer indices, negative ones counted
+        from the end as in Python, e.g. ``(3, 5, -2, -1)`` for the layers whose attention is
+        most diffuse (``benchmarks/probes/layer_budget.py`` ranks them). In "host" mode their
+        K/V are also kept fully on device.
       unroll_layers: unroll the per-token layer loop (None: on GPU, where a loop iteration
         costs a host round trip, ~10 us on the H200 (docs/decisions.md); off elsewhere, for
         compile time).
@@ -203,16 +226,14 @@ class CacheConfig:
     schedule: Literal["step", "scratch", "layer"] = "step"
     reuse: bool = True
     unroll_layers: bool | None = None
-    dense_layers: int = 0
+    dense_layers: int | tuple[int, ...] = 0
     selection_lag: int = 0
     tuning: Tuning = Tuning()
 
     def __post_init__(self):
         if not isinstance(self.tuning, Tuning):
             raise ValueError(f"CacheConfig.tuning must be a jaxkv.Tuning, got {self.tuning!r}")
-        if not isinstance(self.dense_layers, int) or isinstance(self.dense_layers, bool) \
-                or self.dense_layers < 0:
-            raise ValueError(f"CacheConfig.dense_layers must be an int >= 0, got {self.dense_layers!r}")
+        object.__setattr__(self, "dense_layers", _dense_layers(self.dense_layers))
         if self.schedule not in ("step", "scratch", "layer"):
             raise ValueError("CacheConfig.schedule must be 'step', 'scratch' or 'layer', got "
                              f"{self.schedule!r}")

@@ -115,7 +115,7 @@ def check_compatible(context: Context, plan: Plan):
                        ("dtype", a.kv_dtype, b.kv_dtype),
                        ("kv_key_shift", a.key_shift, b.key_shift),
                        ("kv_key_rotation", a.key_rotation, b.key_rotation),
-                       ("dense_layers", a.num_dense, b.num_dense),
+                       ("dense_layers", a.dense_set, b.dense_set),
                        ("selection_lag", a.lagged, b.lagged)):
         if x != y:
             raise ValueError(f"the context was built with CacheConfig {what}={x!r}, this call "

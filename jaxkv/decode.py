@@ -74,16 +74,16 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         return (q1.astype(jnp.float32) @ rot).astype(q1.dtype)
 
     def attend_dense(layer, lp, h, q, k, v, carry):
-        """The first plan.num_dense layers: every valid page, read from device memory."""
+        """The layers of ``plan.dense_set``: every valid page, read from device memory."""
         kv, summ, look, dense, sel_in = carry
         q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
         tok_kv = jnp.stack([k1, v1], axis=1).astype(plan.summary_dtype)
-        kv, dense, pool = sched.write_dense(plan, kv, dense, layer, logical, offset,
-                                            stored(tok_kv, summ, layer))
+        kv, dense, pool, at = sched.write_dense(plan, kv, dense, layer, logical, offset,
+                                                stored(tok_kv, summ, layer))
         pages = dense_select.dense_select(jnp.maximum(positions + 1, 1), num_pages=Np,
                                           num_kv_heads=H, page_size=ps)
         pages = jnp.where(active[:, None, None], pages, INVALID)
-        rows = jnp.where(pages >= 0, layer * P + b_idx[:, None, None] * Np + pages, INVALID)
+        rows = jnp.where(pages >= 0, at * P + b_idx[:, None, None] * Np + pages, INVALID)
         out, _ = sparse_paged_attention(query(q1), pool, rows, pages,
                                         jnp.where(active, pos + 1, 1), page_size=ps,
                                         num_kv_heads=H, implementation=impl)
@@ -126,14 +126,14 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     x = llama.embed(params, cfg, st.last_token[:, None])
     tpos = jnp.maximum(pos, 0)[:, None]
     carry = (kv0, st.summaries, st.lookahead, st.dense, sel_in)
-    nd = plan.num_dense
-    x, carry = llama.run_layers(params, cfg, x, tpos, attend_dense, carry, start=0, stop=nd,
-                                unroll=plan.layer_unroll, axis_name=plan.axis_name)
-    x, carry = llama.run_layers(params, cfg, x, tpos, attend, carry, start=nd,
-                                unroll=plan.layer_unroll, axis_name=plan.axis_name)
+    for start, stop, is_dense in plan.layer_runs:
+        x, carry = llama.run_layers(params, cfg, x, tpos, attend_dense if is_dense else attend,
+                                    carry, start=start, stop=stop, unroll=plan.layer_unroll,
+                                    axis_name=plan.axis_name)
     kv, summ, look, dense, sel_in = carry
     if batched:
-        lpos = jnp.where(jnp.arange(L)[:, None] >= nd, positions[None, :], INVALID)  # [L, B]
+        lpos = jnp.where(jnp.asarray(plan.sparse_mask)[:, None], positions[None, :],
+                         INVALID)                                                  # [L, B]
         own, shift, _ = selectors.split(summ, plan)
         own, ahead = selector.update_select_all_layers(plan, own, *sel_in, lpos)
         summ = selectors.join(own, shift,

@@ -12,6 +12,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv import selectors
 from jaxkv.config import CacheConfig, Tuning
@@ -104,9 +105,54 @@ class Plan:
         return self.cache.sink_pages + self.cache.recent_pages
 
     @property
+    def dense_set(self) -> tuple[int, ...]:
+        """The layers that attend densely (``CacheConfig.dense_layers``), ascending."""
+        d, L = self.cache.dense_layers, self.model.num_layers
+        if isinstance(d, int):
+            return tuple(range(min(d, L)))
+        return tuple(sorted(i % L for i in d if -L <= i < L))
+
+    @property
     def num_dense(self) -> int:
-        """The first layers that attend densely (CacheConfig.dense_layers)."""
-        return min(self.cache.dense_layers, self.model.num_layers)
+        return len(self.dense_set)
+
+    @property
+    def dense_prefix(self) -> bool:
+        """Whether the dense layers are the first ``num_dense`` layers."""
+        return self.dense_set == tuple(range(self.num_dense))
+
+    @property
+    def sparse_mask(self) -> np.ndarray:
+        """[L] bool: the layers that select pages (every layer not in ``dense_set``)."""
+        m = np.ones(self.model.num_layers, bool)
+        m[list(self.dense_set)] = False
+        return m
+
+    def dense_slot(self, layer):
+        """The index of dense layer ``layer`` (int32, traced or not) among the dense layers:
+        its place in the host mode's device copy (``dense_spec``)."""
+        if self.dense_prefix:
+            return layer
+        slot = np.zeros(self.model.num_layers, np.int32)
+        slot[list(self.dense_set)] = np.arange(self.num_dense, dtype=np.int32)
+        return jnp.asarray(slot)[layer]
+
+    def is_dense(self, layer):
+        """Whether layer ``layer`` (int32, traced or not) attends densely: a bool array."""
+        if self.dense_prefix:
+            return jnp.asarray(layer) < self.num_dense
+        return jnp.asarray(~self.sparse_mask)[layer]
+
+    @property
+    def layer_runs(self) -> tuple[tuple[int, int, bool], ...]:
+        """The layers as maximal runs of dense or selecting layers: (start, stop, dense)."""
+        runs, dense = [], ~self.sparse_mask
+        for i, d in enumerate(dense.tolist()):
+            if runs and runs[-1][2] == d:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1, d])
+        return tuple(tuple(r) for r in runs)
 
     @property
     def dense_spec(self) -> CacheSpec:

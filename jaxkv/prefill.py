@@ -85,7 +85,9 @@ def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, de
         kv = dataclasses.replace(kv, pool=page_write.write_pages(
             kv.pool, rows, pages.reshape(B * n, -1), implementation=impl))
     if plan.cache.mode == "host" and plan.num_dense:
-        drows = jnp.where(layer < plan.num_dense, rows, INVALID)
+        drows = jnp.where(used & plan.is_dense(layer),
+                          plan.dense_slot(layer) * plan.spec.num_logical_pages + logical,
+                          INVALID).reshape(-1)
         dense = dataclasses.replace(dense, pool=page_write.write_pages(
             dense.pool, drows, pages.reshape(B * n, -1), implementation=impl))
     selector = plan.selector

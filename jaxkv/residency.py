@@ -150,13 +150,14 @@ def count_in_place(plan: Plan, kv, sel_all, n_active, before=None, pool_only=Fal
     its own pages (lagged selection), counted instead; the misses after it are host
     reads, or with ``pool_only`` (attention had no host operand) ``dropped``: left out of
     attention (never, by ``pool_only_reads``; counted so a broken bound shows)."""
-    nd = plan.num_dense  # the dense layers select nothing
+    # the dense layers select nothing: a dense prefix is left out, other dense rows are -1
+    nd = plan.num_dense if plan.dense_prefix else 0
     n_hit, n_read = _resident_entries(plan, kv.page_table, sel_all[nd:], nd)
     n_miss = n_read
     if before is not None:
         n_hit, n_miss = before
     c = kv.counters
-    written = (plan.spec.num_layers - nd) * n_active
+    written = (plan.spec.num_layers - plan.num_dense) * n_active
     lost = {"dropped": c.dropped + n_read} if pool_only else {"host_reads": c.host_reads + n_read}
     counters = dataclasses.replace(c, hits=c.hits + n_hit, misses=c.misses + n_miss,
                                    tokens_written=c.tokens_written + written, **lost)
@@ -212,7 +213,7 @@ def lagged_requests(plan: Plan, ahead, active):
     layers), in the order of the lookup's record."""
     L, B = plan.model.num_layers, plan.batch
     b = jnp.arange(B, dtype=jnp.int32)[None, :, None, None]
-    sparse = (jnp.arange(L) >= plan.num_dense)[:, None, None, None]
+    sparse = jnp.asarray(plan.sparse_mask)[:, None, None, None]
     ok = (ahead >= 0) & active[None, :, None, None] & sparse
     return jnp.where(ok, b * plan.pages_per_seq + ahead, INVALID).reshape(L, -1)
 
@@ -228,7 +229,7 @@ class Schedule:
     """One residency schedule (the module docstring lists them). The decode step calls, in
     this order: :meth:`begin` once, then per sparse layer :meth:`write` (the new token, before
     the selection) and :meth:`rows` (after it), then :meth:`end` and :meth:`tick` once; the
-    first ``dense_layers`` call :meth:`write_dense` instead."""
+    dense layers (``plan.dense_set``) call :meth:`write_dense` instead."""
 
     #: The per-layer lookup masks inactive requests' pages itself (the step need not).
     lookup_masks_inactive = False
@@ -247,13 +248,15 @@ class Schedule:
                                      implementation=plan.cache.implementation)
 
     def write_dense(self, plan: Plan, kv, dense, layer, logical, offset, tok_kv):
-        """A dense layer's new token. Returns (kv, dense, pool that holds every page)."""
+        """A dense layer's new token. Returns (kv, dense, the pool that holds every page of
+        the layer, the layer's index in that pool)."""
         impl = plan.cache.implementation
         kv = kvcache.write_through(plan.spec, kv, layer, logical, offset, tok_kv,
                                    implementation=impl)
-        dense = kvcache.write_resident(plan.spec, dense, layer, logical, offset, tok_kv,
+        slot = plan.dense_slot(layer)
+        dense = kvcache.write_resident(plan.spec, dense, slot, logical, offset, tok_kv,
                                        implementation=impl)
-        return kv, dense, dense.pool
+        return kv, dense, dense.pool, slot
 
     def rows(self, plan: Plan, kv, layer, pages, look, *, b_idx, active, logical, offset,
              tok_kv, protect, pool_only):
@@ -281,7 +284,7 @@ class Resident(Schedule):
 
     def write_dense(self, plan, kv, dense, layer, logical, offset, tok_kv):
         kv = self.write(plan, kv, layer, logical, offset, tok_kv)
-        return kv, dense, kv.pool
+        return kv, dense, kv.pool, layer
 
     def rows(self, plan, kv, layer, pages, look, *, b_idx, **_):
         sel = _logical_selection(plan, pages, b_idx)

@@ -211,6 +211,46 @@ def test_dense_first_layers(mode):
         _gen(dataclasses.replace(cache, dense_layers=CFG.num_layers + 1), max_new_tokens=8)
 
 
+CFG3 = configs.tiny(num_layers=3)
+PARAMS3 = llama.init_params(CFG3, seed=3)
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_dense_layer_set(lag):
+    """dense_layers as a set of layers that is not a prefix ((1,) and (-1,) of 3): the host
+    tier with a churning pool equals resident, exact and lagged; the set changes the tokens;
+    (0,) is dense_layers=1 and every layer is the dense selector."""
+    def gen(**kw):
+        c = dict(mode="resident", selector="quest", page_size=4, selected_pages=3,
+                 selection_lag=lag, round_steps=8)
+        c.update(kw)
+        return jaxkv.generate(CFG3, PARAMS3, PROMPTS, cache=CacheConfig(**c), max_new_tokens=10,
+                              stop_tokens=[]).tokens
+
+    for layers in [(1,), (-1,)]:
+        res = gen(dense_layers=layers)
+        assert gen(mode="host", dense_layers=layers, pool_pages=10) == res
+        assert res != gen()
+    assert gen(dense_layers=(1,)) != gen(dense_layers=(-1,))
+    assert gen(dense_layers=(0,)) == gen(dense_layers=1)
+    if lag == 0:
+        dense = jaxkv.generate(CFG3, PARAMS3, PROMPTS, max_new_tokens=10, stop_tokens=[],
+                               cache=CacheConfig(mode="resident", selector="dense",
+                                                 page_size=4)).tokens
+        assert gen(mode="host", dense_layers=(2, 0, 1), pool_pages=10) == dense
+
+
+@pytest.mark.parametrize("layers, match", [((3,), r"names layer\(s\) \[3\]"),
+                                           ((0, -3), "names a layer twice"),
+                                           ((1, 1), "names a layer twice"),
+                                           ((1.0,), "not a layer index"),
+                                           ("01", "an int or a tuple of ints")])
+def test_dense_layer_set_bad_input(layers, match):
+    with pytest.raises(ValueError, match=match):
+        jaxkv.generate(CFG3, PARAMS3, PROMPTS[:1], max_new_tokens=2,
+                       cache=CacheConfig(mode="resident", page_size=4, dense_layers=layers))
+
+
 def test_indexer_selector_host_equals_resident():
     """The learned-indexer selector end to end: host tier (churning pool) == resident."""
     cfg = configs.with_indexer(CFG, heads=4, dim=16)

@@ -203,6 +203,8 @@ def test_run_specs_and_cache_configs():
     assert specs["quest256-lag"] == dict(mode="host", selector="quest", selected_pages=16,
                                          selection_lag=1)
     assert specs["small"] == dict(selector="quest", selected_pages=8, pool_pages=12)
+    assert bench_quality.parse_spec("d=selector=oracle,dense_layers=(3, 5),selected_pages=64") \
+        == ("d", dict(selector="oracle", dense_layers=(3, 5), selected_pages=64))
     kw = dict(batch=6, num_kv_heads=3, page_size=16, pool_cap=0.75)
     d = bench_quality.cache_config(specs["dense"], length=2048, **kw)
     assert (d.mode, d.selector, d.max_context) == ("resident", "dense", 2048)
