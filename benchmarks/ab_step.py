@@ -42,8 +42,8 @@ variant is a plan of its own, so nothing is read at trace time.
   second stage in XLA / as the Pallas kernel (``Tuning.rescore_method``);
   ``rescore8_topk_{chunked,cmax}``: the kernel, and the first stage's top-k method
   (``Tuning.topk_method``; the default is "sort").
-* ``dense4`` / ``rescore_dense4``: Quest / ``quest_rescore`` with layers 3, 5 and the last two
-  dense (``CacheConfig(dense_layers=(3, 5, -2, -1))``).
+* ``dense4``: Quest with layers 3, 5 and the last two dense
+  (``CacheConfig(dense_layers=(3, 5, -2, -1))``).
 
 ``--budget-tokens`` sets the selected tokens per KV head (default 2048) and
 ``--candidate-pages`` the two-stage variants' first stage (``CacheConfig.candidate_pages``).
@@ -127,10 +127,8 @@ VARIANTS = {
     "rescore8_topk_chunked": ({"rescore_method": "pallas", "topk_method": "chunked"}, ()),
     "rescore8_topk_cmax": ({"rescore_method": "pallas", "topk_method": "pallas_cmax"}, ()),
     # four layers dense (CacheConfig.dense_layers as a set: the layers that leave out the most
-    # attention at a budget on Qwen2.5, benchmarks/probes/layer_budget.py), under Quest and
-    # under quest_rescore
+    # attention at a budget on Qwen2.5, benchmarks/probes/layer_budget.py)
     "dense4": ({}, ()),
-    "rescore_dense4": ({}, ()),
 }
 DENSE4 = (3, 5, -2, -1)
 # name -> CacheConfig fields a variant changes (the others keep the engine's defaults)
@@ -143,8 +141,7 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_pallas={"selector": "quest_rescore8"},
                      rescore8_topk_chunked={"selector": "quest_rescore8"},
                      rescore8_topk_cmax={"selector": "quest_rescore8"},
-                     dense4={"dense_layers": DENSE4},
-                     rescore_dense4={"selector": "quest_rescore", "dense_layers": DENSE4})
+                     dense4={"dense_layers": DENSE4})
 
 
 def variant_tuning(name: str, base: Tuning = Tuning()) -> Tuning:

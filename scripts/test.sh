@@ -8,6 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
+# The suite's programs are tiny and each compiles once: LLVM's optimizations cost more than
+# they save (about a quarter of the CPU time; docs/decisions.md). A level in the caller's
+# XLA_FLAGS comes later and wins.
+export XLA_FLAGS="--xla_backend_optimization_level=0 ${XLA_FLAGS:-}"
 NCPU=$(nproc 2>/dev/null || echo 1)
 WORKERS=${JAXKV_TEST_WORKERS:-$(( NCPU < 4 ? NCPU : 4 ))}
 exec .venv/bin/python -m pytest -q --durations=15 -n "$WORKERS" --dist loadfile "$@"
