@@ -14,7 +14,7 @@ from jaxkv import cache as kvcache
 from jaxkv import compile_stats, engine, parallel, runtime, validation
 from jaxkv import context as context_api
 from jaxkv import text as text_api
-from jaxkv.config import CacheConfig, Sampling
+from jaxkv.config import CacheConfig, Sampling, dense_layer_set
 from jaxkv.models.configs import ModelConfig
 from jaxkv.text import Model
 
@@ -78,22 +78,6 @@ def _need_device_bytes(plan: engine.Plan) -> int:
     return kv + validation.nbytes_of(jax.eval_shape(lambda: engine.init_summaries(plan)))
 
 
-def _check_dense_layers(dense, num_layers: int):
-    """CacheConfig.dense_layers against the model's layer count."""
-    if isinstance(dense, int):
-        if dense > num_layers:
-            raise ValueError(f"CacheConfig.dense_layers ({dense}) exceeds the model's "
-                             f"{num_layers} layers: lower dense_layers")
-        return
-    bad = [i for i in dense if not -num_layers <= i < num_layers]
-    if bad:
-        raise ValueError(f"CacheConfig.dense_layers names layer(s) {bad} of a model with "
-                         f"{num_layers} layers: use indices in [-{num_layers}, {num_layers})")
-    if len({i % num_layers for i in dense}) != len(dense):
-        raise ValueError(f"CacheConfig.dense_layers {dense!r} names a layer twice "
-                         f"(negative indices count from the end of the {num_layers} layers)")
-
-
 def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int],
               max_new_tokens: int, num_stop: int) -> engine.Plan:
     """Bucket shapes (prompt length, context) so similar calls share one compilation."""
@@ -116,7 +100,7 @@ def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int]
             f"{ps} tokens, fewer than the {pinned} pinned pages (sink_pages {cache.sink_pages} + "
             f"recent_pages {cache.recent_pages}): raise max_context to at least {pinned * ps} "
             "(or None), or lower sink_pages / recent_pages")
-    _check_dense_layers(cache.dense_layers, model.num_layers)
+    dense_layer_set(cache.dense_layers, model.num_layers)  # a ValueError names a bad set
     if need > model.max_position:
         raise ValueError(
             f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) = {need} exceeds the model's "

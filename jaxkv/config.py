@@ -107,6 +107,25 @@ def _dense_layers(v):
     return items
 
 
+def dense_layer_set(dense, num_layers: int) -> tuple[int, ...]:
+    """``CacheConfig.dense_layers`` of a model with ``num_layers`` layers as ascending layer
+    indices; a ValueError names a layer out of range or named twice."""
+    if isinstance(dense, int):
+        if dense > num_layers:
+            raise ValueError(f"CacheConfig.dense_layers ({dense}) exceeds the model's "
+                             f"{num_layers} layers: lower dense_layers")
+        return tuple(range(dense))
+    bad = [i for i in dense if not -num_layers <= i < num_layers]
+    if bad:
+        raise ValueError(f"CacheConfig.dense_layers names layer(s) {bad} of a model with "
+                         f"{num_layers} layers: use indices in [-{num_layers}, {num_layers})")
+    layers = sorted({i % num_layers for i in dense})
+    if len(layers) != len(dense):
+        raise ValueError(f"CacheConfig.dense_layers {dense!r} names a layer twice "
+                         f"(negative indices count from the end of the {num_layers} layers)")
+    return tuple(layers)
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """How generate() keeps and reads the KV cache.

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import selectors
-from jaxkv.config import CacheConfig, Tuning
+from jaxkv.config import CacheConfig, Tuning, dense_layer_set
 from jaxkv.kernels import kv_quant
 from jaxkv.models.configs import ModelConfig
 from jaxkv.selectors import Selector
@@ -107,19 +107,11 @@ class Plan:
     @property
     def dense_set(self) -> tuple[int, ...]:
         """The layers that attend densely (``CacheConfig.dense_layers``), ascending."""
-        d, L = self.cache.dense_layers, self.model.num_layers
-        if isinstance(d, int):
-            return tuple(range(min(d, L)))
-        return tuple(sorted(i % L for i in d if -L <= i < L))
+        return dense_layer_set(self.cache.dense_layers, self.model.num_layers)
 
     @property
     def num_dense(self) -> int:
         return len(self.dense_set)
-
-    @property
-    def dense_prefix(self) -> bool:
-        """Whether the dense layers are the first ``num_dense`` layers."""
-        return self.dense_set == tuple(range(self.num_dense))
 
     @property
     def sparse_mask(self) -> np.ndarray:
@@ -131,16 +123,12 @@ class Plan:
     def dense_slot(self, layer):
         """The index of dense layer ``layer`` (int32, traced or not) among the dense layers:
         its place in the host mode's device copy (``dense_spec``)."""
-        if self.dense_prefix:
-            return layer
         slot = np.zeros(self.model.num_layers, np.int32)
         slot[list(self.dense_set)] = np.arange(self.num_dense, dtype=np.int32)
         return jnp.asarray(slot)[layer]
 
     def is_dense(self, layer):
         """Whether layer ``layer`` (int32, traced or not) attends densely: a bool array."""
-        if self.dense_prefix:
-            return jnp.asarray(layer) < self.num_dense
         return jnp.asarray(~self.sparse_mask)[layer]
 
     @property

@@ -128,12 +128,11 @@ def lookup_in_place(plan: Plan, kv, layer, pages, active, logical, offset, tok_k
     return kv, rows, host_rows, record
 
 
-def _resident_entries(plan: Plan, page_table, sel_all, start: int = 0):
-    """sel_all [L - start, R] logical pages of layers ``start ..`` (-1 pad) -> (hits, misses)
-    int32 scalars: the selected (KV head, page) entries with / without a slot in
-    ``page_table``."""
+def _resident_entries(plan: Plan, page_table, sel_all):
+    """sel_all [L, R] logical pages (-1 pad) -> (hits, misses) int32 scalars: the selected
+    (KV head, page) entries with / without a slot in ``page_table``."""
     P = plan.spec.num_logical_pages
-    lcol = jnp.arange(start, start + sel_all.shape[0], dtype=jnp.int32)[:, None]
+    lcol = jnp.arange(sel_all.shape[0], dtype=jnp.int32)[:, None]
     slot = jnp.where(sel_all >= 0, page_table[lcol, jnp.clip(sel_all, 0, P - 1)], INVALID)
     if not plan.cache.reuse:
         slot = jnp.full_like(slot, INVALID)
@@ -150,9 +149,7 @@ def count_in_place(plan: Plan, kv, sel_all, n_active, before=None, pool_only=Fal
     its own pages (lagged selection), counted instead; the misses after it are host
     reads, or with ``pool_only`` (attention had no host operand) ``dropped``: left out of
     attention (never, by ``pool_only_reads``; counted so a broken bound shows)."""
-    # the dense layers select nothing: a dense prefix is left out, other dense rows are -1
-    nd = plan.num_dense if plan.dense_prefix else 0
-    n_hit, n_read = _resident_entries(plan, kv.page_table, sel_all[nd:], nd)
+    n_hit, n_read = _resident_entries(plan, kv.page_table, sel_all)  # dense layers' rows: -1
     n_miss = n_read
     if before is not None:
         n_hit, n_miss = before
