@@ -11,6 +11,7 @@ files keep the NeoX order (no permutation) and carry q/k/v biases and, usually, 
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -50,21 +51,63 @@ def default_model_path() -> Path:
                             f"reinstall it with `{_INSTALL_HINT}`")
 
 
-def open_gguf(path: str | os.PathLike):
-    """Opens a GGUF file as a ``gguf.GGUFReader`` (memory-mapped), checking that every
-    tensor's data lies inside the file. Raises FileNotFoundError or GGUFError."""
+@functools.lru_cache(maxsize=None)
+def _reader_class():
     import gguf
 
+    class Reader(gguf.GGUFReader):
+        """``gguf.GGUFReader`` that slices a plain ndarray view of its memory map.
+
+        The reader parses every metadata value, one slice per string of the tokenizer's
+        arrays; slicing the ``np.memmap`` itself builds a memmap object per slice, which is
+        about three quarters of the parse (SmolLM2-135M: 3.0 -> 0.8 s; Qwen2.5-Coder-0.5B,
+        151k tokens: 10.2 -> 2.6 s). Fields and tensors are equal to the base class's; tensor
+        data stay views of the same read-only mapping."""
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            buf = self.__dict__.get("_plain")
+            if buf is None:
+                buf = self.__dict__["_plain"] = self.data.view(np.ndarray)
+            count = int(count)
+            end = offset + np.dtype(dtype).itemsize * count
+            arr = buf[offset:end].view(dtype=dtype)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return arr.view(arr.dtype.newbyteorder(order))
+
+    return Reader
+
+
+_READERS: dict = {}   # (resolved path, size, mtime_ns) -> reader; a few files per process
+
+
+def open_gguf(path: str | os.PathLike):
+    """Opens a GGUF file as a ``gguf.GGUFReader`` (memory-mapped), checking that every
+    tensor's data lies inside the file. Raises FileNotFoundError or GGUFError.
+
+    One reader serves every call for the same unchanged file in a process (the weights and
+    the tokenizer of one model read the same metadata); a file rewritten since (another size
+    or modification time) is read again."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    size = path.stat().st_size
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    reader = _READERS.get(key)
+    if reader is None:
+        reader = _open(path, st.st_size)
+        while len(_READERS) >= 4:
+            _READERS.pop(next(iter(_READERS)))
+        _READERS[key] = reader
+    return reader
+
+
+def _open(path: Path, size: int):
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise GGUFError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
-        reader = gguf.GGUFReader(path, "r")
+        reader = _reader_class()(path, "r")
     except Exception as e:  # the reader fails in many ways on cut or garbled headers
         raise GGUFError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
     for t in reader.tensors:

@@ -277,6 +277,41 @@ def test_open_gguf_reads_tiny(tiny_file):
     assert r.fields["general.architecture"].contents() == "llama"
 
 
+def _assert_same_reader(a, b):
+    assert list(a.fields) == list(b.fields)
+    for k, fa in a.fields.items():
+        fb = b.fields[k]
+        assert fa.types == fb.types and fa.data == fb.data and fa.offset == fb.offset, k
+        assert len(fa.parts) == len(fb.parts), k
+        assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(fa.parts, fb.parts)), k
+        assert fa.contents() == fb.contents(), k
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert ta.tensor_type == tb.tensor_type and np.array_equal(ta.shape, tb.shape)
+        assert ta.data_offset == tb.data_offset and ta.n_bytes == tb.n_bytes
+        assert ta.data.dtype == tb.data.dtype and np.array_equal(ta.data, tb.data)
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_reader_equals_the_gguf_packages(tiny_file, which):
+    """open_gguf's reader (plain slices of the memory map) reads every field and tensor as
+    gguf.GGUFReader does: the tiny file and SmolLM2's (its 49k-token vocabulary)."""
+    path = tiny_file[0] if which == "tiny" else default_model_path()
+    _assert_same_reader(open_gguf(path), gguf.GGUFReader(path, "r"))
+
+
+def test_reader_is_shared_until_the_file_changes(tiny_file, tmp_path):
+    path, cfg, params = tiny_file
+    r = open_gguf(path)
+    assert open_gguf(str(path)) is r
+    other = _write_gguf(tmp_path / "other.gguf", cfg, params, skip=("blk.1.attn_v.weight",))
+    path.write_bytes(other.read_bytes())        # the same path, new contents
+    r2 = open_gguf(path)
+    assert r2 is not r and "blk.1.attn_v.weight" not in {t.name for t in r2.tensors}
+    with pytest.raises(GGUFError, match="missing"):
+        load_gguf(path)
+
+
 # --------------------------------------------------------------------------- SmolLM2 fixtures
 
 @pytest.fixture(scope="module")
