@@ -114,8 +114,17 @@ def test_in_token_chunks_pads_a_bucket_that_is_not_a_multiple():
 def test_no_recompilation_for_new_prompts_temperature_and_length():
     cache = CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=4,
                         round_steps=8)  # a plan no other test compiles
-    first = _gen(cache, sampling=Sampling.make(temperature=0.7, top_k=20, top_p=0.9), seed=1)
+    names = []
+    listen = lambda event, _, **kw: (names.append(kw.get("fun_name"))  # noqa: E731
+                                     if event.endswith("backend_compile_duration") else None)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        first = _gen(cache, sampling=Sampling.make(temperature=0.7, top_k=20, top_p=0.9), seed=1)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
     assert first.stats["num_compilations"] > 0
+    # one program per layer loop: the first layer's input is committed as the others' are
+    assert names.count("jit(prefill_layer)") == 1 and names.count("jit(_decode_round)") == 1, names
     prompts2 = [list(RNG.integers(3, CFG.vocab_size, n)) for n in (40, 33, 45)]  # same bucket
     again = _gen(cache, prompts=prompts2, max_new_tokens=NEW - 3,
                  sampling=Sampling.make(temperature=1.3, top_k=5, top_p=0.5), seed=2)
