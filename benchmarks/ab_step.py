@@ -41,8 +41,7 @@ variant is a plan of its own, so nothing is read at trace time.
   ``selection_lag=1``. ``rescore8_xla`` / ``rescore8_pallas``: ``quest_rescore8`` with its
   second stage in XLA / as the Pallas kernel (``Tuning.rescore_method``);
   ``rescore8_topk_{chunked,cmax}``: the kernel, and the first stage's top-k method
-  (``Tuning.topk_method``; the default is "sort"); ``rescore_topk_pallas``: ``quest_rescore``
-  with the first stage's top-k by the full-row radix-select kernel ("pallas").
+  (``Tuning.topk_method``; the default is "sort").
 * ``dense4``: Quest with layers 3, 5 and the last two dense
   (``CacheConfig(dense_layers=(3, 5, -2, -1))``).
 
@@ -127,7 +126,6 @@ VARIANTS = {
     # ... and its first stage's top-k (Tuning.topk_method)
     "rescore8_topk_chunked": ({"rescore_method": "pallas", "topk_method": "chunked"}, ()),
     "rescore8_topk_cmax": ({"rescore_method": "pallas", "topk_method": "pallas_cmax"}, ()),
-    "rescore_topk_pallas": ({"rescore_method": "pallas", "topk_method": "pallas"}, ()),
     # four layers dense (CacheConfig.dense_layers as a set: the layers that leave out the most
     # attention at a budget on Qwen2.5, benchmarks/probes/layer_budget.py)
     "dense4": ({}, ()),
@@ -143,7 +141,6 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_pallas={"selector": "quest_rescore8"},
                      rescore8_topk_chunked={"selector": "quest_rescore8"},
                      rescore8_topk_cmax={"selector": "quest_rescore8"},
-                     rescore_topk_pallas={"selector": "quest_rescore"},
                      dense4={"dense_layers": DENSE4})
 
 
