@@ -109,18 +109,31 @@ def key_mean(k, lengths):
     return total / jnp.maximum(lengths, 1).astype(jnp.float32)[:, None, None]
 
 
-@functools.partial(jax.jit, static_argnames=("plan",))
 def embed_prompt(plan: Plan, params, tokens):
-    return llama.embed(params, plan.model, tokens)
+    """tokens [B, T] -> x [B, T, d]. Compiled per model and token shape, not per plan: cache
+    configurations that share a model share this program."""
+    return _embed(plan.model, params, tokens)
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "with_logprob"))
+@functools.partial(jax.jit, static_argnames=("model",))
+def _embed(model, params, tokens):
+    return llama.embed(params, model, tokens)
+
+
 def first_token(plan: Plan, params, x, lengths, sampling: Sampling, key, with_logprob: bool = False):
     """Sample the first new token from the prompt's last position. x [B, T, d] -> [B]
-    (and, ``with_logprob``, its log-probability under the model [B] float32)."""
+    (and, ``with_logprob``, its log-probability under the model [B] float32). Compiled per
+    model, mesh axis and shapes, not per plan (the cache configuration does not enter)."""
+    return _first_token(plan.model, plan.axis_name, params, x, lengths, sampling, key,
+                        with_logprob=with_logprob)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "axis_name", "with_logprob"))
+def _first_token(model, axis_name, params, x, lengths, sampling: Sampling, key,
+                 with_logprob: bool = False):
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)   # [B, 1, d]
-    logits = llama.final_logits(params, plan.model, last)[:, 0]
-    tok = agree(sample(logits, sampling, key), plan.axis_name)
+    logits = llama.final_logits(params, model, last)[:, 0]
+    tok = agree(sample(logits, sampling, key), axis_name)
     if not with_logprob:
         return tok
     lsm = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)

@@ -131,6 +131,17 @@ def test_no_recompilation_for_new_prompts_temperature_and_length():
     assert again.stats["num_compilations"] == 0, again.stats
     greedy = _gen(cache, prompts=prompts2, max_new_tokens=NEW + 2)
     assert greedy.stats["num_compilations"] == 0, greedy.stats
+    # another cache configuration of the same model and prompts: the embedding and the first
+    # token's programs are the model's, not the plan's
+    names.clear()
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        _gen(dataclasses.replace(cache, selected_pages=3, round_steps=4), prompts=prompts2,
+             max_new_tokens=NEW + 2)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert "jit(_first_token)" not in names and "jit(_embed)" not in names, names
+    assert names.count("jit(prefill_layer)") == 1 and names.count("jit(_decode_round)") == 1, names
 
 
 def test_stop_tokens_end_requests_early():
