@@ -2,7 +2,8 @@
 
 :class:`Plan` (frozen, hashable) fixes batch, prompt bucket, context capacity, cache layout
 and the cache configuration (with its :class:`jaxkv.Tuning`); it is the static argument of
-every jitted function of the engine, so two calls with equal plans share their programs.
+the engine's prefill and decode programs, so two calls with equal plans share them (the
+prompt's embedding and the first token are keyed on the plan's model and axis only).
 """
 from __future__ import annotations
 
