@@ -435,7 +435,6 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         kv, summaries, dense = jax.device_put((kv, summaries, dense),
                                               jax.tree.map(lambda a: a.sharding, (kv, summaries, dense)))
         x = eng.embed_prompt(plan, params, jnp.asarray(tokens))
-        x = jax.device_put(x, x.sharding)  # committed as the layers' outputs are: one program
         show = progress if progress is not None else max(lens) >= 8192
         layers = range(model.num_layers)
         if show:

@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv import cache as kvcache
-from jaxkv import engine, validation
+from jaxkv import engine, prefill, validation
 from jaxkv.models.configs import ModelConfig
 
 AXIS = "kv"
@@ -327,7 +327,7 @@ def _smap_fn(tp: TensorParallel, plan, what: str, treedef):
     ps = _param_specs(treedef)
     if what == "embed":
         def local(params, tokens):
-            return _raw(engine.embed_prompt)(plan, _local_params(params), tokens)
+            return _raw(prefill._embed)(plan.model, _local_params(params), tokens)
         in_specs = (ps, P())
     else:
         def local(params, x, lengths, sampling, key):

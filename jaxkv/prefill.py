@@ -110,9 +110,11 @@ def key_mean(k, lengths):
 
 
 def embed_prompt(plan: Plan, params, tokens):
-    """tokens [B, T] -> x [B, T, d]. Compiled per model and token shape, not per plan: cache
-    configurations that share a model share this program."""
-    return _embed(plan.model, params, tokens)
+    """tokens [B, T] -> x [B, T, d], committed to its device as the layers' outputs are, so
+    :func:`prefill_layer` compiles one program for every layer. Compiled per model and token
+    shape, not per plan: cache configurations that share a model share this program."""
+    x = _embed(plan.model, params, tokens)
+    return jax.device_put(x, x.sharding)
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
