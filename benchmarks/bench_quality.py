@@ -675,6 +675,12 @@ def paired_with_dense(run: dict, dense: dict, task: str | None = None) -> dict:
                 p=sign_test_p(lost, gained))
 
 
+def _paired_row(length, name, s: dict) -> str:
+    kept = f"{100 * s['kept'] / s['of']:.1f}% ({s['kept']}/{s['of']})" if s["of"] else "-"
+    return (f"| {length} | {name} | {kept} | {s['lost']} | {s['gained']} | {s['net']:+d} | "
+            f"{s['p']:.2g} |")
+
+
 def markdown(out: dict) -> str:
     """Tables: RULER score per task, length and run; kept of dense; per-run cache stats."""
     runs = out["runs"]
@@ -731,11 +737,19 @@ def markdown(out: dict) -> str:
                   "gained: the reverse; p: exact two-sided sign test on lost vs gained)", "",
                   "| length | run | kept | lost | gained | net | p |",
                   "|---|---|---|---|---|---|---|"]
+        total = {}
         for L, n, r in paired:
             s = paired_with_dense(r, find(L, "dense"))
-            kept_s = f"{100 * s['kept'] / s['of']:.1f}%" if s["of"] else "-"
-            lines.append(f"| {L} | {n} | {kept_s} | {s['lost']} | {s['gained']} | "
-                         f"{s['net']:+d} | {s['p']:.2g} |")
+            t = total.setdefault(n, dict(kept=0, of=0, lost=0, gained=0, lengths=0))
+            for k in ("kept", "of", "lost", "gained"):
+                t[k] += s[k]
+            t["lengths"] += 1
+            lines.append(_paired_row(L, n, s))
+        if len(lengths) > 1:    # every length of a run together
+            for n, t in total.items():
+                if t["lengths"] > 1:
+                    t = dict(t, net=t["gained"] - t["lost"], p=sign_test_p(t["lost"], t["gained"]))
+                    lines.append(_paired_row("**all**", n, t))
         lines.append("")
     lines += ["## Prompt tokens (mean; RULER fills the target length in its haystack's "
               "steps: 500 words of essay, 25 lines of repeat / needle text)", "",

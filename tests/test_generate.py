@@ -1,4 +1,5 @@
 """End-to-end tests of jaxkv.generate on the tiny model (CPU)."""
+import contextlib
 import dataclasses
 
 import jax
@@ -111,17 +112,28 @@ def test_in_token_chunks_pads_a_bucket_that_is_not_a_multiple():
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+@contextlib.contextmanager
+def _compiled_programs():
+    """The names of the programs XLA compiles inside the block (a ``jax.monitoring`` listener
+    on the backend-compile event)."""
+    names = []
+
+    def listen(event, _, **kw):
+        if event.endswith("backend_compile_duration"):
+            names.append(kw.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
 def test_no_recompilation_for_new_prompts_temperature_and_length():
     cache = CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=4,
                         round_steps=8)  # a plan no other test compiles
-    names = []
-    listen = lambda event, _, **kw: (names.append(kw.get("fun_name"))  # noqa: E731
-                                     if event.endswith("backend_compile_duration") else None)
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with _compiled_programs() as names:
         first = _gen(cache, sampling=Sampling.make(temperature=0.7, top_k=20, top_p=0.9), seed=1)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert first.stats["num_compilations"] > 0
     # one program per layer loop: the first layer's input is committed as the others' are
     assert names.count("jit(prefill_layer)") == 1 and names.count("jit(_decode_round)") == 1, names
@@ -133,13 +145,9 @@ def test_no_recompilation_for_new_prompts_temperature_and_length():
     assert greedy.stats["num_compilations"] == 0, greedy.stats
     # another cache configuration of the same model and prompts: the embedding and the first
     # token's programs are the model's, not the plan's
-    names.clear()
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with _compiled_programs() as names:
         _gen(dataclasses.replace(cache, selected_pages=3, round_steps=4), prompts=prompts2,
              max_new_tokens=NEW + 2)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert "jit(_first_token)" not in names and "jit(_embed)" not in names, names
     assert names.count("jit(prefill_layer)") == 1 and names.count("jit(_decode_round)") == 1, names
 

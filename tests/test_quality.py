@@ -270,16 +270,19 @@ def test_markdown_and_summarize(tmp_path):
     assert "| vt | 2048 | 80.0 | 66.7 |" in md
     assert "| vt | 2048 | - | 50% (1/2) |" in md
     assert "| 2048 | quest256 | 3 | 66.7 | 50% (1/2) | - | - | 10 | 0.40 | 0.500 | 1 | 0 | 1.0 |" in md
-    assert "| 2048 | quest256 | 50.0% | 1 | 1 | +0 | 1 |" in md   # paired with dense
+    assert "| 2048 | quest256 | 50.0% (1/2) | 1 | 1 | +0 | 1 |" in md   # paired with dense
     (tmp_path / "a.json").write_text(json.dumps(a))
-    b = dict(base, commit="c2", runs=[run("dense", "resident", [1.0], length=4096)])
+    b = dict(base, commit="c2", runs=[run("dense", "resident", [1.0], length=4096),
+                                      run("quest256", "host", [0.0], 256, length=4096)])
     (tmp_path / "b.json").write_text(json.dumps(b))
     bench_quality.main(["--summarize", str(tmp_path / "all.json"), str(tmp_path / "a.json"),
                         str(tmp_path / "b.json")])
     merged = json.loads((tmp_path / "all.json").read_text())
-    assert [(r["length"], r["name"]) for r in merged["runs"]] == [(2048, "dense"), (2048, "quest256"),
-                                                                   (4096, "dense")]
-    assert "| vt | 4096 | 100.0 |" in (tmp_path / "all.md").read_text()
+    assert [(r["length"], r["name"]) for r in merged["runs"]] == [
+        (2048, "dense"), (2048, "quest256"), (4096, "dense"), (4096, "quest256")]
+    md = (tmp_path / "all.md").read_text()
+    assert "| vt | 4096 | 100.0 |" in md
+    assert "| **all** | quest256 | 33.3% (1/3) | 2 | 1 | -1 | 1 |" in md   # both lengths
 
 
 # ---------------------------------------------------------------------------------------
