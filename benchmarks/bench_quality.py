@@ -414,9 +414,10 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
                max_new_tokens, dec, stops, texts, on_run, skip=(), logprobs=False):
     """Every run spec over ``cases`` (all at target ``length``); ``on_run(record)`` after each.
     Returns run name -> generated token ids per case (``cases`` sorted by task and index).
-    A run whose spec differs from an earlier run's only in ``kv_dtype`` gets a
-    ``kv_dtype_drift`` record against it: of the cases that run gets fully right, how many
-    this one keeps, and with ``logprobs`` the log-probability drift (:func:`logprob_drift`)."""
+    Every run after ``dense`` gets ``paired_with_dense`` (:func:`paired_with_dense`). A run
+    whose spec differs from an earlier run's only in ``kv_dtype`` gets a ``kv_dtype_drift``
+    record against it: of the cases that run gets fully right, how many this one keeps, and
+    with ``logprobs`` the log-probability drift (:func:`logprob_drift`)."""
     import jaxkv
 
     cases = sorted(cases, key=lambda c: (c["task"], c["index"]))
@@ -490,6 +491,8 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
                      {k: v for k, v in sp.items() if k not in numerics} ==
                      {k: v for k, v in spec.items() if k not in numerics}), None)
         records[name] = rec
+        if name != "dense" and "dense" in records:
+            rec["paired_with_dense"] = paired_with_dense(rec, records["dense"])
         if spec.get("kv_dtype") and base is not None:
             kept, of = kept_of_dense(rec, records[base])
             rec["kv_dtype_drift"] = dict(against=base, kept=kept, of=of, **logprob_drift(

@@ -313,6 +313,9 @@ def test_end_to_end_dense_and_quest_host_equals_resident(gguf_path, decoder, tmp
     s = by["quest-host"]["stats"]
     assert s["pool_pages"] == 12 and s["dropped"] == 0 and s["evictions"] > 0
     assert 0 < s["hit_rate"] < 1 and s["bytes_host_to_device"] > 0
+    assert "paired_with_dense" not in by["dense"]
+    assert by["quest-host"]["paired_with_dense"] == bench_quality.paired_with_dense(
+        by["quest-host"], by["dense"])
     out = dict(model="m", device="cpu:cpu", commit="c", jax_version="0", date="d", dtype="f32",
                page_size=16, score="s", runs=recs)
     bench_quality.write(out, tmp_path, "q")
