@@ -636,15 +636,8 @@ def _fmt(x, nd=3):
 
 def kept_of_dense(run: dict, dense: dict, task: str | None = None) -> tuple[int, int]:
     """(cases dense gets fully right that ``run`` also gets fully right, dense fully right)."""
-    d = {(q["task"], q["index"]): q["score"] >= 1.0 for q in dense["requests"]}
-    both = base = 0
-    for q in run["requests"]:
-        if task is not None and q["task"] != task:
-            continue
-        if d.get((q["task"], q["index"])):
-            base += 1
-            both += q["score"] >= 1.0
-    return both, base
+    s = paired_with_dense(run, dense, task)
+    return s["kept"], s["of"]
 
 
 def sign_test_p(lost: int, gained: int) -> float:
@@ -863,7 +856,8 @@ def main(argv=None):
     ap.add_argument("--resident", action="store_true", help="also quest<B>-resident runs")
     ap.add_argument("--controls", action="store_true",
                     help="also control-kvf32 and control-page<4P>: dense with other numerics "
-                         "only (the kept share a lossless change reaches)")
+                         "only (the kept share a lossless change reaches; with --dtype float32 "
+                         "control-kvf32 is dense itself)")
     ap.add_argument("--no-lag", action="store_true", help="no quest<B>-lag runs")
     ap.add_argument("--no-exact", action="store_true", help="no exact quest<B> runs")
     ap.add_argument("--batch-size", type=int,
