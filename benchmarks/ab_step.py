@@ -41,7 +41,9 @@ variant is a plan of its own, so nothing is read at trace time.
   ``selection_lag=1``. ``rescore8_xla`` / ``rescore8_pallas``: ``quest_rescore8`` with its
   second stage in XLA / as the Pallas kernel (``Tuning.rescore_method``);
   ``rescore8_topk_{chunked,cmax}``: the kernel, and the first stage's top-k method
-  (``Tuning.topk_method``; the default is "sort").
+  (``Tuning.topk_method``; the default is "sort"); ``rescore_select_xla`` /
+  ``rescore8_select_xla``: the final choice after the kernel in XLA (masses, top-k, sort)
+  instead of the ``candidate_select`` kernel (``Tuning.rescore_select_method``).
 * ``dense4``: Quest with layers 3, 5 and the last two dense
   (``CacheConfig(dense_layers=(3, 5, -2, -1))``).
 
@@ -126,6 +128,10 @@ VARIANTS = {
     # ... and its first stage's top-k (Tuning.topk_method)
     "rescore8_topk_chunked": ({"rescore_method": "pallas", "topk_method": "chunked"}, ()),
     "rescore8_topk_cmax": ({"rescore_method": "pallas", "topk_method": "pallas_cmax"}, ()),
+    # ... and the final choice in XLA (the masses, top-k, sort) instead of one kernel
+    # (Tuning.rescore_select_method)
+    "rescore_select_xla": ({"rescore_select_method": "xla"}, ()),
+    "rescore8_select_xla": ({"rescore_select_method": "xla"}, ()),
     # four layers dense (CacheConfig.dense_layers as a set: the layers that leave out the most
     # attention at a budget on Qwen2.5, benchmarks/probes/layer_budget.py)
     "dense4": ({}, ()),
@@ -141,6 +147,8 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_pallas={"selector": "quest_rescore8"},
                      rescore8_topk_chunked={"selector": "quest_rescore8"},
                      rescore8_topk_cmax={"selector": "quest_rescore8"},
+                     rescore_select_xla={"selector": "quest_rescore"},
+                     rescore8_select_xla={"selector": "quest_rescore8"},
                      dense4={"dense_layers": DENSE4})
 
 

@@ -48,6 +48,11 @@ class Tuning:
       rescore_method: the second stage of the two-stage selectors (``quest_rescore*``),
         "auto" (``CacheConfig.implementation``'s choice) | "pallas" | "xla" (the same masses to
         rounding; ``jaxkv.kernels.candidate_mass``).
+      rescore_select_method: the two-stage selectors' final choice after the Pallas second
+        stage: "auto" (``CacheConfig.implementation``'s choice) | "pallas" (one kernel from
+        the second stage's page statistics to the chosen pages) | "xla" (the masses, a top-k
+        and a sort in XLA). The same pages; after the XLA second stage the choice is XLA's
+        (``jaxkv.kernels.candidate_select``).
     """
 
     compiler_options: tuple = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)
@@ -57,6 +62,7 @@ class Tuning:
     ensure_dense_max_elems: int = 2 ** 20
     ensure_pallas_max: int = 128
     rescore_method: str = "auto"
+    rescore_select_method: str = "auto"
 
     def __post_init__(self):
         opts = self.compiler_options
@@ -74,6 +80,9 @@ class Tuning:
         if self.rescore_method not in ("auto", "pallas", "xla"):
             raise ValueError("Tuning.rescore_method must be 'auto', 'pallas' or 'xla', "
                              f"got {self.rescore_method!r}")
+        if self.rescore_select_method not in ("auto", "pallas", "xla"):
+            raise ValueError("Tuning.rescore_select_method must be 'auto', 'pallas' or 'xla', "
+                             f"got {self.rescore_select_method!r}")
         if self.topk_cmax_min_pages is not None:
             _as_int("topk_cmax_min_pages", self.topk_cmax_min_pages, 1, "Tuning")
         _as_int("ensure_dense_max_elems", self.ensure_dense_max_elems, 0, "Tuning")

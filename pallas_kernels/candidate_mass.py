@@ -124,19 +124,27 @@ def _kernel(layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref
         l_ref[i, :] = l_i
 
 
-@register(OP, "pallas")
-def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: int | None = None,
-                          num_warps: int = 4, interpret: bool | None = None):
-    """The Pallas kernel (module docstring); ``block_c`` candidates per program (default:
-    a tile of 128 tokens, at least one page: the fastest at both 128k decode shapes on the
-    H200, docs/decisions.md). Keys of a
-    dtype other than int8 / bfloat16, or page shapes the tensor cores cannot take (``ps`` or
-    ``D`` under 16 or not a power of two), take the reference."""
+def kernel_takes(keys) -> bool:
+    """Whether the Pallas kernel takes this key copy [L, B, H, Np, ps, D]: int8 or bfloat16
+    keys, ``ps`` and ``D`` powers of two of at least 16 (the tensor cores' smallest block)."""
+    ps, D = keys.shape[-2:]
+    return (keys.dtype in (jnp.int8, jnp.bfloat16) and ps >= 16 and D >= 16
+            and not ps & (ps - 1) and not D & (D - 1))
+
+
+def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int | None = None,
+                      num_warps: int = 4, interpret: bool | None = None):
+    """The kernel's per-page statistics ``(m, l)``, each [B, H, Cs, G_pad] float32 with
+    ``Cs = ceil(C / block_c) * block_c`` and ``G_pad = max(16, next_pow2(G))`` (module
+    docstring; rows ``>= C``, columns ``>= G`` and candidates without a valid token carry
+    ``m = -inf``, ``l = 0``, except the padded query heads' columns, which hold the zero
+    query's statistics and are never data). Keys the kernel does not take
+    (``kernel_takes``) are an error here."""
     _check(q, keys, scales, cand, positions)
     _, B, H, Np, ps, D = keys.shape
-    if (keys.dtype not in (jnp.int8, jnp.bfloat16) or ps < 16 or D < 16
-            or ps & (ps - 1) or D & (D - 1)):
-        return candidate_mass_reference(q, keys, scales, layer, cand, positions)
+    if not kernel_takes(keys):
+        raise ValueError(f"the candidate_mass kernel takes int8 / bfloat16 keys with page size "
+                         f"and head dim powers of two >= 16, got {keys.dtype} {keys.shape}")
     G = q.shape[1] // H
     G_pad = max(16, _common.next_pow2(G))  # the dot's row block
     C = cand.shape[2]
@@ -158,7 +166,7 @@ def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: i
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     positions = jnp.asarray(positions, jnp.int32)
     cand = jnp.asarray(cand, jnp.int32)
-    m, l = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         out_shape=(stat, stat),
         grid=(B, H, n_prog),
@@ -169,7 +177,22 @@ def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: i
         interpret=_common.interpret_mode() if interpret is None else interpret,
         name="candidate_mass",
     )(layer_arr, positions, cand, q_hi, q_lo, keys, scales)
-    return mass_from_page_stats(m[:, :, :C], l[:, :, :C], cand, G)
+
+
+@register(OP, "pallas")
+def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: int | None = None,
+                          num_warps: int = 4, interpret: bool | None = None):
+    """The Pallas kernel (module docstring, ``page_stats_pallas``) and the masses from its
+    statistics; ``block_c`` candidates per program (default: a tile of 128 tokens, at least
+    one page: the fastest at both 128k decode shapes on the H200, docs/decisions.md). Keys
+    the kernel does not take (``kernel_takes``) take the reference."""
+    _check(q, keys, scales, cand, positions)
+    if not kernel_takes(keys):
+        return candidate_mass_reference(q, keys, scales, layer, cand, positions)
+    m, l = page_stats_pallas(q, keys, scales, layer, cand, positions, block_c=block_c,
+                             num_warps=num_warps, interpret=interpret)
+    C = cand.shape[2]
+    return mass_from_page_stats(m[:, :, :C], l[:, :, :C], cand, q.shape[1] // keys.shape[2])
 
 
 def candidate_mass(q, keys, scales, layer, cand, positions, *, implementation=None):

@@ -14,19 +14,21 @@ Summaries: Quest's ``(kmax, kmin)`` [L, B, Np, H, D], then ``keys`` [L, B, H, Np
 (int8 or the KV dtype) and ``scales`` [L, B, H, Np, ps] float32 (ones for the KV dtype):
 head-major, so one KV head's candidate pages are contiguous rows of the copy. The second
 stage is ``jaxkv.kernels.candidate_mass`` (``Tuning.rescore_method``); the final choice is a
-top-k over the candidates only (``top_candidates``), never over the whole row.
+top-k over the candidates only, never over the whole row: after the Pallas second stage one
+kernel from its page statistics (``jaxkv.kernels.candidate_select``,
+``Tuning.rescore_select_method``), else XLA's top-k (``top_candidates``).
 """
 from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 
+from jaxkv.kernels import _common
 from jaxkv.kernels import candidate_mass as mass_kernels
-from jaxkv.kernels import dense_select
+from jaxkv.kernels import candidate_select as select_kernels
 from jaxkv.kernels import quest as quest_kernels
-from jaxkv.kernels._common import INVALID
+from jaxkv.kernels.candidate_select import top_candidates
 from jaxkv.selectors.base import register
 from jaxkv.selectors.quest import Quest, _select_kw
 from jaxkv.spec import alloc_rows
@@ -41,29 +43,6 @@ def quantize(k, bits: int):
     scale = jnp.max(jnp.abs(kf), axis=-1) / 127.0
     q = jnp.round(kf / jnp.where(scale > 0, scale, 1.0)[..., None])
     return jnp.clip(q, -127, 127).astype(jnp.int8), scale
-
-
-def top_candidates(mass, cand, seq_lens, *, k: int, page_size: int, num_pages: int,
-                   num_sink_pages: int):
-    """The ``k`` candidates of most ``mass`` under the selector convention
-    (``jaxkv.kernels.dense_select``): the sink pages and the current page among the
-    candidates are forced, ties go to the earlier candidate (``lax.top_k``'s order), rows
-    ascending, ``-1`` last. mass, cand [B, H, C] (valid candidates distinct, in any order);
-    seq_lens [B]."""
-    C = cand.shape[-1]
-    n_valid = dense_select.num_valid_pages(seq_lens, page_size, num_pages)[:, None, None]
-    ok = (cand >= 0) & (cand < n_valid)
-    forced = ok & ((cand < num_sink_pages) | (cand == n_valid - 1))
-    x = jnp.where(forced, jnp.inf, jnp.where(ok, mass, -jnp.inf))
-    if C < k:  # top_k needs k <= C: pad with never-selected columns
-        pad = [(0, 0), (0, 0), (0, k - C)]
-        x = jnp.pad(x, pad, constant_values=-jnp.inf)
-        cand = jnp.pad(cand, pad, constant_values=INVALID)
-    vals, j = jax.lax.top_k(x, k)
-    pages = jnp.take_along_axis(cand, j, axis=-1)
-    big = jnp.int32(2**31 - 1)
-    pages = jnp.sort(jnp.where(vals == -jnp.inf, big, pages), axis=-1)
-    return jnp.where(pages == big, INVALID, pages)
 
 
 @register
@@ -114,12 +93,21 @@ class Rescore(Quest):
                     topk_method="sort" if t == "auto" else t, ordered=False)
 
     def _rescore(self, plan, summaries, layer, q, cand, positions, seq_lens):
-        method = plan.cache.tuning.rescore_method
-        mass = mass_kernels.candidate_mass(
-            q, summaries[2], summaries[3], layer, cand, positions,
-            implementation=plan.cache.implementation if method == "auto" else method)
-        return top_candidates(mass, cand, seq_lens, k=plan.k, page_size=plan.page_size,
-                              num_pages=plan.pages_per_seq, num_sink_pages=plan.cache.sink_pages)
+        tuning, impl = plan.cache.tuning, plan.cache.implementation
+        keys, scales = summaries[2], summaries[3]
+        pick = dict(k=plan.k, page_size=plan.page_size, num_pages=plan.pages_per_seq,
+                    num_sink_pages=plan.cache.sink_pages)
+        stage2 = impl if tuning.rescore_method == "auto" else tuning.rescore_method
+        if (_common.resolve(mass_kernels.OP, stage2) is mass_kernels.candidate_mass_pallas
+                and mass_kernels.kernel_takes(keys)):
+            # The kernel's page statistics go to the final choice as they are.
+            m, l = mass_kernels.page_stats_pallas(q, keys, scales, layer, cand, positions)
+            final = impl if tuning.rescore_select_method == "auto" else tuning.rescore_select_method
+            return select_kernels.candidate_select(
+                m, l, cand, seq_lens, G=q.shape[1] // keys.shape[2], implementation=final, **pick)
+        mass = mass_kernels.candidate_mass(q, keys, scales, layer, cand, positions,
+                                           implementation=stage2)
+        return top_candidates(mass, cand, seq_lens, **pick)
 
     def update_select(self, plan, summaries, layer, layer_params, h, q, kv_new, positions, *,
                       ahead=False):
