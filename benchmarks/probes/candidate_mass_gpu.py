@@ -4,7 +4,8 @@ shapes of ``ab_step.py``: Qwen-like B=8 (64-token pages, 12 / 2 heads, head dim 
 layers, 8x 32 candidates) and 8B-like B=1 (16-token pages, 32 / 8 heads, 32 layers, 8x 128
 candidates), the key copy int8 with the selector's own allocation (``Rescore.init``'s layers).
 
-Each variant runs chained in one jitted loop over the layers (``_meta.time_chained``), so
+Each variant runs chained in one jitted loop over the layers (``_meta.time_chained``, 8 calls
+per iteration, which spreads the loop's own ~10 us per iteration), so
 the figure is device time per layer, launches included, as inside the decode step. The
 kernel's masses are checked against the reference first (max relative difference, and how
 many of the top-k pages the two choose alike).
@@ -65,6 +66,9 @@ def main():
         variants = [("xla", {})] + [(f"pallas_t{t}_w{w}", dict(block_c=max(1, t // ps),
                                                                 num_warps=w))
                                    for t in tiles for w in (4, 8)]
+        # the contiguous-page form: block_c pages per program, each read as one block
+        variants += [(f"pages_b{bc}_w{w}", dict(block_c=bc, num_warps=w, form="pages"))
+                     for bc in ((1, 2) if a.quick else (1, 2, 4, 8)) for w in (4, 8)]
         q, keys, scales, cand, pos = case(shape)
         ref = np.asarray(jax.jit(cm.candidate_mass_reference)(q, keys, scales, 1, cand, pos))
         ref_top = np.sort(np.argsort(-ref, axis=-1)[..., :k], axis=-1)
@@ -83,7 +87,7 @@ def main():
                     return c + jnp.max(m)
 
                 t = _meta.time_chained(body, jnp.float32(0), (q, keys, scales, cand, pos),
-                                       iters=4 if a.quick else 32, reps=a.reps, unroll=1)
+                                       iters=2 if a.quick else 8, reps=a.reps, unroll=4 if a.quick else 8)
                 row["us_per_layer"] = t * 1e6
                 row["gb_read_per_layer"] = B * H * C * ps * (D + 4) / 1e9
             except Exception as e:  # noqa: BLE001 - report and go on

@@ -1,0 +1,119 @@
+"""The two-stage selector's first stage top-k alone (issue 27's cost): C candidates of a row
+of N Quest scores, XLA's top-k ("sort", the first stage's default, unordered) against the
+Pallas radix-select kernel with its default chunking and single-stage (``chunk=1``), at the
+128k decode shapes of ``ab_step.py``: Qwen-like B=8 (2 KV heads, 2048 pages of 64 tokens;
+8x / 16x of a 1024-token budget) and 8B-like B=1 (8 KV heads, 8192 pages of 16 tokens;
+8x / 16x). Also the final choice kernel (``candidate_select``) against its XLA form.
+
+Each variant runs chained in one jitted loop (``_meta.time_chained``, 8 calls per iteration),
+so the figure is device time per call, launches included. The pages each variant picks are
+checked against XLA's (as sets).
+
+    PYTHONPATH=. python3 benchmarks/probes/first_stage_topk.py --out DIR   # H200, ~1 min
+    PYTHONPATH=. python3 benchmarks/probes/first_stage_topk.py --quick --out /tmp/fs
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+import _meta  # noqa: E402
+
+from jaxkv.kernels import candidate_select as cs  # noqa: E402
+from jaxkv.kernels import dense_select as ds  # noqa: E402
+from jaxkv.kernels import topk  # noqa: E402
+
+# name -> (B, H, N, ps, k of the budget, candidate counts, G)
+SHAPES = {"qwen_b8": (8, 2, 2048, 64, 16, (128, 256), 6),
+          "8b_b1": (1, 8, 8192, 16, 64, (512, 1024), 4)}
+QUICK = {"tiny": (2, 2, 64, 16, 4, (16, 32), 3)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    rows = []
+    iters, unroll = (2, 2) if a.quick else (16, 8)
+    for name, (B, H, N, ps, kb, cands, G) in (QUICK if a.quick else SHAPES).items():
+        rng = np.random.default_rng(0)
+        scores = jnp.asarray(rng.normal(size=(B, H, N)), jnp.float32)
+        lens = jnp.full((B,), N * ps - 5, jnp.int32)
+        kw = dict(num_pages=N, page_size=ps, num_sink_pages=1)
+        for C in cands:
+            variants = {
+                "sort": functools.partial(ds.select_top_pages, k=C, method="sort", ordered=False,
+                                          **kw),
+                "pallas": functools.partial(topk.select_top_pages_pallas, k=C, **kw),
+                "pallas_c1": functools.partial(topk.select_top_pages_pallas, k=C, chunk=1, **kw),
+                "pallas_c1_r2": functools.partial(topk.select_top_pages_pallas, k=C, chunk=1,
+                                                  radix_bits=2, **kw),
+            }
+            ref = np.sort(np.asarray(variants["sort"](scores, lens)), axis=-1)
+            for vname, fn in variants.items():
+                row = dict(shape=name, op="first_stage", variant=vname, B=B, H=H, N=N, C=C)
+                try:
+                    got = np.sort(np.asarray(jax.jit(fn)(scores, lens)), axis=-1)
+                    row["same_pages"] = bool(np.array_equal(got, ref))
+
+                    def body(i, c, s, lens, fn=fn):
+                        return c + fn(s + c.astype(jnp.float32) * 1e-30, lens)[0, 0, 0]
+
+                    t = _meta.time_chained(body, jnp.int32(0), (scores, lens), iters=iters,
+                                           reps=a.reps, unroll=unroll)
+                    row["us"] = t * 1e6
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            # the final choice: k of the C candidates from their page statistics
+            cand = jnp.asarray(np.stack([np.stack([rng.permutation(N)[:C] for _ in range(H)])
+                                         for _ in range(B)]), jnp.int32)
+            m = jnp.asarray(rng.normal(size=(B, H, C, 16)) * 4, jnp.float32)
+            l = jnp.asarray(rng.random((B, H, C, 16)) * 60 + 1, jnp.float32)
+            skw = dict(G=G, k=kb, **kw)
+            ref = np.asarray(cs.candidate_select_reference(m, l, cand, lens, **skw))
+            for vname, fn in (("xla", cs.candidate_select_reference),
+                              ("pallas", cs.candidate_select_pallas)):
+                row = dict(shape=name, op="final_choice", variant=vname, B=B, H=H, C=C, k=kb)
+                try:
+                    fn = functools.partial(fn, **skw)
+                    row["same_pages"] = bool(np.array_equal(
+                        np.asarray(jax.jit(fn)(m, l, cand, lens)), ref))
+
+                    def body(i, c, m, l, cand, lens, fn=fn):
+                        return c + fn(m + c.astype(jnp.float32) * 1e-30, l, cand, lens)[0, 0, 0]
+
+                    t = _meta.time_chained(body, jnp.int32(0), (m, l, cand, lens), iters=iters,
+                                           reps=a.reps, unroll=unroll)
+                    row["us"] = t * 1e6
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    meta = dict(device=str(jax.devices()[0].device_kind), date=datetime.date.today().isoformat(),
+                commit=_meta.commit(), jax=jax.__version__)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "first_stage_topk.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"\n{meta}")
+    print(f"{'shape':8} {'op':13} {'C':>5} {'variant':13} {'us':>8} same")
+    for r in rows:
+        us = f"{r['us']:8.2f}" if "us" in r else "   ERROR " + r.get("error", "")[:60]
+        print(f"{r['shape']:8} {r['op']:13} {r['C']:5d} {r['variant']:13} {us} "
+              f"{r.get('same_pages')}")
+
+
+if __name__ == "__main__":
+    main()
