@@ -68,7 +68,7 @@ def takes_topk_kernel(num_pages: int, k: int, implementation) -> bool:
     """Whether ``select_top_pages``' "auto" runs the full-row Pallas top-k kernel for rows of
     ``num_pages`` pages and ``k`` picks (else an XLA top-k)."""
     return (_common.implementation_name(implementation) == "pallas"
-            and num_pages <= PALLAS_TOPK_MAX_COLUMNS and topk.fits(num_pages, k))
+            and num_pages <= PALLAS_TOPK_MAX_COLUMNS and topk.fits_full_row(num_pages, k))
 
 
 def num_valid_pages(seq_lens: jax.Array, page_size: int, num_pages: int) -> jax.Array:

@@ -341,8 +341,9 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
     pallas = _common.implementation_name(implementation) == "pallas"
     if method == "auto" and ds.takes_topk_kernel(np_, k, implementation):
         method = "pallas"
-    if method == "pallas_cmax" or (pallas and method != "pallas"):
-        # the update and the scores in one launch; an XLA top-k leaves the chunk maxima unused
+    if method == "pallas_cmax" or pallas:
+        # the update and the scores in one launch; the full-row and XLA top-k leave the chunk
+        # maxima unused
         chunk = topk.default_cmax_chunk(np_, k)
         fn = _common.resolve(OP_UPDATE_CMAX, implementation)
         scores, cmax, kmax, kmin = fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens,
@@ -350,6 +351,10 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
         if method == "pallas_cmax":
             pages = topk.select_top_pages_pallas(scores, seq_lens, chunk=chunk, chunk_max=cmax,
                                                  num_pages=np_, k=k, page_size=page_size,
+                                                 num_sink_pages=num_sink_pages)
+        elif method == "pallas":
+            pages = topk.select_top_pages_pallas(scores, seq_lens, num_pages=np_, k=k,
+                                                 page_size=page_size,
                                                  num_sink_pages=num_sink_pages)
         else:
             pages = ds.select_top_pages(scores, seq_lens, num_pages=np_, k=k,

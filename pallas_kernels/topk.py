@@ -208,6 +208,28 @@ def _default_chunk(n_pad: int, k: int) -> int:
     return 1 << (c.bit_length() - 1)
 
 
+# Two-stage transients [next_pow2(k), N_pad / chunk] above this many elements: the full-row
+# kernel takes the single stage (chunk 1) instead. H200, 16 rows of 2048 pages: k = 128
+# two-stage 22.9 us, single 12.2 us; k = 256 49.6 against 11.7 us; Quest's k = 32 ([32, 256])
+# stays two-stage (benchmarks/probes/first_stage_topk.py, docs/decisions.md).
+TWO_STAGE_MAX_ELEMENTS = 2**15
+
+
+def _full_row_defaults(n_pad: int, k: int, chunk, radix_bits):
+    """The full-row kernel's ``chunk`` and ``radix_bits`` where the caller leaves them None:
+    ``_default_chunk``, or the single stage when the two-stage transients would exceed
+    ``TWO_STAGE_MAX_ELEMENTS``; 2-bit radix passes for a single stage over 2048 columns or
+    more (8 rows of 8192 pages, k = 512: 25.2 us against 232.7 us with 4-bit passes, whose
+    [N, 16] counts spill), else 4."""
+    if chunk is None:
+        chunk = _default_chunk(n_pad, k)
+        if chunk > 1 and _common.next_pow2(k) * (n_pad // chunk) > TWO_STAGE_MAX_ELEMENTS:
+            chunk = 1
+    if radix_bits is None:
+        radix_bits = 2 if chunk == 1 and n_pad >= 2048 else 4
+    return chunk, radix_bits
+
+
 def _default_warps(n_pad: int) -> int:
     return 4 if n_pad <= 1024 else 8 if n_pad <= 4096 else 16
 
@@ -217,11 +239,22 @@ TRITON_MAX_ELEMENTS = 2**20
 
 
 def fits(n: int, k: int) -> bool:
-    """Whether the top-k kernels compile for rows of ``n`` columns and ``k`` picks: stage 1
-    holds a [next_pow2(k), n_pad / chunk] block, which Triton caps at
-    ``TRITON_MAX_ELEMENTS`` (a wide first stage, k = 1024 of 8192 pages, exceeds it)."""
+    """Whether the chunk-maxima top-k compiles for rows of ``n`` columns and ``k`` picks: its
+    stage 1 holds a [next_pow2(k), n_pad / chunk] block, which Triton caps at
+    ``TRITON_MAX_ELEMENTS`` (k = 1024 of 8192 pages exceeds it). The full-row kernel takes
+    the single stage for such rows (``fits_full_row``)."""
     n_pad = _common.next_pow2(max(n, 1))
     return _common.next_pow2(k) * (n_pad // _default_chunk(n_pad, k)) <= TRITON_MAX_ELEMENTS
+
+
+def fits_full_row(n: int, k: int) -> bool:
+    """Whether the full-row kernel with its default chunking compiles for rows of ``n``
+    columns and ``k`` picks (its largest block under ``TRITON_MAX_ELEMENTS``)."""
+    n_pad = _common.next_pow2(max(n, 1))
+    chunk, radix_bits = _full_row_defaults(n_pad, k, None, None)
+    if chunk == 1:
+        return n_pad << radix_bits <= TRITON_MAX_ELEMENTS
+    return _common.next_pow2(k) * (n_pad // chunk) <= TRITON_MAX_ELEMENTS
 
 
 def default_cmax_chunk(n: int, k: int) -> int:
@@ -256,7 +289,8 @@ def pad_and_chunk_max(x, chunk: int):
 
 @_common.register(OP, "pallas")
 def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_size: int,
-                            num_sink_pages: int, chunk: int | None = None, radix_bits: int = 4,
+                            num_sink_pages: int, chunk: int | None = None,
+                            radix_bits: int | None = None,
                             num_warps: int | None = None, interpret: bool | None = None,
                             chunk_max=None):
     """Top-``k`` pages per row with one Pallas kernel (selection rule: module docstring).
@@ -264,7 +298,8 @@ def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_si
     scores: [B, N] or [B, H, N] float (any float dtype; column ``p`` = page ``p``, columns
     ``>= num_pages`` and pages past the sequence are never read). seq_lens: [B] int.
     Returns int32 [B, k] or [B, H, k]. Tuning (static): ``chunk`` (power of two; 1 = single
-    stage; default ~sqrt(N / k)), ``radix_bits`` (1, 2 or 4), ``num_warps`` (default 4 / 8 / 16
+    stage; default ~sqrt(N / k), or 1 for large k: ``_full_row_defaults``), ``radix_bits``
+    (1, 2 or 4; default 2 for a single stage over 2048 columns or more, else 4), ``num_warps`` (default 4 / 8 / 16
     for N <= 1024 / <= 4096 / larger; with ``chunk_max`` by ``k * N / chunk``).
 
     chunk_max: optional f32 [B, (H,) ceil(N / chunk)], ``chunk_max[..., c]`` = max of the
@@ -285,6 +320,11 @@ def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_si
     """
     if k < num_sink_pages + 1:
         raise ValueError(f"k={k} must be >= num_sink_pages + 1 = {num_sink_pages + 1}")
+    if chunk_max is None:
+        chunk, radix_bits = _full_row_defaults(_common.next_pow2(max(scores.shape[-1], 1)), k,
+                                               chunk, radix_bits)
+    elif radix_bits is None:
+        radix_bits = 4
     if radix_bits not in (1, 2, 4):
         raise ValueError(f"radix_bits must be 1, 2 or 4, got {radix_bits}")
     lead, n = scores.shape[:-1], scores.shape[-1]
@@ -317,8 +357,6 @@ def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_si
                        num_stages=1))(lens, flat, cm)
         return out.reshape(lead + (k,))
     n_pad = _common.next_pow2(max(n, 1))
-    if chunk is None:
-        chunk = _default_chunk(n_pad, k)
     if chunk & (chunk - 1) or chunk < 1 or (chunk > 1 and n_pad // chunk < 2 * k):
         raise ValueError(f"chunk={chunk} must be a power of two with N_pad / chunk >= 2k")
     kernel = functools.partial(_topk_kernel, chunk=chunk, n_pad=n_pad, **params)

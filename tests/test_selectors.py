@@ -643,6 +643,7 @@ PALLAS_TOPK_CASES = [
     ((3, 2, 512), 500, 16, 2, 1, 1, 2, True),   # single stage, 2-bit radix
     ((2, 2, 256), 256, 32, 1, 0, 4, 1, False),  # no sinks, 1-bit radix (bisection)
     ((3, 5), 5, 8, 1, 1, None, 4, False),       # k larger than N
+    ((2, 2, 2048), 2040, 256, 4, 1, None, None, True),  # large k: default single stage, 2 bits
 ]
 
 
@@ -935,6 +936,24 @@ def test_gpu_quest_in_loop_traced_layer():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B,H,N,k", [(8, 2, 2048, 256), (1, 8, 8192, 1024)])
+def test_gpu_pallas_topk_large_k(B, H, N, k):
+    """The full-row kernel's single stage (a two-stage selector's first stage) on the GPU:
+    == the rule, ties included, NaN past the sequence."""
+    rng = _rng()
+    ps = 64
+    seq_lens = rng.integers(N * ps // 2, N * ps, size=B).astype(np.int32)
+    seq_lens[0] = N * ps
+    kw = dict(num_pages=N, k=k, page_size=ps, num_sink_pages=1)
+    nv = _n_valid(seq_lens, ps, N)
+    junk = np.broadcast_to((np.arange(N)[None] >= nv[:, None])[:, None], (B, H, N))
+    tied = np.where(junk, np.nan, rng.integers(-50, 50, size=(B, H, N)).astype(np.float32))
+    got = np.asarray(ds.select_top_pages(jnp.asarray(tied), jnp.asarray(seq_lens),
+                                         method="pallas", **kw))
+    np.testing.assert_array_equal(got, select_rule_numpy(tied, seq_lens, **kw))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("B,H,N", [(1, 8, 2048), (8, 8, 2048), (1, 8, 16384), (8, 8, 16384)])
 def test_gpu_pallas_topk(B, H, N):
     """Real kernel at decode sizes: == "sort" on distinct scores, == the rule with ties."""
@@ -1019,6 +1038,48 @@ def test_gpu_quest_cmax_16k(B):
                                        chunk_max=cm, **kw)
     np.testing.assert_array_equal(np.asarray(got),
                                   select_rule_numpy(tied, seq_lens, num_pages=Np, **kw))
+
+
+def test_full_row_topk_takes_a_single_stage_for_large_k():
+    """The full-row kernel's defaults: Quest's budgets stay two-stage with 4-bit passes; a
+    two-stage selector's first stage (k of 128-1024) takes the single stage with 2-bit
+    passes, and so fits Triton's block cap where the chunk-maxima kernel does not."""
+    assert topk._full_row_defaults(2048, 32, None, None) == (8, 4)
+    assert topk._full_row_defaults(16384, 32, None, None) == (16, 4)
+    assert topk._full_row_defaults(2048, 128, None, None) == (1, 2)
+    assert topk._full_row_defaults(8192, 1024, None, None) == (1, 2)
+    assert topk._full_row_defaults(512, 128, None, None) == (2, 4)  # [128, 256]: two-stage
+    assert topk._full_row_defaults(2048, 256, 2, 1) == (2, 1)  # the caller's values stay
+    assert topk.fits_full_row(8192, 1024) and not topk.fits(8192, 1024)
+
+
+@pytest.mark.parametrize("B,Np,H,k", [(8, 2058, 2, 256), (1, 8192, 8, 1024)])
+def test_rescore_first_stage_kernel_lowers_for_gpu(no_interpret, B, Np, H, k):
+    """The first stage with the full-row top-k kernel (the two-stage selectors' GPU default):
+    the update + scores kernel and the top-k kernel, nothing sorted, no top-k or scatter in
+    XLA (Qwen-like 128k B=8 with 256 candidates, 8B-like with 1024 of 8192 pages)."""
+    fn = functools.partial(quest.quest_update_select, k=k, page_size=64, num_sink_pages=1,
+                           implementation="pallas", topk_method="pallas", ordered=False)
+    meta = S((4, B, Np, H, 128), jnp.bfloat16)
+    txt = lower_for_h200(fn, S((B, H * 4, 128), jnp.bfloat16), meta, meta, S((), jnp.int32),
+                         S((B,), jnp.int32), S((B, H, 128), jnp.bfloat16), S((B,), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 2 and "scatter" not in txt
+    assert "chlo.top_k" not in txt and "stablehlo.sort" not in txt
+
+
+def test_rescore_first_stage_method():
+    """The two-stage selector's first stage: the full-row kernel with the Pallas
+    implementation, XLA's top-k without it; a tuning's method wins."""
+    from jaxkv import CacheConfig, Tuning, engine
+    from jaxkv.models import configs
+    cfg = configs.tiny()
+    for impl, tuning, want in (("pallas", Tuning(), "pallas"), ("xla", Tuning(), "sort"),
+                               ("pallas", Tuning(topk_method="sort"), "sort")):
+        cache = CacheConfig(mode="resident", selector="quest_rescore8", page_size=4,
+                            selected_pages=3, implementation=impl, tuning=tuning)
+        plan = engine.Plan(model=cfg, cache=cache, batch=1, prompt_len=200, max_context=256,
+                           num_stop=1)
+        assert plan.selector._first_stage_kw(plan)["topk_method"] == want
 
 
 def test_wide_first_stage_falls_back_from_the_topk_kernel():

@@ -56,7 +56,11 @@ def main():
                 "sort": functools.partial(ds.select_top_pages, k=C, method="sort", ordered=False,
                                           **kw),
                 "pallas": functools.partial(topk.select_top_pages_pallas, k=C, **kw),
-                "pallas_c1": functools.partial(topk.select_top_pages_pallas, k=C, chunk=1, **kw),
+                "pallas_two_stage": functools.partial(topk.select_top_pages_pallas, k=C,
+                                                      chunk=topk._default_chunk(
+                                                          topk._common.next_pow2(N), C), **kw),
+                "pallas_c1_r4": functools.partial(topk.select_top_pages_pallas, k=C, chunk=1,
+                                                  radix_bits=4, **kw),
                 "pallas_c1_r2": functools.partial(topk.select_top_pages_pallas, k=C, chunk=1,
                                                   radix_bits=2, **kw),
             }
@@ -85,7 +89,13 @@ def main():
             skw = dict(G=G, k=kb, **kw)
             ref = np.asarray(cs.candidate_select_reference(m, l, cand, lens, **skw))
             for vname, fn in (("xla", cs.candidate_select_reference),
-                              ("pallas", cs.candidate_select_pallas)):
+                              ("pallas", cs.candidate_select_pallas),
+                              ("pallas_r2", functools.partial(cs.candidate_select_pallas,
+                                                              radix_bits=2)),
+                              ("pallas_r2_w8", functools.partial(cs.candidate_select_pallas,
+                                                                 radix_bits=2, num_warps=8)),
+                              ("pallas_w8", functools.partial(cs.candidate_select_pallas,
+                                                              num_warps=8))):
                 row = dict(shape=name, op="final_choice", variant=vname, B=B, H=H, C=C, k=kb)
                 try:
                     fn = functools.partial(fn, **skw)

@@ -3,7 +3,7 @@ the candidates are scored by the attention mass the query puts on their tokens, 
 device copy of every key, and the best k are kept.
 
 The first stage is cheap and has a high recall at a wider budget (its candidates come in
-the top-k's order); the second is exact up to
+any order); the second is exact up to
 the key copy's precision and reads only the candidates' keys. The key copy lives with the
 summaries on the device (int8 with a scale per token and KV head, or the KV dtype), so the
 selector works with the host tier as well as resident. Its device bytes per token are
@@ -28,6 +28,7 @@ from jaxkv.kernels import _common
 from jaxkv.kernels import candidate_mass as mass_kernels
 from jaxkv.kernels import candidate_select as select_kernels
 from jaxkv.kernels import quest as quest_kernels
+from jaxkv.kernels import topk
 from jaxkv.kernels.candidate_select import top_candidates
 from jaxkv.selectors.base import register
 from jaxkv.selectors.quest import Quest, _select_kw
@@ -84,13 +85,18 @@ class Rescore(Quest):
         return min(n, plan.pages_per_seq)
 
     def _first_stage_kw(self, plan) -> dict:
-        """Quest's selection of the candidates: XLA's top-k ("sort") unless the tuning names a
-        method, in the top-k's order (the second stage re-ranks them; no ascending sort).
-        The Pallas top-k kernels are built for budgets and slow down at 4-8x the budget
-        (docs/decisions.md)."""
+        """Quest's selection of the candidates, unordered (the second stage re-ranks them).
+        "auto": the full-row Pallas top-k with the Pallas implementation where it compiles
+        (for these k a single stage of 2-bit radix passes, about half of XLA's top-k time on
+        the H200; docs/decisions.md), else XLA's top-k ("sort", no ascending sort); the
+        chunk-maxima kernel is built for budgets and slows down at 4-8x the budget."""
         t = plan.cache.tuning.topk_method
-        return dict(_select_kw(plan), k=self.candidate_count(plan),
-                    topk_method="sort" if t == "auto" else t, ordered=False)
+        C = self.candidate_count(plan)
+        if t == "auto":
+            kernel = (_common.implementation_name(plan.cache.implementation) == "pallas"
+                      and topk.fits_full_row(plan.pages_per_seq, C))
+            t = "pallas" if kernel else "sort"
+        return dict(_select_kw(plan), k=C, topk_method=t, ordered=False)
 
     def _rescore(self, plan, summaries, layer, q, cand, positions, seq_lens):
         tuning, impl = plan.cache.tuning, plan.cache.implementation
