@@ -49,10 +49,14 @@ class Tuning:
         "auto" (``CacheConfig.implementation``'s choice) | "pallas" | "xla" (the same masses to
         rounding; ``jaxkv.kernels.candidate_mass``).
       rescore_select_method: the two-stage selectors' final choice after the Pallas second
-        stage: "auto" (``CacheConfig.implementation``'s choice) | "pallas" (one kernel from
-        the second stage's page statistics to the chosen pages) | "xla" (the masses, a top-k
-        and a sort in XLA). The same pages; after the XLA second stage the choice is XLA's
+        stage: "auto" (the kernel with the Pallas implementation for at most
+        ``rescore_select_kernel_max`` candidates, else XLA) | "pallas" (one kernel from the
+        second stage's page statistics to the chosen pages) | "xla" (the masses, a top-k and
+        a sort in XLA). The same pages; after the XLA second stage the choice is XLA's
         (``jaxkv.kernels.candidate_select``).
+      rescore_select_kernel_max: candidates per KV head up to which "auto" takes the final
+        choice kernel (one program per request and KV head: faster than XLA's top-k and sort
+        at 256 candidates, Qwen-like B=8; slower at 1024, 8B-like B=1; docs/decisions.md).
     """
 
     compiler_options: tuple = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)
@@ -63,6 +67,7 @@ class Tuning:
     ensure_pallas_max: int = 128
     rescore_method: str = "auto"
     rescore_select_method: str = "auto"
+    rescore_select_kernel_max: int = 256
 
     def __post_init__(self):
         opts = self.compiler_options
@@ -87,6 +92,7 @@ class Tuning:
             _as_int("topk_cmax_min_pages", self.topk_cmax_min_pages, 1, "Tuning")
         _as_int("ensure_dense_max_elems", self.ensure_dense_max_elems, 0, "Tuning")
         _as_int("ensure_pallas_max", self.ensure_pallas_max, 0, "Tuning")
+        _as_int("rescore_select_kernel_max", self.rescore_select_kernel_max, 0, "Tuning")
 
 
 def _as_int(name: str, v, minimum: int, owner: str = "CacheConfig"):

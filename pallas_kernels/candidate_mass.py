@@ -124,31 +124,6 @@ def _kernel(layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref
         l_ref[i, :] = l_i
 
 
-def _kernel_pages(layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref, m_ref,
-                  l_ref, *, ps, block_c, C):
-    """One program: ``block_c`` candidates, each page's [ps, D] key rows read as one
-    contiguous block (a dynamic page index, so the loads are vectorized)."""
-    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer = layer_ref[0]
-    pos = pos_ref[b]
-    t = lax.broadcasted_iota(jnp.int32, (ps,), 0)
-    qhi, qlo = qhi_ref[...], qlo_ref[...]
-    for i in range(block_c):
-        c = j * block_c + i
-        p = cand_ref[b, h, jnp.minimum(c, C - 1)]
-        okp = (c < C) & (p >= 0)
-        p = jnp.where(okp, p, 0)
-        k = keys_ref[layer, b, h, p].astype(jnp.bfloat16)                # [ps, D]
-        sc = scales_ref[layer, b, h, p]                                  # [ps]
-        ok = okp & (p * ps + t <= pos)
-        s = plgpu.dot(qhi, k, trans_b=True) + plgpu.dot(qlo, k, trans_b=True)
-        s = jnp.where(ok[None, :], s * sc[None, :], -jnp.inf)            # [G_pad, ps]
-        m_i = jnp.max(s, axis=1)
-        l_i = jnp.sum(jnp.exp(s - jnp.where(m_i == -jnp.inf, 0.0, m_i)[:, None]), axis=1)
-        m_ref[i, :] = jnp.where(l_i > 0, m_i, -jnp.inf)
-        l_ref[i, :] = l_i
-
-
 def kernel_takes(keys) -> bool:
     """Whether the Pallas kernel takes this key copy [L, B, H, Np, ps, D]: int8 or bfloat16
     keys, ``ps`` and ``D`` powers of two of at least 16 (the tensor cores' smallest block)."""
@@ -158,7 +133,7 @@ def kernel_takes(keys) -> bool:
 
 
 def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int | None = None,
-                      num_warps: int = 4, form: str = "gather", interpret: bool | None = None):
+                      num_warps: int = 4, interpret: bool | None = None):
     """The kernel's per-page statistics ``(m, l)``, each [B, H, Cs, G_pad] float32 with
     ``Cs = ceil(C / block_c) * block_c`` and ``G_pad = max(16, next_pow2(G))`` (module
     docstring; rows ``>= C``, columns ``>= G`` and candidates without a valid token carry
@@ -183,8 +158,7 @@ def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int |
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, G_pad - G), (0, 0)))
     q_hi = qg.astype(jnp.bfloat16)
     q_lo = (qg - q_hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    kernel = functools.partial({"gather": _kernel, "pages": _kernel_pages}[form], ps=ps,
-                               block_c=block_c, C=C)
+    kernel = functools.partial(_kernel, ps=ps, block_c=block_c, C=C)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     q_spec = pl.BlockSpec((None, None, G_pad, D), lambda b, h, j: (b, h, 0, 0))
     stat = jax.ShapeDtypeStruct((B, H, n_prog * block_c, G_pad), jnp.float32)
@@ -207,8 +181,7 @@ def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int |
 
 @register(OP, "pallas")
 def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: int | None = None,
-                          num_warps: int = 4, form: str = "gather",
-                          interpret: bool | None = None):
+                          num_warps: int = 4, interpret: bool | None = None):
     """The Pallas kernel (module docstring, ``page_stats_pallas``) and the masses from its
     statistics; ``block_c`` candidates per program (default: a tile of 128 tokens, at least
     one page: the fastest at both 128k decode shapes on the H200, docs/decisions.md). Keys
@@ -217,7 +190,7 @@ def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: i
     if not kernel_takes(keys):
         return candidate_mass_reference(q, keys, scales, layer, cand, positions)
     m, l = page_stats_pallas(q, keys, scales, layer, cand, positions, block_c=block_c,
-                             num_warps=num_warps, form=form, interpret=interpret)
+                             num_warps=num_warps, interpret=interpret)
     C = cand.shape[2]
     return mass_from_page_stats(m[:, :, :C], l[:, :, :C], cand, q.shape[1] // keys.shape[2])
 

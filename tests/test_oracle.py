@@ -131,6 +131,23 @@ def test_rescore_with_the_pallas_second_stage_host_equals_resident():
     assert host.tokens == res.tokens == xla.tokens
 
 
+def test_rescore_final_choice_method():
+    """After the Pallas second stage, "auto" takes the final-choice kernel for at most
+    ``Tuning.rescore_select_kernel_max`` candidates and XLA above; a named method wins."""
+    from jaxkv.selectors.rescore import final_choice_method
+    t = jaxkv.Tuning()
+    assert final_choice_method(t, "pallas", 256) == "pallas"
+    assert final_choice_method(t, "pallas", 1024) == "xla"
+    assert final_choice_method(t, None, 16) is None  # the implementation's own choice
+    assert final_choice_method(jaxkv.Tuning(rescore_select_kernel_max=2048), "pallas",
+                               1024) == "pallas"
+    assert final_choice_method(jaxkv.Tuning(rescore_select_method="xla"), "pallas", 16) == "xla"
+    with pytest.raises(ValueError, match="rescore_select_method"):
+        jaxkv.Tuning(rescore_select_method="sort")
+    with pytest.raises(ValueError, match="rescore_select_kernel_max"):
+        jaxkv.Tuning(rescore_select_kernel_max=-1)
+
+
 def test_rescore_candidate_pages_sets_the_first_stage():
     """``candidate_pages`` replaces the selector's multiple of the budget (capped at the row's
     pages): quest_rescore with 8x the budget as candidates is quest_rescore8, token for token

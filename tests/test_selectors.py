@@ -1069,17 +1069,21 @@ def test_rescore_first_stage_kernel_lowers_for_gpu(no_interpret, B, Np, H, k):
 
 def test_rescore_first_stage_method():
     """The two-stage selector's first stage: the full-row kernel with the Pallas
-    implementation, XLA's top-k without it; a tuning's method wins."""
+    implementation for rows of up to 4096 pages, XLA's top-k otherwise; a tuning's method
+    wins."""
     from jaxkv import CacheConfig, Tuning, engine
     from jaxkv.models import configs
     cfg = configs.tiny()
-    for impl, tuning, want in (("pallas", Tuning(), "pallas"), ("xla", Tuning(), "sort"),
-                               ("pallas", Tuning(topk_method="sort"), "sort")):
+    for impl, tuning, ctx, want in (("pallas", Tuning(), 256, "pallas"),
+                                    ("xla", Tuning(), 256, "sort"),
+                                    ("pallas", Tuning(topk_method="sort"), 256, "sort"),
+                                    ("pallas", Tuning(), 4 * 8192, "sort")):  # > 4096 pages
         cache = CacheConfig(mode="resident", selector="quest_rescore8", page_size=4,
-                            selected_pages=3, implementation=impl, tuning=tuning)
-        plan = engine.Plan(model=cfg, cache=cache, batch=1, prompt_len=200, max_context=256,
+                            selected_pages=3, implementation=impl, tuning=tuning,
+                            max_context=ctx)
+        plan = engine.Plan(model=cfg, cache=cache, batch=1, prompt_len=200, max_context=ctx,
                            num_stop=1)
-        assert plan.selector._first_stage_kw(plan)["topk_method"] == want
+        assert plan.selector._first_stage_kw(plan)["topk_method"] == want, (impl, tuning, ctx)
 
 
 def test_wide_first_stage_falls_back_from_the_topk_kernel():

@@ -66,9 +66,6 @@ def main():
         variants = [("xla", {})] + [(f"pallas_t{t}_w{w}", dict(block_c=max(1, t // ps),
                                                                 num_warps=w))
                                    for t in tiles for w in (4, 8)]
-        # the contiguous-page form: block_c pages per program, each read as one block
-        variants += [(f"pages_b{bc}_w{w}", dict(block_c=bc, num_warps=w, form="pages"))
-                     for bc in ((1, 2) if a.quick else (1, 2, 4, 8)) for w in (4, 8)]
         q, keys, scales, cand, pos = case(shape)
         ref = np.asarray(jax.jit(cm.candidate_mass_reference)(q, keys, scales, 1, cand, pos))
         ref_top = np.sort(np.argsort(-ref, axis=-1)[..., :k], axis=-1)
