@@ -7,9 +7,9 @@ scalar; ``k_new`` [B, H, D], or the token's stacked K/V row [B, 2, H, D] (K take
 ``positions`` [B] int32 (the token's position; ``< 0``, an inactive request, or a page
 ``>= Np`` writes nothing). Result ``(keys, scales)``, in place when donated.
 
-Quantization (``quantize``): int8 with one symmetric scale per vector, ``scale = max|k| /
-127``, values ``round(k / scale)`` (half to even) clipped to [-127, 127]; a copy in another
-dtype stores ``k`` itself with scale 1.
+Quantization (``quantize``): int8 with one symmetric scale per vector, ``scale = max|k| *
+float32(1 / 127)``, values ``round(k / scale)`` (a correctly rounded division, then half to
+even) clipped to [-127, 127]; a copy in another dtype stores ``k`` itself with scale 1.
 
 Two implementations of op ``write_key_copy``:
 
@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -31,6 +32,7 @@ from . import _common
 from ._common import register
 
 OP = "write_key_copy"
+_INV127 = float(np.float32(1.0) / np.float32(127.0))  # the scale is max|k| times this float32
 
 
 def _round_half_even(x):
@@ -49,7 +51,7 @@ def quantize(k, bits: int):
     if bits != 8:
         return k, jnp.ones(k.shape[:-1], jnp.float32)
     kf = k.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(kf), axis=-1) / 127.0
+    scale = jnp.max(jnp.abs(kf), axis=-1) * _INV127
     q = jnp.round(kf / jnp.where(scale > 0, scale, 1.0)[..., None])
     return jnp.clip(q, -127, 127).astype(jnp.int8), scale
 
@@ -83,8 +85,18 @@ def write_key_copy_reference(keys, scales, layer, k_new, positions):
     return keys, scales
 
 
+def _div_rn(a, b, interpret: bool):
+    """``a / b`` (float32) rounded to nearest, as XLA divides: Triton's ``/`` is the
+    approximate ``div.full.f32`` (off by an ulp, which moves values at a rounding tie)."""
+    if interpret:
+        return a / b
+    return plgpu.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
+
+
 def _kernel(layer_ref, pos_ref, k_ref, keys_in, scales_in, keys_ref, scales_ref, *, ps, Np,
-            int8):
+            int8, interpret):
     del keys_in, scales_in  # aliased with keys_ref, scales_ref
     b = pl.program_id(0)
     pos = pos_ref[b]
@@ -95,8 +107,9 @@ def _kernel(layer_ref, pos_ref, k_ref, keys_in, scales_in, keys_ref, scales_ref,
     k = k_ref[...].astype(jnp.float32)                                  # [H, D]
     H, D = k.shape
     if int8:
-        scale = jnp.max(jnp.abs(k), axis=1) / 127.0                     # [H]
-        x = k / jnp.where(scale > 0, scale, 1.0)[:, None]
+        scale = jnp.max(jnp.abs(k), axis=1) * _INV127                   # [H]
+        x = _div_rn(k, jnp.broadcast_to(jnp.where(scale > 0, scale, 1.0)[:, None], k.shape),
+                    interpret)
         vals = jnp.clip(_round_half_even(x), -127.0, 127.0)
     else:
         scale = jnp.ones((H,), jnp.float32)
@@ -118,7 +131,9 @@ def write_key_copy_pallas(keys, scales, layer, k_new, positions, *, num_warps: i
     _, B, H, Np, ps, D = keys.shape
     if H & (H - 1) or D & (D - 1):
         return write_key_copy_reference(keys, scales, layer, k_new, positions)
-    kernel = functools.partial(_kernel, ps=ps, Np=Np, int8=keys.dtype == jnp.int8)
+    interpret = _common.interpret_mode() if interpret is None else interpret
+    kernel = functools.partial(_kernel, ps=ps, Np=Np, int8=keys.dtype == jnp.int8,
+                               interpret=interpret)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     if k_new.ndim == 3:
         k_spec = pl.BlockSpec((None, H, D), lambda b: (b, 0, 0))
@@ -136,7 +151,7 @@ def write_key_copy_pallas(keys, scales, layer, k_new, positions, *, num_warps: i
         out_specs=(full(keys), full(scales)),
         input_output_aliases={3: 0, 4: 1},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps),
-        interpret=_common.interpret_mode() if interpret is None else interpret,
+        interpret=interpret,
         name="write_key_copy",
     )(layer_arr, positions, k_new, keys, scales)
 
