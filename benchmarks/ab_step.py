@@ -45,9 +45,7 @@ variant is a plan of its own, so nothing is read at trace time.
   ``rescore8_select_xla``: the final choice after the kernel in XLA (masses, top-k, sort)
   instead of the ``candidate_select`` kernel (``Tuning.rescore_select_method``);
   ``rescore_topk_sort``: the first stage by XLA's top-k instead of the full-row kernel;
-  ``rescore_sort_select_xla``: both (the two-stage selector before the kernels);
-  ``rescore_key_xla``: the key copy's per-token update by XLA's scatters instead of one
-  kernel (``Tuning.rescore_key_method``).
+  ``rescore_sort_select_xla``: both (the two-stage selector before the kernels).
 * ``dense4``: Quest with layers 3, 5 and the last two dense
   (``CacheConfig(dense_layers=(3, 5, -2, -1))``).
 
@@ -137,8 +135,6 @@ VARIANTS = {
     "rescore_select_xla": ({"rescore_select_method": "xla"}, ()),
     "rescore_topk_sort": ({"topk_method": "sort"}, ()),
     "rescore_sort_select_xla": ({"topk_method": "sort", "rescore_select_method": "xla"}, ()),
-    # ... and the key copy's per-token update by two XLA scatters (Tuning.rescore_key_method)
-    "rescore_key_xla": ({"rescore_key_method": "xla"}, ()),
     "rescore8_select_xla": ({"rescore_select_method": "xla"}, ()),
     # four layers dense (CacheConfig.dense_layers as a set: the layers that leave out the most
     # attention at a budget on Qwen2.5, benchmarks/probes/layer_budget.py)
@@ -158,7 +154,6 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore_select_xla={"selector": "quest_rescore"},
                      rescore_topk_sort={"selector": "quest_rescore"},
                      rescore_sort_select_xla={"selector": "quest_rescore"},
-                     rescore_key_xla={"selector": "quest_rescore"},
                      rescore8_select_xla={"selector": "quest_rescore8"},
                      dense4={"dense_layers": DENSE4})
 

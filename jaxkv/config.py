@@ -54,10 +54,6 @@ class Tuning:
         second stage's page statistics to the chosen pages) | "xla" (the masses, a top-k and
         a sort in XLA). The same pages; after the XLA second stage the choice is XLA's
         (``jaxkv.kernels.candidate_select``).
-      rescore_key_method: the two-stage selectors' per-token update of their key copy:
-        "auto" (``CacheConfig.implementation``'s choice) | "pallas" (one kernel quantizes and
-        writes the keys and their scales) | "xla" (two scatters after the quantization); the
-        same copy (``jaxkv.kernels.key_copy``).
       rescore_select_kernel_max: candidates per KV head up to which "auto" takes the final
         choice kernel (one program per request and KV head: faster than XLA's top-k and sort
         at 256 candidates, Qwen-like B=8; slower at 1024, 8B-like B=1; docs/decisions.md).
@@ -72,7 +68,6 @@ class Tuning:
     rescore_method: str = "auto"
     rescore_select_method: str = "auto"
     rescore_select_kernel_max: int = 256
-    rescore_key_method: str = "auto"
 
     def __post_init__(self):
         opts = self.compiler_options
@@ -90,9 +85,6 @@ class Tuning:
         if self.rescore_method not in ("auto", "pallas", "xla"):
             raise ValueError("Tuning.rescore_method must be 'auto', 'pallas' or 'xla', "
                              f"got {self.rescore_method!r}")
-        if self.rescore_key_method not in ("auto", "pallas", "xla"):
-            raise ValueError("Tuning.rescore_key_method must be 'auto', 'pallas' or 'xla', "
-                             f"got {self.rescore_key_method!r}")
         if self.rescore_select_method not in ("auto", "pallas", "xla"):
             raise ValueError("Tuning.rescore_select_method must be 'auto', 'pallas' or 'xla', "
                              f"got {self.rescore_select_method!r}")

@@ -116,14 +116,12 @@ def test_rescore_host_equals_resident_and_full_budget_equals_dense(selector):
 
 
 def test_rescore_with_the_pallas_second_stage_host_equals_resident():
-    """The candidate-mass, final-choice and key-copy kernels (interpret mode off the GPU)
-    inside the decode loop: 16-token pages (the mass kernel's smallest), host tier ==
-    resident token for token, and they pick the pages the XLA forms pick here (same
-    tokens)."""
+    """The candidate-mass and final-choice kernels (interpret mode off the GPU) inside the
+    decode loop: 16-token pages (the mass kernel's smallest), host tier == resident token for
+    token, and they pick the pages the XLA forms pick here (same tokens)."""
     prompts = [list(np.random.default_rng(6).integers(3, CFG.vocab_size, n)) for n in (70, 41)]
     kw = dict(selector="quest_rescore8", page_size=16, selected_pages=2)
-    t = jaxkv.Tuning(rescore_method="pallas", rescore_select_method="pallas",
-                     rescore_key_method="pallas")
+    t = jaxkv.Tuning(rescore_method="pallas", rescore_select_method="pallas")
     res = jaxkv.generate(CFG, PARAMS, prompts, max_new_tokens=5, stop_tokens=[],
                          cache=CacheConfig(mode="resident", tuning=t, **kw))
     host = jaxkv.generate(CFG, PARAMS, prompts, max_new_tokens=5, stop_tokens=[],

@@ -28,13 +28,22 @@ from jaxkv.kernels import _common
 from jaxkv.kernels import candidate_mass as mass_kernels
 from jaxkv.kernels import candidate_select as select_kernels
 from jaxkv.kernels import dense_select
-from jaxkv.kernels import key_copy
 from jaxkv.kernels import quest as quest_kernels
 from jaxkv.kernels.candidate_select import top_candidates
-from jaxkv.kernels.key_copy import quantize
 from jaxkv.selectors.base import register
 from jaxkv.selectors.quest import Quest, _select_kw
 from jaxkv.spec import alloc_rows
+
+
+def quantize(k, bits: int):
+    """k [..., D] -> (values, scale [...]): int8 with a symmetric scale per vector when
+    ``bits == 8``, else k itself and ones."""
+    if bits != 8:
+        return k, jnp.ones(k.shape[:-1], jnp.float32)
+    kf = k.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(kf), axis=-1) / 127.0
+    q = jnp.round(kf / jnp.where(scale > 0, scale, 1.0)[..., None])
+    return jnp.clip(q, -127, 127).astype(jnp.int8), scale
 
 
 def final_choice_method(tuning, implementation, candidates: int):
@@ -124,10 +133,17 @@ class Rescore(Quest):
         kmax, kmin, cand = quest_kernels.quest_update_select(
             q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
             **self._first_stage_kw(plan))
-        method = plan.cache.tuning.rescore_key_method
-        keys, scales = key_copy.write_key_copy(
-            summaries[2], summaries[3], layer, kv_new, positions,
-            implementation=plan.cache.implementation if method == "auto" else method)
+        ps, Np = plan.page_size, plan.pages_per_seq
+        k_new = kv_new if kv_new.ndim == 3 else kv_new[:, 0]                # [B, H, D]
+        vals, scale = quantize(k_new, self.key_bits)
+        B, H = k_new.shape[:2]
+        b = jnp.arange(B)[:, None]
+        hh = jnp.arange(H)[None, :]
+        page = jnp.where(positions >= 0, positions // ps, Np)[:, None]  # Np: dropped
+        slot = (positions % ps)[:, None]
+        keys = summaries[2].at[layer, b, hh, page, slot].set(
+            vals.astype(summaries[2].dtype), mode="drop")
+        scales = summaries[3].at[layer, b, hh, page, slot].set(scale, mode="drop")
         summ = (kmax, kmin, keys, scales)
         return summ, self._rescore(plan, summ, layer, q, cand, positions, seq_lens)
 
