@@ -55,3 +55,19 @@ def time_chained(body, init, args, iters: int, reps: int, unroll: int, warmups: 
         jax.block_until_ready(f(init, args))
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts)) / iters / unroll
+
+
+def write_rows(out_dir: str, name: str, rows: list) -> dict:
+    """Write ``{"meta": ..., "rows": rows}`` to ``out_dir/name`` (the device, date, commit and
+    jax version of this run as ``meta``) and return the meta."""
+    import datetime
+    import json
+
+    import jax
+
+    meta = dict(device=str(jax.devices()[0].device_kind), date=datetime.date.today().isoformat(),
+                commit=commit(), jax=jax.__version__)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    return meta

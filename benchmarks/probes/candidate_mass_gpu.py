@@ -16,7 +16,6 @@ many of the top-k pages the two choose alike).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -92,11 +91,7 @@ def main():
             rows.append(row)
             print(json.dumps(row), flush=True)
         del keys, scales
-    meta = dict(device=str(jax.devices()[0].device_kind), date=datetime.date.today().isoformat(),
-                commit=_meta.commit(), jax=jax.__version__)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "candidate_mass_gpu.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    meta = _meta.write_rows(a.out, "candidate_mass_gpu.json", rows)
     print(f"\n{meta}")
     print(f"{'shape':8} {'variant':16} {'us/layer':>9} {'GB/s':>7} {'max rel':>9} {'top-k same':>10}")
     for r in rows:

@@ -15,7 +15,6 @@ checked against XLA's (as sets).
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
@@ -38,6 +37,22 @@ SHAPES = {"qwen_b8": (8, 2, 2048, 64, 16, (128, 256), 6),
 QUICK = {"tiny": (2, 2, 64, 16, 4, (16, 32), 3)}
 
 
+def _measure(row: dict, result, fn, args, ref, timing: dict) -> dict:
+    """``row`` with ``same_pages`` (``result(*args)`` against ``ref``) and ``us``: ``fn`` chained
+    through its first argument (``_meta.time_chained``); an error is reported in the row."""
+    try:
+        row["same_pages"] = bool(np.array_equal(result(*args), ref))
+
+        def body(i, c, first, *rest):
+            return c + fn(first + c.astype(first.dtype) * 1e-30, *rest)[0, 0, 0]
+
+        row["us"] = _meta.time_chained(body, jnp.int32(0), args, **timing) * 1e6
+    except Exception as e:  # noqa: BLE001 - report and go on
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -45,7 +60,8 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
     rows = []
-    iters, unroll = (2, 2) if a.quick else (16, 8)
+    timing = dict(iters=2, unroll=2, reps=a.reps) if a.quick else dict(iters=16, unroll=8,
+                                                                         reps=a.reps)
     for name, (B, H, N, ps, kb, cands, G) in (QUICK if a.quick else SHAPES).items():
         rng = np.random.default_rng(0)
         scores = jnp.asarray(rng.normal(size=(B, H, N)), jnp.float32)
@@ -66,21 +82,10 @@ def main():
             }
             ref = np.sort(np.asarray(variants["sort"](scores, lens)), axis=-1)
             for vname, fn in variants.items():
-                row = dict(shape=name, op="first_stage", variant=vname, B=B, H=H, N=N, C=C)
-                try:
-                    got = np.sort(np.asarray(jax.jit(fn)(scores, lens)), axis=-1)
-                    row["same_pages"] = bool(np.array_equal(got, ref))
-
-                    def body(i, c, s, lens, fn=fn):
-                        return c + fn(s + c.astype(jnp.float32) * 1e-30, lens)[0, 0, 0]
-
-                    t = _meta.time_chained(body, jnp.int32(0), (scores, lens), iters=iters,
-                                           reps=a.reps, unroll=unroll)
-                    row["us"] = t * 1e6
-                except Exception as e:  # noqa: BLE001 - report and go on
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                rows.append(_measure(
+                    dict(shape=name, op="first_stage", variant=vname, B=B, H=H, N=N, C=C),
+                    lambda *x, fn=fn: np.sort(np.asarray(jax.jit(fn)(*x)), axis=-1), fn,
+                    (scores, lens), ref, timing))
             # the final choice: k of the C candidates from their page statistics
             cand = jnp.asarray(np.stack([np.stack([rng.permutation(N)[:C] for _ in range(H)])
                                          for _ in range(B)]), jnp.int32)
@@ -96,27 +101,11 @@ def main():
                                                                  radix_bits=2, num_warps=8)),
                               ("pallas_w8", functools.partial(cs.candidate_select_pallas,
                                                               num_warps=8))):
-                row = dict(shape=name, op="final_choice", variant=vname, B=B, H=H, C=C, k=kb)
-                try:
-                    fn = functools.partial(fn, **skw)
-                    row["same_pages"] = bool(np.array_equal(
-                        np.asarray(jax.jit(fn)(m, l, cand, lens)), ref))
-
-                    def body(i, c, m, l, cand, lens, fn=fn):
-                        return c + fn(m + c.astype(jnp.float32) * 1e-30, l, cand, lens)[0, 0, 0]
-
-                    t = _meta.time_chained(body, jnp.int32(0), (m, l, cand, lens), iters=iters,
-                                           reps=a.reps, unroll=unroll)
-                    row["us"] = t * 1e6
-                except Exception as e:  # noqa: BLE001
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    meta = dict(device=str(jax.devices()[0].device_kind), date=datetime.date.today().isoformat(),
-                commit=_meta.commit(), jax=jax.__version__)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "first_stage_topk.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+                fn = functools.partial(fn, **skw)
+                rows.append(_measure(
+                    dict(shape=name, op="final_choice", variant=vname, B=B, H=H, C=C, k=kb),
+                    lambda *x, fn=fn: np.asarray(jax.jit(fn)(*x)), fn, (m, l, cand, lens), ref, timing))
+    meta = _meta.write_rows(a.out, "first_stage_topk.json", rows)
     print(f"\n{meta}")
     print(f"{'shape':8} {'op':13} {'C':>5} {'variant':13} {'us':>8} same")
     for r in rows:
