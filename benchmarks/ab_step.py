@@ -46,10 +46,6 @@ variant is a plan of its own, so nothing is read at trace time.
   instead of the ``candidate_select`` kernel (``Tuning.rescore_select_method``);
   ``rescore_topk_sort``: the first stage by XLA's top-k instead of the full-row kernel;
   ``rescore_sort_select_xla``: both (the two-stage selector before the kernels).
-* ``rescore8_every{4,8,16}``: ``quest_rescore8`` selecting anew every 4 / 8 / 16 tokens and at
-  page boundaries, holding its pages in between (``CacheConfig.selection_interval``; the held
-  requests' first stage, second stage and final choice are skipped); ``quest_every8``: Quest
-  with an interval of 8.
 * ``dense4``: Quest with layers 3, 5 and the last two dense
   (``CacheConfig(dense_layers=(3, 5, -2, -1))``).
 
@@ -140,12 +136,6 @@ VARIANTS = {
     "rescore_topk_sort": ({"topk_method": "sort"}, ()),
     "rescore_sort_select_xla": ({"topk_method": "sort", "rescore_select_method": "xla"}, ()),
     "rescore8_select_xla": ({"rescore_select_method": "xla"}, ()),
-    # a selection interval (CacheConfig.selection_interval, CACHE_CHANGES): select anew every
-    # N tokens and at page boundaries, hold the pages in between
-    "rescore8_every4": ({}, ()),
-    "rescore8_every8": ({}, ()),
-    "rescore8_every16": ({}, ()),
-    "quest_every8": ({}, ()),
     # four layers dense (CacheConfig.dense_layers as a set: the layers that leave out the most
     # attention at a budget on Qwen2.5, benchmarks/probes/layer_budget.py)
     "dense4": ({}, ()),
@@ -165,10 +155,7 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore_topk_sort={"selector": "quest_rescore"},
                      rescore_sort_select_xla={"selector": "quest_rescore"},
                      rescore8_select_xla={"selector": "quest_rescore8"},
-                     dense4={"dense_layers": DENSE4},
-                     quest_every8={"selection_interval": 8})
-CACHE_CHANGES.update({f"rescore8_every{n}": {"selector": "quest_rescore8",
-                                             "selection_interval": n} for n in (4, 8, 16)})
+                     dense4={"dense_layers": DENSE4})
 
 
 def variant_tuning(name: str, base: Tuning = Tuning()) -> Tuning:

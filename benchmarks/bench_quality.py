@@ -482,8 +482,7 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
                    selected_pages=None if cache.selector == "dense" else cache.selected_pages,
                    budget_tokens=None if cache.selector == "dense"
                    else cache.selected_pages * cache.page_size,
-                   selection_lag=cache.selection_lag,
-                   selection_interval=cache.selection_interval, page_size=cache.page_size,
+                   selection_lag=cache.selection_lag, page_size=cache.page_size,
                    batch=bsz, batches=len(groups), cases=len(cases), wall_s=round(wall, 2),
                    stats=stats, requests=reqs)
         numerics = ("kv_dtype", "kv_key_shift", "kv_key_rotation")   # the twin differs in these only

@@ -279,14 +279,10 @@ def forced_ahead(plan: engine.Plan, lengths):
 def _fresh(plan: engine.Plan, kv, summaries, lengths: np.ndarray, seed: int) -> engine.DecodeState:
     """The state to decode from; ``summaries`` the selector's own (no lagged ``ahead``): with
     lagged selection there is no prompt query to select with, so the first step reads the
-    forced pages only (:func:`forced_ahead`); a selection interval holds no pages yet."""
+    forced pages only (:func:`forced_ahead`)."""
     summaries = tuple(summaries)
     if plan.lagged:
         summaries += (forced_ahead(plan, lengths),)
-    elif plan.carries_pages:  # a selection interval: nothing held, the first step selects
-        m = plan.model
-        summaries += (jnp.full((m.num_layers, plan.batch, m.num_kv_heads, plan.k), INVALID,
-                               jnp.int32),)
     rng = np.random.default_rng([seed, 7])
     last = rng.integers(3, plan.model.vocab_size, plan.batch).astype(np.int32)
     return engine.start_state(plan, kv, summaries, lengths, last, jax.random.key(seed),

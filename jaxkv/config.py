@@ -237,14 +237,6 @@ class CacheConfig:
         its attention, so it can run beside the rest of the step. An approximation: it
         changes which pages are read (about 1 in 9 on real text: docs/decisions.md), never
         the pages the sinks / current page rule forces. Quest and indexer only.
-      selection_interval: 1 (default): every decode step selects. N > 1: a request selects at
-        positions that are multiples of N, at each page boundary and at its first decode step;
-        in between every layer attends to the pages its last selection chose (plus nothing
-        new: the current page is always among them, as a page boundary selects anew). The
-        selector's summaries are still updated every step, and its kernels skip the rest: the
-        two-stage selector's first stage, second stage and final choice, Quest's score reads.
-        An approximation that trades selection work for staleness (docs/decisions.md);
-        scored selectors with ``selection_lag=0`` only.
       tuning: :class:`Tuning`, performance settings that never change results.
     """
 
@@ -270,7 +262,6 @@ class CacheConfig:
     unroll_layers: bool | None = None
     dense_layers: int | tuple[int, ...] = 0
     selection_lag: int = 0
-    selection_interval: int = 1
     tuning: Tuning = Tuning()
 
     def __post_init__(self):
@@ -302,16 +293,6 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.candidate_pages is the first stage of a two-stage "
                                  f"selector ({two}); selector={self.selector!r} has none: leave "
                                  "candidate_pages=None")
-        object.__setattr__(self, "selection_interval",
-                           _as_int("selection_interval", self.selection_interval, 1))
-        if self.selection_interval > 1 and not selectors.get(self.selector).scored:
-            raise ValueError(f"CacheConfig.selection_interval={self.selection_interval} needs a "
-                             f"scored selector (the {self.selector!r} selector reads every page): "
-                             "set selection_interval=1")
-        if self.selection_interval > 1 and self.selection_lag:
-            raise ValueError(f"CacheConfig.selection_interval={self.selection_interval} holds "
-                             "exact selections between steps; it does not combine with "
-                             "selection_lag=1: set one of them to its default")
         if self.selection_lag and not selectors.get(self.selector).scored:
             raise ValueError(f"CacheConfig.selection_lag=1 needs a scored selector (the "
                              f"{self.selector!r} selector reads every page): set selection_lag=0")

@@ -191,12 +191,10 @@ def relayout(context: Context, plan: Plan, src: list[int], eng):
         counters=kvcache.CacheCounters.zeros())
     fresh = eng.init_summaries(plan)
     # the selector's arrays and the keys' shift are per request: copied by region
-    own, shift, ahead = selectors.split(context.summaries, old)
+    own, shift, ahead = selectors.split(context.summaries, plan)
     fown, fshift, fahead = selectors.split(fresh, plan)
     own, shift = jax.tree.map(lambda o, n: _copy_summary(o, n, old, plan, src, False),
                               (tuple(own), shift), (tuple(fown), fshift))
     if plan.lagged:
         ahead = _copy_summary(ahead, fahead, old, plan, src, True)
-    else:  # a selection interval's held pages start empty: the first step selects anew
-        ahead = fahead
     return kv, selectors.join(own, shift, ahead), dense

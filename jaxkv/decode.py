@@ -13,7 +13,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxkv import residency, selectors
 from jaxkv.config import Sampling
@@ -54,14 +53,6 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
               if batched else ())
 
     rot = kv_quant.hadamard(D) if plan.key_rotation else None
-    if plan.interval > 1:
-        # A request selects anew at positions that are multiples of the interval, at each page
-        # boundary (so the current page is always among the held pages) and when it holds no
-        # selection yet (-1 first: a selection is ascending with -1 last and always holds the
-        # current page). All sparse layers hold alike, so the first one's row decides.
-        s0 = int(np.argmax(plan.sparse_mask))
-        first = selectors.split(st.summaries, plan)[2][s0, :, 0, 0] < 0
-        refresh = active & ((pos % plan.interval == 0) | (pos % ps == 0) | first)
 
     def stored(tok_kv, summ, layer):
         """The new token's K/V [B, 2, H, D] as the cache stores them: with quantized KV the keys
@@ -108,11 +99,6 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         if batched:  # attend to the pages chosen last step; select for the next after the loop
             pages = summ[-1][layer]
             sel_in = tuple(a.at[layer].set(x) for a, x in zip(sel_in, (q1, tok_kv)))
-        elif plan.interval > 1:  # select anew at the interval and page boundaries, else hold
-            own, shift, held = selectors.split(summ, plan)
-            own, pages = selector.update_select_held(plan, own, layer, lp, h, q1, tok_kv,
-                                                     positions, held[layer], refresh)
-            summ = selectors.join(own, shift, held.at[layer].set(pages))
         else:
             own, shift, ahead = selectors.split(summ, plan)
             own, pages = selector.update_select(plan, own, layer, lp, h, q1, tok_kv, positions,

@@ -86,19 +86,6 @@ class Plan:
         return self.cache.selection_lag == 1 and self.selector.scored
 
     @property
-    def interval(self) -> int:
-        """Tokens between selections (CacheConfig.selection_interval; 1 for a selector that
-        reads every page)."""
-        return self.cache.selection_interval if self.selector.scored else 1
-
-    @property
-    def carries_pages(self) -> bool:
-        """The summaries tuple ends with pages carried from one step to the next
-        ([L, B, H, k]): lagged selection's ``ahead``, or the held selection of
-        ``selection_interval > 1`` (``jaxkv.selectors.split``)."""
-        return self.lagged or self.interval > 1
-
-    @property
     def layer_unroll(self) -> int:
         unroll = self.cache.unroll_layers
         if unroll is None:

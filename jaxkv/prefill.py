@@ -98,8 +98,6 @@ def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, de
         q_last = jnp.take_along_axis(q, last[:, None, None, None], axis=1)[:, 0]  # [B, Hq, D]
         pages = selector.first_pages(plan, own, layer, lp, h_last, q_last, lengths)
         ahead = ahead.at[layer].set(pages)
-    elif plan.carries_pages:  # a selection interval: the first decode step selects anew
-        ahead = ahead.at[layer].set(INVALID)
     return x, kv, selectors.join(own, shift, ahead), dense
 
 

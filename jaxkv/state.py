@@ -87,12 +87,12 @@ def init_lookahead(plan: Plan):
 def init_summaries(plan: Plan):
     """The selector's empty summaries, then (``jaxkv.selectors.split``) with quantized KV the
     stored keys' shift [L, B, H, D] float32 (zeros until the prefill) and with lagged
-    selection or a selection interval ``ahead`` [L, B, H, k] int32, all -1 (no page)."""
+    selection ``ahead`` [L, B, H, k] int32, all -1 (no page)."""
     m = plan.model
     shift = (jnp.zeros((m.num_layers, plan.batch, m.num_kv_heads, m.head_dim), jnp.float32)
              if plan.key_shift else None)
     ahead = (jnp.full((m.num_layers, plan.batch, m.num_kv_heads, plan.k), INVALID, jnp.int32)
-             if plan.carries_pages else None)
+             if plan.lagged else None)
     return selectors.join(plan.selector.init(plan), shift, ahead)
 
 

@@ -86,23 +86,11 @@ def mass_from_page_stats(m, l, cand, G: int):
     return jnp.where(cand >= 0, mass, -jnp.inf)
 
 
-def _kernel(layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref, *refs, ps,
-            block_c, C):
+def _kernel(layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref, m_ref, l_ref,
+            *, ps, block_c, C):
     """One program: ``block_c`` candidates as one [block_c * ps, D] tile, gathered in one load
-    (every index a full int array: interpret mode cannot mix gathers and slices). With a
-    row mask operand (``refs`` of three) a masked-out request's programs exit at once (the
-    program ids are read outside the branch: interpret mode cannot read them inside)."""
-    ids = (pl.program_id(0), pl.program_id(1), pl.program_id(2))
-    body = functools.partial(_program, *ids, layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref,
-                             keys_ref, scales_ref, *refs[-2:], ps=ps, block_c=block_c, C=C)
-    if len(refs) == 3:
-        pl.when(refs[0][ids[0]] != 0)(body)
-    else:
-        body()
-
-
-def _program(b, h, j, layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref,
-             m_ref, l_ref, *, ps, block_c, C):
+    (every index a full int array: interpret mode cannot mix gathers and slices)."""
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     D = qhi_ref.shape[-1]
     T = block_c * ps
     layer = layer_ref[0]
@@ -145,14 +133,13 @@ def kernel_takes(keys) -> bool:
 
 
 def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int | None = None,
-                      num_warps: int = 4, interpret: bool | None = None, row_mask=None):
+                      num_warps: int = 4, interpret: bool | None = None):
     """The kernel's per-page statistics ``(m, l)``, each [B, H, Cs, G_pad] float32 with
     ``Cs = ceil(C / block_c) * block_c`` and ``G_pad = max(16, next_pow2(G))`` (module
     docstring; rows ``>= C``, columns ``>= G`` and candidates without a valid token carry
     ``m = -inf``, ``l = 0``, except the padded query heads' columns, which hold the zero
     query's statistics and are never data). Keys the kernel does not take
-    (``kernel_takes``) are an error here. ``row_mask``: optional bool [B]; the programs of a
-    request whose entry is False exit at once (its statistics are unspecified)."""
+    (``kernel_takes``) are an error here."""
     _check(q, keys, scales, cand, positions)
     _, B, H, Np, ps, D = keys.shape
     if not kernel_takes(keys):
@@ -179,25 +166,17 @@ def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int |
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     positions = jnp.asarray(positions, jnp.int32)
     cand = jnp.asarray(cand, jnp.int32)
-    operands = [layer_arr, positions, cand, q_hi, q_lo, keys, scales]
-    in_specs = [pl.BlockSpec((1,), lambda *_: (0,)), full(positions), full(cand), q_spec,
-                q_spec, full(keys), full(scales)]
-    if row_mask is not None:
-        row_mask = jnp.asarray(row_mask)
-        if row_mask.shape != (B,):
-            raise ValueError(f"row_mask must be [B] = [{B}], got {row_mask.shape}")
-        operands.append(row_mask.astype(jnp.int32))
-        in_specs.append(full(operands[-1]))
     return pl.pallas_call(
         kernel,
         out_shape=(stat, stat),
         grid=(B, H, n_prog),
-        in_specs=in_specs,
+        in_specs=[pl.BlockSpec((1,), lambda *_: (0,)), full(positions), full(cand), q_spec,
+                  q_spec, full(keys), full(scales)],
         out_specs=(stat_spec, stat_spec),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps),
         interpret=_common.interpret_mode() if interpret is None else interpret,
         name="candidate_mass",
-    )(*operands)
+    )(layer_arr, positions, cand, q_hi, q_lo, keys, scales)
 
 
 @register(OP, "pallas")

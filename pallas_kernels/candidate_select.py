@@ -75,56 +75,22 @@ def top_candidates(mass, cand, seq_lens, *, k: int, page_size: int, num_pages: i
     return jnp.where(pages == _BIG, INVALID, pages)
 
 
-def _check_held(held, row_mask, B, H, k):
-    if (held is None) != (row_mask is None):
-        raise ValueError("held and row_mask go together: pass both or neither")
-    if held is None:
-        return None, None
-    held, row_mask = jnp.asarray(held, jnp.int32), jnp.asarray(row_mask)
-    if held.shape != (B, H, k):
-        raise ValueError(f"held must be [B, H, k] = [{B}, {H}, {k}], got {held.shape}")
-    if row_mask.shape != (B,):
-        raise ValueError(f"row_mask must be [B] = [{B}], got {row_mask.shape}")
-    return held, row_mask
-
-
 @register(OP, "xla")
 def candidate_select_reference(m, l, cand, seq_lens, *, G: int, k: int, page_size: int,
-                               num_pages: int, num_sink_pages: int, held=None, row_mask=None):
-    """The reference: the masses in XLA, then ``top_candidates``; with ``held`` / ``row_mask``
-    the held pages where the mask is False."""
+                               num_pages: int, num_sink_pages: int):
+    """The reference: the masses in XLA, then ``top_candidates``."""
     _check(m, l, cand, seq_lens, G, k)
-    held, row_mask = _check_held(held, row_mask, *cand.shape[:2], k)
     C = cand.shape[2]
     some = (cand >= 0)[..., None]
-    if row_mask is not None:  # statistics of masked-out requests are unspecified (NaN-safe)
-        some = some & row_mask[:, None, None, None]
     mass = mass_from_page_stats(jnp.where(some, m[:, :, :C], -jnp.inf),
                                 jnp.where(some, l[:, :, :C], 0.0), cand, G)
-    pages = top_candidates(mass, cand, seq_lens, k=k, page_size=page_size, num_pages=num_pages,
-                           num_sink_pages=num_sink_pages)
-    return pages if held is None else jnp.where(row_mask[:, None, None], pages, held)
+    return top_candidates(mass, cand, seq_lens, k=k, page_size=page_size, num_pages=num_pages,
+                          num_sink_pages=num_sink_pages)
 
 
-def _kernel(lens_ref, cand_ref, m_ref, l_ref, *refs, G, C, k, page_size, num_pages,
+def _kernel(lens_ref, cand_ref, m_ref, l_ref, out_ref, *, G, C, k, page_size, num_pages,
             num_sink_pages, radix_bits):
-    kw = dict(G=G, C=C, k=k, page_size=page_size, num_pages=num_pages,
-              num_sink_pages=num_sink_pages, radix_bits=radix_bits)
-    b = pl.program_id(0)  # read outside any branch (interpret mode cannot read it inside)
-    if len(refs) == 1:
-        _choose(b, lens_ref, cand_ref, m_ref, l_ref, refs[0], **kw)
-        return
-    held_ref, mask_ref, out_ref = refs  # a masked-out request keeps its held pages
-    on = mask_ref[b] != 0
-    pl.when(on)(functools.partial(_choose, b, lens_ref, cand_ref, m_ref, l_ref, out_ref, **kw))
-
-    @pl.when(~on)
-    def _():
-        out_ref[...] = held_ref[...]
-
-
-def _choose(b, lens_ref, cand_ref, m_ref, l_ref, out_ref, *, G, C, k, page_size, num_pages,
-            num_sink_pages, radix_bits):
+    b = pl.program_id(0)
     Cp, Gp = m_ref.shape
     kp = out_ref.shape[0]
     c = lax.broadcasted_iota(jnp.int32, (Cp,), 0)
@@ -164,15 +130,11 @@ def _choose(b, lens_ref, cand_ref, m_ref, l_ref, out_ref, *, G, C, k, page_size,
 
 @register(OP, "pallas")
 def candidate_select_pallas(m, l, cand, seq_lens, *, G: int, k: int, page_size: int,
-                            num_pages: int, num_sink_pages: int, held=None, row_mask=None,
-                            radix_bits: int = 4, num_warps: int | None = None,
-                            interpret: bool | None = None):
+                            num_pages: int, num_sink_pages: int, radix_bits: int = 4,
+                            num_warps: int | None = None, interpret: bool | None = None):
     """The Pallas kernel (module docstring). Grid (B, H); ``radix_bits`` (1, 2 or 4) per pass
-    of the radix search; ``num_warps`` default 4, 8 from 1024 candidates. With ``held`` [B, H,
-    k] and ``row_mask`` [B] bool a request whose entry is False gets its held pages, and its
-    statistics are not read."""
+    of the radix search; ``num_warps`` default 4, 8 from 1024 candidates."""
     _check(m, l, cand, seq_lens, G, k)
-    held, row_mask = _check_held(held, row_mask, *cand.shape[:2], k)
     B, H, Cs, Gs = m.shape
     C = cand.shape[2]
     Cp = _common.next_pow2(max(Cs, k))
@@ -191,34 +153,25 @@ def candidate_select_pallas(m, l, cand, seq_lens, *, G: int, k: int, page_size: 
     kernel = functools.partial(_kernel, G=G, C=C, k=k, page_size=page_size, num_pages=num_pages,
                                num_sink_pages=num_sink_pages, radix_bits=radix_bits)
     stat_spec = pl.BlockSpec((None, None, Cp, Gp), lambda b, h: (b, h, 0, 0))
-    row_spec = pl.BlockSpec((None, None, kp), lambda b, h: (b, h, 0))
-    operands = [lens, cand, m, l]
-    in_specs = [pl.BlockSpec(lens.shape, lambda b, h: (0,)),
-                pl.BlockSpec((None, None, Cp), lambda b, h: (b, h, 0)), stat_spec, stat_spec]
-    if held is not None:
-        if kp != k:
-            held = jnp.pad(held, ((0, 0), (0, 0), (0, kp - k)), constant_values=INVALID)
-        operands += [held, row_mask.astype(jnp.int32)]
-        in_specs += [row_spec, pl.BlockSpec((B,), lambda b, h: (0,))]
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((B, H, kp), jnp.int32),
         grid=(B, H),
-        in_specs=in_specs,
-        out_specs=row_spec,
+        in_specs=[pl.BlockSpec(lens.shape, lambda b, h: (0,)),
+                  pl.BlockSpec((None, None, Cp), lambda b, h: (b, h, 0)), stat_spec, stat_spec],
+        out_specs=pl.BlockSpec((None, None, kp), lambda b, h: (b, h, 0)),
         compiler_params=plgpu.CompilerParams(
             num_warps=num_warps or (4 if Cp < 1024 else 8), num_stages=1),
         interpret=_common.interpret_mode() if interpret is None else interpret,
         name="candidate_select",
-    )(*operands)
+    )(lens, cand, m, l)
     return out if kp == k else out[..., :k]
 
 
 def candidate_select(m, l, cand, seq_lens, *, G: int, k: int, page_size: int, num_pages: int,
-                     num_sink_pages: int, held=None, row_mask=None, implementation=None):
+                     num_sink_pages: int, implementation=None):
     """The final choice (module docstring); ``implementation`` picks the kernel or the
-    reference (``_common.resolve``). ``held`` [B, H, k] / ``row_mask`` [B] bool: requests
-    whose entry is False keep their held pages (their statistics are not read)."""
+    reference (``_common.resolve``)."""
     return _common.resolve(OP, implementation)(
         m, l, cand, seq_lens, G=G, k=k, page_size=page_size, num_pages=num_pages,
-        num_sink_pages=num_sink_pages, held=held, row_mask=row_mask)
+        num_sink_pages=num_sink_pages)

@@ -325,7 +325,7 @@ def quest_update_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, k_new, posit
 
 def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, page_size,
                         num_sink_pages, implementation=None, topk_method="auto",
-                        cmax_min_pages=ds.CMAX_MIN_PAGES, ordered=True, row_mask=None):
+                        cmax_min_pages=ds.CMAX_MIN_PAGES, ordered=True):
     """One decode step of Quest for one layer: :func:`quest_update` then :func:`quest_select`.
 
     q [B, Hq, D]; kmax, kmin [L, B, Np, H, D]; layer int32 scalar; seq_lens [B] int32 (tokens
@@ -335,15 +335,8 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
     scores kernel (op ``quest_update_scores_cmax``: one launch; summaries updated in place when
     they are donated or loop-carried); the XLA top-k methods take the same kernel's scores
     when the implementation is "pallas". ``topk_method`` / ``cmax_min_pages``: as in
-    :func:`quest_select`; ``ordered``: as in ``dense_select.select_top_pages``.
-
-    ``row_mask``: optional bool [B]; every request's summaries are updated, but the pages of
-    one whose entry is False are unspecified: its scores read no summary (its length is taken
-    as 0) and the full-row top-k kernel skips its rows (for a caller that keeps an earlier
-    selection for it)."""
+    :func:`quest_select`; ``ordered``: as in ``dense_select.select_top_pages``."""
     np_ = kmax.shape[2]
-    if row_mask is not None:
-        seq_lens = jnp.where(row_mask, seq_lens, 0)
     method = ds.resolve_topk_method(np_, implementation, topk_method, cmax_min_pages, k)
     pallas = _common.implementation_name(implementation) == "pallas"
     if method == "auto" and ds.takes_topk_kernel(np_, k, implementation):
@@ -362,8 +355,7 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
         elif method == "pallas":
             pages = topk.select_top_pages_pallas(scores, seq_lens, num_pages=np_, k=k,
                                                  page_size=page_size,
-                                                 num_sink_pages=num_sink_pages,
-                                                 row_mask=row_mask)
+                                                 num_sink_pages=num_sink_pages)
         else:
             pages = ds.select_top_pages(scores, seq_lens, num_pages=np_, k=k,
                                         page_size=page_size, num_sink_pages=num_sink_pages,

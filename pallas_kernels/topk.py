@@ -159,23 +159,9 @@ def _write_selection(out_ref, row, keys, cols, t, k: int):
     plgpu.store(out_ref.at[row, jnp.where(sel, rank - 1, k)], cols, mask=sel)
 
 
-def _topk_kernel(lens_ref, scores_ref, *refs, heads, n_cols, num_pages, k, page_size,
+def _topk_kernel(lens_ref, scores_ref, out_ref, *, heads, n_cols, num_pages, k, page_size,
                  num_sink_pages, chunk, n_pad, radix_bits):
     row = pl.program_id(0)
-    if len(refs) == 2:  # row_mask: a request's rows are computed only where it is nonzero
-        mask_ref, out_ref = refs
-        pl.when(mask_ref[row // heads] != 0)(functools.partial(
-            _topk_row, row, lens_ref, scores_ref, out_ref, heads=heads, n_cols=n_cols,
-            num_pages=num_pages, k=k, page_size=page_size, num_sink_pages=num_sink_pages,
-            chunk=chunk, n_pad=n_pad, radix_bits=radix_bits))
-    else:
-        _topk_row(row, lens_ref, scores_ref, refs[0], heads=heads, n_cols=n_cols,
-                  num_pages=num_pages, k=k, page_size=page_size, num_sink_pages=num_sink_pages,
-                  chunk=chunk, n_pad=n_pad, radix_bits=radix_bits)
-
-
-def _topk_row(row, lens_ref, scores_ref, out_ref, *, heads, n_cols, num_pages, k, page_size,
-              num_sink_pages, chunk, n_pad, radix_bits):
     n_valid = _common.num_valid_pages(lens_ref[row // heads], page_size, num_pages)
     n_load = jnp.minimum(n_valid, n_cols)  # columns worth reading (the rest is never read)
     nc = n_pad // chunk
@@ -306,7 +292,7 @@ def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_si
                             num_sink_pages: int, chunk: int | None = None,
                             radix_bits: int | None = None,
                             num_warps: int | None = None, interpret: bool | None = None,
-                            chunk_max=None, row_mask=None):
+                            chunk_max=None):
     """Top-``k`` pages per row with one Pallas kernel (selection rule: module docstring).
 
     scores: [B, N] or [B, H, N] float (any float dtype; column ``p`` = page ``p``, columns
@@ -331,10 +317,6 @@ def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_si
     lie in chosen chunks. Hence the candidates hold every entry > T and the ties the rule takes,
     T is their k-th largest, and as they are in ascending column order (chosen ids ascending,
     columns ascending inside), taking ``> T`` then the first ties gives the rule's selection.
-
-    row_mask: optional bool [B]; a request whose entry is False has its rows skipped (their
-    result is unspecified: one early exit per program, for a caller that keeps an earlier
-    selection for them). Full-row kernel only (not with ``chunk_max``).
     """
     if k < num_sink_pages + 1:
         raise ValueError(f"k={k} must be >= num_sink_pages + 1 = {num_sink_pages + 1}")
@@ -358,8 +340,6 @@ def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_si
     full = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
     flat = scores.reshape(rows, n)
     if chunk_max is not None:
-        if row_mask is not None:
-            raise ValueError("row_mask is taken by the full-row kernel only (chunk_max=None)")
         ncm = chunk_max.shape[-1]
         if chunk is None:
             chunk = _common.next_pow2(-(-n // max(ncm, 1)))
@@ -380,21 +360,10 @@ def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_si
     if chunk & (chunk - 1) or chunk < 1 or (chunk > 1 and n_pad // chunk < 2 * k):
         raise ValueError(f"chunk={chunk} must be a power of two with N_pad / chunk >= 2k")
     kernel = functools.partial(_topk_kernel, chunk=chunk, n_pad=n_pad, **params)
-    operands = [lens, flat]
-    if row_mask is not None:
-        operands.append(_row_mask(row_mask, lead[0]))
-    out = call(kernel, in_specs=[full(x) for x in operands],
+    out = call(kernel, in_specs=[full(lens), full(flat)],
                compiler_params=plgpu.CompilerParams(
-                   num_warps=num_warps or _default_warps(n_pad), num_stages=1))(*operands)
+                   num_warps=num_warps or _default_warps(n_pad), num_stages=1))(lens, flat)
     return out.reshape(lead + (k,))
-
-
-def _row_mask(row_mask, batch: int):
-    """A per-request mask [B] bool as the int32 operand the kernels read."""
-    row_mask = jnp.asarray(row_mask)
-    if row_mask.shape != (batch,):
-        raise ValueError(f"row_mask must be [B] = [{batch}], got {row_mask.shape}")
-    return row_mask.astype(jnp.int32)
 
 
 @_common.register(OP, "xla")

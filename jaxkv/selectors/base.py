@@ -1,8 +1,6 @@
 """The selector protocol and its registry (see the package docstring)."""
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 _REGISTRY: dict[str, "Selector"] = {}
 
 
@@ -55,17 +53,6 @@ class Selector:
         Returns pages [B, H, k]."""
         raise ValueError(f"lagged selection needs a scored selector, not {self.name!r}")
 
-    def update_select_held(self, plan, summaries: tuple, layer, layer_params, h, q, kv_new,
-                           positions, held, refresh):
-        """``update_select`` for ``selection_interval > 1``: held [B, H, k] the layer's last
-        selection, refresh [B] bool whether a request selects anew this step. Returns
-        (summaries, pages): the new selection where ``refresh``, ``held`` elsewhere. This
-        default selects for every request; a selector whose kernels can skip the rest
-        overrides it."""
-        summaries, pages = self.update_select(plan, summaries, layer, layer_params, h, q,
-                                              kv_new, positions)
-        return summaries, jnp.where(refresh[:, None, None], pages, held)
-
     def update_select_all_layers(self, plan, summaries: tuple, q, kv_new, positions):
         """Lagged selection for every layer at once (``selects_all_layers``): q [L, B, Hq,
         D], kv_new [L, B, 2, H, D], positions [L, B] (-1: no update and no selection).
@@ -95,13 +82,11 @@ def split(summaries: tuple, plan):
     """(the selector's own arrays, ``shift`` or None, ``ahead`` or None) of a summaries tuple.
 
     The engine appends its own arrays after the selector's: the stored keys' shift
-    [L, B, H, D] float32 when ``plan.key_shift`` (quantized KV), then, when
-    ``plan.carries_pages``, ``ahead`` [L, B, H, k] int32 (always the last array): with lagged
-    selection the pages of the next step, with ``selection_interval > 1`` the pages of each
-    layer's last selection (-1: none yet)."""
+    [L, B, H, D] float32 when ``plan.key_shift`` (quantized KV), then, with lagged selection,
+    ``ahead`` [L, B, H, k] int32, the pages of the next step (always the last array)."""
     summaries = tuple(summaries)
-    ahead = summaries[-1] if plan.carries_pages else None
-    if plan.carries_pages:
+    ahead = summaries[-1] if plan.lagged else None
+    if plan.lagged:
         summaries = summaries[:-1]
     shift = summaries[-1] if plan.key_shift else None
     if plan.key_shift:

@@ -42,15 +42,6 @@ class Quest(Selector):
             **_select_kw(plan))
         return (kmax, kmin), pages
 
-    def update_select_held(self, plan, summaries, layer, layer_params, h, q, kv_new, positions,
-                           held, refresh):
-        """The held requests' scores read no summary; their rows keep ``held``."""
-        seq_lens = jnp.maximum(positions + 1, 1)
-        kmax, kmin, pages = kernels.quest_update_select(
-            q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
-            row_mask=refresh, **_select_kw(plan))
-        return (kmax, kmin), jnp.where(refresh[:, None, None], pages, held)
-
     def first_pages(self, plan, summaries, layer, layer_params, h_last, q_last, lengths):
         seq_lens = jnp.asarray(lengths, jnp.int32) + 1
         return kernels.quest_select(q_last, summaries[0], summaries[1], layer, seq_lens,

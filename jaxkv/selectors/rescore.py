@@ -110,10 +110,7 @@ class Rescore(Quest):
             t = "pallas" if kernel else "sort"
         return dict(_select_kw(plan), k=C, topk_method=t, ordered=False)
 
-    def _rescore(self, plan, summaries, layer, q, cand, positions, seq_lens, held=None,
-                 refresh=None):
-        """The second stage and the final choice; with ``held`` / ``refresh`` (a selection
-        interval) the Pallas kernels skip the requests that hold their pages."""
+    def _rescore(self, plan, summaries, layer, q, cand, positions, seq_lens):
         tuning, impl = plan.cache.tuning, plan.cache.implementation
         keys, scales = summaries[2], summaries[3]
         pick = dict(k=plan.k, page_size=plan.page_size, num_pages=plan.pages_per_seq,
@@ -122,32 +119,20 @@ class Rescore(Quest):
         if (_common.resolve(mass_kernels.OP, stage2) is mass_kernels.candidate_mass_pallas
                 and mass_kernels.kernel_takes(keys)):
             # The kernel's page statistics go to the final choice as they are.
-            m, l = mass_kernels.page_stats_pallas(q, keys, scales, layer, cand, positions,
-                                                  row_mask=refresh)
+            m, l = mass_kernels.page_stats_pallas(q, keys, scales, layer, cand, positions)
             final = final_choice_method(tuning, impl, cand.shape[-1])
             return select_kernels.candidate_select(
-                m, l, cand, seq_lens, G=q.shape[1] // keys.shape[2], implementation=final,
-                held=held, row_mask=refresh, **pick)
+                m, l, cand, seq_lens, G=q.shape[1] // keys.shape[2], implementation=final, **pick)
         mass = mass_kernels.candidate_mass(q, keys, scales, layer, cand, positions,
                                            implementation=stage2)
-        pages = top_candidates(mass, cand, seq_lens, **pick)
-        return pages if held is None else jnp.where(refresh[:, None, None], pages, held)
+        return top_candidates(mass, cand, seq_lens, **pick)
 
     def update_select(self, plan, summaries, layer, layer_params, h, q, kv_new, positions, *,
                       ahead=False):
-        return self._update_select(plan, summaries, layer, q, kv_new, positions, ahead=ahead)
-
-    def update_select_held(self, plan, summaries, layer, layer_params, h, q, kv_new, positions,
-                           held, refresh):
-        return self._update_select(plan, summaries, layer, q, kv_new, positions, held=held,
-                                   refresh=refresh)
-
-    def _update_select(self, plan, summaries, layer, q, kv_new, positions, *, ahead=False,
-                       held=None, refresh=None):
         seq_lens = jnp.maximum(positions + 1 + int(ahead), 1)
         kmax, kmin, cand = quest_kernels.quest_update_select(
             q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
-            row_mask=refresh, **self._first_stage_kw(plan))
+            **self._first_stage_kw(plan))
         ps, Np = plan.page_size, plan.pages_per_seq
         k_new = kv_new if kv_new.ndim == 3 else kv_new[:, 0]                # [B, H, D]
         vals, scale = quantize(k_new, self.key_bits)
@@ -160,7 +145,7 @@ class Rescore(Quest):
             vals.astype(summaries[2].dtype), mode="drop")
         scales = summaries[3].at[layer, b, hh, page, slot].set(scale, mode="drop")
         summ = (kmax, kmin, keys, scales)
-        return summ, self._rescore(plan, summ, layer, q, cand, positions, seq_lens, held, refresh)
+        return summ, self._rescore(plan, summ, layer, q, cand, positions, seq_lens)
 
     def first_pages(self, plan, summaries, layer, layer_params, h_last, q_last, lengths):
         lengths = jnp.asarray(lengths, jnp.int32)
