@@ -87,47 +87,17 @@ def mass_from_page_stats(m, l, cand, G: int):
 
 
 def _kernel(layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref, m_ref, l_ref,
-            *, ps, block_c, C, tiles):
-    """One program: ``tiles`` tiles of ``block_c`` candidates, each one [block_c * ps, D] tile
-    gathered in one load (every index a full int array: interpret mode cannot mix gathers and
-    slices); several tiles run as a loop the compiler may pipeline (``num_stages``)."""
+            *, ps, block_c, C):
+    """One program: ``block_c`` candidates as one [block_c * ps, D] tile, gathered in one load
+    (every index a full int array: interpret mode cannot mix gathers and slices)."""
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    args = (layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref)
-    if tiles == 1:
-        mx, ls = _tile_stats(b, h, j, *args, ps=ps, block_c=block_c, C=C)
-        for i in range(block_c):
-            m_ref[i, :] = mx[i]
-            l_ref[i, :] = ls[i]
-        return
-    rows = lax.broadcasted_iota(jnp.int32, m_ref.shape, 0)
-
-    def body(t, acc):
-        mx, ls = _tile_stats(b, h, j * tiles + t, *args, ps=ps, block_c=block_c, C=C)
-        am, al = acc
-        for i in range(block_c):
-            at = rows == t * block_c + i
-            am = jnp.where(at, mx[i][None, :], am)
-            al = jnp.where(at, ls[i][None, :], al)
-        return am, al
-
-    zero = jnp.zeros(m_ref.shape, jnp.float32)
-    am, al = lax.fori_loop(0, tiles, body, (zero, zero))
-    m_ref[...] = am
-    l_ref[...] = al
-
-
-def _tile_stats(b, h, jt, layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref,
-                *, ps, block_c, C):
-    """Tile ``jt`` of request ``b``, KV head ``h``: per page ``i`` of its ``block_c``
-    candidates the query heads' max logit and sum of exp ([G_pad] each; -inf / 0 for a page
-    without a valid token)."""
     D = qhi_ref.shape[-1]
     T = block_c * ps
     layer = layer_ref[0]
     pos = pos_ref[b]
     tok = lax.broadcasted_iota(jnp.int32, (T,), 0)
     tok_page, tok_off = lax.div(tok, ps), lax.rem(tok, ps)
-    c = jt * block_c + tok_page                                          # [T] candidate index
+    c = j * block_c + tok_page                                           # [T] candidate index
     p = cand_ref[b, h, jnp.minimum(c, C - 1)]                            # [T] its page
     ok = (c < C) & (p >= 0) & (p * ps + tok_off <= pos)
     p = jnp.where(ok, p, 0)
@@ -148,12 +118,10 @@ def _tile_stats(b, h, jt, layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_r
         m_tok = jnp.where(on, m_i[:, None], m_tok)
         mx.append(m_i)
     e = jnp.exp(s - m_tok)                                               # 0 where masked
-    ms, ls = [], []
     for i in range(block_c):
         l_i = jnp.sum(jnp.where((tok_page == i)[None, :], e, 0.0), axis=1)
-        ms.append(jnp.where(l_i > 0, mx[i], -jnp.inf))
-        ls.append(l_i)
-    return ms, ls
+        m_ref[i, :] = jnp.where(l_i > 0, mx[i], -jnp.inf)
+        l_ref[i, :] = l_i
 
 
 def kernel_takes(keys) -> bool:
@@ -165,8 +133,7 @@ def kernel_takes(keys) -> bool:
 
 
 def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int | None = None,
-                      num_warps: int = 4, tiles: int = 1, num_stages: int | None = None,
-                      interpret: bool | None = None):
+                      num_warps: int = 4, interpret: bool | None = None):
     """The kernel's per-page statistics ``(m, l)``, each [B, H, Cs, G_pad] float32 with
     ``Cs = ceil(C / block_c) * block_c`` and ``G_pad = max(16, next_pow2(G))`` (module
     docstring; rows ``>= C``, columns ``>= G`` and candidates without a valid token carry
@@ -186,18 +153,16 @@ def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int |
     block_c = max(1, min(block_c, _common.next_pow2(C)))
     if block_c & (block_c - 1):
         raise ValueError(f"block_c {block_c} must be a power of two (the tile's tokens)")
-    tiles = max(1, min(tiles, _common.next_pow2(pl.cdiv(C, block_c))))
-    rows = block_c * tiles                                   # candidates per program
-    n_prog = pl.cdiv(C, rows)
+    n_prog = pl.cdiv(C, block_c)
     qg = q.reshape(B, H, G, D).astype(jnp.float32) * D ** -0.5
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, G_pad - G), (0, 0)))
     q_hi = qg.astype(jnp.bfloat16)
     q_lo = (qg - q_hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    kernel = functools.partial(_kernel, ps=ps, block_c=block_c, C=C, tiles=tiles)
+    kernel = functools.partial(_kernel, ps=ps, block_c=block_c, C=C)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     q_spec = pl.BlockSpec((None, None, G_pad, D), lambda b, h, j: (b, h, 0, 0))
-    stat = jax.ShapeDtypeStruct((B, H, n_prog * rows, G_pad), jnp.float32)
-    stat_spec = pl.BlockSpec((None, None, rows, G_pad), lambda b, h, j: (b, h, j, 0))
+    stat = jax.ShapeDtypeStruct((B, H, n_prog * block_c, G_pad), jnp.float32)
+    stat_spec = pl.BlockSpec((None, None, block_c, G_pad), lambda b, h, j: (b, h, j, 0))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     positions = jnp.asarray(positions, jnp.int32)
     cand = jnp.asarray(cand, jnp.int32)
@@ -208,7 +173,7 @@ def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int |
         in_specs=[pl.BlockSpec((1,), lambda *_: (0,)), full(positions), full(cand), q_spec,
                   q_spec, full(keys), full(scales)],
         out_specs=(stat_spec, stat_spec),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps),
         interpret=_common.interpret_mode() if interpret is None else interpret,
         name="candidate_mass",
     )(layer_arr, positions, cand, q_hi, q_lo, keys, scales)
@@ -216,8 +181,7 @@ def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int |
 
 @register(OP, "pallas")
 def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: int | None = None,
-                          num_warps: int = 4, tiles: int = 1, num_stages: int | None = None,
-                          interpret: bool | None = None):
+                          num_warps: int = 4, interpret: bool | None = None):
     """The Pallas kernel (module docstring, ``page_stats_pallas``) and the masses from its
     statistics; ``block_c`` candidates per program (default: a tile of 128 tokens, at least
     one page: the fastest at both 128k decode shapes on the H200, docs/decisions.md). Keys
@@ -226,8 +190,7 @@ def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: i
     if not kernel_takes(keys):
         return candidate_mass_reference(q, keys, scales, layer, cand, positions)
     m, l = page_stats_pallas(q, keys, scales, layer, cand, positions, block_c=block_c,
-                             num_warps=num_warps, tiles=tiles, num_stages=num_stages,
-                             interpret=interpret)
+                             num_warps=num_warps, interpret=interpret)
     C = cand.shape[2]
     return mass_from_page_stats(m[:, :, :C], l[:, :, :C], cand, q.shape[1] // keys.shape[2])
 

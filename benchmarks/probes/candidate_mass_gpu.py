@@ -12,7 +12,6 @@ many of the top-k pages the two choose alike).
 
     PYTHONPATH=. python3 benchmarks/probes/candidate_mass_gpu.py --out DIR   # H200, ~1 min
     PYTHONPATH=. python3 benchmarks/probes/candidate_mass_gpu.py --quick --out /tmp/cm
-    ... --sweep pipeline: tiles per program as a loop x num_stages x warps (128-token tiles)
 """
 from __future__ import annotations
 
@@ -56,9 +55,6 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--sweep", choices=("tile", "pipeline"), default="tile",
-                    help="tile: tile tokens x warps; pipeline: at 128-token tiles, tiles per "
-                         "program (a loop) x num_stages x warps")
     a = ap.parse_args()
     shapes = QUICK if a.quick else SHAPES
     rows = []
@@ -66,16 +62,9 @@ def main():
         L, B, H, G, Np, ps, D, C, k = shape
         # the kernel's tile: block_c candidates of ps tokens
         tiles = (16, 32) if a.quick else (64, 128, 256, 512)
-        variants = [("xla", {})]
-        if a.sweep == "tile":
-            variants += [(f"pallas_t{t}_w{w}", dict(block_c=max(1, t // ps), num_warps=w))
-                         for t in tiles for w in (4, 8)]
-        else:  # tiles per program as a loop, software-pipelined by num_stages
-            tile = 32 if a.quick else 128
-            variants += [(f"pallas_n{n}_s{st or 0}_w{w}",
-                          dict(block_c=max(1, tile // ps), num_warps=w, tiles=n, num_stages=st))
-                         for n in (1, 2, 4, 8) for st in (None, 2, 3) for w in (4, 8)
-                         if n > 1 or st is None]
+        variants = [("xla", {})] + [(f"pallas_t{t}_w{w}", dict(block_c=max(1, t // ps),
+                                                                num_warps=w))
+                                   for t in tiles for w in (4, 8)]
         q, keys, scales, cand, pos = case(shape)
         ref = np.asarray(jax.jit(cm.candidate_mass_reference)(q, keys, scales, 1, cand, pos))
         ref_top = np.sort(np.argsort(-ref, axis=-1)[..., :k], axis=-1)
