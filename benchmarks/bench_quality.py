@@ -49,12 +49,14 @@ Three steps::
     # the run (GPU; numpy, jax, gguf and this project): the GGUF gives weights and the
     # vocabulary that decodes the answers
     PYTHONPATH=. python3 benchmarks/bench_quality.py --gguf PATH.gguf --out DIR \\
-        [--lengths 2048] [--runs dense 'quest*'] [--tag a] [--resume]
+        [--lengths 2048] [--runs dense 'quest*'] [--tag a] [--resume] [--dense-from OLD.json]
     # smoke test (CPU, a minute or two): 512 tokens, 2 tasks, one case each
     PYTHONPATH=. python3 benchmarks/bench_quality.py --quick --out /tmp/q
 
 Writes ``quality_<platform>[_quick][_<tag>].json`` and ``.md`` to ``--out`` after every run
-(a run cut short keeps what it finished; ``--resume`` skips the runs already in the file).
+(a run cut short keeps what it finished; ``--resume`` skips the runs already in the file;
+``--dense-from`` pairs the runs with an earlier file's dense runs instead of running dense,
+for the same model, dtype, page size and cases: dense decoding is deterministic).
 ``--summarize OUT.json A.json B.json ...`` merges result files of several commands into one
 table.
 """
@@ -411,13 +413,16 @@ def _batches(n: int, batch_size: int) -> list[range]:
 
 
 def run_length(model, params, cases, specs, *, length, batch_size, page_size, pool_cap,
-               max_new_tokens, dec, stops, texts, on_run, skip=(), logprobs=False):
+               max_new_tokens, dec, stops, texts, on_run, skip=(), logprobs=False,
+               dense_record=None):
     """Every run spec over ``cases`` (all at target ``length``); ``on_run(record)`` after each.
     Returns run name -> generated token ids per case (``cases`` sorted by task and index).
     Every run after ``dense`` gets ``paired_with_dense`` (:func:`paired_with_dense`). A run
     whose spec differs from an earlier run's only in ``kv_dtype`` gets a ``kv_dtype_drift``
     record against it: of the cases that run gets fully right, how many this one keeps, and
-    with ``logprobs`` the log-probability drift (:func:`logprob_drift`)."""
+    with ``logprobs`` the log-probability drift (:func:`logprob_drift`). ``dense_record``: a
+    stored dense run of these cases (:func:`stored_dense`) to pair with instead of running
+    dense (no ``same_as_dense``: its tokens are not stored)."""
     import jaxkv
 
     cases = sorted(cases, key=lambda c: (c["task"], c["index"]))
@@ -426,6 +431,8 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
     bsz = len(groups[0])
     dense = None
     exact, tokens, lps, records = {}, {}, {}, {}
+    if dense_record is not None:
+        records["dense"] = dense_record
     for name, spec in specs.items():
         cache = cache_config(spec, length=length, batch=bsz, num_kv_heads=model.num_kv_heads,
                              page_size=page_size, pool_cap=pool_cap, context_tokens=longest)
@@ -536,7 +543,7 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
         cases_per_task=None, budgets=None, runs=None, extra_specs=None, resident=False,
         lagged=True, exact=True, batch_size=None, page_size=16, pool_cap=0.75,
         max_new_tokens=None, tag=None, resume=False, texts="diff", logprobs=False,
-        controls=False):
+        controls=False, dense_from=None):
     import jax
 
     from jaxkv.models import gguf_loader
@@ -572,7 +579,7 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
                       resident=resident, controls=controls, extra=extra_specs)
     if runs:
         specs = {n: s for n, s in specs.items() if any(fnmatch.fnmatch(n, p) for p in runs)}
-        if "dense" not in specs:   # kept-of-dense needs the baseline
+        if "dense" not in specs and not dense_from:   # kept-of-dense needs the baseline
             print("[quality] note: 'dense' not among --runs: no kept-of-dense column")
     t0 = time.perf_counter()
     model, params = gguf_loader.load_gguf(gguf_path, dtype=dtype)
@@ -592,6 +599,13 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
                batch_size=batch_size or "auto", max_new_tokens=max_new_tokens, specs=specs,
                score="RULER: post-processed prediction, string_match_all (share of the expected "
                      "strings found, case-insensitive); greedy", runs=[])
+    stored = {}
+    if dense_from is not None:  # dense decoding is deterministic: pair with a stored run
+        stored = stored_dense(json.loads(Path(dense_from).read_text()), out, cases,
+                              source=str(dense_from))
+        specs.pop("dense", None)
+        out["dense_from"] = str(Path(dense_from).name)
+        out["runs"] = list(stored.values())
     done = set()
     if resume and (out_dir / f"{name}.json").exists():
         prev = json.loads((out_dir / f"{name}.json").read_text())
@@ -614,7 +628,7 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
                    batch_size=batch_size or default_batch_size(dev.platform, length),
                    page_size=page_size, pool_cap=pool_cap, max_new_tokens=max_new_tokens,
                    dec=dec, stops=stops, texts=texts, on_run=on_run, skip=skip,
-                   logprobs=logprobs)
+                   logprobs=logprobs, dense_record=stored.get(length))
     write(out, out_dir, name)
     print(markdown(out))
     return out
@@ -649,6 +663,33 @@ def sign_test_p(lost: int, gained: int) -> float:
         return 1.0
     tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
     return min(1.0, 2 * tail)
+
+
+STORED_KEYS = ("model", "dtype", "page_size", "generator", "seed", "template", "max_new_tokens")
+
+
+def stored_dense(prev: dict, out: dict, cases: list, *, source: str) -> dict:
+    """The dense runs of an earlier result file ``prev``, by length, to pair this run's
+    records with (dense decoding is deterministic: the same model, dtype, page size and cases
+    give the same tokens). Every setting in ``STORED_KEYS`` must match ``out``'s and every
+    case of ``cases`` must be in the stored run; else an error naming what differs."""
+    diff = [f"{k} {prev.get(k)!r} there, {out.get(k)!r} here" for k in STORED_KEYS
+            if prev.get(k) != out.get(k)]
+    if diff:
+        raise SystemExit(f"--dense-from {source}: another setting ({'; '.join(diff)}): "
+                         "run dense here instead")
+    dense = {r["length"]: dict(r, stored_from=Path(source).name)
+             for r in prev.get("runs", []) if r["name"] == "dense"}
+    for length in sorted({c["length"] for c in cases}):
+        if length not in dense:
+            raise SystemExit(f"--dense-from {source}: no dense run at {length} tokens")
+        have = {(q["task"], q["index"]) for q in dense[length]["requests"]}
+        missing = [(c["task"], c["index"]) for c in cases
+                   if c["length"] == length and (c["task"], c["index"]) not in have]
+        if missing:
+            raise SystemExit(f"--dense-from {source}: {len(missing)} cases at {length} tokens "
+                             f"are not in its dense run, e.g. {missing[0]}")
+    return {L: r for L, r in dense.items() if L in {c["length"] for c in cases}}
 
 
 def paired_with_dense(run: dict, dense: dict, task: str | None = None) -> dict:
@@ -870,6 +911,10 @@ def main(argv=None):
     ap.add_argument("--pool-cap", type=float, default=0.75,
                     help="host pool per request at most this fraction of the context pages")
     ap.add_argument("--tag", help="suffix of the output file names (e.g. per length)")
+    ap.add_argument("--dense-from", metavar="JSON",
+                    help="pair with the dense runs of this earlier result file instead of "
+                         "running dense (same model, dtype, page size and cases: dense "
+                         "decoding is deterministic)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the runs already in the output file and skip them")
     ap.add_argument("--texts", choices=["all", "diff", "none"], default="diff",
@@ -894,7 +939,8 @@ def main(argv=None):
         extra_specs=dict(parse_spec(s) for s in a.spec), resident=a.resident,
         lagged=not a.no_lag, exact=not a.no_exact, batch_size=a.batch_size,
         page_size=a.page_size, pool_cap=a.pool_cap, max_new_tokens=a.max_new_tokens, tag=a.tag,
-        resume=a.resume, texts=a.texts, logprobs=a.logprobs, controls=a.controls)
+        resume=a.resume, texts=a.texts, logprobs=a.logprobs, controls=a.controls,
+        dense_from=a.dense_from)
 
 
 if __name__ == "__main__":

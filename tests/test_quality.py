@@ -245,6 +245,26 @@ def test_paired_with_dense_and_sign_test():
     assert (c.page_size, c.selector, c.mode) == (64, "dense", "resident")
 
 
+def test_stored_dense_checks_settings_and_cases():
+    """--dense-from: the stored dense runs by length, only for the same settings and cases."""
+    meta = dict(model="m", dtype="bfloat16", page_size=16, generator="g", seed=42,
+                template="chat", max_new_tokens=None)
+    dense = dict(length=2048, name="dense", requests=[_req("vt", i, 1.0) for i in range(3)])
+    prev = dict(meta, runs=[dense, dict(dense, name="quest256"), dict(dense, length=4096)])
+    cases = [dict(length=2048, task="vt", index=i) for i in range(3)]
+    got = bench_quality.stored_dense(prev, dict(meta), cases, source="x/prev.json")
+    assert list(got) == [2048] and got[2048]["name"] == "dense"
+    assert got[2048]["stored_from"] == "prev.json"
+    with pytest.raises(SystemExit, match="page_size 16 there, 64 here"):
+        bench_quality.stored_dense(prev, dict(meta, page_size=64), cases, source="p")
+    with pytest.raises(SystemExit, match="1 cases at 2048 tokens"):
+        bench_quality.stored_dense(prev, dict(meta), cases + [dict(length=2048, task="vt",
+                                                                  index=7)], source="p")
+    with pytest.raises(SystemExit, match="no dense run at 8192"):
+        bench_quality.stored_dense(prev, dict(meta), [dict(length=8192, task="vt", index=0)],
+                                   source="p")
+
+
 def test_default_batch_size_bounds_prompt_tokens_per_call():
     """On a GPU at most 160 requests and 1.3M prompt tokens per generate call (Qwen ran out of
     the H200's memory at 150 x 16k); 8 on the CPU."""
@@ -320,3 +340,11 @@ def test_end_to_end_dense_and_quest_host_equals_resident(gguf_path, decoder, tmp
                page_size=16, score="s", runs=recs)
     bench_quality.write(out, tmp_path, "q")
     assert "| niah_single_1 | 512 | 100.0 |" in (tmp_path / "q.md").read_text()
+    # paired with the stored dense run instead of running dense: the same record
+    again = []
+    bench_quality.run_length(model, params, cases, {"quest-host": specs["quest-host"]},
+                             length=512, batch_size=1, page_size=16, pool_cap=0.75,
+                             max_new_tokens=12, dec=decoder, stops=decoder.stop_ids(model.eos_id),
+                             texts="all", on_run=again.append, dense_record=by["dense"])
+    assert again[0]["paired_with_dense"] == by["quest-host"]["paired_with_dense"]
+    assert "same_as_dense" not in again[0]["requests"][0]
