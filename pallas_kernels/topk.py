@@ -299,8 +299,9 @@ def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_si
     ``>= num_pages`` and pages past the sequence are never read). seq_lens: [B] int.
     Returns int32 [B, k] or [B, H, k]. Tuning (static): ``chunk`` (power of two; 1 = single
     stage; default ~sqrt(N / k), or 1 for large k: ``_full_row_defaults``), ``radix_bits``
-    (1, 2 or 4; default 2 for a single stage over 2048 columns or more, else 4), ``num_warps`` (default 4 / 8 / 16
-    for N <= 1024 / <= 4096 / larger; with ``chunk_max`` by ``k * N / chunk``).
+    (1, 2 or 4; default 2 for a single stage over 2048 columns or more, else 4), ``num_warps``
+    (default 4 / 8 / 16 for N <= 1024 / <= 4096 / larger; with ``chunk_max`` by
+    ``k * N / chunk``).
 
     chunk_max: optional f32 [B, (H,) ceil(N / chunk)], ``chunk_max[..., c]`` = max of the
     scores of the chunk's pages inside the sequence, NaN as -inf (any value where the chunk

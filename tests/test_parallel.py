@@ -29,7 +29,8 @@ from jaxkv.models import configs, llama
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "parallel_cases.py"
 # two groups of about equal CPU time, run at once (2 cores)
-GROUPS = (("host_quest", "host_churn", "sampled", "bad_mesh", "prefill", "one_program", "pallas"),
+GROUPS = (("host_quest", "host_churn", "sampled", "bad_mesh", "prefill", "one_program",
+           "pallas"),
           ("resident_quest", "dense_layer_schedule", "bench_decode", "lagged", "fp8"))
 COMPARE = ("host_quest", "host_churn", "sampled", "resident_quest", "dense_layer_schedule", "pallas",
            "lagged")

@@ -104,7 +104,8 @@ def main():
                 fn = functools.partial(fn, **skw)
                 rows.append(_measure(
                     dict(shape=name, op="final_choice", variant=vname, B=B, H=H, C=C, k=kb),
-                    lambda *x, fn=fn: np.asarray(jax.jit(fn)(*x)), fn, (m, l, cand, lens), ref, timing))
+                    lambda *x, fn=fn: np.asarray(jax.jit(fn)(*x)), fn, (m, l, cand, lens), ref,
+                    timing))
     meta = _meta.write_rows(a.out, "first_stage_topk.json", rows)
     print(f"\n{meta}")
     print(f"{'shape':8} {'op':13} {'C':>5} {'variant':13} {'us':>8} same")
