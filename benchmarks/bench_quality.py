@@ -683,12 +683,21 @@ def stored_dense(prev: dict, out: dict, cases: list, *, source: str) -> dict:
     for length in sorted({c["length"] for c in cases}):
         if length not in dense:
             raise SystemExit(f"--dense-from {source}: no dense run at {length} tokens")
-        have = {(q["task"], q["index"]) for q in dense[length]["requests"]}
-        missing = [(c["task"], c["index"]) for c in cases
-                   if c["length"] == length and (c["task"], c["index"]) not in have]
+        have = {(q["task"], q["index"]): q.get("n_tokens") for q in dense[length]["requests"]}
+        group = [c for c in cases if c["length"] == length]
+        missing = [(c["task"], c["index"]) for c in group if (c["task"], c["index"]) not in have]
         if missing:
             raise SystemExit(f"--dense-from {source}: {len(missing)} cases at {length} tokens "
                              f"are not in its dense run, e.g. {missing[0]}")
+        # A case is known by (task, index): its prompt length tells another draw of the data.
+        other = [(c["task"], c["index"], c.get("n_tokens"), m) for c in group
+                 if None not in (m := have[(c["task"], c["index"])], c.get("n_tokens"))
+                 and m != c["n_tokens"]]
+        if other:
+            t, i, n, m = other[0]
+            raise SystemExit(f"--dense-from {source}: {len(other)} cases at {length} tokens "
+                             f"differ from its dense run's (e.g. {t} #{i}: {n} prompt tokens "
+                             f"here, {m} there): prepare the cases with its seed and template")
     return {L: r for L, r in dense.items() if L in {c["length"] for c in cases}}
 
 

@@ -263,6 +263,14 @@ def test_stored_dense_checks_settings_and_cases():
     with pytest.raises(SystemExit, match="no dense run at 8192"):
         bench_quality.stored_dense(prev, dict(meta), [dict(length=8192, task="vt", index=0)],
                                    source="p")
+    # the same (task, index) with another prompt length: another draw of the data
+    drawn = [dict(c, n_tokens=100 + c["index"]) for c in cases]
+    same = dict(prev, runs=[dict(dense, requests=[dict(q, n_tokens=100 + q["index"])
+                                                  for q in dense["requests"]])])
+    assert list(bench_quality.stored_dense(same, dict(meta), drawn, source="p")) == [2048]
+    other = [dict(c, n_tokens=100 + c["index"] + (c["index"] == 2)) for c in cases]
+    with pytest.raises(SystemExit, match=r"1 cases at 2048 tokens differ .*vt #2: 103"):
+        bench_quality.stored_dense(same, dict(meta), other, source="p")
 
 
 def test_default_batch_size_bounds_prompt_tokens_per_call():
