@@ -194,11 +194,15 @@ class CacheConfig:
       kv_key_rotation: with a quantized ``kv_dtype``, store each key (after the shift)
         rotated by the normalized Hadamard matrix of the head dimension, and rotate the
         decode queries alike: exact (``(q R) . (k R) = q . k``); the rotation spreads a key's
-        large channels over all of them, so one scale per vector fits it better. On RULER
-        with int8 it lowers the logprob drift against bf16 by 4-13% but keeps no more
-        retrievals (Qwen2.5-Coder-0.5B 100% with and without, SmolLM2-135M 97.2% against
-        97.9%), and costs 0.3-0.6% of a Qwen-like B=8 step (BENCHMARKS.md): off by default.
-        Ignored for other dtypes.
+        large channels over all of them. ``None`` (default): on for fp8 keys that are not
+        shifted (``kv_key_shift`` off), off otherwise. fp8 keeps 3 mantissa bits per element,
+        so a query's large channels meeting a key's large channels carry most of the score's
+        rounding error; spread out, it averages: SmolLM2-135M (no K bias) keeps 95.6% of the
+        bf16 cache's RULER retrievals with rotated fp8 keys against 92.4% (dense; 94.9%
+        against 91.5% with quest_rescore8 at 1024 tokens). int8 (one scale per vector) gains
+        no retrievals from it (97.7% against 97.9%), nor do shifted fp8 keys in the CPU probe
+        (Qwen2.5-Coder-0.5B's key error 5.5% shifted, 6.1% shifted and rotated). It costs
+        0.3-0.6% of a Qwen-like B=8 step (BENCHMARKS.md). Ignored for other dtypes.
       prefill_chunk: query tokens per chunk of the XLA prefill attention (bounds its memory;
         the flash-attention implementations on the GPU do not need it).
       prefill_token_chunk: tokens per piece of a prefill layer's per-token work (norms,
@@ -252,7 +256,7 @@ class CacheConfig:
     strict: bool = False
     kv_dtype: str | None = None
     kv_key_shift: bool | None = None
-    kv_key_rotation: bool = False
+    kv_key_rotation: bool | None = None
     prefill_chunk: int = 2048
     prefill_token_chunk: int | None = None
     round_steps: int = 64
@@ -326,11 +330,11 @@ class CacheConfig:
         if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"CacheConfig.implementation must be 'pallas', 'xla' or None, "
                              f"got {self.implementation!r}")
-        optional = tuple(n for n in ("unroll_layers", "kv_key_shift")
+        optional = tuple(n for n in ("unroll_layers", "kv_key_shift", "kv_key_rotation")
                          if getattr(self, n) is not None)
-        for name in ("strict", "kv_key_rotation") + optional:
+        for name in ("strict",) + optional:
             if not isinstance(getattr(self, name), (bool, np.bool_)):
-                opt = "" if name in ("strict", "kv_key_rotation") else "None or "
+                opt = "" if name == "strict" else "None or "
                 raise ValueError(f"CacheConfig.{name} must be {opt}a bool, got "
                                  f"{getattr(self, name)!r}")
         for name in ("prefill_chunk", "prefill_token_chunk"):

@@ -76,8 +76,11 @@ class Plan:
     @property
     def key_rotation(self) -> bool:
         """Stored keys and decode queries are rotated by ``kv_quant.hadamard(D)`` (quantized KV
-        with ``CacheConfig.kv_key_rotation``)."""
-        return bool(self.cache.kv_key_rotation) and kv_quant.is_quantized(self.kv_dtype)
+        with ``CacheConfig.kv_key_rotation``; ``None``: fp8 keys that are not shifted)."""
+        rot = self.cache.kv_key_rotation
+        if rot is None:
+            rot = kv_quant.is_fp8(self.kv_dtype) and not self.key_shift
+        return bool(rot) and kv_quant.is_quantized(self.kv_dtype)
 
     @property
     def lagged(self) -> bool:

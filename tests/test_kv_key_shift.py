@@ -222,6 +222,26 @@ def test_default_shifts_the_keys_of_models_with_a_k_bias():
     assert shift(plain, kv_dtype="int8", kv_key_shift=True)
 
 
+def test_default_rotates_fp8_keys_that_are_not_shifted():
+    """kv_key_rotation=None: on for fp8 keys without the shift (SmolLM2 on RULER: 95.6% of the
+    bf16 retrievals kept against 92.4%), off for shifted fp8 keys, int8 and unquantized KV;
+    an explicit value wins."""
+    from jaxkv.plan import Plan
+    plain = configs.tiny()
+
+    def rot(cfg, **kw):
+        return Plan(model=cfg, cache=CacheConfig(**kw), batch=1, prompt_len=16, max_context=64,
+                    num_stop=1).key_rotation
+    for fp8 in ("float8_e4m3fn", "float8_e5m2"):
+        assert rot(plain, kv_dtype=fp8) and not rot(CFG, kv_dtype=fp8)      # CFG: a K bias
+        assert rot(CFG, kv_dtype=fp8, kv_key_shift=False)
+        assert not rot(plain, kv_dtype=fp8, kv_key_shift=True)
+        assert not rot(plain, kv_dtype=fp8, kv_key_rotation=False)
+        assert rot(CFG, kv_dtype=fp8, kv_key_rotation=True)
+    assert not rot(plain, kv_dtype="int8") and rot(plain, kv_dtype="int8", kv_key_rotation=True)
+    assert not rot(plain) and not rot(plain, kv_dtype="bfloat16", kv_key_rotation=True)
+
+
 def test_shift_only_with_fp8():
     """kv_key_shift changes nothing for other KV dtypes (no shift array either)."""
     a = jaxkv.generate(CFG, PARAMS, PROMPTS, cache=CacheConfig(
@@ -234,5 +254,5 @@ def test_shift_only_with_fp8():
     assert len(a.context.summaries) == len(b.context.summaries)
     with pytest.raises(ValueError, match="kv_key_shift must be None or a bool"):
         CacheConfig(kv_key_shift="yes")
-    with pytest.raises(ValueError, match="kv_key_rotation must be a bool"):
-        CacheConfig(kv_key_rotation=None)
+    with pytest.raises(ValueError, match="kv_key_rotation must be None or a bool"):
+        CacheConfig(kv_key_rotation="yes")

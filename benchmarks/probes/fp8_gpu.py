@@ -17,7 +17,7 @@ Points, in this order (later ones are skipped once --budget seconds are spent):
 3. 8B-like B=1 and Qwen-like B=8 at 128k: {fp8, bf16} x {host tier (2x pool), resident}.
 
 ``--extra-dtypes int8 int8+rot`` adds those KV dtypes to every point of 3, in the same process
-(``+rot``: with ``kv_key_rotation``); ``--dtype-1m int8`` runs point 2 in that dtype instead.
+(``+rot`` / ``+norot``: ``kv_key_rotation`` on / off; the library's default without either); ``--dtype-1m int8`` runs point 2 in that dtype instead.
 
 Each decode point: synthetic context (benchmarks/synthetic.py, keys calibrated once per point
 to the real-text selection overlap), one warm-up round (compile), --rounds timed rounds of 32
@@ -94,11 +94,12 @@ def token_check(quick: bool, new: int) -> dict:
 
 
 def plan_for(cfg, B, max_ctx, st: lib.Settings, *, mode, kv_dtype):
-    """``kv_dtype``: a dtype name, ``+rot`` appended for ``kv_key_rotation``."""
+    """``kv_dtype``: a dtype name, ``+rot`` / ``+norot`` appended for ``kv_key_rotation=True`` /
+    ``False`` (without either the library's default)."""
     dt, _, rot = kv_dtype.partition("+")
     cache = CacheConfig(mode="resident", selector=st.selector, page_size=st.page_size,
                         selected_pages=st.k, round_steps=st.round_steps, max_context=max_ctx,
-                        kv_dtype=dt, kv_key_rotation=rot == "rot")
+                        kv_dtype=dt, kv_key_rotation={"rot": True, "norot": False}.get(rot))
     mk = lambda c: engine.Plan(model=cfg, cache=c, batch=B, prompt_len=max_ctx,  # noqa: E731
                                max_context=max_ctx, num_stop=4)
     if mode == "resident":
@@ -184,7 +185,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=48, help="token check: tokens generated")
     ap.add_argument("--extra-dtypes", nargs="*", default=[],
                     help="KV dtypes measured beside fp8 and bf16 at the 128k points (e.g. int8; "
-                         "int8+rot adds kv_key_rotation)")
+                         "int8+rot / float8_e4m3fn+norot set kv_key_rotation)")
     ap.add_argument("--dtype-1m", default=FP8, help="the KV dtype of the 1M point")
     ap.add_argument("--overlap", type=float, default=None,
                     help="target selection overlap (default: results/selection_overlap.json)")
