@@ -422,7 +422,8 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
     record against it: of the cases that run gets fully right, how many this one keeps, and
     with ``logprobs`` the log-probability drift (:func:`logprob_drift`). ``dense_record``: a
     stored dense run of these cases (:func:`stored_dense`) to pair with instead of running
-    dense (no ``same_as_dense``: its tokens are not stored)."""
+    dense (no ``same_as_dense``: its tokens are not stored; with ``texts="diff"`` a text equal
+    to its stored text is left out, as a text equal to dense's is)."""
     import jaxkv
 
     cases = sorted(cases, key=lambda c: (c["task"], c["index"]))
@@ -431,8 +432,10 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
     bsz = len(groups[0])
     dense = None
     exact, tokens, lps, records = {}, {}, {}, {}
+    dense_text = {}
     if dense_record is not None:
         records["dense"] = dense_record
+        dense_text = {(q["task"], q["index"]): q.get("text") for q in dense_record["requests"]}
     for name, spec in specs.items():
         cache = cache_config(spec, length=length, batch=bsz, num_kv_heads=model.num_kv_heads,
                              page_size=page_size, pool_cap=pool_cap, context_tokens=longest)
@@ -473,7 +476,8 @@ def run_length(model, params, cases, specs, *, length, batch_size, page_size, po
             ex = exact.get(spec.get("selected_pages")) if spec.get("selection_lag") else None
             if ex is not None:
                 r["same_as_exact"] = t == ex[j][:cap]
-            if texts == "all" or (texts == "diff" and not r.get("same_as_dense", False)):
+            same = r.get("same_as_dense", dense_text.get((c["task"], c["index"])) == text)
+            if texts == "all" or (texts == "diff" and not same):
                 r["text"] = text
             reqs.append(r)
         if name == "dense":

@@ -356,3 +356,14 @@ def test_end_to_end_dense_and_quest_host_equals_resident(gguf_path, decoder, tmp
                              texts="all", on_run=again.append, dense_record=by["dense"])
     assert again[0]["paired_with_dense"] == by["quest-host"]["paired_with_dense"]
     assert "same_as_dense" not in again[0]["requests"][0]
+    # texts="diff" leaves out a text equal to the stored dense text, keeps one that differs
+    for stored_text, kept in ((by["dense"]["requests"][0]["text"], False), (" other", True)):
+        diff = []
+        stored = dict(by["dense"], requests=[dict(by["dense"]["requests"][0], text=stored_text)])
+        bench_quality.run_length(model, params, cases, {"dense-f32": dict(mode="resident",
+                                                                          selector="dense")},
+                                 length=512, batch_size=1, page_size=16, pool_cap=0.75,
+                                 max_new_tokens=12, dec=decoder,
+                                 stops=decoder.stop_ids(model.eos_id), texts="diff",
+                                 on_run=diff.append, dense_record=stored)
+        assert ("text" in diff[0]["requests"][0]) == kept
