@@ -62,6 +62,27 @@ def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype).name in FP8_DTYPES
 
 
+def bits(a):
+    """An fp8 array as uint8 (the same bytes), any other array as it is. XLA's own paths move
+    fp8 data through it: XLA:CPU widens an fp8 array around a gather, scatter or dynamic
+    update of it (a dynamic update of one row of a 25 MB fp8 array: 83 ms, of its uint8 view
+    0.6 ms; :func:`from_bits` turns the bytes back)."""
+    return jax.lax.bitcast_convert_type(a, jnp.uint8) if is_fp8(a.dtype) else a
+
+
+def bytes_movable(a) -> bool:
+    """Whether XLA's paths may move ``a``'s rows through :func:`bits`: device arrays, and
+    host arrays on the CPU, where host and device memory are the same RAM (on a GPU an op on
+    a pinned_host array's bits could copy the whole array; those paths keep the dtype)."""
+    return (jax.typeof(a).memory_space != jax.memory.Space.Host
+            or jax.default_backend() == "cpu")
+
+
+def from_bits(a, dtype):
+    """:func:`bits`' inverse: ``a`` (uint8 when ``dtype`` is fp8) as ``dtype``."""
+    return jax.lax.bitcast_convert_type(a, jnp.dtype(dtype)) if a.dtype != jnp.dtype(dtype) else a
+
+
 def is_quantized(dtype) -> bool:
     """Rows of payload + per-token scale bytes (fp8 or int8)."""
     return jnp.dtype(dtype).name in QUANT_DTYPES
@@ -170,8 +191,11 @@ def quantize(x, dtype):
 
 
 def dequantize(payload, e):
-    """payload [..., D] fp8 or int8, e [...] uint8 -> float32 [..., D]."""
-    return payload.astype(jnp.float32) * scale_of(e, payload.dtype)[..., None]
+    """payload [..., D] fp8 or int8, e [...] uint8 -> float32 [..., D]. fp8 goes through
+    bfloat16, which holds every e4m3 and e5m2 value exactly: XLA:CPU converts fp8 -> bf16 ->
+    f32 3x faster than fp8 -> f32."""
+    p = payload.astype(jnp.bfloat16) if is_fp8(payload.dtype) else payload
+    return p.astype(jnp.float32) * scale_of(e, payload.dtype)[..., None]
 
 
 def exps_as(e, dtype):

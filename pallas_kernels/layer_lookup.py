@@ -103,11 +103,14 @@ def layer_lookup_reference(pages, active, tok_page, tok_offset, tok_kv, page_tab
     ok = (tok_slot >= 0) & (tok_offset >= 0) & (tok_offset < page_size)
     prow = jnp.where(ok, layer * S + tok_slot, 0)
     off = jnp.where(ok, tok_offset, 0)
-    cols = jax.vmap(lambda o: kv_quant.token_columns(H, page_size, D, o, pool.dtype))(off)
-    new = jax.vmap(lambda row, c, t: row.at[c].set(t))(pool[prow], cols,
-                                                       kv_quant.encode_tokens(tok_kv, pool.dtype))
+    dtype = pool.dtype
+    cols = jax.vmap(lambda o: kv_quant.token_columns(H, page_size, D, o, dtype))(off)
+    pool = kv_quant.bits(pool)                          # fp8: the scatter moves bytes
+    enc = kv_quant.bits(kv_quant.encode_tokens(tok_kv, dtype))
+    new = jax.vmap(lambda row, c, t: row.at[c].set(t))(pool[prow], cols, enc)
     # Rows not written keep their value (a write to row 0 with ok False rewrites old content).
-    pool = pool.at[jnp.where(ok, prow, pool.shape[0])].set(new, mode="drop")
+    pool = kv_quant.from_bits(pool.at[jnp.where(ok, prow, pool.shape[0])].set(new, mode="drop"),
+                              dtype)
     return pool, record, rows.astype(jnp.int32), host_rows.astype(jnp.int32), tok_host_rows
 
 

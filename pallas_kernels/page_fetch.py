@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import _common
+from . import kv_quant
 
 OP = "fetch_pages"
 
@@ -221,8 +222,12 @@ def copy_rows_reference(src, dst, src_rows, dst_rows):
     ok = (src_rows >= 0) & (src_rows < Ns) & (dst_rows >= 0) & (dst_rows < Nd)
     s = jnp.where(ok, src_rows, 0)
     src_host, dst_host = _is_host(src), _is_host(dst)
+    dtype = dst.dtype
+    if kv_quant.bytes_movable(src) and kv_quant.bytes_movable(dst):   # fp8: move bytes
+        src, dst = kv_quant.bits(src), kv_quant.bits(dst)
     if not (src_host or dst_host):
-        return dst.at[jnp.where(ok, dst_rows, Nd)].set(src[s], mode="drop")
+        return kv_quant.from_bits(dst.at[jnp.where(ok, dst_rows, Nd)].set(src[s], mode="drop"),
+                                  dtype)
 
     def body(m, dst):
         d = jnp.where(ok[m], dst_rows[m], 0)
@@ -237,7 +242,7 @@ def copy_rows_reference(src, dst, src_rows, dst_rows):
             new = jax.device_put(new, jax.memory.Space.Host)
         return jax.lax.dynamic_update_slice_in_dim(dst, new, d, 0)
 
-    return jax.lax.fori_loop(0, src_rows.shape[0], body, dst)
+    return kv_quant.from_bits(jax.lax.fori_loop(0, src_rows.shape[0], body, dst), dtype)
 
 
 def _check(src, dst, src_rows, dst_rows):
@@ -369,7 +374,9 @@ def move_rows_reference(arr, src_rows, dst_rows, **tuning):
     del tuning
     N = arr.shape[0]
     ok = (src_rows >= 0) & (src_rows < N) & (dst_rows >= 0) & (dst_rows < N)
-    return arr.at[jnp.where(ok, dst_rows, N)].set(arr[jnp.where(ok, src_rows, 0)], mode="drop")
+    b = kv_quant.bits(arr)                              # fp8: the scatter moves bytes
+    return kv_quant.from_bits(b.at[jnp.where(ok, dst_rows, N)].set(b[jnp.where(ok, src_rows, 0)],
+                                                                   mode="drop"), arr.dtype)
 
 
 def move_rows(arr, src_rows, dst_rows, *, implementation=None, **tuning):

@@ -147,11 +147,14 @@ def write_tokens_reference(dst, rows, offsets, kv, *, page_size, **tuning):
     N, R = dst.shape
     M, _, H, D = kv.shape
     ps = int(page_size)
-    kv = kv_quant.encode_tokens(kv, dst.dtype)
+    dtype = dst.dtype
+    kv = kv_quant.encode_tokens(kv, dtype)
     rows = jnp.asarray(rows, jnp.int32)
     offsets = jnp.asarray(offsets, jnp.int32)
     ok = (rows >= 0) & (rows < N) & (offsets >= 0) & (offsets < ps)
     on_host = jax.typeof(dst).memory_space == jax.memory.Space.Host
+    if kv_quant.bytes_movable(dst):   # fp8: the loop moves bytes
+        dst, kv = kv_quant.bits(dst), kv_quant.bits(kv)
 
     def body(m, dst):
         r = jnp.where(ok[m], rows[m], 0)
@@ -159,13 +162,13 @@ def write_tokens_reference(dst, rows, offsets, kv, *, page_size, **tuning):
         old = jax.lax.dynamic_slice_in_dim(dst, r, 1, 0)
         if on_host:
             old = jax.device_put(old, jax.memory.Space.Device)
-        cols = kv_quant.token_columns(H, ps, D, o, dst.dtype)
+        cols = kv_quant.token_columns(H, ps, D, o, dtype)
         new = jnp.where(ok[m], old.at[0, cols].set(kv[m]), old)
         if on_host:
             new = jax.device_put(new, jax.memory.Space.Host)
         return jax.lax.dynamic_update_slice_in_dim(dst, new, r, 0)
 
-    return jax.lax.fori_loop(0, M, body, dst)
+    return kv_quant.from_bits(jax.lax.fori_loop(0, M, body, dst), dtype)
 
 
 def write_tokens(dst, rows, offsets, kv, *, page_size, implementation=None, **tuning):

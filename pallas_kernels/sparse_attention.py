@@ -299,10 +299,12 @@ def _heads(a, r, h, H, ps, D):
     together): (payload [..., 2, ps, D] in a's dtype, scale bytes [..., 2, ps] uint8 of a quantized
     array, else None)."""
     n = 2 * H * ps * D
-    payload = (a if a.shape[1] == n else a[:, :n]).reshape(a.shape[0], 2, H, ps, D)[r, :, h]
+    b = kv_quant.bits(a) if kv_quant.bytes_movable(a) else a   # fp8: gathers move bytes
+    payload = (b if b.shape[1] == n else b[:, :n]).reshape(a.shape[0], 2, H, ps, D)[r, :, h]
+    payload = kv_quant.from_bits(payload, a.dtype)
     if not kv_quant.is_quantized(a.dtype):
         return payload, None
-    return payload, kv_quant.exps_of(a[:, n:].reshape(a.shape[0], 2, H, ps)[r, :, h])
+    return payload, kv_quant.exps_of(b[:, n:].reshape(a.shape[0], 2, H, ps)[r, :, h])
 
 
 def _as_f32(payload, e):

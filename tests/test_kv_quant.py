@@ -392,3 +392,56 @@ def test_gpu_fp8_attention_reads_pinned_host(dt, ps):
                                rtol=2e-2, atol=2e-2, err_msg=f"seed {seed}")
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_l), rtol=1e-3, atol=1e-3,
                                err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("dt", FP8)
+def test_xla_paths_move_fp8_rows_as_bytes(dt):
+    """XLA:CPU widens an fp8 array around a gather, scatter or dynamic update of it (a copy
+    of the whole array in f16 per write: decode 56x slower than int8 on the CPU). The XLA
+    paths that move page rows move their bytes (``kv_quant.bits``), pinned-host arrays too
+    on the CPU: the compiled programs hold no wider float array of the page array's shape,
+    and the results are exact."""
+    H, ps, D, N, B = 2, 4, 16, 64, 2
+    R = kq.row_elems(dt, H, ps, D)
+    rng_ = np.random.default_rng(0)
+    pool = jnp.asarray(rng_.integers(0, 256, (N, R), dtype=np.uint8).view(jnp.dtype(dt)))
+    pool = jnp.where(jnp.isnan(pool.astype(jnp.float32)), jnp.zeros((), dt), pool)
+    kv = jnp.asarray(rng_.standard_normal((B, 2, H, D)), jnp.float32)
+    rows, offs = jnp.asarray([3, 40], jnp.int32), jnp.asarray([1, 2], jnp.int32)
+    src, dst = jnp.asarray([5, 9, -1], jnp.int32), jnp.asarray([7, 8, 2], jnp.int32)
+    q = jnp.asarray(rng_.standard_normal((B, 2 * H, D)), jnp.float32)
+    block_rows = jnp.asarray(rng_.permutation(N)[:B * H * 3].reshape(B, H, 3), jnp.int32)
+    page_index = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), (B, H, 3))
+    lens = jnp.asarray([12, 9], jnp.int32)
+    progs = {
+        "write_tokens": (lambda p: page_write.write_tokens(p, rows, offs, kv, page_size=ps,
+                                                           implementation="xla"), (pool,)),
+        "write_tokens_host": (lambda p: page_write.write_tokens(p, rows, offs, kv, page_size=ps,
+                                                                implementation="xla"),
+                              (jax.device_put(pool, HOST),)),
+        "fetch_pages": (lambda p: page_fetch.fetch_pages(p, p, src, dst, implementation="xla"),
+                        (pool,)),
+        "fetch_pages_host": (lambda p, h: page_fetch.fetch_pages(h, p, src, dst,
+                                                                 implementation="xla"),
+                             (pool, jax.device_put(pool, HOST))),
+        "move_rows": (lambda p: page_fetch.move_rows(p, src, dst, implementation="xla"), (pool,)),
+        "attention": (lambda p: sparse_paged_attention(q, p, block_rows, page_index, lens,
+                                                       page_size=ps, num_kv_heads=H,
+                                                       implementation="xla"), (pool,)),
+    }
+    for name, (fn, args) in progs.items():
+        text = jax.jit(fn).lower(*args).compile().as_text()
+        for wide in ("f16", "bf16", "f32"):
+            assert f" {wide}[{N},{R}]" not in text, (name, wide)
+    # exact: the written tokens and copied rows equal the numpy-side edits
+    want = np.asarray(pool).copy()                    # the eager calls below donate their dst
+    enc = np.asarray(kq.encode_tokens(kv, dt))
+    for m in range(B):
+        want[int(rows[m]), np.asarray(kq.token_columns(H, ps, D, int(offs[m]), dt))] = enc[m]
+    got = page_write.write_tokens(jnp.array(pool), rows, offs, kv, page_size=ps,
+                                  implementation="xla")
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+    moved = np.asarray(pool).copy()
+    moved[[7, 8]] = moved[[5, 9]]
+    got = page_fetch.fetch_pages(pool, jnp.array(pool), src, dst, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), moved.view(np.uint8))
