@@ -180,7 +180,8 @@ class CacheConfig:
         summaries stay in the model's dtype. int8 is the more accurate of the three (about 7
         bits relative to each vector's largest element against fp8 e4m3's 3 mantissa bits; see
         BENCHMARKS.md for retrievals kept) and needs no fp8 support in the GPU; fp8 needs
-        compute capability >= 8.9 (H100, H200, L40S) or the CPU.
+        compute capability >= 8.9 (H100, H200, L40S) or the CPU, where it decodes about 3x
+        (resident) to 6x (host tier) slower than int8 (XLA:CPU emulates fp8 arithmetic).
       kv_key_shift: with a quantized ``kv_dtype``, store each key minus its request's mean key
         (per layer and KV head, the mean over the prompt, fixed at the prefill and kept with
         a continued context). Exact: a query's scores all move by the same ``q . mean``,
