@@ -642,7 +642,8 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
 # output
 # ----------------------------------------------------------------------------------------
 def write(out: dict, out_dir: Path, name: str):
-    (out_dir / f"{name}.json").write_text(json.dumps(out, indent=1, default=float))
+    """``name``.json (compact: a run's per-request records are most of its bytes) and .md."""
+    (out_dir / f"{name}.json").write_text(json.dumps(out, separators=(",", ":"), default=float))
     (out_dir / f"{name}.md").write_text(markdown(out))
 
 
