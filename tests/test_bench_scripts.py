@@ -222,3 +222,22 @@ def test_layer_budget_probe_small(tmp_path):
     assert all(r["lost_mass_128"] < 1e-6 and r["out_rel_128"] < 1e-5 for r in d["layers"])
     assert all(r["lost_mass_32"] > 0 for r in d["layers"])
     assert d["mean"]["lost_mass_32"] > d["mean"]["lost_mass_64"] > 0
+
+
+def test_trained_indexer_probe_small(tmp_path):
+    """probes/trained_indexer.py on short windows: the loss falls; a budget of the whole window
+    keeps every method's mass; at a smaller one the per-KV-head oracle keeps the most."""
+    out = tmp_path / "ti.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probes" / "trained_indexer.py"),
+                    "--tokens", "256", "--train-seqs", "2", "--eval-seqs", "1", "--queries", "16",
+                    "--steps", "30", "--shapes", "2x16", "--budgets", "64", "256",
+                    "--out", str(out)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
+    d = json.loads(out.read_text())
+    curve = d["curves"]["2x16"]
+    assert curve[-1][1] < curve[0][1]
+    res = d["results"]["2x16"]["essays_heldout"]
+    methods = ("oracle", "oracle_shared", "quest", "indexer")
+    assert all(abs(res["256"][m] - 1.0) < 1e-5 for m in methods)
+    assert all(res["64"]["oracle"] >= res["64"][m] - 1e-6 for m in methods)
+    assert all(0.0 < res["64"][m] < 1.0 for m in methods)

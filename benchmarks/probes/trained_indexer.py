@@ -13,8 +13,9 @@ is linear in ``h`` so a page's key is the projection of its mean hidden state (t
 ``LayerNorm`` per token is left out here). Training (Adam, ``--steps``) minimizes the KL
 divergence from the model's own attention distribution over the earlier pages (the page
 mass, averaged over all query heads) to ``softmax(s)``, at ``--queries`` random positions
-of ``--train-seqs`` windows of ``--tokens`` tokens of Paul Graham's essays (the first
-windows); the held-out essays are the windows after them.
+of ``--train-seqs`` windows of ``--tokens`` tokens of Paul Graham's essays, starting every
+``--stride`` tokens (overlapping when the stride is shorter than a window); the held-out
+essays are ``--eval-seqs`` windows after the training text.
 
 Evaluation, per layer, at each query position and query head: the share of the head's
 attention mass on the pages a method keeps at ``--budgets`` (tokens per KV head; the
@@ -28,7 +29,10 @@ page):
 
 Sets: ``essays`` (held-out windows, ``--queries`` random positions each) and ``ruler``
 (``--ruler DIR``: the last ``--ruler-queries`` positions of ``--ruler-cases`` prompts of
-each length from ``bench_quality.py --prepare``, where the question sits).
+each length from ``bench_quality.py --prepare``, where the question sits). On RULER prompts
+the pages holding the answers (from each case's ``answer_tokens``) are the needle pages:
+``needle_mass_<method>`` is the share of the mass on them that the kept pages hold,
+``recall_<method>`` the share of them kept.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/probes/trained_indexer.py \
         --ruler .devout/scases200 --out OUT.json
@@ -274,8 +278,7 @@ def main():
     n_win = a.train_seqs + a.eval_seqs
     stride = a.stride or T
     tok = load_tokenizer(path)
-    # held-out windows first in the text order's end: training windows start at w * stride and
-    # stop before the held-out windows' tokens
+    # training windows start at w * stride; the held-out windows follow the training text
     n_train_tokens = (a.train_seqs - 1) * stride + T
     ids = decode_lib.haystack_tokens(tok, n_train_tokens + a.eval_seqs * T)
 
