@@ -2,6 +2,7 @@
 # Runs the GPU checks and benchmarks on a CUDA machine (the H200 through the device tool):
 #   bash benchmarks/gpu_suite.sh OUTDIR [stage ...]
 # stages: env tests fetch attention attnhost select decode quality tp (default: env tests fetch attention)
+# tests: the whole GPU suite (~480 s on the H200; limit $TESTS_LIMIT, default 560 s)
 # tests-files: the GPU tests of $TEST_FILES only
 # prefill-attn: causal prefill attention per layer, XLA / Pallas tunings / cuDNN (bench_prefill_attention.py)
 # prefill: 8B-like prefill of 32k and 128k prompts, resident and host (bench_decode --no-decode;
@@ -52,7 +53,7 @@ for s in $STAGES; do
   echo "===== $s"
   case $s in
     env) run env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -c 'import jax; print(jax.__version__, jax.devices())'" ;;
-    tests) run tests ${TESTS_LIMIT:-300} $PY -m pytest -q -m gpu -p no:cacheprovider tests/ --continue-on-collection-errors --timeout=200 -o addopts="-ra" ;;
+    tests) run tests ${TESTS_LIMIT:-560} $PY -m pytest -q -m gpu -p no:cacheprovider tests/ --continue-on-collection-errors --timeout=200 -o addopts="-ra" ;;
     tests-files) run tests_files ${TESTS_LIMIT:-300} $PY -m pytest -q -m gpu -p no:cacheprovider ${TEST_FILES:?set TEST_FILES} \
         -o addopts="-ra" --tb=short ;;
     fetch) run fetch 300 $PY benchmarks/bench_fetch.py --out "$OUT" ;;
