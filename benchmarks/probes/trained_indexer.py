@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxkv.kernels import prefill_attention
+from jaxkv.kernels import prefill_attention, quest
 from jaxkv.models import gguf_loader, llama
 from jaxkv.models.tokenizer import load_tokenizer
 
@@ -93,14 +93,14 @@ def _views(h, q, k, qpos, ps, Np):
     s = jnp.where(jnp.arange(T)[None, None, :] <= qpos[:, None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)[..., :Np * ps]
     mass = jnp.sum(p.reshape(p.shape[0], Hq, Np, ps), axis=-1)              # [Q, Hq, Np]
-    kp = k[:Np * ps].reshape(Np, ps, H, D).astype(jnp.float32)
-    kmax, kmin = jnp.max(kp, axis=1), jnp.min(kp, axis=1)                   # [Np, H, D]
-    qg = qq.reshape(-1, H, G, D)
-    # Quest: per query head sum_d max(q_d kmax_d, q_d kmin_d), summed over the group
-    ub = jnp.sum(jnp.maximum(qg[..., None, :] * kmax.transpose(1, 0, 2)[None, :, None],
-                             qg[..., None, :] * kmin.transpose(1, 0, 2)[None, :, None]), -1)
-    quest = jnp.sum(ub, axis=2)                                              # [Q, H, Np]
-    return hp, h[qpos].astype(jnp.float32), mass, quest
+    # Quest's own summaries and scores, each query position a row of the batch
+    kmax, kmin = quest.quest_summarize(k[None, :Np * ps].astype(jnp.float32), ps,
+                                       jnp.asarray([Np * ps], jnp.int32))   # [1, Np, H, D]
+    Q = qq.shape[0]
+    summ = [jnp.broadcast_to(x, (1, Q) + x.shape[1:]) for x in (kmax, kmin)]
+    bound = quest.quest_scores_reference(qq, *summ, 0, jnp.full((Q,), Np * ps, jnp.int32),
+                                         page_size=ps)                       # [Q, H, Np]
+    return hp, h[qpos].astype(jnp.float32), mass, bound
 
 
 def init_params(key, d, heads, dim, L):
