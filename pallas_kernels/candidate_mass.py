@@ -52,16 +52,26 @@ def _check(q, keys, scales, cand, positions):
 
 
 @register(OP, "xla")
-def candidate_mass_reference(q, keys, scales, layer, cand, positions):
-    """The reference: see the module docstring."""
+def candidate_mass_reference(q, keys, scales, layer, cand, positions, *, in_order: bool = False):
+    """The reference: see the module docstring. ``in_order`` (static): the caller promises
+    ``cand[b, h, c]`` is ``c`` or -1 (every page a candidate, in page order, as the two-stage
+    selectors hand over when the candidates cover the whole row); the keys are then read as
+    they lie instead of gathered (the same result)."""
     _check(q, keys, scales, cand, positions)
     _, B, H, Np, ps, D = keys.shape
     G = q.shape[1] // H
     lk = lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False)        # [B, H, Np, ps, D]
     ls = lax.dynamic_index_in_dim(scales, layer, 0, keepdims=False)      # [B, H, Np, ps]
-    idx = jnp.clip(cand, 0, Np - 1)                                      # [B, H, C]
-    k = jnp.take_along_axis(lk, idx[..., None, None], axis=2)            # [B, H, C, ps, D]
-    sc = jnp.take_along_axis(ls, idx[..., None], axis=2)                 # [B, H, C, ps]
+    C = cand.shape[-1]
+    if in_order:
+        if C > Np:
+            raise ValueError(f"in_order needs at most Np = {Np} candidates, got {C}")
+        idx = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), cand.shape)
+        k, sc = lk[:, :, :C], ls[:, :, :C]
+    else:
+        idx = jnp.clip(cand, 0, Np - 1)                                  # [B, H, C]
+        k = jnp.take_along_axis(lk, idx[..., None, None], axis=2)        # [B, H, C, ps, D]
+        sc = jnp.take_along_axis(ls, idx[..., None], axis=2)             # [B, H, C, ps]
     qg = q.reshape(B, H, G, D).astype(jnp.float32)
     s = jnp.einsum("bhgd,bhctd->bhgct", qg, k.astype(jnp.float32))
     s = s * (sc * D ** -0.5)[:, :, None]
@@ -195,7 +205,12 @@ def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: i
     return mass_from_page_stats(m[:, :, :C], l[:, :, :C], cand, q.shape[1] // keys.shape[2])
 
 
-def candidate_mass(q, keys, scales, layer, cand, positions, *, implementation=None):
+def candidate_mass(q, keys, scales, layer, cand, positions, *, implementation=None,
+                   in_order: bool = False):
     """Attention mass on the candidate pages (module docstring); ``implementation`` picks
-    the kernel or the reference (``_common.resolve``)."""
-    return _common.resolve(OP, implementation)(q, keys, scales, layer, cand, positions)
+    the kernel or the reference (``_common.resolve``). ``in_order``: as in
+    ``candidate_mass_reference`` (the kernel gathers either way)."""
+    fn = _common.resolve(OP, implementation)
+    if fn is candidate_mass_reference:
+        return fn(q, keys, scales, layer, cand, positions, in_order=in_order)
+    return fn(q, keys, scales, layer, cand, positions)

@@ -1,6 +1,8 @@
 """The oracle selector (exact per-page attention mass from a full copy of the keys):
 its scores against a numpy reference, its selection against the selection rule, and the
 engine with it (a budget that covers the context gives dense decoding's tokens)."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -213,6 +215,67 @@ def test_rescore_top_candidates_follow_the_rule(case):
             jnp.asarray(full), jnp.asarray(seq_lens), num_pages=Np, k=k, page_size=ps,
             num_sink_pages=sinks, method="sort"))
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("stage2", ["xla", "pallas"])
+def test_rescore_candidates_covering_the_row_skip_the_first_stage(stage2):
+    """When the candidates cover every page (``covers_row``), the selector takes the valid
+    pages in page order instead of Quest's top-k of all of them: the same pages, the same
+    summaries, for the gather-free XLA second stage and the kernel (interpret mode here);
+    NaN keys past the sequence are never read."""
+    from jaxkv.kernels import candidate_mass as mass_kernels
+    from jaxkv.kernels import quest as quest_kernels
+    rng = _rng()
+    cfg = configs.tiny()
+    L, B, ps, H, D = cfg.num_layers, 3, 16, cfg.num_kv_heads, cfg.head_dim
+    cache = CacheConfig(mode="resident", selector="quest_rescore8", page_size=ps,
+                        selected_pages=2, tuning=jaxkv.Tuning(rescore_method=stage2))
+    plan = engine.Plan(model=cfg, cache=cache, batch=B, prompt_len=96, max_context=128,
+                       num_stop=1)
+    sel = plan.selector
+    Np = plan.pages_per_seq
+    assert sel.covers_row(plan) and Np == 8
+    positions = np.array([100, 37, 16], np.int32)
+    kmax = rng.normal(size=(L, B, Np, H, D)).astype(np.float32)
+    kmin = kmax - rng.random(size=kmax.shape).astype(np.float32)
+    keys = rng.integers(-127, 128, size=(L, B, H, Np, ps, D)).astype(np.int8)
+    scales = (0.01 + rng.random(size=keys.shape[:5])).astype(np.float32)
+    scales_nan = scales.copy()
+    for b, p in enumerate(positions):  # past the new token: never read
+        scales_nan[:, b].reshape(L, H, Np * ps)[:, :, p + 1:] = np.nan
+    summ = tuple(jnp.asarray(a) for a in (kmax, kmin, keys, scales_nan))
+    q = jnp.asarray(rng.normal(size=(B, cfg.num_heads, D)).astype(np.float32))
+    kv_new = jnp.asarray(rng.normal(size=(B, 2, H, D)).astype(np.float32))
+    layer = jnp.int32(1)
+    new, pages = sel.update_select(plan, summ, layer, None, None, q, kv_new,
+                                   jnp.asarray(positions))
+    # the first stage's path: Quest's top-k over all Np pages, then the same second stage
+    seq_lens = jnp.asarray(positions + 1)
+    kmax2, kmin2, cand = quest_kernels.quest_update_select(
+        q, summ[0], summ[1], layer, seq_lens, kv_new, jnp.asarray(positions),
+        **dict(sel._first_stage_kw(plan), k=Np))
+    for got, want in zip(new[:2], (kmax2, kmin2)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    want = sel._rescore(plan, new, layer, q, cand, jnp.asarray(positions), seq_lens)
+    np.testing.assert_array_equal(np.asarray(pages), np.asarray(want))
+    assert (np.asarray(pages) >= 0).sum(-1).min() == 2
+    # the gather-free XLA form equals the gathering one
+    every = sel._every_page(plan, seq_lens, H)
+    a = mass_kernels.candidate_mass_reference(q, new[2], new[3], layer, every,
+                                              jnp.asarray(positions), in_order=True)
+    b = mass_kernels.candidate_mass_reference(q, new[2], new[3], layer, every,
+                                              jnp.asarray(positions))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.isfinite(np.asarray(a)[every >= 0]).all()
+    # a budget of every page selects every valid page, ascending, -1 last
+    full = engine.Plan(model=cfg, cache=dataclasses.replace(cache, selected_pages=Np), batch=B,
+                       prompt_len=96, max_context=128, num_stop=1)
+    new_full, pages = sel.update_select(full, summ, layer, None, None, q, kv_new,
+                                        jnp.asarray(positions))
+    want = [list(range(-(-(p + 1) // ps))) for p in positions]
+    assert np.asarray(pages).tolist() == [[w + [-1] * (Np - len(w))] * H for w in want]
+    for got, ref in zip(new_full, new):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
 def test_rescore_key_copy_avoids_wrapped_32_bit_offsets():

@@ -94,6 +94,22 @@ class Rescore(Quest):
         n = plan.cache.candidate_pages or self.candidates * plan.k
         return min(n, plan.pages_per_seq)
 
+    def covers_row(self, plan) -> bool:
+        """Whether every page of the row is a candidate (short contexts: ``candidate_count``
+        reaches ``pages_per_seq``). The first stage then has nothing to choose: its scores and
+        top-k are skipped, the candidates are the valid pages in page order, and the XLA
+        second stage reads the key copy without a gather. When the budget ``plan.k`` holds
+        every page too, the second stage is skipped as well: every valid page is selected."""
+        return self.candidate_count(plan) >= plan.pages_per_seq
+
+    def _every_page(self, plan, seq_lens, heads: int):
+        """Candidates [B, H, Np]: page ``p`` where it holds a token of the sequence, else -1."""
+        Np = plan.pages_per_seq
+        nv = _common.num_valid_pages(seq_lens, plan.page_size, Np)
+        p = jnp.arange(Np, dtype=jnp.int32)
+        cand = jnp.where(p[None, :] < nv[:, None], p[None, :], -1)
+        return jnp.broadcast_to(cand[:, None, :], (cand.shape[0], heads, Np))
+
     def _first_stage_kw(self, plan) -> dict:
         """Quest's selection of the candidates, unordered (the second stage re-ranks them).
         "auto": the full-row Pallas top-k where ``select_top_pages``' "auto" takes it (the
@@ -124,15 +140,21 @@ class Rescore(Quest):
             return select_kernels.candidate_select(
                 m, l, cand, seq_lens, G=q.shape[1] // keys.shape[2], implementation=final, **pick)
         mass = mass_kernels.candidate_mass(q, keys, scales, layer, cand, positions,
-                                           implementation=stage2)
+                                           implementation=stage2, in_order=self.covers_row(plan))
         return top_candidates(mass, cand, seq_lens, **pick)
 
     def update_select(self, plan, summaries, layer, layer_params, h, q, kv_new, positions, *,
                       ahead=False):
         seq_lens = jnp.maximum(positions + 1 + int(ahead), 1)
-        kmax, kmin, cand = quest_kernels.quest_update_select(
-            q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
-            **self._first_stage_kw(plan))
+        if self.covers_row(plan):
+            # the summaries stay current: a kept context may continue under a longer row
+            kmax, kmin = quest_kernels.quest_update(summaries[0], summaries[1], layer, kv_new,
+                                                    positions, page_size=plan.page_size)
+            cand = self._every_page(plan, seq_lens, summaries[2].shape[2])
+        else:
+            kmax, kmin, cand = quest_kernels.quest_update_select(
+                q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
+                **self._first_stage_kw(plan))
         ps, Np = plan.page_size, plan.pages_per_seq
         k_new = kv_new if kv_new.ndim == 3 else kv_new[:, 0]                # [B, H, D]
         vals, scale = quantize(k_new, self.key_bits)
@@ -145,12 +167,19 @@ class Rescore(Quest):
             vals.astype(summaries[2].dtype), mode="drop")
         scales = summaries[3].at[layer, b, hh, page, slot].set(scale, mode="drop")
         summ = (kmax, kmin, keys, scales)
+        if plan.k >= plan.pages_per_seq:  # the budget holds every page: nothing to re-rank
+            return summ, cand
         return summ, self._rescore(plan, summ, layer, q, cand, positions, seq_lens)
 
     def first_pages(self, plan, summaries, layer, layer_params, h_last, q_last, lengths):
         lengths = jnp.asarray(lengths, jnp.int32)
-        cand = quest_kernels.quest_select(q_last, summaries[0], summaries[1], layer, lengths + 1,
-                                          **self._first_stage_kw(plan))
+        if self.covers_row(plan):
+            cand = self._every_page(plan, lengths + 1, summaries[2].shape[2])
+            if plan.k >= plan.pages_per_seq:  # the budget holds every page
+                return cand
+        else:
+            cand = quest_kernels.quest_select(q_last, summaries[0], summaries[1], layer,
+                                              lengths + 1, **self._first_stage_kw(plan))
         return self._rescore(plan, summaries, layer, q_last, cand, lengths - 1, lengths + 1)
 
     def update_select_all_layers(self, plan, summaries, q, kv_new, positions):
