@@ -1,6 +1,8 @@
 """CPU speed of jaxkv.generate next to transformers: SmolLM2-135M-Instruct (the bundled GGUF,
 float32, one request), prefill tokens/s at 512 / 2k / 8k prompt tokens and decode tokens/s,
-resident (dense selector) and host tier (Quest).
+resident (dense selector) and host tier (Quest, 256 tokens: 16 pages of 16); ``--modes ...
+default``: ``CacheConfig()`` as a call without ``cache=`` gets it (the two-stage selector at
+1024 tokens, host tier).
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/bench_cpu.py --out DIR \\
         [--lengths 512 2048 8192] [--new 32] [--reps 2] [--torch-python /path/to/python]
@@ -145,7 +147,8 @@ def run_jaxkv(args, cfg, params) -> list[dict]:
     import jaxkv
 
     modes = {"resident": dict(mode="resident", selector="dense"),
-             "host": dict(mode="host", selector="quest")}
+             "host": dict(mode="host", selector="quest", page_size=16, selected_pages=16),
+             "default": {}}
     rows = []
     for n in args.lengths:
         n = min(n, cfg.max_position - args.new)  # 8k: the prompt leaves room for the new tokens
@@ -163,6 +166,8 @@ def run_jaxkv(args, cfg, params) -> list[dict]:
             best = max(stats, key=lambda s: s["prefill_tokens_per_s"])
             rows.append({
                 "mode": mode, "selector": cache.selector, "prompt_tokens": n,
+                "budget_tokens": (None if cache.selector == "dense"
+                                  else cache.selected_pages * cache.page_size),
                 "new_tokens": args.new,
                 "prefill_tokens_per_s": max(pre), "prefill_tokens_per_s_median": float(np.median(pre)),
                 "decode_tokens_per_s": max(dec), "decode_tokens_per_s_median": float(np.median(dec)),
@@ -194,7 +199,10 @@ def markdown(res: dict) -> str:
            "| mode | prompt | prefill tok/s (best / median) | decode tok/s (best / median) | "
            "attention s | rest ms/token | compile s | load |", "|---|---|---|---|---|---|---|---|"]
     for r in res["jaxkv"]:
-        out.append(f"| {r['mode']} | {r['prompt_tokens']} | {r['prefill_tokens_per_s']:.0f} / "
+        sel = r.get("selector", "")
+        budget = r.get("budget_tokens")
+        sel = f"{sel} {budget}" if budget else sel
+        out.append(f"| {r['mode']} ({sel}) | {r['prompt_tokens']} | {r['prefill_tokens_per_s']:.0f} / "
                    f"{r['prefill_tokens_per_s_median']:.0f} | {r['decode_tokens_per_s']:.1f} / "
                    f"{r['decode_tokens_per_s_median']:.1f} | {r['attention_s']:.2f} | "
                    f"{r['rest_ms_per_token']:.2f} | {r['first_call_compile_s']:.1f} | "
@@ -220,7 +228,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--modes", nargs="+", default=["resident", "host"],
-                    choices=["resident", "host"])
+                    choices=["resident", "host", "default"])
     ap.add_argument("--new", type=int, default=32, help="new tokens per call (decode steps)")
     ap.add_argument("--reps", type=int, default=2, help="timed calls after the first")
     ap.add_argument("--torch-python", default=None,

@@ -365,11 +365,13 @@ def cache_config(spec: dict, *, length: int, batch: int, num_kv_heads: int, page
               recent_pages=1, unroll_layers=False)   # a rolled layer loop compiles faster
     kw.update(spec)
     n_pages = -(-min(length, context_tokens or length) // kw["page_size"])
-    if kw.get("selector", "quest") != "dense" and kw.get("selected_pages", 16) >= n_pages:
+    selector = kw.get("selector", CacheConfig.selector)
+    k = kw.get("selected_pages", CacheConfig.selected_pages)
+    if selector != "dense" and k >= n_pages:
         return None
-    if kw.get("mode", "host") == "host" and "pool_pages" not in spec \
-            and kw.get("selector", "quest") != "dense":
-        k, pinned = kw.get("selected_pages", 16), kw["sink_pages"] + kw["recent_pages"]
+    if kw.get("mode", CacheConfig.mode) == "host" and "pool_pages" not in spec \
+            and selector != "dense":
+        pinned = kw["sink_pages"] + kw["recent_pages"]
         per_req = min(num_kv_heads * k + pinned, max(k + pinned, int(pool_cap * n_pages)))
         kw["pool_pages"] = batch * per_req
     return CacheConfig(**kw)

@@ -71,11 +71,16 @@ def _validate_prompts(model: ModelConfig, prompts) -> list[list[int]]:
     return out
 
 
+def _summary_bytes(plan: engine.Plan) -> int:
+    """Device bytes of the selector's summaries (the two-stage selectors' key copy included)."""
+    return validation.nbytes_of(jax.eval_shape(lambda: engine.init_summaries(plan)))
+
+
 def _need_device_bytes(plan: engine.Plan) -> int:
     """Device bytes generate() allocates for the KV cache (pool or resident) and summaries."""
     spec = plan.spec
     kv = spec.pool_bytes if plan.cache.mode == "host" else spec.host_bytes
-    return kv + validation.nbytes_of(jax.eval_shape(lambda: engine.init_summaries(plan)))
+    return kv + _summary_bytes(plan)
 
 
 def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int],
@@ -141,10 +146,14 @@ def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int]
 
 def _check_device_memory(plan: engine.Plan):
     host = plan.cache.mode == "host"
+    fix = ("lower pool_pages / selected_pages / batch" if host
+           else "lower batch / max_context, or use mode='host'")
+    if plan.selector.two_stage:
+        fix += (f"; the {plan.cache.selector!r} selector's summaries (Quest's bounds and a copy "
+                f"of the keys) take {_summary_bytes(plan) / 2**30:.2f} GiB of it: "
+                "selector='quest' keeps the bounds only")
     validation.check_device_memory(
-        _need_device_bytes(plan), what="device pool" if host else "resident KV cache",
-        fix=("lower pool_pages / selected_pages / batch" if host
-             else "lower batch / max_context, or use mode='host'"))
+        _need_device_bytes(plan), what="device pool" if host else "resident KV cache", fix=fix)
 
 
 def _memory_stats(plan: engine.Plan, state: engine.DecodeState, n: int = 1) -> dict:

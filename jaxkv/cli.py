@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_PROMPT = "The capital of France is Paris. The capital of Germany is"
+DEFAULT_BUDGET = 1024  # tokens: CacheConfig's default, 64 pages of 16
 
 
 def _int_at_least(minimum: int):
@@ -49,16 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--gguf", type=Path, help="a GGUF file (the same as --model for a GGUF file)")
     p.add_argument("--mode", choices=["host", "resident"], default="host",
                    help="host: KV cache in host RAM, device pool as LRU cache; resident: all on device")
-    p.add_argument("--selector", choices=["quest", "quest_rescore8", "indexer", "dense"],
-                   default="quest",
+    p.add_argument("--selector", choices=["quest_rescore8", "quest", "indexer", "dense"],
+                   default="quest_rescore8",
                    help="which pages each step reads (quest_rescore8: Quest's candidates "
                         "re-ranked by attention mass from an int8 key copy, near-lossless on "
-                        "RULER; indexer: models with indexer weights)")
+                        "RULER; quest: Quest alone, faster, lossy at small budgets; indexer: "
+                        "models with indexer weights)")
     p.add_argument("--candidate-pages", type=_positive_int, default=None,
                    help="quest_rescore8: pages per KV head Quest hands to the re-ranking "
                         "(default: 8x the budget's pages; 16x kept an exact oracle's retrievals)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=48, help="tokens to generate")
-    p.add_argument("--budget", type=_positive_int, default=None,
+    p.add_argument("--budget", type=_positive_int, default=DEFAULT_BUDGET,
                    help="selected tokens per step, layer and KV head (rounded to pages)")
     p.add_argument("--page-size", type=_positive_int, default=16, help="tokens per page (a power of two)")
     p.add_argument("--pool-pages", type=_positive_int, default=None,
@@ -158,7 +160,7 @@ def main(argv=None) -> int:
     if args.json and args.stream:
         return fail("--json and --stream exclude each other: --json prints one JSON object")
     # settings first: a bad option fails before the model is loaded
-    budget = args.budget if args.budget is not None else 4 * args.page_size * 4
+    budget = args.budget
     # --strict checks for dropped pages: only the per-layer schedule drops any
     schedule = args.schedule or ("layer" if args.strict else "step")
     try:

@@ -45,7 +45,7 @@ def test_two_stage_selector_from_the_command_line(capsys):
     assert cli_main(["Hello", *FAST, "--json", "--selector", "quest_rescore8", "--budget", "8",
                      "--candidate-pages", "6"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["generated_tokens"] >= 1
-    assert cli_main(["Hello", *FAST, "--candidate-pages", "6"]) == 2
+    assert cli_main(["Hello", *FAST, "--selector", "quest", "--candidate-pages", "6"]) == 2
     assert "leave candidate_pages=None" in capsys.readouterr().err
 
 

@@ -18,7 +18,7 @@ PARAMS = llama.init_params(CFG, seed=0)
 RNG = np.random.default_rng(4321)
 PROMPTS = [list(RNG.integers(3, CFG.vocab_size, n)) for n in (37, 21, 50)]
 NEW = 10
-BASE = dict(page_size=4, selected_pages=4)
+BASE = dict(selector="quest", page_size=4, selected_pages=4)
 
 
 def _gen(cache, cfg=CFG, params=PARAMS, **kw):
@@ -39,7 +39,8 @@ def test_config_checks():
 def test_lag_changes_nothing_when_every_page_is_selected(mode):
     """k >= the pages of the context: the previous query selects every page up to the new
     token's, as the exact selection does, so the tokens are the same."""
-    every = dict(page_size=4, selected_pages=64)  # the context holds <= 50 + 10 tokens: 15 pages
+    # the context holds <= 50 + 10 tokens: 15 pages
+    every = dict(selector="quest", page_size=4, selected_pages=64)
     exact = _gen(CacheConfig(mode="resident", **every))
     lagged = _gen(CacheConfig(mode=mode, selection_lag=1, **every))
     assert lagged.tokens == exact.tokens

@@ -210,8 +210,9 @@ def test_gpu_decode_round_is_one_program_over_the_mesh():
     cfg = configs.tiny(dtype="bfloat16", head_dim=64, num_heads=8, num_kv_heads=4)
     tp = parallel.TensorParallel.create(_gpus()[:2], cfg)
     lens = [300, 170]
-    plan = tp.plan(make_plan(tp.local_model(cfg), CacheConfig(mode="host", page_size=16,
-                                                              selected_pages=4), lens, 8, 4))
+    plan = tp.plan(make_plan(tp.local_model(cfg), CacheConfig(mode="host", selector="quest",
+                                                              page_size=16, selected_pages=4),
+                             lens, 8, 4))
     state = engine.start_state(plan, tp.init_kv(plan), tp.init_summaries(plan), lens,
                                jnp.ones((len(lens),), jnp.int32), jax.random.key(0),
                                lookahead=tp.init_lookahead(plan))

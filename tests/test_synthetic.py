@@ -202,8 +202,8 @@ def test_trace_selections_mirrors_the_engine():
 
 def test_forced_ahead_and_lagged_state_decode():
     """Lagged selection: a synthetic state's first step reads the forced pages only."""
-    cache = CacheConfig(mode="host", selection_lag=1, page_size=4, selected_pages=4,
-                        sink_pages=2, max_context=64, round_steps=4)
+    cache = CacheConfig(mode="host", selector="quest", selection_lag=1, page_size=4,
+                        selected_pages=4, sink_pages=2, max_context=64, round_steps=4)
     plan = make_plan(CFG, cache, [9, 30], 8, num_stop=1)
     ahead = np.asarray(synthetic.forced_ahead(plan, jnp.asarray([1, 30], jnp.int32)))
     assert ahead.shape == (CFG.num_layers, 2, CFG.num_kv_heads, 4)

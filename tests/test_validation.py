@@ -209,6 +209,10 @@ def test_device_memory_too_small(monkeypatch):
         gen()
     with pytest.raises(ValueError, match=r"resident KV cache needs.*or use mode='host'"):
         gen(cache=dataclasses.replace(SMALL, mode="resident"))
+    # the two-stage selector's key copy is named, with the selector that has none
+    with pytest.raises(ValueError, match=r"device pool needs .*; the 'quest_rescore8' selector's "
+                                         r"summaries .* take .* GiB of it: selector='quest'"):
+        gen(cache=dataclasses.replace(SMALL, selector="quest_rescore8"))
 
 
 def test_device_memory_env_override(monkeypatch):
@@ -238,7 +242,8 @@ def test_device_memory_env_override(monkeypatch):
     (dict(mode="device"), "'host' or 'resident'"),
     (dict(selector="topk"), r"selector must be one of \(.*'dense'.*'quest'.*\), got 'topk'"),
     (dict(prefill_chunk=24), "prefill_chunk must be a power of two"),
-    (dict(candidate_pages=64), r"selector='quest' has none: leave candidate_pages=None"),
+    (dict(selector="quest", candidate_pages=64),
+     r"selector='quest' has none: leave candidate_pages=None"),
     (dict(selector="quest_rescore", selected_pages=32, candidate_pages=16),
      r"candidate_pages \(16\) must be at least selected_pages \(32\)"),
     (dict(selector="quest_rescore", candidate_pages=0), "candidate_pages must be an int >= 1"),

@@ -74,8 +74,8 @@ def token_check(quick: bool, new: int) -> dict:
                            ("bf16_host", "host", BF16)):
         t0 = time.perf_counter()
         r = jaxkv.generate(cfg, params, prompts, max_new_tokens=new, stop_tokens=[],
-                           cache=CacheConfig(mode=mode, page_size=ps, selected_pages=k,
-                                             kv_dtype=dt))
+                           cache=CacheConfig(mode=mode, selector="quest", page_size=ps,
+                                             selected_pages=k, kv_dtype=dt))
         toks[name] = r.tokens
         out[f"{name}_s"] = time.perf_counter() - t0
         if mode == "host":
