@@ -76,11 +76,11 @@ def _summary_bytes(plan: engine.Plan) -> int:
     return validation.nbytes_of(jax.eval_shape(lambda: engine.init_summaries(plan)))
 
 
-def _need_device_bytes(plan: engine.Plan) -> int:
+def _need_device_bytes(plan: engine.Plan, summary_bytes: int | None = None) -> int:
     """Device bytes generate() allocates for the KV cache (pool or resident) and summaries."""
     spec = plan.spec
     kv = spec.pool_bytes if plan.cache.mode == "host" else spec.host_bytes
-    return kv + _summary_bytes(plan)
+    return kv + (_summary_bytes(plan) if summary_bytes is None else summary_bytes)
 
 
 def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int],
@@ -146,14 +146,16 @@ def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int]
 
 def _check_device_memory(plan: engine.Plan):
     host = plan.cache.mode == "host"
+    summ = _summary_bytes(plan)
     fix = ("lower pool_pages / selected_pages / batch" if host
            else "lower batch / max_context, or use mode='host'")
     if plan.selector.two_stage:
         fix += (f"; the {plan.cache.selector!r} selector's summaries (Quest's bounds and a copy "
-                f"of the keys) take {_summary_bytes(plan) / 2**30:.2f} GiB of it: "
-                "selector='quest' keeps the bounds only")
+                f"of the keys) take {summ / 2**30:.2f} GiB of it: selector='quest' keeps the "
+                "bounds only")
     validation.check_device_memory(
-        _need_device_bytes(plan), what="device pool" if host else "resident KV cache", fix=fix)
+        _need_device_bytes(plan, summ), what="device pool" if host else "resident KV cache",
+        fix=fix)
 
 
 def _memory_stats(plan: engine.Plan, state: engine.DecodeState, n: int = 1) -> dict:
