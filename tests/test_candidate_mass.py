@@ -122,6 +122,54 @@ def test_candidate_mass_kernel_matches_numpy_with_poison(dtype):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("int8", [True, False])
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_candidate_mass_blocked_matches_numpy_with_poison(int8, chunk):
+    """The blocked formulation (the CPU default): candidates in any order with -1s, a chunk
+    that does not divide the candidates (the last chunk overlaps the one before); NaN
+    wherever it must not read."""
+    rng = _rng()
+    q, keys, scales, cand, positions = _case(rng, int8=int8, C=7)
+    want = mass_numpy(q, keys, scales, 1, cand, positions)
+    keys, scales = _poison(keys, scales, cand, positions, 1, 4)
+    got = np.asarray(cm.candidate_mass_blocked(
+        jnp.asarray(q), jnp.asarray(keys), jnp.asarray(scales), jnp.int32(1), jnp.asarray(cand),
+        jnp.asarray(positions), chunk=chunk))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "blocked"])
+@pytest.mark.parametrize("chunk", [3, 64])
+def test_candidate_mass_in_order_reads_only_the_pages_in_use(implementation, chunk):
+    """Every page a candidate, in page order (what the two-stage selectors hand over when
+    the candidates cover the row): the masses of the candidates in any order, with NaN in
+    every key and scale past each request's position (float keys) and in the other layers."""
+    rng = _rng()
+    q, keys, scales, _, positions = _case(rng, int8=False)
+    L, B, H, Np, ps, D = keys.shape
+    nv = np.clip(-(-(positions + 1) // ps), 0, Np)
+    p = np.arange(Np)
+    every = np.broadcast_to(np.where(p[None, :] < nv[:, None], p[None, :], -1)[:, None],
+                            (B, H, Np)).astype(np.int32)
+    want = mass_numpy(q, keys, scales, 1, every, positions)
+    keys, scales = _poison(keys, scales, every, positions, 1, ps)
+    kw = dict(chunk=chunk) if implementation == "blocked" else {}
+    fn = cm.candidate_mass_blocked if implementation == "blocked" else cm.candidate_mass_reference
+    got = np.asarray(fn(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(scales), jnp.int32(1),
+                        jnp.asarray(every), jnp.asarray(positions), in_order=True, **kw))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_candidate_mass_default_off_the_gpu_is_the_blocked_form():
+    """Off the GPU the op's default is the blocked formulation; "xla" still names the
+    reference."""
+    from jaxkv.kernels import _common
+    if _common.on_gpu():
+        pytest.skip("the CPU default")
+    assert _common.resolve(cm.OP) is cm.candidate_mass_blocked
+    assert _common.resolve(cm.OP, "xla") is cm.candidate_mass_reference
+
+
 def test_candidate_mass_kernel_takes_the_reference_for_other_shapes():
     """Pages under 16 tokens (the tensor cores' smallest block) or float32 keys: the
     reference's result."""
