@@ -2,7 +2,8 @@
 float32, one request), prefill tokens/s at 512 / 2k / 8k prompt tokens and decode tokens/s,
 resident (dense selector) and host tier (Quest, 256 tokens: 16 pages of 16); ``--modes ...
 default``: ``CacheConfig()`` as a call without ``cache=`` gets it (the two-stage selector at
-1024 tokens, host tier).
+1024 tokens, host tier); ``default-xla``: the same with the second stage's XLA reference
+(``Tuning(rescore_method="xla")``) in place of the CPU's blocked formulation.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/bench_cpu.py --out DIR \\
         [--lengths 512 2048 8192] [--new 32] [--reps 2] [--torch-python /path/to/python]
@@ -148,7 +149,10 @@ def run_jaxkv(args, cfg, params) -> list[dict]:
 
     modes = {"resident": dict(mode="resident", selector="dense"),
              "host": dict(mode="host", selector="quest", page_size=16, selected_pages=16),
-             "default": {}}
+             "default": {},
+             # the default with the second stage's XLA reference instead of the CPU's blocked
+             # formulation (an A/B of the two in one process: --modes default default-xla)
+             "default-xla": dict(tuning=jaxkv.Tuning(rescore_method="xla"))}
     rows = []
     for n in args.lengths:
         n = min(n, cfg.max_position - args.new)  # 8k: the prompt leaves room for the new tokens
@@ -228,7 +232,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--modes", nargs="+", default=["resident", "host"],
-                    choices=["resident", "host", "default"])
+                    choices=["resident", "host", "default", "default-xla"],
+                    help="repeat modes to alternate them (same process)")
     ap.add_argument("--new", type=int, default=32, help="new tokens per call (decode steps)")
     ap.add_argument("--reps", type=int, default=2, help="timed calls after the first")
     ap.add_argument("--torch-python", default=None,

@@ -186,16 +186,16 @@ def test_bench_cpu_quick(tmp_path):
     """bench_cpu --quick (random tiny model, no transformers): a row per mode with positive
     speeds, the issue's comparison figures recorded, and the markdown table."""
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cpu.py"), "--quick",
-                    "--modes", "resident", "host", "default", "--out", str(tmp_path)],
+                    "--modes", "resident", "host", "default", "default-xla", "--out", str(tmp_path)],
                    check=True, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
     res = json.loads((tmp_path / "bench_cpu.json").read_text())
     assert [(r["mode"], r["prompt_tokens"]) for r in res["jaxkv"]] == [
-        ("resident", 128), ("host", 128), ("default", 128)]
+        ("resident", 128), ("host", 128), ("default", 128), ("default-xla", 128)]
     assert all(r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
                for r in res["jaxkv"])
     assert [(r["selector"], r["budget_tokens"]) for r in res["jaxkv"]] == [
-        ("dense", None), ("quest", 256), ("quest_rescore8", 1024)]
+        ("dense", None), ("quest", 256), ("quest_rescore8", 1024), ("quest_rescore8", 1024)]
     assert res["transformers"]["source"].startswith("issue 34")
     md = (tmp_path / "bench_cpu.md").read_text()
     assert "| resident (dense) | 128 |" in md and "| default (quest_rescore8 1024) | 128 |" in md
