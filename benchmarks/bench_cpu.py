@@ -1,6 +1,6 @@
 """CPU speed of jaxkv.generate next to transformers: SmolLM2-135M-Instruct (the bundled GGUF,
-float32, one request), prefill tokens/s at 512 / 2k / 8k prompt tokens and decode tokens/s,
-resident (dense selector) and host tier (Quest, 256 tokens: 16 pages of 16); ``--modes ...
+or ``--gguf FILE``; float32, one request), prefill tokens/s at 512 / 2k / 8k prompt tokens
+and decode tokens/s, resident (dense selector) and host tier (Quest, 256 tokens: 16 pages of 16); ``--modes ...
 default``: ``CacheConfig()`` as a call without ``cache=`` gets it (the two-stage selector at
 1024 tokens, host tier); ``default-xla``: the same with the second stage's XLA reference
 (``Tuning(rescore_method="xla")``) in place of the CPU's blocked formulation.
@@ -242,7 +242,8 @@ def main():
     ap.add_argument("--quick", action="store_true",
                     help="random tiny model, short prompts, no transformers (a smoke test)")
     ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--gguf", default=None,
+                    help="a GGUF model file (default: the bundled SmolLM2-135M-Instruct)")
     args = ap.parse_args()
     if args.torch_worker:
         print(json.dumps(torch_worker(args.lengths, args.new, args.reps, args.gguf)))
@@ -260,9 +261,9 @@ def main():
         cfg = configs.tiny(max_position=4096)
         params, gguf, name = llama.init_params(cfg, 0), None, "tiny (random)"
     else:
-        gguf = str(gguf_loader.default_model_path())
+        gguf = args.gguf or str(gguf_loader.default_model_path())
         cfg, params = gguf_loader.load_gguf(gguf, dtype="float32")
-        name = "SmolLM2-135M-Instruct f32"
+        name = ("SmolLM2-135M-Instruct" if args.gguf is None else Path(gguf).stem) + " f32"
     res = {"model": name, "backend": jax.default_backend(), "cpus": os.cpu_count(),
            "cpu_model": cpu_model(),
            "jax": jax.__version__, "commit": commit(),
