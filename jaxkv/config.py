@@ -42,7 +42,9 @@ class Tuning:
       ensure_method: the LRU ensure's form, "auto" | "dense" | "sort" | "pallas" (identical
         results; ``jaxkv.lru``).
       ensure_dense_max_elems: "auto" takes the sort-free compare-matrix form up to this many
-        compare elements per layer (R*R + S*S + R*S + Q*S), the sort form above.
+        compare elements per layer (R*R + S*S + R*S + Q*S), the sort form above. ``None``:
+        the measured threshold of the backend (2**20 on the GPU, 2048 elsewhere:
+        ``jaxkv.lru``).
       ensure_pallas_max: "auto" with the Pallas implementation runs the compare-matrix form as
         one Pallas kernel when R, S and Q are at most this (above 128 the kernel's matrices
         spill registers).
@@ -64,7 +66,7 @@ class Tuning:
     topk_method: str = "auto"
     topk_cmax_min_pages: int | None = 2048
     ensure_method: str = "auto"
-    ensure_dense_max_elems: int = 2 ** 20
+    ensure_dense_max_elems: int | None = None
     ensure_pallas_max: int = 128
     rescore_method: str = "auto"
     rescore_select_method: str = "auto"
@@ -91,7 +93,8 @@ class Tuning:
                              f"got {self.rescore_select_method!r}")
         if self.topk_cmax_min_pages is not None:
             _as_int("topk_cmax_min_pages", self.topk_cmax_min_pages, 1, "Tuning")
-        _as_int("ensure_dense_max_elems", self.ensure_dense_max_elems, 0, "Tuning")
+        if self.ensure_dense_max_elems is not None:
+            _as_int("ensure_dense_max_elems", self.ensure_dense_max_elems, 0, "Tuning")
         _as_int("ensure_pallas_max", self.ensure_pallas_max, 0, "Tuning")
         _as_int("rescore_select_kernel_max", self.rescore_select_kernel_max, 0, "Tuning")
 

@@ -52,7 +52,11 @@ PALLAS_MAX = lru_ensure.MAX_SIZE
 # measurements behind both are in docs/decisions.md). "dense" fuses each compare into its
 # reduction, so its cost is arithmetic against the sort path's kernel count; above 128 the
 # Pallas kernel pads to 256 and its compare matrices spill registers.
+# Off the GPU the sort form wins from a few thousand compare elements (XLA:CPU, 30 layers:
+# 0.21 against 0.26 ms at R=32, S=64; 0.88 against 2.5 ms at R=192, S=200; 1.7 against 27.7
+# ms at R=384, S=400), the compare matrices only for the smallest pools.
 DENSE_MAX_ELEMS = 2 ** 20
+DENSE_MAX_ELEMS_CPU = 2048
 PALLAS_AUTO_MAX = 128
 
 
@@ -174,13 +178,19 @@ def _ensure_layer(page_table, slot_owner, last_used, requests, protect, payload,
 
 
 def resolve_method(method: str, R: int, S: int, Q: int, implementation: str | None = None, *,
-                   dense_max_elems: int = DENSE_MAX_ELEMS,
+                   dense_max_elems: int | None = None,
                    pallas_max: int = PALLAS_AUTO_MAX) -> str:
     """The implementation ``ensure(..., method=method)`` runs for R requests, S slots and Q
     protected pages per layer: "pallas", "dense" or "sort". "auto": if
     R*R + S*S + R*S + Q*S <= dense_max_elems, "pallas" when the Pallas implementation is
     selected (``JAXKV_IMPL=pallas``, or on the GPU unless ``JAXKV_IMPL=xla``) and
-    R, S, Q <= pallas_max, else "dense"; otherwise "sort"."""
+    R, S, Q <= pallas_max, else "dense"; otherwise "sort". ``dense_max_elems=None``: the
+    measured threshold (``DENSE_MAX_ELEMS`` on the GPU or with the Pallas implementation,
+    ``DENSE_MAX_ELEMS_CPU`` for XLA off the GPU)."""
+    pallas = _common.implementation_name(implementation) == "pallas"
+    if dense_max_elems is None:
+        gpu_like = pallas or _common.on_gpu()
+        dense_max_elems = DENSE_MAX_ELEMS if gpu_like else DENSE_MAX_ELEMS_CPU
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method == "pallas" and max(R, S, Q) > PALLAS_MAX:
@@ -188,14 +198,13 @@ def resolve_method(method: str, R: int, S: int, Q: int, implementation: str | No
     if method == "auto":
         if R * R + S * S + R * S + Q * S > dense_max_elems:
             return "sort"
-        pallas = _common.implementation_name(implementation) == "pallas"
         return "pallas" if pallas and max(R, S, Q) <= min(pallas_max, PALLAS_MAX) else "dense"
     return method
 
 
 def ensure(page_table, slot_owner, last_used, requests, protect, step, payload=None,
            method: str = "auto", implementation: str | None = None, *,
-           dense_max_elems: int = DENSE_MAX_ELEMS,
+           dense_max_elems: int | None = None,
            pallas_max: int = PALLAS_AUTO_MAX) -> EnsureResult:
     """Make the requested pages of every layer resident (fixed shapes, all layers at once).
 

@@ -141,8 +141,15 @@ def test_dense_equals_sort_on_long_streams(L, P, S, R, Q, p_dup, p_pad, locality
 
 def test_auto_picks_dense_for_small_pools_and_sort_for_large(monkeypatch):
     monkeypatch.delenv("JAXKV_IMPL", raising=False)
-    monkeypatch.setattr(lru._common, "on_gpu", lambda: False)
+    monkeypatch.setattr(lru._common, "on_gpu", lambda: True)   # XLA on the GPU
+    monkeypatch.setenv("JAXKV_IMPL", "xla")
     assert lru.resolve_method("auto", R=32, S=64, Q=4) == "dense"   # bench_fetch section_ensure
+    assert lru.resolve_method("auto", R=1024, S=2304, Q=4) == "sort"
+    monkeypatch.delenv("JAXKV_IMPL")
+    monkeypatch.setattr(lru._common, "on_gpu", lambda: False)  # XLA:CPU: sort from ~2k elements
+    assert lru.resolve_method("auto", R=16, S=24, Q=4) == "dense"
+    assert lru.resolve_method("auto", R=32, S=64, Q=4) == "sort"
+    assert lru.resolve_method("auto", R=32, S=64, Q=4, dense_max_elems=2 ** 20) == "dense"
     assert lru.resolve_method("auto", R=1024, S=2304, Q=4) == "sort"
     assert lru.resolve_method("sort", R=1, S=1, Q=1) == "sort"
     with pytest.raises(ValueError):
@@ -154,7 +161,7 @@ def test_auto_picks_dense_for_small_pools_and_sort_for_large(monkeypatch):
                 jnp.zeros((L, Q), jnp.int32), 0)
         return _primitives(jax.make_jaxpr(functools.partial(ensure, **kw))(*args).jaxpr)
 
-    small = prims(32, 256, 32, 64, 4)
+    small = prims(32, 256, 16, 24, 4)   # dense on the CPU too
     assert not small & {"sort", "cumsum", "reduce_window_sum", "reduce_window_max"}, small
     assert "sort" in prims(1, 4096, 1024, 2304, 4)
     assert "sort" in prims(2, 16, 4, 4, 1, method="sort")
@@ -287,7 +294,8 @@ def test_pallas_method_resolution(monkeypatch):
     monkeypatch.setenv("JAXKV_IMPL", "pallas")
     assert lru.resolve_method("auto", R=32, S=64, Q=4) == "pallas"
     monkeypatch.delenv("JAXKV_IMPL")
-    assert lru.resolve_method("auto", R=32, S=64, Q=4) == "dense"
+    assert lru.resolve_method("auto", R=32, S=64, Q=4) == "sort"      # XLA:CPU's threshold
+    assert lru.resolve_method("auto", R=16, S=24, Q=4) == "dense"
     assert lru.resolve_method("pallas", R=5, S=7, Q=3) == "pallas"
     with pytest.raises(ValueError):
         lru.resolve_method("pallas", R=8, S=257, Q=1)
