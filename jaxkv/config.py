@@ -49,7 +49,8 @@ class Tuning:
         one Pallas kernel when R, S and Q are at most this (above 128 the kernel's matrices
         spill registers).
       rescore_method: the second stage of the two-stage selectors (``quest_rescore*``),
-        "auto" (``CacheConfig.implementation``'s choice) | "pallas" | "xla" (the same masses to
+        "auto" (``CacheConfig.implementation``'s choice: the kernel on the GPU, the blocked
+        formulation elsewhere) | "pallas" | "xla" (the reference; the same masses to
         rounding; ``jaxkv.kernels.candidate_mass``).
       rescore_select_method: the two-stage selectors' final choice after the Pallas second
         stage: "auto" (the kernel with the Pallas implementation for at most
