@@ -103,12 +103,10 @@ class Rescore(Quest):
         return self.candidate_count(plan) >= plan.pages_per_seq
 
     def _every_page(self, plan, seq_lens, heads: int):
-        """Candidates [B, H, Np]: page ``p`` where it holds a token of the sequence, else -1."""
-        Np = plan.pages_per_seq
-        nv = _common.num_valid_pages(seq_lens, plan.page_size, Np)
-        p = jnp.arange(Np, dtype=jnp.int32)
-        cand = jnp.where(p[None, :] < nv[:, None], p[None, :], -1)
-        return jnp.broadcast_to(cand[:, None, :], (cand.shape[0], heads, Np))
+        """Candidates [B, H, Np]: page ``p`` where it holds a token of the sequence, else -1
+        (the dense selection)."""
+        return dense_select.dense_select(seq_lens, num_pages=plan.pages_per_seq,
+                                         num_kv_heads=heads, page_size=plan.page_size)
 
     def _first_stage_kw(self, plan) -> dict:
         """Quest's selection of the candidates, unordered (the second stage re-ranks them).
