@@ -55,6 +55,7 @@ variant is a plan of its own, so nothing is read at trace time.
 ``--shape`` picks the model shape: ``qwen1.5b`` (default; 64-token pages, ``--batch`` requests,
 default 8) or ``8b`` (Llama-3-8B-like, 16-token pages, ``--batch`` 1). Each variant holds its
 own KV cache: at 128k, four Qwen-like B=8 variants or five 8B-like B=1 ones fit the H200.
+``--context`` sets the tokens per request (default 128k; ``1M`` with Qwen-like B=1).
 
 Variants whose options the compiler rejects, or whose round fails to compile or run, are
 reported and dropped.
@@ -207,6 +208,8 @@ def main():
                     help="requests (default 8 for qwen1.5b, 1 for 8b)")
     ap.add_argument("--shape", default="qwen1.5b", choices=("qwen1.5b", "8b"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--context", default="128k",
+                    help="tokens per request, e.g. 128k or 1M")
     ap.add_argument("--budget-tokens", type=int, default=None,
                     help="selected tokens per KV head (default: decode_lib.Settings', 2048)")
     ap.add_argument("--candidate-pages", type=int, default=None,
@@ -230,7 +233,7 @@ def main():
         cfg = bd.configs.tiny()
         base_tuning = Tuning(topk_cmax_min_pages=1)
     else:
-        shape, ctx = a.shape, 131072
+        shape, ctx = a.shape, bd.parse_tokens(a.context)
         B = a.batch or (8 if shape == "qwen1.5b" else 1)
         st = bd.Settings(page_size=64 if shape == "qwen1.5b" else 16)
         if a.budget_tokens:

@@ -51,12 +51,6 @@ import _numa  # noqa: E402  (benchmarks/_numa.py)
 import decode_lib as lib  # noqa: E402
 
 
-def _parse_tokens(s: str) -> int:
-    s = s.strip().lower()
-    mult = {"k": 1024, "m": 1024**2}.get(s[-1:], 1)
-    return int(float(s[:-1] if mult > 1 else s) * mult)
-
-
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -124,12 +118,12 @@ def main():
                       devices=a.devices, trace=a.trace, timed_rounds=a.timed_rounds,
                       pairs=a.pairs, selection_lag=a.selection_lag, kv_dtype=a.kv_dtype)
     shapes = ("8b", "qwen1.5b") if a.shape == "all" else (a.shape,)
-    contexts = [_parse_tokens(x) for x in a.contexts.split(",") if x.strip()] or None
+    contexts = [lib.parse_tokens(x) for x in a.contexts.split(",") if x.strip()] or None
     batches = [int(x) for x in a.batches.split(",") if x.strip()] or None
     if a.prefill.strip().lower() == "none":
         prefill = ()
     else:
-        prefill = [_parse_tokens(x) for x in a.prefill.split(",") if x.strip()] or None
+        prefill = [lib.parse_tokens(x) for x in a.prefill.split(",") if x.strip()] or None
     lib.run(a.out, quick=a.quick, shapes=shapes, contexts=contexts, batches=batches,
             settings=st, prefill=prefill, overlap_target=a.overlap, plot=not a.no_plot,
             decode=not a.no_decode, tag=a.tag, numa=numa)

@@ -571,6 +571,13 @@ def feasibility(cfg, B, ctx, st: Settings, host_limit, dev_limit, params_bytes):
                 need_host_dev <= dev_limit)
 
 
+def parse_tokens(s: str) -> int:
+    """A token count as the command lines write it: ``131072``, ``128k``, ``1M``."""
+    s = s.strip().lower()
+    mult = {"k": 1024, "m": 1024**2}.get(s[-1:], 1)
+    return int(float(s[:-1] if mult > 1 else s) * mult)
+
+
 def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float, probe: bool,
              limits, on_result=lambda case: None) -> dict:
     """One (shape, batch, context) point over the configurations; ``on_result(case so far)``
