@@ -446,53 +446,53 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         kv, summaries, dense = jax.device_put((kv, summaries, dense),
                                               jax.tree.map(lambda a: a.sharding, (kv, summaries, dense)))
         x = eng.embed_prompt(plan, params, jnp.asarray(tokens))
-        show = progress if progress is not None else max(lens) >= 8192
-        layers = range(model.num_layers)
-        if show:
-            from tqdm.auto import tqdm
-            layers = tqdm(layers, desc=f"prefill {sum(lens)} tokens", unit="layer")
-        for layer in layers:
+        for layer in _layer_bar(model, lens, progress, "prefill"):
             x, kv, summaries, dense = eng.prefill_layer(plan, params["layers"][layer], jnp.int32(layer), x,
                                                         lengths, kv, summaries, dense)
-        key, sub = jax.random.split(key)
-        if logprobs:
-            first, first_lp = engine.first_token(plan, params, x, lengths, sampling, sub,
-                                                 with_logprob=True)
-            first_lp = [[float(v)] for v in np.asarray(first_lp)]
-        else:
-            first = eng.first_token(plan, params, x, lengths, sampling, sub)
-            first_lp = None
-        first_np = np.asarray(first)
-        t_prefill = time.perf_counter() - t0
-        del x
-        done0 = np.array([(t in stop_np) or max_new_tokens <= 1 for t in first_np])
-        state = engine.start_state(plan, kv, summaries, lengths, first, key, done=done0,
-                                   lookahead=eng.init_lookahead(plan), dense=dense,
-                                   logprobs=logprobs)
-        first_new = [[int(t)] for t in first_np]
-        reused = 0
+        last, reused, t_copy = lengths, 0, None
     else:
-        # ---- continue a kept context: copy its pages, feed the tokens not yet cached ------
+        # ---- continue a kept context: copy its pages, prefill the tokens not yet cached ---
         context_api.check_compatible(ctx, plan)
         kv, summaries, dense = context_api.relayout(ctx, plan, src, eng)
+        t_copy = time.perf_counter() - t0
         cached = [ctx.cached[s] for s in src]
         pending = [p[c:] for p, c in zip(prompts, cached)]
         for i, p in enumerate(pending):
             if not p:
                 raise ValueError(f"prompt {i} is empty and context request {src[i]} has no "
                                  "token left to feed: pass the tokens to append")
-        # a power of two, at least 64: turns of up to 64 tokens share one decode program
-        F = max(64, _next_pow2(max(len(p) - 1 for p in pending)))
-        forced = np.full((B, F), -1, np.int32)
+        # a power of two, at least 64: turns of up to 64 tokens share one program per layer
+        F = max(64, _next_pow2(max(len(p) for p in pending)))
+        tokens = np.zeros((B, F), np.int32)
         for b, p in enumerate(pending):
-            forced[b, :len(p) - 1] = p[1:]
-        state = engine.start_state(plan, kv, summaries, cached, [p[0] for p in pending], key,
-                                   n_generated=0, lookahead=eng.init_lookahead(plan), dense=dense,
-                                   forced=(forced, np.asarray(cached, np.int32) + 1),
-                                   logprobs=logprobs)
-        t_prefill = time.perf_counter() - t0
-        first_new, first_lp = None, None
-        reused = sum(cached)
+            tokens[b, :len(p)] = p
+        start = jnp.asarray(cached, jnp.int32)
+        count = jnp.asarray([len(p) for p in pending], jnp.int32)
+        x = eng.embed_prompt(plan, params, jnp.asarray(tokens))
+        for layer in _layer_bar(model, [len(p) for p in pending], progress, "append"):
+            x, kv, summaries, dense = engine.extend_layer(plan, params["layers"][layer],
+                                                          jnp.int32(layer), x, start, count, kv,
+                                                          summaries, dense)
+        lengths, last, reused = start + count, count, sum(cached)
+
+    # the first new token from each request's last prompt position (``last`` [B]: its index
+    # in x), then the decode state
+    key, sub = jax.random.split(key)
+    if logprobs:
+        first, first_lp = engine.first_token(plan, params, x, last, sampling, sub,
+                                             with_logprob=True)
+        first_lp = [[float(v)] for v in np.asarray(first_lp)]
+    else:
+        first = eng.first_token(plan, params, x, last, sampling, sub)
+        first_lp = None
+    first_np = np.asarray(first)
+    t_prefill = time.perf_counter() - t0
+    del x
+    done0 = np.array([(t in stop_np) or max_new_tokens <= 1 for t in first_np])
+    state = engine.start_state(plan, kv, summaries, lengths, first, key, done=done0,
+                               lookahead=eng.init_lookahead(plan), dense=dense,
+                               logprobs=logprobs)
+    first_new = [[int(t)] for t in first_np]
 
     detok = [text_api.Detokenizer(tokenizer) for _ in range(B)] if tokenizer is not None else None
     shown = [""] * B                  # text already streamed per request
@@ -538,8 +538,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
             texts.append(piece)
         return Chunk(new, texts, new_lp)
 
-    if first_new is not None:
-        yield absorb(first_new, first_lp)
+    yield absorb(first_new, first_lp)
 
     # ---- decode rounds -----------------------------------------------------------------
     max_new = jnp.int32(max_new_tokens)
@@ -609,7 +608,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
 
     counters = kvcache.CacheCounters(**totals).as_dict(plan.spec)
     n_new = sum(len(o) for o in out)
-    n_decoded = n_new - (B if ctx is None else 0)
+    n_decoded = n_new - B
     stats = {
         "mode": cache.mode, "selector": cache.selector, "batch": B,
         "prompt_tokens": sum(lens), "generated_tokens": n_new,
@@ -630,7 +629,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     if ctx is not None:  # the context's tokens were copied, not prefilled again
         rate = ctx.prefill_tokens_per_s
         stats.update({"reused_context_tokens": reused, "appended_tokens": sum(lens) - reused,
-                      "context_copy_time_s": t_prefill,
+                      "context_copy_time_s": t_copy,
                       "prefill_time_saved_s": (reused / rate - t_prefill) if rate and rate > 0
                       else float("nan")})
     if n_dev > 1:  # counters are totals over the devices; here each device's own
@@ -651,6 +650,15 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         for why in validation.strict_violations(stats):
             warnings.warn(why + " (CacheConfig(strict=True) raises instead)", RuntimeWarning, stacklevel=3)
     return result
+
+
+def _layer_bar(model, lens, progress, what):
+    """The layer indices, as a progress bar when ``progress`` (None: from 8192 tokens on)."""
+    layers = range(model.num_layers)
+    if progress if progress is not None else max(lens) >= 8192:
+        from tqdm.auto import tqdm
+        layers = tqdm(layers, desc=f"{what} {sum(lens)} tokens", unit="layer")
+    return layers
 
 
 def _drain_counters(state: engine.DecodeState, totals: dict, per_device: dict | None = None

@@ -3,19 +3,22 @@ conversation, reused by a later :func:`jaxkv.generate` call without prefilling i
 
 ``generate(..., keep=True)`` returns a :class:`Context` in ``result.context``. A later
 ``generate(model, new_prompts, context=ctx)`` continues it: each request's tokens that are
-not in the cache yet (the last generated token) and the new prompt's tokens are fed through
-the compiled decode loop (``DecodeState.forced``), then generation goes on. With as many
-prompts as the context has requests, request ``b`` continues request ``b`` (multi-turn
-chat); a context of one request with N prompts forks it N times (several questions over one
-document). ``context=ctx.select(i, ...)`` picks requests.
+not in the cache yet (the last generated token) and the new prompt's tokens are prefilled
+against the cached ones (:func:`jaxkv.prefill.extend_layer`: every appended token attends to
+the whole cached context and to the appended tokens before it, as one long prompt would),
+then generation goes on. With as many prompts as the context has requests, request ``b``
+continues request ``b`` (multi-turn chat); a context of one request with N prompts forks it
+N times (several questions over one document). ``context=ctx.select(i, ...)`` picks
+requests.
 
 Isolation and cost: every call copies the context's pages into fresh arrays laid out for the
 new call's plan (:func:`relayout`), so calls never write into the context or into each
 other, and one context can be continued any number of times. The copy moves each request's
 KV once through host memory (``context_copy_time_s`` in the stats): O(tokens) bytes, far
-less than the prefill it replaces. The appended tokens run one decode step each (the
-selector's sparse attention, as generated tokens do), which suits turns of tens to hundreds
-of tokens; a new long document is better sent as a new prompt.
+less than the prefill it replaces. The appended tokens' prefill reads every cached page of
+each layer once (dense attention over the context, then the selector's summaries take the
+new tokens one by one, as decode steps would); its cost grows with the context and the turn
+like one chunk of a long prompt's prefill.
 
 A request cut by a stop string keeps only the tokens up to the string; its cache may hold the
 K/V of a few tokens after them (generated in the same round). Attention never reads them (the

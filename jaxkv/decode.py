@@ -27,8 +27,7 @@ from jaxkv.state import DecodeState, state_shardings
 
 def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_ids, max_new,
                 step_index=0):
-    """One token for every active request. Returns (state, tokens [B] (-1 if inactive or
-    fed from ``st.forced``)). ``step_index``: the step's column in ``st.logprobs``."""
+    """One token for every active request. Returns (state, tokens [B] (-1 if inactive)). ``step_index``: the step's column in ``st.logprobs``."""
     cfg, spec, ps = plan.model, plan.spec, plan.page_size
     B, Np, H = plan.batch, plan.pages_per_seq, cfg.num_kv_heads
     P = spec.num_logical_pages
@@ -142,29 +141,20 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     logits = llama.final_logits(params, cfg, x)
     key, sub = jax.random.split(st.key)
     tok = agree(sample(logits[:, 0], sampling, sub), plan.axis_name)
-    feed = tok
-    forcing = jnp.zeros((B,), jnp.bool_)
-    if st.forced:  # a continued context: feed its remaining tokens instead of samples
-        ftok, fstart = st.forced
-        idx = pos + 1 - fstart
-        f = jnp.take_along_axis(ftok, jnp.clip(idx, 0, ftok.shape[1] - 1)[:, None], axis=1)[:, 0]
-        forcing = active & (idx >= 0) & (idx < ftok.shape[1]) & (f >= 0)
-        feed = jnp.where(forcing, f, tok)
-    emit = active & ~forcing
     logprobs = st.logprobs
     if logprobs:  # the chosen token's log-probability under the model (temperature 1)
         lsm = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
         lp = jnp.take_along_axis(lsm, jnp.maximum(tok, 0)[:, None], axis=1)[:, 0]
-        logprobs = (logprobs[0].at[:, step_index].set(jnp.where(emit, lp, jnp.nan)),)
-    tok = jnp.where(emit, tok, INVALID)
+        logprobs = (logprobs[0].at[:, step_index].set(jnp.where(active, lp, jnp.nan)),)
+    tok = jnp.where(active, tok, INVALID)
     lengths = jnp.where(active, pos + 1, pos)
-    n_gen = st.n_generated + emit.astype(jnp.int32)
+    n_gen = st.n_generated + active.astype(jnp.int32)
     stop = jnp.any(tok[:, None] == stop_ids[None, :], axis=1)
-    done = st.done | (emit & (stop | (n_gen >= max_new))) | (active & (lengths >= plan.max_context))
+    done = st.done | (active & (stop | (n_gen >= max_new) | (lengths >= plan.max_context)))
     kv = sched.tick(kv)
     st = DecodeState(kv=kv, summaries=summ, lengths=lengths,
-                     last_token=jnp.where(active, feed, st.last_token), done=done,
-                     n_generated=n_gen, key=key, lookahead=look, dense=dense, forced=st.forced,
+                     last_token=jnp.where(active, tok, st.last_token), done=done,
+                     n_generated=n_gen, key=key, lookahead=look, dense=dense,
                      logprobs=logprobs)
     return st, tok
 

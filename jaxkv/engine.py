@@ -14,7 +14,8 @@ from __future__ import annotations
 from jaxkv.decode import (_decode_round, _round_fn, decode_round, decode_step,  # noqa: F401
                           lower_decode_round)
 from jaxkv.plan import Plan, _accepted_options, round_compiler_options  # noqa: F401
-from jaxkv.prefill import _in_token_chunks, embed_prompt, first_token, prefill_layer  # noqa: F401
+from jaxkv.prefill import (_in_token_chunks, embed_prompt, extend_layer,  # noqa: F401
+                           first_token, prefill_layer)
 from jaxkv.residency import pool_only_reads  # noqa: F401
 from jaxkv.sampling import agree  # noqa: F401
 from jaxkv.state import (DecodeState, init_dense, init_kv, init_lookahead,  # noqa: F401

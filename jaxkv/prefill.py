@@ -12,10 +12,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxkv import cache as kvcache
 from jaxkv import selectors
 from jaxkv.config import Sampling
-from jaxkv.kernels import kv_quant, page_write
-from jaxkv.kernels.prefill_attention import prefill_attention
+from jaxkv.kernels import kv_quant, page_fetch, page_write
+from jaxkv.kernels.prefill_attention import extend_attention, prefill_attention
 from jaxkv.models import llama
 from jaxkv.plan import Plan
 from jaxkv.sampling import agree, sample
@@ -98,6 +99,96 @@ def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, de
         q_last = jnp.take_along_axis(q, last[:, None, None, None], axis=1)[:, 0]  # [B, Hq, D]
         pages = selector.first_pages(plan, own, layer, lp, h_last, q_last, lengths)
         ahead = ahead.at[layer].set(pages)
+    return x, kv, selectors.join(own, shift, ahead), dense
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("kv", "summaries", "dense"))
+def extend_layer(plan: Plan, layer_params, layer, x, start, count, kv, summaries, dense=()):
+    """One layer over tokens appended to a cached context (a continued :class:`Context`).
+
+    x [B, T, d] the appended tokens' hidden states (request b's first ``count[b]`` rows;
+    the rest padding); start [B] int32 the tokens already in the cache (the appended ones
+    sit at positions ``start + t``); count [B] int32. The new tokens' K/V are written into
+    the cache as the decode step writes them (quantized, shifted and rotated alike), each
+    new token attends to every cached token before it and to the new ones up to itself
+    (the cache's stored, dequantized K/V: what decoding reads), and the selector's summaries
+    take the tokens one by one in order, as decode steps fold them. Returns
+    (x, kv, summaries, dense).
+    """
+    cfg, ps, spec = plan.model, plan.page_size, plan.spec
+    B, T, _ = x.shape
+    H, D, Np, P = cfg.num_kv_heads, cfg.head_dim, plan.pages_per_seq, spec.num_logical_pages
+    impl = plan.cache.implementation
+    t = jnp.arange(T, dtype=jnp.int32)
+    valid = t[None, :] < count[:, None]                                        # [B, T]
+    positions = start[:, None] + t[None, :]
+    lp = layer_params
+    h, q, k, v = _in_token_chunks(lambda x, pos: llama.attention_inputs(lp, cfg, x, pos),
+                                  plan.prefill_token_chunk, x, positions)
+    own, shift, ahead = selectors.split(summaries, plan)
+    tok_kv = jnp.stack([k, v], axis=2).astype(plan.summary_dtype)              # [B, T, 2, H, D]
+    st_kv = tok_kv
+    rot = kv_quant.hadamard(D) if plan.key_rotation else None
+    if plan.key_shift or plan.key_rotation:   # the stored form (decode.decode_step's ``stored``)
+        k_st = tok_kv[:, :, 0].astype(jnp.float32)
+        if plan.key_shift:
+            k_st = k_st - shift[layer][:, None]
+        if rot is not None:
+            k_st = k_st @ rot
+        st_kv = tok_kv.at[:, :, 0].set(k_st.astype(tok_kv.dtype))
+    # write: one entry per appended token
+    b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
+    logical = jnp.where(valid, b_idx * Np + positions // ps, INVALID).reshape(-1)
+    offsets = (positions % ps).reshape(-1)
+    flat_kv = st_kv.reshape(B * T, 2, H, D)
+    if plan.cache.mode == "host":
+        kv = kvcache.write_through(spec, kv, layer, logical, offsets, flat_kv, implementation=impl)
+        if plan.num_dense:
+            slot = plan.dense_slot(layer)
+            dense = kvcache.write_resident(plan.dense_spec, dense, slot,
+                                           jnp.where(plan.is_dense(layer), logical, INVALID),
+                                           offsets, flat_kv, implementation=impl)
+        pages_src = kv.host_kv
+    else:
+        kv = kvcache.write_resident(spec, kv, layer, logical, offsets, flat_kv, implementation=impl)
+        pages_src = kv.pool
+    # read back every page of the layer (the cached tokens and the new ones, as stored)
+    rows = (layer * P + jnp.arange(B * Np, dtype=jnp.int32))
+    buf = jnp.zeros((B * Np, pages_src.shape[1]), pages_src.dtype)
+    buf = page_fetch.fetch_pages(pages_src, buf, rows, jnp.arange(B * Np, dtype=jnp.int32),
+                                 implementation=impl)
+    if plan.cache.mode == "host":  # order the next in-place host write after this read
+        host_kv, buf = jax.lax.optimization_barrier((kv.host_kv, buf))
+        kv = dataclasses.replace(kv, host_kv=host_kv)
+    cached = kv_quant.unpack_rows(buf, H, ps, D).reshape(B, Np, 2, H, ps, D)
+    cached = cached.transpose(2, 0, 1, 4, 3, 5).reshape(2, B, Np * ps, H, D)  # [2, B, S, H, D]
+    qa = q.astype(jnp.float32) if rot is None else q.astype(jnp.float32) @ rot
+    attn = extend_attention(qa, cached[0], cached[1], positions, valid)
+    x = _in_token_chunks(lambda x, a: llama.layer_output(lp, cfg, x, a, axis_name=plan.axis_name),
+                         plan.prefill_token_chunk, x, attn.astype(q.dtype))
+    # the selector's summaries: the tokens one by one, as decode steps fold them (the
+    # selection each step makes is unused here and left to XLA's dead-code elimination)
+    selector = plan.selector
+
+    def fold(i, own):
+        pos_i = jnp.where(valid[:, i], positions[:, i], INVALID)
+        h_i = jax.lax.dynamic_slice_in_dim(h, i, 1, axis=1)
+        own, _ = selector.update_select(plan, own, layer, lp, h_i, q[:, i], tok_kv[:, i], pos_i)
+        return own
+
+    def fold_all(own):
+        return jax.lax.fori_loop(0, T, fold, tuple(own))
+
+    if plan.num_dense:  # dense layers select nothing: decoding leaves their summaries alone
+        own = jax.lax.cond(plan.is_dense(layer), tuple, fold_all, tuple(own))
+    else:
+        own = fold_all(own)
+    if plan.lagged:  # the first decode step's pages, chosen with the last appended query
+        last = jnp.maximum(count - 1, 0)
+        h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)
+        q_last = jnp.take_along_axis(q, last[:, None, None, None], axis=1)[:, 0]
+        ahead = ahead.at[layer].set(
+            selector.first_pages(plan, own, layer, lp, h_last, q_last, start + count))
     return x, kv, selectors.join(own, shift, ahead), dense
 
 

@@ -20,10 +20,7 @@ class DecodeState:
     kv: HostTierCache (host mode) or ResidentCache. summaries: selector summaries.
     lengths [B]: tokens in the cache = position of ``last_token``. last_token [B]: the next
     token to feed. done [B] bool. n_generated [B]: tokens produced so far. key: PRNG key.
-    forced: () or (tokens [B, F] int32, start [B] int32): a continued context's tokens not yet
-    in the cache (``jaxkv.context``). The step that produces position ``p`` feeds
-    ``tokens[b, p - start[b]]`` instead of its sample while that is in range and >= 0; such
-    steps emit no token (-1) and count nothing as generated. logprobs: () or ([B, N] float32,),
+    logprobs: () or ([B, N] float32,),
     the log-probability of each round step's chosen token under the model (NaN: none).
     """
 
@@ -36,7 +33,6 @@ class DecodeState:
     key: jax.Array
     lookahead: tuple = ()
     dense: object = ()
-    forced: tuple = ()
     logprobs: tuple = ()
 
 
@@ -55,12 +51,11 @@ def init_dense(plan: Plan, *, poison: bool = False, traced: bool = False):
 
 
 def start_state(plan: Plan, kv, summaries, lengths, last_token, key, *, done=None,
-                n_generated: int = 1, lookahead=None, dense=(), forced=(),
-                logprobs: bool = False) -> DecodeState:
+                n_generated: int = 1, lookahead=None, dense=(), logprobs: bool = False) -> DecodeState:
     """The decode state right after a prefill: lengths [B] (tokens in the cache), last_token [B]
     (the next token to feed), ``done`` [B] bool (default all False), every request's
     ``n_generated`` set to the given count, empty per-step selections (``lookahead`` default:
-    ``init_lookahead(plan)``), ``forced`` (see :class:`DecodeState`), a per-round buffer of
+    ``init_lookahead(plan)``), a per-round buffer of
     chosen-token log-probabilities if ``logprobs``."""
     B = plan.batch
     return DecodeState(
@@ -69,7 +64,6 @@ def start_state(plan: Plan, kv, summaries, lengths, last_token, key, *, done=Non
         done=jnp.zeros((B,), jnp.bool_) if done is None else jnp.asarray(done),
         n_generated=jnp.full((B,), n_generated, jnp.int32), key=key,
         lookahead=init_lookahead(plan) if lookahead is None else lookahead, dense=dense,
-        forced=tuple(jnp.asarray(a, jnp.int32) for a in forced),
         logprobs=(jnp.full((B, plan.cache.round_steps), jnp.nan, jnp.float32),) if logprobs else ())
 
 

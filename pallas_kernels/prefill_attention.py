@@ -62,7 +62,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ._common import (interpret_mode, next_pow2, online_softmax_step,
+from ._common import (implementations, interpret_mode, next_pow2, online_softmax_step,
                       prefer_on_cpu, prefer_on_gpu, register, resolve)
 
 OP = "prefill_attention"
@@ -415,3 +415,124 @@ def prefill_attention(q, k, v, lengths, *, sm_scale=None, implementation=None, *
         raise TypeError(f"prefill_attention: unknown tuning keywords {unknown}; known: {list(_TUNING)}")
     fn = resolve(OP, implementation)
     return fn(q, k, v, lengths, sm_scale=sm_scale, **tuning)
+
+
+# --------------------------------------------------------------------------------------------
+# Extend attention: tokens appended to a cached sequence (a continued context) attend to it.
+# --------------------------------------------------------------------------------------------
+OP_EXTEND = "extend_attention"
+EXTEND_MAX_SCORES = 1 << 26    # the reference's scores per query chunk (elements)
+EXTEND_BLOCK = 256             # keys per block of the blocked formulation
+
+
+def _check_extend(q, k, v, positions, valid):
+    B, T, Hq, D = q.shape
+    if k.ndim != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k {k.shape} / v {v.shape} must be [B={B}, S, H, D={D}]")
+    if Hq % k.shape[2]:
+        raise ValueError(f"query heads {Hq} must be a multiple of kv heads {k.shape[2]}")
+    if positions.shape != (B, T) or valid.shape != (B, T):
+        raise ValueError(f"positions {positions.shape} and valid {valid.shape} must be [{B}, {T}]")
+
+
+@register(OP_EXTEND, "xla")
+@functools.partial(jax.jit, static_argnames=("sm_scale", "max_scores"))
+def extend_attention_xla(q, k, v, positions, valid, *, sm_scale=None, max_scores=None):
+    """Reference: :func:`gqa_attention` over chunks of queries (at most ``max_scores``, default
+    ``EXTEND_MAX_SCORES``, scores per chunk), each against all S keys under the rule of
+    :func:`extend_attention`."""
+    _check_extend(q, k, v, positions, valid)
+    B, T, Hq, D = q.shape
+    S = k.shape[1]
+    s_idx = jnp.arange(S, dtype=jnp.int32)
+    cap = EXTEND_MAX_SCORES if max_scores is None else int(max_scores)
+    C = max(1, min(T, cap // max(1, B * Hq * S)))
+    n = -(-T // C)
+
+    def one(qc, pc, vc):
+        mask = vc[:, :, None] & (s_idx[None, None, :] <= pc[:, :, None])        # [B, C, S]
+        return gqa_attention(qc, k, v, mask, sm_scale).astype(jnp.float32)
+
+    if n == 1:
+        return one(q, positions, valid)
+    pad = lambda a: jnp.pad(a, [(0, 0), (0, n * C - T)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+    pieces = [jnp.moveaxis(pad(a).reshape((B, n, C) + a.shape[2:]), 1, 0)
+              for a in (q, positions, valid)]
+    out = lax.map(lambda c: one(*c), tuple(pieces))                             # [n, B, C, Hq, D]
+    return jnp.moveaxis(out, 0, 1).reshape(B, n * C, Hq, D)[:, :T]
+
+
+@register(OP_EXTEND, "blocked")
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block"))
+def extend_attention_blocked(q, k, v, positions, valid, *, sm_scale=None, block=None):
+    """The appended queries of each KV head as one ``[T * G, D]`` matrix, a ``fori_loop`` over
+    key blocks of ``block`` keys (default ``EXTEND_BLOCK``) up to the last appended position,
+    with an online softmax in float32 (base-2 exponent). Blocks below every request's first
+    appended position are used without a mask; the rest are masked per row (the V rows past a
+    request's last position zeroed). Padding rows get zeros."""
+    _check_extend(q, k, v, positions, valid)
+    B, T, Hq, D = q.shape
+    S, H = k.shape[1], k.shape[2]
+    G = Hq // H
+    C = min(EXTEND_BLOCK if block is None else int(block), S)
+    n = -(-S // C)
+    scale = (D ** -0.5 if sm_scale is None else float(sm_scale)) * _LOG2E
+    pad = ((0, 0), (0, n * C - S), (0, 0), (0, 0))
+    kb = jnp.pad(k, pad).reshape(B, n, C, H, D).transpose(0, 3, 1, 2, 4)        # [B, H, n, C, D]
+    vb = jnp.pad(v, pad).reshape(B, n, C, H, D).transpose(0, 3, 1, 2, 4)
+    qb = (q.astype(jnp.float32) * jnp.float32(scale)).reshape(B, T, H, G, D)
+    qb = qb.transpose(0, 2, 1, 3, 4).reshape(B, H, T * G, D)                   # rows (t, g)
+    pos = jnp.where(valid, positions, -1).astype(jnp.int32)
+    row_pos = jnp.repeat(pos, G, axis=1)                                        # [B, T * G]
+    last = jnp.max(pos, axis=1)                                                 # [B]
+    first = jnp.min(jnp.where(valid, positions, jnp.iinfo(jnp.int32).max), axis=1)
+    n_full = jnp.clip(jnp.min(first) // C, 0, n)      # blocks every valid row reads whole
+    n_used = jnp.clip((jnp.max(last) + C) // C, 0, n)
+    col = jnp.arange(C, dtype=jnp.int32)
+
+    def block_step(j, carry, masked):
+        m, l, acc = carry
+        kj = lax.dynamic_index_in_dim(kb, j, axis=2, keepdims=False)            # [B, H, C, D]
+        vj = lax.dynamic_index_in_dim(vb, j, axis=2, keepdims=False).astype(jnp.float32)
+        s = jnp.einsum("bhqd,bhkd->bhqk", qb, kj.astype(jnp.float32),
+                       preferred_element_type=jnp.float32)
+        if masked:
+            key = j * C + col
+            ok = key[None, None, :] <= row_pos[:, :, None]                      # [B, TG, C]
+            s = jnp.where(ok[:, None], s, -jnp.inf)
+            vj = jnp.where((key[None, :] <= last[:, None])[:, None, :, None], vj, 0.0)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_use)
+        p = jnp.exp2(s - m_use[..., None])
+        pv = jnp.einsum("bhqk,bhkd->bhqd", p, vj)
+        return m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv
+
+    carry = (jnp.full((B, H, T * G), -jnp.inf, jnp.float32), jnp.zeros((B, H, T * G), jnp.float32),
+             jnp.zeros((B, H, T * G, D), jnp.float32))
+    carry = lax.fori_loop(0, n_full, lambda j, c: block_step(j, c, False), carry)
+    carry = lax.fori_loop(n_full, n_used, lambda j, c: block_step(j, c, True), carry)
+    _, l, acc = carry
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    o = o.reshape(B, H, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
+    return jnp.where(valid[:, :, None, None], o, 0.0)
+
+
+prefer_on_cpu(OP_EXTEND, "blocked")
+prefer_on_gpu(OP_EXTEND, "xla")
+
+
+def extend_attention(q, k, v, positions, valid, *, sm_scale=None, implementation=None):
+    """Attention of tokens appended to cached sequences (a continued context).
+
+    q ``[B, T, Hq, D]`` the appended tokens' queries at ``positions`` ``[B, T]`` int32;
+    ``valid`` ``[B, T]`` bool (False: padding, whose output is zeros); k, v ``[B, S, H, D]``
+    each request's whole sequence by position, the appended tokens' K/V included. Query ``t``
+    of request ``b`` attends key ``s`` iff ``s <= positions[b, t]``; keys past a request's last
+    valid position are never read into a result (they may hold NaN). Any float dtypes; the
+    softmax and the result are float32 ``[B, T, Hq, D]``. ``implementation``: "xla" (the
+    reference, the GPU default) | "blocked" (the CPU default) | None; other names (the
+    engine's "pallas") take the backend's default."""
+    if implementation not in implementations(OP_EXTEND):
+        implementation = None
+    return resolve(OP_EXTEND, implementation)(q, k, v, positions, valid, sm_scale=sm_scale)

@@ -222,6 +222,28 @@ def test_gpu_host_equals_resident(selector):
         assert agree > 0.9  # bf16: kernels and references may differ in rounding
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+def test_gpu_continued_context_host_equals_resident(kv_dtype):
+    """A kept context continued by a second turn (its tokens prefilled against the pinned
+    host tier or the resident pool, the default two-stage selector, a small pool): the same
+    tokens in both modes; three requests continue with turns of different lengths."""
+    cfg = configs.tiny(dtype="bfloat16", head_dim=64, num_heads=8, num_kv_heads=2, num_layers=3)
+    params = llama.init_params(cfg, seed=0)
+    prompts = [list(RNG.integers(3, cfg.vocab_size, n)) for n in (300, 170, 513)]
+    turns = [list(RNG.integers(3, cfg.vocab_size, n)) for n in (40, 1, 130)]
+    kw = dict(max_new_tokens=16, stop_tokens=[])
+    base = CacheConfig(page_size=16, selected_pages=6, kv_dtype=kv_dtype)
+    got = {}
+    for mode, pool in (("resident", None), ("host", 3 * (2 * 6 + 2))):
+        cache = dataclasses.replace(base, mode=mode, pool_pages=pool)
+        r1 = jaxkv.generate(cfg, params, prompts, cache=cache, keep=True, **kw)
+        r2 = jaxkv.generate(cfg, params, turns, cache=cache, context=r1.context, **kw)
+        assert sum(x["steps"] for x in r2.rounds) == kw["max_new_tokens"] - 1
+        got[mode] = (r1.tokens, r2.tokens)
+    assert got["host"] == got["resident"]
+
+
 @pytest.mark.parametrize("mode", ["host", "resident"])
 def test_dense_first_layers(mode):
     """dense_layers=1: layer 0 attends to every page, layer 1 uses Quest. Host == resident;

@@ -308,3 +308,71 @@ def test_property_blocked_equals_direct_attention(B, T, H, G, tile, data):
                               lengths=lengths)
     check_blocked(q, k, v, lens, seed, f"blocked B={B} T={T} lengths={lengths} tile={tile}",
                   block_q=tile)
+
+
+# ----------------------------------------------------------------------------- extend attention
+
+def extend_case(seed, *, B, T, S, Hq, H, D):
+    """Appended queries at positions start + t (count[b] of them valid) over sequences of S
+    keys; keys and values past each request's last valid position are NaN."""
+    rng = np.random.default_rng(seed)
+    count = rng.integers(0, T + 1, size=B)
+    start = np.array([rng.integers(0, S - c + 1) for c in count])
+    positions = (start[:, None] + np.arange(T)[None, :]).astype(np.int32)
+    valid = np.arange(T)[None, :] < count[:, None]
+    q = rng.standard_normal((B, T, Hq, D)).astype(np.float32)
+    k = rng.standard_normal((B, S, H, D)).astype(np.float32)
+    v = rng.standard_normal((B, S, H, D)).astype(np.float32)
+    last = start + count - 1
+    past = np.arange(S)[None, :] > last[:, None]
+    k[past], v[past] = np.nan, np.nan
+    return q, k, v, positions, valid
+
+
+def extend_numpy(q, k, v, positions, valid):
+    """Per request, query and head: softmax over the keys at or before the query's position."""
+    B, T, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    out = np.zeros((B, T, Hq, D), np.float64)
+    for b in range(B):
+        for t in range(T):
+            if not valid[b, t]:
+                continue
+            n = positions[b, t] + 1
+            for i in range(Hq):
+                s = k[b, :n, i // G].astype(np.float64) @ q[b, t, i] / np.sqrt(D)
+                p = np.exp(s - s.max())
+                out[b, t, i] = (p / p.sum()) @ v[b, :n, i // G]
+    return out
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(B=st.integers(1, 3), T=st.integers(1, 24), S=st.integers(24, 90),
+       H=st.sampled_from([1, 2]), G=st.sampled_from([1, 3]),
+       block=st.sampled_from([4, 16, 64, 256]), data=st.data())
+def test_property_extend_attention_equals_numpy(B, T, S, H, G, block, data):
+    """Any start, count (0 included), GQA ratio and key block: the blocked formulation and the
+    chunked reference equal the numpy attention, padding rows are zeros, and NaN past each
+    request's last position is never read."""
+    seed = data.draw(st.integers(0, 2 ** 31 - 1))
+    q, k, v, pos, valid = extend_case(seed, B=B, T=T, S=S, Hq=G * H, H=H, D=16)
+    want = extend_numpy(q, k, v, pos, valid)
+    args = [jnp.asarray(a) for a in (q, k, v, pos, valid)]
+    blocked = pa.extend_attention_blocked(*args, block=block)
+    xla = pa.extend_attention_xla(*args, max_scores=B * G * H * S * 5)   # chunks of 5 queries
+    for got, what in ((blocked, f"blocked {block}"), (xla, "xla")):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5,
+                                   err_msg=f"{what} B={B} T={T} S={S} (seed {seed})")
+
+
+def test_extend_attention_defaults_and_checks():
+    q, k, v, pos, valid = (jnp.asarray(a) for a in extend_case(fresh_seed(), B=2, T=8, S=40,
+                                                                Hq=4, H=2, D=16))
+    want = pa.extend_attention_xla(q, k, v, pos, valid)
+    if jax.default_backend() != "gpu":   # the CPU default is the blocked formulation
+        assert _common.resolve(pa.OP_EXTEND) is pa.extend_attention_blocked
+    # the engine's "pallas" names no implementation of this op: the backend's default
+    got = pa.extend_attention(q, k, v, pos, valid, implementation="pallas")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="positions"):
+        pa.extend_attention(q, k, v, pos[:, :3], valid)

@@ -151,9 +151,15 @@ def test_continued_chat_equals_one_long_prompt(model, cache):
     r2 = jaxkv.generate(model, [p2], cache=cache, max_new_tokens=NEW, stop_tokens=[],
                         context=ctx, keep=True)
     long = jaxkv.generate(model, [p1 + r1.tokens[0] + p2], cache=cache, max_new_tokens=NEW,
-                          stop_tokens=[])
+                          stop_tokens=[], keep=True)
     assert r2.tokens == long.tokens
     assert r2.stats["reused_context_tokens"] == len(p1) + NEW - 1
+    # the appended turn is prefilled: the decode rounds run the generated tokens only
+    assert sum(x["steps"] for x in r2.rounds) == NEW - 1
+    # and it leaves the cache and the summaries one long prompt leaves
+    for a, b in zip(_arrays(r2.context), _arrays(long.context)):
+        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=2e-2,
+                                   atol=2e-2)
     # a third turn continues the second
     p3 = tok.encode(" And birds?", add_bos=False)
     r3 = jaxkv.generate(model, [p3], cache=cache, max_new_tokens=NEW, stop_tokens=[],
@@ -257,6 +263,26 @@ def test_continued_context_grows_with_lagged_selection_and_dense_layers(model, s
     long = jaxkv.generate(model, [p1 + r1.tokens[0] + p2], cache=cache, max_new_tokens=4,
                           stop_tokens=[])
     assert r2.tokens == long.tokens
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_quantized_continued_context_host_equals_resident(model, kv_dtype):
+    """With quantized KV (int8: keys shifted; fp8: keys rotated) a continued turn writes its
+    tokens as decoding does and attends to the stored pages: the host tier and the resident
+    pool give the same tokens, with the default two-stage selector."""
+    tok = model.tokenizer
+    p1 = tok.encode("A document about the sea, " * 8)
+    p2 = tok.encode(" Now a question about fish?", add_bos=False)
+    got = {}
+    for mode in ("host", "resident"):
+        cache = CacheConfig(mode=mode, page_size=4, selected_pages=8, round_steps=8,
+                            kv_dtype=kv_dtype, max_context=256)
+        r1 = jaxkv.generate(model, [p1], cache=cache, max_new_tokens=4, stop_tokens=[],
+                            keep=True)
+        r2 = jaxkv.generate(model, [p2], cache=cache, max_new_tokens=NEW, stop_tokens=[],
+                            context=r1.context)
+        got[mode] = (r1.tokens, r2.tokens)
+    assert got["host"] == got["resident"]
 
 
 def test_detokenizer_never_splits_a_character(model):
