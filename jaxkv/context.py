@@ -29,8 +29,10 @@ what is read as context).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import cache as kvcache
@@ -141,13 +143,27 @@ def keep(plan: Plan, state, tokens: list[list[int]], messages: list, prefill_tok
                    reply_start=tuple(reply_start))
 
 
+def _in_host_memory_of_a_gpu(x) -> bool:
+    """Whether ``x`` lives in pinned host memory that the GPU's programs do not compute on
+    (then the copies go through numpy; on the CPU both memory kinds are RAM that jit reads)."""
+    return (jax.default_backend() != "cpu" and isinstance(x, jax.Array)
+            and x.sharding.memory_kind == "pinned_host")
+
+
 def _copy_pages(old: jax.Array, shape: tuple, sharding, layers: int, old_plan: Plan, plan: Plan,
                 src) -> jax.Array:
     """Rows ``shape`` = [layers * B * Np (+ unused rows, ``spec.alloc_rows``), R] in
-    ``sharding``: the new request b's pages are the old request src[b]'s (the pages that fit),
-    the rest zero. Built on the host (``np.zeros``) and placed once: no second buffer of the
-    tier's size on the device."""
+    ``sharding`` (None: ``old``'s): the new request b's pages are the old request src[b]'s
+    (the pages that fit), the rest zero. One jitted gather where jit computes on ``old``'s
+    memory; a pinned host tier on the GPU is built on the host (``np.zeros``) and placed
+    once: no buffer of the tier's size on the device."""
     n = min(old_plan.pages_per_seq, plan.pages_per_seq)
+    geometry = (layers, old_plan.batch, old_plan.pages_per_seq, plan.batch, plan.pages_per_seq,
+                n, tuple(shape))
+    if not _in_host_memory_of_a_gpu(old):
+        old = jnp.asarray(old)
+        sharding = sharding or old.sharding
+        return _copy_pages_jit(geometry, sharding)(old, jnp.asarray(src, jnp.int32))
     used = layers * old_plan.batch * old_plan.pages_per_seq
     a = np.asarray(jax.device_get(old))[:used].reshape(layers, old_plan.batch,
                                                         old_plan.pages_per_seq, -1)
@@ -158,20 +174,41 @@ def _copy_pages(old: jax.Array, shape: tuple, sharding, layers: int, old_plan: P
     return jax.device_put(out, sharding)
 
 
+@functools.lru_cache(maxsize=32)
+def _copy_pages_jit(geometry, sharding):
+    layers, old_b, old_np, new_b, new_np, n, shape = geometry
+
+    def copy(old, src):
+        if jax.typeof(old).memory_space == jax.memory.Space.Host:   # the CPU's host tier
+            old = jax.device_put(old, jax.memory.Space.Device)
+        a = old[:layers * old_b * old_np].reshape(layers, old_b, old_np, -1)
+        a = jnp.take(a, src, axis=1)[:, :, :n]                          # [L, B', n, R]
+        a = jnp.pad(a, ((0, 0), (0, 0), (0, new_np - n), (0, 0))).reshape(-1, a.shape[-1])
+        return jnp.pad(a, ((0, shape[0] - a.shape[0]), (0, 0)))
+
+    return jax.jit(copy, out_shardings=sharding)
+
+
 def _copy_summary(old, new, old_plan: Plan, plan: Plan, src, ahead: bool):
     """A summary leaf [L, B, ...] (Quest's [L, B, Np, H, D], the two-stage selector's key copy
     [L, B, H, Np, ps, D], or the lagged ``ahead`` [L, B, H, k], page indices): the region both
     shapes hold is copied, so a larger capacity keeps its pages (empty past the old ones)."""
-    a = np.asarray(jax.device_get(old))[:, src]
-    out = np.array(jax.device_get(new))
-    if ahead:
-        k = min(a.shape[-1], out.shape[-1])
-        out[...] = INVALID
-        out[..., :k] = np.where(a[..., :k] < plan.pages_per_seq, a[..., :k], INVALID)
-    else:
-        both = tuple(slice(0, min(x, y)) for x, y in zip(a.shape, out.shape))
-        out[both] = a[both]
-    return jax.device_put(out, new.sharding)
+    return _copy_summary_jit(ahead, plan.pages_per_seq)(old, new, jnp.asarray(src, jnp.int32))
+
+
+@functools.lru_cache(maxsize=32)
+def _copy_summary_jit(ahead: bool, pages_per_seq: int):
+    def copy(old, new, src):
+        a = jnp.take(old, src, axis=1)
+        if ahead:
+            k = min(a.shape[-1], new.shape[-1])
+            out = jnp.full(new.shape, INVALID, new.dtype)
+            return out.at[..., :k].set(jnp.where(a[..., :k] < pages_per_seq, a[..., :k],
+                                                 INVALID))
+        both = tuple(slice(0, min(x, y)) for x, y in zip(a.shape, new.shape))
+        return new.at[both].set(a[both])
+
+    return jax.jit(copy, donate_argnums=(1,))
 
 
 def relayout(context: Context, plan: Plan, src: list[int], eng):
