@@ -166,8 +166,8 @@ def extend_layer(plan: Plan, layer_params, layer, x, start, count, kv, summaries
     attn = extend_attention(qa, cached[0], cached[1], positions, valid)
     x = _in_token_chunks(lambda x, a: llama.layer_output(lp, cfg, x, a, axis_name=plan.axis_name),
                          plan.prefill_token_chunk, x, attn.astype(q.dtype))
-    # the selector's summaries: the tokens one by one, as decode steps fold them (the
-    # selection each step makes is unused here and left to XLA's dead-code elimination)
+    # the selector's summaries: the tokens one by one, as decode steps fold them (what the
+    # selection computes past the summaries is unused: dead code to XLA)
     selector = plan.selector
 
     def fold(i, own):

@@ -245,3 +245,16 @@ def test_trained_indexer_probe_small(tmp_path):
     assert all(abs(res["256"][m] - 1.0) < 1e-5 for m in methods)
     assert all(res["64"]["oracle"] >= res["64"][m] - 1e-6 for m in methods)
     assert all(0.0 < res["64"][m] < 1.0 for m in methods)
+
+
+def test_bench_context_quick(tmp_path):
+    """bench_context --quick (the tiny checkpoint): a row per cache and turn, the continued
+    turn giving the fresh prompt's tokens, and the markdown table."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_context.py"), "--quick",
+                    "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
+    res = json.loads((tmp_path / "bench_context.json").read_text())
+    assert [(r["mode"], r["turn_tokens"]) for r in res["rows"]] == [
+        ("default", 8), ("default", 40), ("dense", 8), ("dense", 40)]
+    assert all(r["same_tokens"] and r["continued"]["wall_s"] > 0 for r in res["rows"])
+    assert "| default (quest_rescore8) | 96 | 8 |" in (tmp_path / "bench_context.md").read_text()
