@@ -25,9 +25,26 @@ from jaxkv.spec import INVALID
 from jaxkv.state import DecodeState, state_shardings
 
 
+def stored_kv(plan: Plan, kv, shift=None, rot=None):
+    """K/V ``kv`` [..., 2, H, D] as the cache stores them: with quantized KV the keys less
+    their request's shift ``shift`` (broadcast to [..., H, D], float32; ``plan.key_shift``),
+    which the softmax cancels, then rotated by ``rot`` (``kv_quant.hadamard(D)``, built once
+    by the caller; ``plan.key_rotation``), which the rotated queries cancel. Other plans
+    store them as they are."""
+    if not (plan.key_shift or plan.key_rotation):
+        return kv
+    k_st = kv[..., 0, :, :].astype(jnp.float32)
+    if plan.key_shift:
+        k_st = k_st - shift
+    if plan.key_rotation:
+        k_st = k_st @ rot
+    return kv.at[..., 0, :, :].set(k_st.astype(kv.dtype))
+
+
 def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_ids, max_new,
                 step_index=0):
-    """One token for every active request. Returns (state, tokens [B] (-1 if inactive)). ``step_index``: the step's column in ``st.logprobs``."""
+    """One token for every active request. Returns (state, tokens [B] (-1 if inactive)).
+    ``step_index``: the step's column in ``st.logprobs``."""
     cfg, spec, ps = plan.model, plan.spec, plan.page_size
     B, Np, H = plan.batch, plan.pages_per_seq, cfg.num_kv_heads
     P = spec.num_logical_pages
@@ -54,17 +71,9 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     rot = kv_quant.hadamard(D) if plan.key_rotation else None
 
     def stored(tok_kv, summ, layer):
-        """The new token's K/V [B, 2, H, D] as the cache stores them: with quantized KV the keys
-        less their request's shift (``plan.key_shift``), which the softmax cancels, then
-        rotated (``plan.key_rotation``), which the rotated queries cancel."""
-        if not (plan.key_shift or plan.key_rotation):
-            return tok_kv
-        k_st = tok_kv[:, 0].astype(jnp.float32)
-        if plan.key_shift:
-            k_st = k_st - selectors.split(summ, plan)[1][layer]        # [B, H, D] float32
-        if plan.key_rotation:
-            k_st = k_st @ rot
-        return tok_kv.at[:, 0].set(k_st.astype(tok_kv.dtype))
+        """The new token's K/V [B, 2, H, D] as the cache stores them (:func:`stored_kv`)."""
+        shift = selectors.split(summ, plan)[1][layer] if plan.key_shift else None
+        return stored_kv(plan, tok_kv, shift, rot)
 
     def query(q1):
         """The query attention multiplies with the stored keys (rotated alike)."""

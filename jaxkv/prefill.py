@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxkv import cache as kvcache
 from jaxkv import selectors
 from jaxkv.config import Sampling
+from jaxkv.decode import stored_kv
 from jaxkv.kernels import kv_quant, page_fetch, page_write
 from jaxkv.kernels.prefill_attention import extend_attention, prefill_attention
 from jaxkv.models import llama
@@ -127,15 +128,8 @@ def extend_layer(plan: Plan, layer_params, layer, x, start, count, kv, summaries
                                   plan.prefill_token_chunk, x, positions)
     own, shift, ahead = selectors.split(summaries, plan)
     tok_kv = jnp.stack([k, v], axis=2).astype(plan.summary_dtype)              # [B, T, 2, H, D]
-    st_kv = tok_kv
     rot = kv_quant.hadamard(D) if plan.key_rotation else None
-    if plan.key_shift or plan.key_rotation:   # the stored form (decode.decode_step's ``stored``)
-        k_st = tok_kv[:, :, 0].astype(jnp.float32)
-        if plan.key_shift:
-            k_st = k_st - shift[layer][:, None]
-        if rot is not None:
-            k_st = k_st @ rot
-        st_kv = tok_kv.at[:, :, 0].set(k_st.astype(tok_kv.dtype))
+    st_kv = stored_kv(plan, tok_kv, shift[layer][:, None] if plan.key_shift else None, rot)
     # write: one entry per appended token
     b_idx = jnp.arange(B, dtype=jnp.int32)[:, None]
     logical = jnp.where(valid, b_idx * Np + positions // ps, INVALID).reshape(-1)

@@ -53,6 +53,11 @@ CASES = {
     "host_quest_dense2": dict(mode="host", selector="quest", dense_layers=1),
     "host_quest_lag_dense2": dict(mode="host", selector="quest", selection_lag=1,
                                   dense_layers=1),
+    "host_quest_int8_shift": dict(mode="host", selector="quest", kv_dtype="int8",
+                                  kv_key_shift=True),
+    "host_quest_fp8_rotated": dict(mode="host", selector="quest", kv_dtype="float8_e4m3fn",
+                                   kv_key_rotation=True, dense_layers=1),
+    "host_rescore8": dict(mode="host", selector="quest_rescore8"),
 }
 
 
