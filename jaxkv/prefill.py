@@ -95,12 +95,19 @@ def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, de
     selector = plan.selector
     own = selector.fill(plan, own, layer, lp, h, k, positions, lengths)
     if plan.lagged:  # the first decode step's pages, chosen with the prompt's last query
-        last = jnp.maximum(lengths - 1, 0)
-        h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)             # [B, 1, d]
-        q_last = jnp.take_along_axis(q, last[:, None, None, None], axis=1)[:, 0]  # [B, Hq, D]
-        pages = selector.first_pages(plan, own, layer, lp, h_last, q_last, lengths)
-        ahead = ahead.at[layer].set(pages)
+        ahead = _first_step_pages(plan, own, ahead, layer, lp, h, q, lengths - 1, lengths)
     return x, kv, selectors.join(own, shift, ahead), dense
+
+
+def _first_step_pages(plan: Plan, own, ahead, layer, lp, h, q, last, seq_lens):
+    """Lagged selection: ``ahead`` with layer ``layer``'s pages for the first decode step,
+    chosen with the query at index ``last`` [B] of h [B, T, d] / q [B, T, Hq, D] for
+    sequences of ``seq_lens`` [B] tokens."""
+    last = jnp.maximum(last, 0)
+    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)                 # [B, 1, d]
+    q_last = jnp.take_along_axis(q, last[:, None, None, None], axis=1)[:, 0]      # [B, Hq, D]
+    pages = plan.selector.first_pages(plan, own, layer, lp, h_last, q_last, seq_lens)
+    return ahead.at[layer].set(pages)
 
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("kv", "summaries", "dense"))
@@ -178,11 +185,7 @@ def extend_layer(plan: Plan, layer_params, layer, x, start, count, kv, summaries
     else:
         own = fold_all(own)
     if plan.lagged:  # the first decode step's pages, chosen with the last appended query
-        last = jnp.maximum(count - 1, 0)
-        h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)
-        q_last = jnp.take_along_axis(q, last[:, None, None, None], axis=1)[:, 0]
-        ahead = ahead.at[layer].set(
-            selector.first_pages(plan, own, layer, lp, h_last, q_last, start + count))
+        ahead = _first_step_pages(plan, own, ahead, layer, lp, h, q, count - 1, start + count)
     return x, kv, selectors.join(own, shift, ahead), dense
 
 
