@@ -54,6 +54,10 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--tag", default="")
     ap.add_argument("--quick", action="store_true", help="tiny checkpoint, tiny shapes")
+    ap.add_argument("--fold-per-token", action="store_true",
+                    help="fold the turn's tokens into the summaries one by one (the base "
+                         "Selector.fold: update_select per token) instead of the selector's "
+                         "own fold: the A/B of the bulk fold")
     a = ap.parse_args(argv)
 
     import jax
@@ -70,6 +74,11 @@ def main(argv=None):
     else:
         model = jaxkv.load(a.gguf) if a.gguf else jaxkv.load()
         extra = {}
+    if a.fold_per_token:
+        from jaxkv import selectors
+        from jaxkv.selectors.base import Selector
+        for name in selectors.names():
+            type(selectors.get(name)).fold = Selector.fold
     cfg = model.config
     rng = np.random.default_rng(0)
     rows = []
@@ -118,13 +127,14 @@ def main(argv=None):
                backend=jax.default_backend(), cpus=os.cpu_count(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                commit=_meta.commit(), jax_version=jax.__version__, model=cfg.name,
-               dtype=cfg.dtype, quick=a.quick, reps=a.reps, rows=rows)
+               dtype=cfg.dtype, quick=a.quick, reps=a.reps,
+               fold="per token" if a.fold_per_token else "selector", rows=rows)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"bench_context_{a.tag}" if a.tag else "bench_context"
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
     lines = [f"# bench_context ({cfg.name} {cfg.dtype}, {res['backend']}, {res['cpus']} CPUs, "
-             f"jax {jax.__version__}, commit {res['commit'][:7]})", "",
+             f"jax {jax.__version__}, commit {res['commit'][:7]}, fold {res['fold']})", "",
              "| cache | context | turn | continued s | copy s | turn prefill s | decode s "
              "| one fresh prompt s | fresh / continued | same tokens |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -120,7 +120,8 @@ def extend_layer(plan: Plan, layer_params, layer, x, start, count, kv, summaries
     the cache as the decode step writes them (quantized, shifted and rotated alike), each
     new token attends to every cached token before it and to the new ones up to itself
     (the cache's stored, dequantized K/V: what decoding reads), and the selector's summaries
-    take the tokens one by one in order, as decode steps fold them. Returns
+    fold the tokens in at once (``Selector.fold``: what decode steps folding them one by one
+    give). Returns
     (x, kv, summaries, dense).
     """
     cfg, ps, spec = plan.model, plan.page_size, plan.spec
@@ -167,18 +168,11 @@ def extend_layer(plan: Plan, layer_params, layer, x, start, count, kv, summaries
     attn = extend_attention(qa, cached[0], cached[1], positions, valid)
     x = _in_token_chunks(lambda x, a: llama.layer_output(lp, cfg, x, a, axis_name=plan.axis_name),
                          plan.prefill_token_chunk, x, attn.astype(q.dtype))
-    # the selector's summaries: the tokens one by one, as decode steps fold them (what the
-    # selection computes past the summaries is unused: dead code to XLA)
-    selector = plan.selector
-
-    def fold(i, own):
-        pos_i = jnp.where(valid[:, i], positions[:, i], INVALID)
-        h_i = jax.lax.dynamic_slice_in_dim(h, i, 1, axis=1)
-        own, _ = selector.update_select(plan, own, layer, lp, h_i, q[:, i], tok_kv[:, i], pos_i)
-        return own
+    # the selector's summaries: the appended tokens folded in as decode steps fold them
+    pos_valid = jnp.where(valid, positions, INVALID)
 
     def fold_all(own):
-        return jax.lax.fori_loop(0, T, fold, tuple(own))
+        return tuple(plan.selector.fold(plan, tuple(own), layer, lp, h, q, tok_kv, pos_valid))
 
     if plan.num_dense:  # dense layers select nothing: decoding leaves their summaries alone
         own = jax.lax.cond(plan.is_dense(layer), tuple, fold_all, tuple(own))

@@ -1,6 +1,9 @@
 """The selector protocol and its registry (see the package docstring)."""
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
 _REGISTRY: dict[str, "Selector"] = {}
 
 
@@ -46,6 +49,22 @@ class Selector:
         (summaries, pages [B, H, k'])."""
         raise NotImplementedError
 
+    def fold(self, plan, summaries: tuple, layer, layer_params, h, q, kv_new, positions):
+        """Fold appended tokens into layer ``layer``'s summaries (a continued context's turn):
+        the same summaries as :meth:`update_select` called on the tokens one by one, in order.
+
+        h [B, T, d] normed hidden states, q [B, T, Hq, D], kv_new [B, T, 2, H, D],
+        positions [B, T] int32 (-1: padding, no change). This default runs
+        :meth:`update_select` per token; selectors whose fold is a scatter override it."""
+
+        def one(i, own):
+            h_i = jax.lax.dynamic_slice_in_dim(h, i, 1, axis=1)
+            own, _ = self.update_select(plan, own, layer, layer_params, h_i, q[:, i],
+                                        kv_new[:, i], positions[:, i])
+            return tuple(own)
+
+        return jax.lax.fori_loop(0, positions.shape[1], one, tuple(summaries))
+
     def first_pages(self, plan, summaries: tuple, layer, layer_params, h_last, q_last,
                     lengths):
         """Lagged selection's first pages: what the prompt's last query selects for the
@@ -58,6 +77,28 @@ class Selector:
         D], kv_new [L, B, 2, H, D], positions [L, B] (-1: no update and no selection).
         Returns (summaries, ahead [L, B, H, k]): the pages for position + 1."""
         raise NotImplementedError
+
+
+def fold_pages(arr, layer, vals, positions, page_size: int, combine: str):
+    """Fold per-token values into per-page summaries as decode steps do, all tokens at once.
+
+    arr [L, B, Np, ...]; vals [B, T, ...] (arr's trailing shape); positions [B, T] int32
+    (-1 or pages ``>= Np``: no change). A token at a page's offset 0 starts that page anew
+    (its summary is the token's own), every other token is combined with the page's summary
+    by ``combine`` ("max", "min" or "add"). Each page's result equals the tokens folded one by
+    one in position order (exactly for max / min; for "add" up to the order of the sum)."""
+    Np = arr.shape[2]
+    B = positions.shape[0]
+    page = jnp.where(positions >= 0, positions // page_size, Np)
+    page = jnp.where(page < Np, page, Np)                       # Np: dropped by the scatters
+    first = (positions >= 0) & (positions % page_size == 0)
+    b = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], positions.shape)
+    ident = {"max": -jnp.inf, "min": jnp.inf, "add": 0}[combine]
+    arr = arr.at[layer, b, jnp.where(first, page, Np)].set(
+        jnp.asarray(ident, arr.dtype), mode="drop")
+    upd = arr.at[layer, b, page]
+    vals = vals.astype(arr.dtype)
+    return {"max": upd.max, "min": upd.min, "add": upd.add}[combine](vals, mode="drop")
 
 
 def register(cls):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxkv.kernels import indexer as kernels
 from jaxkv.models import llama
-from jaxkv.selectors.base import Selector, register
+from jaxkv.selectors.base import Selector, fold_pages, register
 
 
 @register
@@ -34,6 +34,11 @@ class Indexer(Selector):
         keys = kernels.indexer_update(summaries[0], layer, k_idx[:, 0], positions,
                                       page_size=plan.page_size)
         return (keys,), self._pages(plan, q_idx, w, keys, layer, seq_lens)
+
+    def fold(self, plan, summaries, layer, layer_params, h, q, kv_new, positions):
+        _, _, k_idx = llama.indexer_inputs(layer_params, plan.model, h,
+                                           jnp.maximum(positions, 0))
+        return (fold_pages(summaries[0], layer, k_idx, positions, plan.page_size, "add"),)
 
     def first_pages(self, plan, summaries, layer, layer_params, h_last, q_last, lengths):
         seq_lens = jnp.asarray(lengths, jnp.int32) + 1

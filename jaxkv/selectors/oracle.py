@@ -75,6 +75,15 @@ class Oracle(Selector):
         layer_keys = jax.lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False)
         return (keys,), self._select(plan, layer_keys, q, positions, seq_lens)
 
+    def fold(self, plan, summaries, layer, layer_params, h, q, kv_new, positions):
+        ps, Np = plan.page_size, plan.pages_per_seq
+        B = positions.shape[0]
+        b = jnp.arange(B)[:, None]
+        page = jnp.where(positions >= 0, positions // ps, Np)  # Np: out of range, dropped
+        keys = summaries[0].at[layer, b, page, positions % ps].set(
+            kv_new[:, :, 0].astype(summaries[0].dtype), mode="drop")
+        return (keys,)
+
     def first_pages(self, plan, summaries, layer, layer_params, h_last, q_last, lengths):
         lengths = jnp.asarray(lengths, jnp.int32)
         layer_keys = jax.lax.dynamic_index_in_dim(summaries[0], layer, 0, keepdims=False)

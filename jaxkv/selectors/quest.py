@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxkv.kernels import quest as kernels
-from jaxkv.selectors.base import Selector, register
+from jaxkv.selectors.base import Selector, fold_pages, register
 
 
 def _select_kw(plan) -> dict:
@@ -41,6 +41,12 @@ class Quest(Selector):
             q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
             **_select_kw(plan))
         return (kmax, kmin), pages
+
+    def fold(self, plan, summaries, layer, layer_params, h, q, kv_new, positions):
+        k = kv_new[:, :, 0]                                                 # [B, T, H, D]
+        ps = plan.page_size
+        return (fold_pages(summaries[0], layer, k, positions, ps, "max"),
+                fold_pages(summaries[1], layer, k, positions, ps, "min"))
 
     def first_pages(self, plan, summaries, layer, layer_params, h_last, q_last, lengths):
         seq_lens = jnp.asarray(lengths, jnp.int32) + 1

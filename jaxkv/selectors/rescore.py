@@ -169,6 +169,20 @@ class Rescore(Quest):
             return summ, cand
         return summ, self._rescore(plan, summ, layer, q, cand, positions, seq_lens)
 
+    def fold(self, plan, summaries, layer, layer_params, h, q, kv_new, positions):
+        qsumm = super().fold(plan, summaries[:2], layer, layer_params, h, q, kv_new, positions)
+        ps, Np = plan.page_size, plan.pages_per_seq
+        vals, scale = quantize(kv_new[:, :, 0], self.key_bits)            # [B, T, H, D], [B, T, H]
+        B, T, H = scale.shape
+        b = jnp.arange(B)[:, None, None]
+        hh = jnp.arange(H)[None, None, :]
+        page = jnp.where(positions >= 0, positions // ps, Np)[:, :, None]  # Np: dropped
+        slot = (positions % ps)[:, :, None]
+        keys = summaries[2].at[layer, b, hh, page, slot].set(
+            vals.astype(summaries[2].dtype), mode="drop")
+        scales = summaries[3].at[layer, b, hh, page, slot].set(scale, mode="drop")
+        return qsumm + (keys, scales)
+
     def first_pages(self, plan, summaries, layer, layer_params, h_last, q_last, lengths):
         lengths = jnp.asarray(lengths, jnp.int32)
         if self.covers_row(plan):
