@@ -171,6 +171,10 @@ class CacheConfig:
         of ``selected_pages`` (4x "quest_rescore", 8x "quest_rescore8"). The re-ranking reads
         every candidate's keys, so its cost grows with this number, not with
         ``selected_pages``; at a small budget more candidates buy recall (docs/decisions.md).
+      candidate_block: pages per block of the two-stage selectors' first stage: Quest's
+        bound is kept per block of this many pages and picks whole blocks
+        (``candidate_pages / candidate_block`` of them), so the first stage reads that many
+        times fewer bounds and its top-k ranks that many times fewer entries. 1: per page.
       pool_pages: device slots per layer in "host" mode. ``None``: enough for the
         worst-case working set of a step (no drops).
       sink_pages / recent_pages: pages pinned in the pool (never evicted); the selectors
@@ -261,6 +265,7 @@ class CacheConfig:
     page_size: int = 16
     selected_pages: int = 64
     candidate_pages: int | None = None
+    candidate_block: int = 1
     pool_pages: int | None = None
     sink_pages: int = 1
     recent_pages: int = 1
@@ -309,6 +314,13 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.candidate_pages is the first stage of a two-stage "
                                  f"selector ({two}); selector={self.selector!r} has none: leave "
                                  "candidate_pages=None")
+        object.__setattr__(self, "candidate_block",
+                           _as_int("candidate_block", self.candidate_block, 1))
+        if self.candidate_block > 1 and not selectors.get(self.selector).two_stage:
+            two = [n for n in selectors.names() if selectors.get(n).two_stage]
+            raise ValueError(f"CacheConfig.candidate_block groups the first stage of a two-stage "
+                             f"selector ({two}); selector={self.selector!r} has none: leave "
+                             "candidate_block=1")
         if self.selection_lag and not selectors.get(self.selector).scored:
             raise ValueError(f"CacheConfig.selection_lag=1 needs a scored selector (the "
                              f"{self.selector!r} selector reads every page): set selection_lag=0")

@@ -315,3 +315,95 @@ def test_gpu_rescore_key_copy_of_3_gib():
     three = jaxkv.generate(cfg, params, [prompt] * 3, cache=cache, max_new_tokens=8,
                            stop_tokens=[])
     assert three.tokens == one.tokens * 3
+
+
+@pytest.mark.parametrize("r", [2, 4])
+def test_rescore_candidate_block_first_stage_numpy(r):
+    """``candidate_block`` r: Quest's bounds per block of r pages (the new token folded in),
+    the first stage picks whole blocks by the literal Quest score (sink blocks and the
+    current one forced, ties to the lower block), their pages past the sequence dropped; the
+    second stage re-ranks exactly those pages. Against numpy, NaN keys past the sequence."""
+    from jaxkv.kernels import quest as quest_kernels
+    rng = _rng()
+    cfg = configs.tiny()
+    L, B, ps, H, D = cfg.num_layers, 3, 4, cfg.num_kv_heads, cfg.head_dim
+    G = cfg.num_heads // H
+    cache = CacheConfig(mode="resident", selector="quest_rescore", page_size=ps,
+                        selected_pages=3, candidate_pages=8, candidate_block=r)
+    plan = engine.Plan(model=cfg, cache=cache, batch=B, prompt_len=120, max_context=128,
+                       num_stop=1)
+    sel = plan.selector
+    Np = plan.pages_per_seq
+    Nb, bs = sel.bound_blocks(plan)
+    assert (Nb, bs) == (Np // r, ps * r) and not sel.covers_row(plan)
+    positions = np.array([117, 50, 21], np.int32)
+    tok = rng.normal(size=(L, B, Np * ps, H, D)).astype(np.float32)    # every key, in order
+    kv_new = rng.normal(size=(B, 2, H, D)).astype(np.float32)
+    for b, p in enumerate(positions):
+        tok[:, b, p + 1:] = np.nan                                       # past the sequence
+    kmax = np.full((L, B, Nb, H, D), -np.inf, np.float32)
+    kmin = np.full((L, B, Nb, H, D), np.inf, np.float32)
+    for b, p in enumerate(positions):  # the bounds before the new token (at position p)
+        for blk in range(-(-p // bs)):
+            seg = tok[:, b, blk * bs:min((blk + 1) * bs, p)]
+            kmax[:, b, blk], kmin[:, b, blk] = seg.max(1), seg.min(1)
+    keys = np.zeros((L, B, H, Np, ps, D), np.int8)
+    scales = np.ones((L, B, H, Np, ps), np.float32)
+    summ = tuple(jnp.asarray(a) for a in (kmax, kmin, keys, scales))
+    q = rng.normal(size=(B, cfg.num_heads, D)).astype(np.float32)
+    layer = 1
+    new, pages = sel.update_select(plan, summ, jnp.int32(layer), None, None, jnp.asarray(q),
+                                   jnp.asarray(kv_new), jnp.asarray(positions))
+    Cb = 8 // r
+    cand = np.full((B, H, Cb * r), -1, np.int32)
+    for b, p in enumerate(positions):
+        t = tok[layer, b].copy()
+        t[p] = kv_new[b, 0]
+        nb, n_pages = -(-(p + 1) // bs), -(-(p + 1) // ps)
+        mx = np.stack([t[i * bs:min((i + 1) * bs, p + 1)].max(0) for i in range(nb)])
+        mn = np.stack([t[i * bs:min((i + 1) * bs, p + 1)].min(0) for i in range(nb)])
+        np.testing.assert_array_equal(np.asarray(new[0])[layer, b, :nb], mx)
+        np.testing.assert_array_equal(np.asarray(new[1])[layer, b, :nb], mn)
+        for h in range(H):
+            qg = q[b, h * G:(h + 1) * G].astype(np.float64)              # [G, D]
+            score = np.maximum(qg[:, None] * mx[None, :, h], qg[:, None] * mn[None, :, h])
+            score = score.sum(axis=(0, 2))                                # [nb]
+            score[0] = score[nb - 1] = np.inf                             # sink, current
+            best = sorted(range(nb), key=lambda i: (-score[i], i))[:Cb]
+            pg = [i * r + j for i in best for j in range(r) if i * r + j < n_pages]
+            cand[b, h, :len(pg)] = pg
+    seq_lens = jnp.asarray(positions + 1)
+    want = sel._rescore(plan, new, jnp.int32(layer), jnp.asarray(q), jnp.asarray(cand),
+                        jnp.asarray(positions), seq_lens)
+    np.testing.assert_array_equal(np.asarray(pages), np.asarray(want))
+    got = quest_kernels.quest_select(jnp.asarray(q), new[0], new[1], jnp.int32(layer), seq_lens,
+                                     **sel._first_stage_kw(plan))
+    got = np.asarray(sel._block_pages(plan, got, seq_lens))
+    for b in range(B):
+        for h in range(H):
+            assert sorted(got[b, h][got[b, h] >= 0]) == sorted(cand[b, h][cand[b, h] >= 0])
+
+
+def test_rescore_candidate_block_end_to_end():
+    """Blocks of 2 and 4 pages: host tier == resident token for token (prompts of whole pages
+    but not whole blocks); blocks of one page are the default selector. (A continued context
+    with blocks: test_textapi's host-rescore-block2.)"""
+    kw = dict(selector="quest_rescore", page_size=4, selected_pages=3, candidate_pages=6)
+    for r in (2, 4):
+        res = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                             cache=CacheConfig(mode="resident", candidate_block=r, **kw))
+        host = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                              cache=CacheConfig(mode="host", candidate_block=r, **kw))
+        assert host.tokens == res.tokens
+    one = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                         cache=CacheConfig(mode="host", candidate_block=1, **kw))
+    base = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                          cache=CacheConfig(mode="host", **kw))
+    assert one.tokens == base.tokens
+
+
+def test_candidate_block_needs_a_two_stage_selector():
+    with pytest.raises(ValueError, match="candidate_block groups the first stage"):
+        CacheConfig(selector="quest", candidate_block=2)
+    with pytest.raises(ValueError, match="candidate_block"):
+        CacheConfig(candidate_block=0)

@@ -202,6 +202,30 @@ def test_forks_are_isolated(model):
     assert len(sel.tokens) == 2
 
 
+@pytest.mark.parametrize("block", [1, 2])
+def test_continued_context_through_the_first_stage(model, block):
+    """The two-stage selector with a first stage that chooses (8 of 32 pages, in blocks of
+    ``block`` pages): a context kept after its prompt alone continues like the conversation
+    sent as one prompt, tokens and every cache and summary array. (A context with decoded
+    tokens differs from one prompt when the selection is sparse: decode steps attend to the
+    selected pages, a prompt to every token.)"""
+    cache = CacheConfig(mode="host", selector="quest_rescore", page_size=4, selected_pages=3,
+                        candidate_pages=8, candidate_block=block, round_steps=8,
+                        max_context=128)
+    cfg, params, tok = model
+    p1 = tok.encode("A long shared document about cats and their habits.")
+    p2 = tok.encode(" Question: what about dogs?", add_bos=False)
+    r1 = jaxkv.generate(model, [p1], cache=cache, max_new_tokens=1, stop_tokens=[], keep=True)
+    r2 = jaxkv.generate(model, [p2], cache=cache, max_new_tokens=NEW, stop_tokens=[],
+                        context=r1.context, keep=True)
+    long = jaxkv.generate(model, [p1 + r1.tokens[0] + p2], cache=cache, max_new_tokens=NEW,
+                          stop_tokens=[], keep=True)
+    assert r2.tokens == long.tokens
+    for a, b in zip(_arrays(r2.context), _arrays(long.context)):
+        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=2e-2,
+                                   atol=2e-2)
+
+
 def test_continued_chat_messages(model):
     cache = CacheConfig(mode="host", selector="dense", page_size=4, round_steps=8,
                 max_context=128)

@@ -22,14 +22,23 @@ class Quest(Selector):
     name = "quest"
     selects_all_layers = True
 
+    def bound_blocks(self, plan) -> tuple[int, int]:
+        """(blocks per sequence, tokens per block) of the ``(kmax, kmin)`` summaries: one
+        block per page."""
+        return plan.pages_per_seq, plan.page_size
+
     def init(self, plan) -> tuple:
         m = plan.model
-        shape = (m.num_layers, plan.batch, plan.pages_per_seq, m.num_kv_heads, m.head_dim)
+        shape = (m.num_layers, plan.batch, self.bound_blocks(plan)[0], m.num_kv_heads,
+                 m.head_dim)
         dt = jnp.dtype(plan.summary_dtype)
         return jnp.full(shape, -jnp.inf, dt), jnp.full(shape, jnp.inf, dt)
 
     def fill(self, plan, summaries, layer, layer_params, h, k, positions, lengths):
-        kmax, kmin = kernels.quest_summarize(k, plan.page_size, lengths)
+        bs = self.bound_blocks(plan)[1]
+        if k.shape[1] % bs:  # a prompt of whole pages, not of whole blocks
+            k = jnp.pad(k, ((0, 0), (0, -k.shape[1] % bs), (0, 0), (0, 0)))
+        kmax, kmin = kernels.quest_summarize(k, bs, lengths)
         n = kmax.shape[1]
         return (summaries[0].at[layer, :, :n].set(kmax.astype(summaries[0].dtype)),
                 summaries[1].at[layer, :, :n].set(kmin.astype(summaries[1].dtype)))
@@ -44,7 +53,7 @@ class Quest(Selector):
 
     def fold(self, plan, summaries, layer, layer_params, h, q, kv_new, positions):
         k = kv_new[:, :, 0]                                                 # [B, T, H, D]
-        ps = plan.page_size
+        ps = self.bound_blocks(plan)[1]
         return (fold_pages(summaries[0], layer, k, positions, ps, "max"),
                 fold_pages(summaries[1], layer, k, positions, ps, "min"))
 

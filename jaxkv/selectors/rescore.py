@@ -10,7 +10,12 @@ selector works with the host tier as well as resident. Its device bytes per toke
 ``num_kv_heads * (head_dim + 4)`` per layer with int8 keys: a quarter of the logical K+V at
 bf16 plus the scales.
 
-Summaries: Quest's ``(kmax, kmin)`` [L, B, Np, H, D], then ``keys`` [L, B, H, Np, ps, D]
+With ``CacheConfig.candidate_block`` r > 1 the first stage bounds blocks of r pages
+instead of pages (Quest's summaries and scores over blocks of ``r * page_size`` tokens) and
+picks ``candidate_pages / r`` blocks, whose pages are the candidates: r times fewer bounds
+to read and a top-k over r times fewer entries.
+
+Summaries: Quest's ``(kmax, kmin)`` [L, B, Np / r, H, D], then ``keys`` [L, B, H, Np, ps, D]
 (int8 or the KV dtype) and ``scales`` [L, B, H, Np, ps] float32 (ones for the KV dtype):
 head-major, so one KV head's candidate pages are contiguous rows of the copy. The second
 stage is ``jaxkv.kernels.candidate_mass`` (``Tuning.rescore_method``); the final choice is a
@@ -89,10 +94,27 @@ class Rescore(Quest):
         scales = summaries[3].at[layer, :, :, :T // ps].set(scale)
         return qsumm + (keys, scales)
 
+    def bound_blocks(self, plan) -> tuple[int, int]:
+        """Quest's bounds per block of ``CacheConfig.candidate_block`` pages: (blocks per
+        sequence, tokens per block)."""
+        r = plan.cache.candidate_block
+        return -(-plan.pages_per_seq // r), plan.page_size * r
+
     def candidate_count(self, plan) -> int:
         """First-stage pages per request, layer and KV head (at most the row's pages)."""
         n = plan.cache.candidate_pages or self.candidates * plan.k
         return min(n, plan.pages_per_seq)
+
+    def _block_pages(self, plan, blocks, seq_lens):
+        """The pages of the first stage's blocks [B, H, Cb] (-1 padded): [B, H, Cb * r], -1
+        for padding and for pages past the sequence."""
+        r = plan.cache.candidate_block
+        if r == 1:
+            return blocks
+        pages = blocks[..., None] * r + jnp.arange(r, dtype=blocks.dtype)
+        n_valid = dense_select.num_valid_pages(seq_lens, plan.page_size, plan.pages_per_seq)
+        ok = (blocks[..., None] >= 0) & (pages < n_valid[:, None, None, None])
+        return jnp.where(ok, pages, -1).reshape(blocks.shape[:-1] + (-1,))
 
     def covers_row(self, plan) -> bool:
         """Whether every page of the row is a candidate (short contexts: ``candidate_count``
@@ -117,12 +139,14 @@ class Rescore(Quest):
         ("sort", no ascending sort). The chunk-maxima kernel is built for budgets and slows
         down at 4-8x the budget."""
         t = plan.cache.tuning.topk_method
-        C = self.candidate_count(plan)
+        r = plan.cache.candidate_block
+        blocks, block_tokens = self.bound_blocks(plan)
+        C = -(-self.candidate_count(plan) // r)                       # blocks
         if t == "auto":
-            kernel = dense_select.takes_topk_kernel(plan.pages_per_seq, C,
-                                                    plan.cache.implementation)
+            kernel = dense_select.takes_topk_kernel(blocks, C, plan.cache.implementation)
             t = "pallas" if kernel else "sort"
-        return dict(_select_kw(plan), k=C, topk_method=t, ordered=False)
+        return dict(_select_kw(plan), k=C, page_size=block_tokens, topk_method=t,
+                    num_sink_pages=-(-plan.cache.sink_pages // r), ordered=False)
 
     def _rescore(self, plan, summaries, layer, q, cand, positions, seq_lens):
         tuning, impl = plan.cache.tuning, plan.cache.implementation
@@ -147,12 +171,14 @@ class Rescore(Quest):
         if self.covers_row(plan):
             # the summaries stay current: a kept context may continue under a longer row
             kmax, kmin = quest_kernels.quest_update(summaries[0], summaries[1], layer, kv_new,
-                                                    positions, page_size=plan.page_size)
+                                                    positions,
+                                                    page_size=self.bound_blocks(plan)[1])
             cand = self._every_page(plan, seq_lens, summaries[2].shape[2])
         else:
             kmax, kmin, cand = quest_kernels.quest_update_select(
                 q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
                 **self._first_stage_kw(plan))
+            cand = self._block_pages(plan, cand, seq_lens)
         ps, Np = plan.page_size, plan.pages_per_seq
         k_new = kv_new if kv_new.ndim == 3 else kv_new[:, 0]                # [B, H, D]
         vals, scale = quantize(k_new, self.key_bits)
@@ -192,6 +218,7 @@ class Rescore(Quest):
         else:
             cand = quest_kernels.quest_select(q_last, summaries[0], summaries[1], layer,
                                               lengths + 1, **self._first_stage_kw(plan))
+            cand = self._block_pages(plan, cand, lengths + 1)
         return self._rescore(plan, summaries, layer, q_last, cand, lengths - 1, lengths + 1)
 
     def update_select_all_layers(self, plan, summaries, q, kv_new, positions):
