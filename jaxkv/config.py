@@ -80,7 +80,7 @@ class Tuning:
             raise ValueError("Tuning.compiler_options must be (name, value) pairs, e.g. "
                              f"(('xla_gpu_autotune_level', 0),), got {opts!r}")
         object.__setattr__(self, "compiler_options", tuple(tuple(o) for o in opts))
-        topk = ("auto", "sort", "rounds", "chunked", "pallas", "pallas_cmax")
+        topk = ("auto", "sort", "rounds", "chunked", "radix", "pallas", "pallas_cmax")
         if self.topk_method not in topk:
             raise ValueError(f"Tuning.topk_method must be one of {topk}, got {self.topk_method!r}")
         if self.ensure_method not in ("auto", "dense", "sort", "pallas"):

@@ -43,7 +43,9 @@ from ._common import INVALID
 # with n >= 1024; a larger k falls back to sorting every row. "rounds" stays on the fast
 # kernel by taking 16 at a time and masking what was taken; "chunked" shrinks the sorts.
 _FAST_TOPK_MAX_K = 16
-TOPK_METHODS = ("auto", "sort", "rounds", "chunked", "pallas", "pallas_cmax")
+TOPK_METHODS = ("auto", "sort", "rounds", "chunked", "radix", "pallas", "pallas_cmax")
+# "radix": bit widths of the key's digits, most significant first (``_topk_radix``).
+RADIX_DIGITS = (11, 11, 10)
 PALLAS_TOPK_MAX_COLUMNS = 4096
 # Default of ``cmax_min_pages`` (``resolve_topk_method``; the engine's ``Tuning``): from this
 # many pages the chunk-maxima top-k beats the full-row kernel on the H200 (docs/decisions.md).
@@ -111,13 +113,103 @@ def _topk_chunked(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return v, jnp.take_along_axis(cid, j // c, axis=1) * c + j % c
 
 
+def _radix_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys of f32 ``x`` in the total order of ``lax.top_k``'s comparator (-NaN < -inf
+    < ... < -0.0 < +0.0 < ... < +inf < +NaN): the bits of a negative number flipped, the sign
+    bit of any other flipped."""
+    s = lax.bitcast_convert_type(x, jnp.int32)
+    return lax.bitcast_convert_type(s ^ ((s >> 31) | jnp.int32(-2**31)), jnp.uint32)
+
+
+def _topk_radix(x: jax.Array, k: int, digits: tuple[int, ...] = RADIX_DIGITS,
+                histogram: str = "scatter") -> tuple[jax.Array, jax.Array]:
+    """Exact top-k of ``x`` [R, N] f32 (1 <= k <= N) by radix select, with no sort: (values,
+    indices) [R, k], the same index set as ``lax.top_k(x, k)`` for every input (ties at the
+    k-th value go to the lowest columns; -0.0 ranks below +0.0 and NaN by its sign above +inf
+    or below -inf, as in ``lax.top_k``'s comparator). Built for few rows of many columns on
+    the GPU, where XLA's top-k for k > 16 sorts whole rows: this is a few wide elementwise,
+    histogram and scan ops of static shapes.
+
+    The values map to order-preserving uint32 keys (``_radix_keys``). One pass per digit of
+    ``digits`` (bit widths, most significant first, summing to 32) counts, per row, the keys
+    that share the digits found so far (the prefix) and have each value of the next digit or
+    more; the k-th largest key's digit is the largest one with at least ``need`` such keys
+    (``need``: how many of the keys with this prefix the top k still lacks). ``histogram``:
+    "scatter" counts each digit value with one scatter-add and takes a suffix sum over the
+    bins; "compare" sums ``digit >= j`` for every bin ``j`` in one fused reduction (no
+    atomics; ``2**bits * N`` compares a row). After the passes the prefix is the k-th largest
+    key T: the picks are the keys above T and the first ``need`` keys equal to T by column,
+    placed by one cumulative count (the keys above T first, then the ties, each in column
+    order, so -inf picks come last) and one scatter of their columns.
+    """
+    if not 1 <= k <= x.shape[1]:
+        raise ValueError(f"k={k} must be in [1, {x.shape[1]}]")
+    return _radix_select(x, k, k, digits, histogram)
+
+
+def _radix_select(x: jax.Array, k, width: int, digits: tuple[int, ...],
+                  histogram: str) -> tuple[jax.Array, jax.Array]:
+    """``_topk_radix`` into ``width`` static output columns, ``k`` an int or a traced int32
+    scalar (1 <= k <= width <= N): (values, indices) [R, width], the picks in the first k
+    columns, column 0 in the others."""
+    r, n = x.shape
+    if sum(digits) != 32 or min(digits) < 1:
+        raise ValueError(f"digits {digits} must be positive and sum to 32")
+    if histogram not in ("scatter", "compare"):
+        raise ValueError(f"unknown histogram {histogram!r}; choose 'scatter' or 'compare'")
+    key = _radix_keys(x)
+    rows = lax.broadcasted_iota(jnp.int32, (r, n), 0)
+    prefix = jnp.zeros((r, 1), jnp.uint32)    # the k-th largest key's digits found so far
+    # picks still to make among the keys with that prefix
+    need = jnp.broadcast_to(jnp.asarray(k, jnp.int32), (r, 1))
+    shift = 32
+    for bits in digits:  # static
+        nbins = 1 << bits
+        match = None if shift == 32 else (key >> shift) == (prefix >> shift)
+        shift -= bits
+        digit = ((key >> shift) & (nbins - 1)).astype(jnp.int32)
+        if histogram == "scatter":
+            # non-matching keys go to an out-of-range bin, which the scatter drops
+            bin_ = digit if match is None else jnp.where(match, digit, nbins)
+            hist = jnp.zeros((r, nbins), jnp.int32).at[rows, bin_].add(1, mode="drop")
+            ge = lax.cumsum(hist, axis=1, reverse=True)    # [R, nbins]: keys >= each digit
+        else:
+            j = lax.broadcasted_iota(jnp.int32, (1, nbins, 1), 1)
+            hit = digit[:, None, :] >= j
+            if match is not None:
+                hit = hit & match[:, None, :]
+            ge = jnp.sum(hit, axis=-1, dtype=jnp.int32)
+        ok = ge >= need   # ge descends along the bins and ge[:, 0] >= need: ok is a prefix
+        d = jnp.sum(ok, axis=1, keepdims=True, dtype=jnp.int32) - 1
+        need = need - jnp.max(jnp.where(ok, 0, ge), axis=1, keepdims=True)  # minus keys > d
+        prefix = prefix | (d.astype(jnp.uint32) << shift)
+    gt = key > prefix
+    eq = key == prefix
+    # one scan counts both: keys above T in the low half-word, ties in the high one
+    if n < 1 << 16:
+        both = lax.cumsum(gt.astype(jnp.uint32) | (eq.astype(jnp.uint32) << 16), axis=1)
+        n_gt, n_eq = (both & 0xFFFF).astype(jnp.int32), (both >> 16).astype(jnp.int32)
+    else:
+        both = lax.cumsum(jnp.stack([gt, eq]).astype(jnp.int32), axis=2)
+        n_gt, n_eq = both[0], both[1]
+    take = gt | (eq & (n_eq <= need))
+    cols = lax.broadcasted_iota(jnp.int32, (r, n), 1)
+    slot = jnp.where(gt, n_gt - 1, (k - need) + n_eq - 1)
+    slot = jnp.where(take, slot, width + cols)  # distinct and out of range: dropped
+    idx = jnp.zeros((r, width), jnp.int32).at[rows, slot].set(cols, mode="drop",
+                                                              unique_indices=True)
+    return jnp.take_along_axis(x, idx, axis=1, mode="promise_in_bounds"), idx
+
+
 def _topk_indices(x: jax.Array, k: int, method: str) -> tuple[jax.Array, jax.Array]:
     """Top-k along the last axis of ``x`` [R, N] f32 (N >= k): (values, indices) [R, k].
 
     "sort": one ``lax.top_k``. "rounds": ``lax.top_k`` 16 at a time, masking taken entries to
     -inf between rounds (exact; an entry taken twice can only be -inf and becomes -1 later).
-    "chunked": ``_topk_chunked``. "auto": chunked (the fastest XLA method for k = 32 on the
-    H200 at 512-16384 columns; docs/decisions.md).
+    "chunked": ``_topk_chunked``. "radix": ``_topk_radix`` (the same set as "sort", not in
+    descending order). "auto": chunked (the fastest XLA method for k = 32 on the H200 at
+    512-16384 columns; docs/decisions.md). Every method takes one ``lax.top_k`` for
+    k <= 16 (XLA's fast GPU kernel).
     """
     if method == "auto":
         method = "chunked"
@@ -127,6 +219,8 @@ def _topk_indices(x: jax.Array, k: int, method: str) -> tuple[jax.Array, jax.Arr
         return lax.top_k(x, k)
     if method == "chunked":
         return _topk_chunked(x, k)
+    if method == "radix":
+        return _topk_radix(x, k)
     vals, idxs = [], []
     cols = lax.broadcasted_iota(jnp.int32, x.shape, 1)
     left = k
@@ -154,8 +248,8 @@ def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, 
     (NaN included). seq_lens: [B] int32. Returns int32 [B, k] or [B, H, k].
     method: "pallas" (one kernel, ``topk.select_top_pages_pallas``), "pallas_cmax" (chunk
     maxima in XLA, ``topk.chunk_max``, then the kernel's chunk-maxima path; Quest's
-    ``quest_select`` gets them from its scores kernel instead), "sort", "rounds", "chunked"
-    (XLA top-k; see ``_topk_indices``) or "auto" (module docstring).
+    ``quest_select`` gets them from its scores kernel instead), "sort", "rounds", "chunked",
+    "radix" (XLA top-k; see ``_topk_indices``) or "auto" (module docstring).
     implementation: "pallas" | "xla" | None: whether "auto" may use the kernel.
     ordered: False lets the XLA methods skip the ascending sort: the same pages, in the
     top-k's order with the ``-1`` padding last (a candidate list that is re-ranked anyway).
@@ -190,7 +284,8 @@ def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, 
     rows = x.reshape(-1, x.shape[-1])
     vals, idx = _topk_indices(rows, k, method)
     big = jnp.int32(2**31 - 1)
-    if not ordered:  # top_k's values descend, so the -inf picks (-1) are already last
+    if not ordered:  # the -inf picks (-1) come last: top_k's values descend, and radix
+        # places its ties with the k-th value (-inf if any pick is) after the rest
         return jnp.where(vals == -jnp.inf, INVALID, idx.astype(jnp.int32)).reshape(lead + (k,))
     key = jnp.where(vals == -jnp.inf, big, idx.astype(jnp.int32))
     key = jnp.sort(key, axis=-1)

@@ -20,7 +20,7 @@ from jaxkv.kernels import _common
 from jaxkv.kernels import dense_select as ds
 from jaxkv.kernels import indexer, quest, topk
 
-TOPK_METHODS = ("sort", "rounds", "chunked", "pallas", "pallas_cmax")
+TOPK_METHODS = ("sort", "rounds", "chunked", "radix", "pallas", "pallas_cmax")
 
 
 def _rng():
@@ -609,9 +609,92 @@ def test_topk_methods_agree_on_distinct_scores():
     seq_lens = jnp.array([N * 4, 1234 * 4 - 1])
     kw = dict(num_pages=N, k=k, page_size=4, num_sink_pages=2)
     a = ds.select_top_pages(scores, seq_lens, method="sort", **kw)
-    for method in ("rounds", "chunked", "auto"):
+    for method in ("rounds", "chunked", "radix", "auto"):
         b = ds.select_top_pages(scores, seq_lens, method=method, **kw)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# Few distinct values: ties everywhere; -0.0 next to +0.0, +-inf, NaN of either sign.
+_TIE_POOL = np.array([0.0, -0.0, 1.0, -1.0, 2.5, 1e-30, -3e38, np.inf, -np.inf, np.nan,
+                      -np.nan], np.float32)
+
+
+def _total_order_key(x):
+    """numpy keys in lax.top_k's order (-NaN < -inf < -0.0 < +0.0 < +inf < +NaN)."""
+    u = np.asarray(x, np.float32).view(np.uint32)
+    return np.where(u >> 31 == 1, ~u, u | np.uint32(2**31))
+
+
+@functools.partial(jax.jit, static_argnames=("digits", "histogram"))
+def _radix_any_k(x, k, digits=ds.RADIX_DIGITS, histogram="scatter"):
+    """``_topk_radix`` with a traced k (picks in the first k columns): one compile a shape."""
+    return ds._radix_select(x, k, x.shape[1], digits, histogram)
+
+
+def _check_radix_picks(x, k, vals, idx):
+    """The first k of ``idx`` [R, >= k] are lax.top_k's index set, ``vals`` their values, the
+    ties of the k-th value last."""
+    x = np.asarray(x)
+    vals, idx = np.asarray(vals)[:, :k], np.asarray(idx)[:, :k]
+    want = np.asarray(jax.lax.top_k(jnp.asarray(x), k)[1])
+    for r in range(x.shape[0]):
+        assert sorted(idx[r].tolist()) == sorted(want[r].tolist()), (r, k, x[r], idx[r], want[r])
+    np.testing.assert_array_equal(vals.view(np.uint32),
+                                  np.take_along_axis(x, idx, 1).view(np.uint32))
+    key = _total_order_key(vals)
+    tie = key == key.min(axis=1, keepdims=True)
+    for r, n_tie in enumerate(tie.sum(axis=1)):
+        assert tie[r, k - n_tie:].all(), ("the k-th value's ties not last", vals[r])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_radix_topk_matches_lax_top_k(data):
+    """The radix select picks lax.top_k's index set for any k (ties at the k-th value: the
+    lowest columns; -0.0 below +0.0) on rows of a few distinct values (+-inf, NaN)."""
+    R, N = data.draw(st.sampled_from([(1, 300), (2, 37), (3, 1), (4, 300)]))  # each compiles
+    k = data.draw(st.integers(1, N))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
+    pool = rng.choice(_TIE_POOL, size=data.draw(st.integers(1, len(_TIE_POOL))), replace=False)
+    x = rng.choice(pool, size=(R, N)).astype(np.float32)
+    if data.draw(st.booleans()):  # some distinct values among the ties
+        x = np.where(rng.random((R, N)) < 0.5, rng.normal(size=(R, N)).astype(np.float32), x)
+    _check_radix_picks(x, k, *_radix_any_k(jnp.asarray(x), k))
+
+
+@pytest.mark.parametrize("digits,histogram", [((8, 8, 8, 8), "scatter"), ((4,) * 8, "compare"),
+                                              ((16, 16), "scatter")])
+def test_radix_topk_digit_splits(digits, histogram):
+    """Other digit widths and the compare histogram pick the same set."""
+    rng = _rng()
+    x = rng.choice(_TIE_POOL, size=(4, 300)).astype(np.float32)
+    x[1] = rng.normal(size=300)
+    x[2, :290] = -np.inf
+    for k in (1, 150, 300):
+        _check_radix_picks(x, k, *_radix_any_k(jnp.asarray(x), k, digits, histogram))
+
+
+def test_select_top_pages_radix_matches_sort():
+    """select_top_pages with "radix" == with "sort" (lax.top_k) on tied scores, short and
+    inactive sequences and NaN past them: ordered, the same rows; unordered, the same pages
+    with the -1 padding last."""
+    rng = _rng()
+    B, H, N, ps, k = 4, 2, 300, 4, 40
+    seq_lens = jnp.array([0, 17 * ps - 1, N * ps, int(rng.integers(1, N * ps))], jnp.int32)
+    scores = rng.integers(-2, 3, size=(B, H, N)).astype(np.float32)
+    scores[scores == 0] = rng.choice(np.float32([0.0, -0.0]), size=int((scores == 0).sum()))
+    junk = np.arange(N)[None, None] >= _n_valid(seq_lens, ps, N)[:, None, None]
+    scores[np.broadcast_to(junk, scores.shape)] = np.nan
+    kw = dict(num_pages=N, k=k, page_size=ps, num_sink_pages=2)
+    args = (jnp.asarray(scores), seq_lens)
+    np.testing.assert_array_equal(np.asarray(ds.select_top_pages(*args, method="radix", **kw)),
+                                  np.asarray(ds.select_top_pages(*args, method="sort", **kw)))
+    got = np.asarray(ds.select_top_pages(*args, method="radix", ordered=False, **kw))
+    want = np.asarray(ds.select_top_pages(*args, method="sort", ordered=False, **kw))
+    for g, w in zip(got.reshape(-1, k), want.reshape(-1, k)):
+        n = int((g >= 0).sum())
+        assert np.all(g[:n] >= 0) and np.all(g[n:] == -1), g
+        assert sorted(g.tolist()) == sorted(w.tolist())
 
 
 def select_rule_numpy(scores, seq_lens, *, num_pages, k, page_size, num_sink_pages):
@@ -849,6 +932,17 @@ def test_quest_update_select_lowers_for_gpu(no_interpret, L, B, Np, H, G, D):
                          S((B,), jnp.int32), S((B, H, D), jnp.bfloat16), S((B,), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 2
     assert "stablehlo.sort" not in txt and "TopK" not in txt and "scatter" not in txt
+
+
+@pytest.mark.parametrize("B,H,Np,k", [(8, 2, 2048, 256), (1, 2, 16384, 128)])
+def test_radix_topk_lowers_for_gpu(B, H, Np, k):
+    """The first stage with the radix top-k (Qwen-like 128k B=8, 1M B=1): no sort, top-k or
+    loop; a scatter per digit and one to place the picks."""
+    fn = functools.partial(ds.select_top_pages, num_pages=Np, k=k, page_size=64,
+                           num_sink_pages=1, method="radix", ordered=False)
+    txt = lower_for_h200(fn, S((B, H, Np), jnp.float32), S((B,), jnp.int32))
+    assert "stablehlo.sort" not in txt and "top_k" not in txt and "stablehlo.while" not in txt
+    assert txt.count('"stablehlo.scatter"') == len(ds.RADIX_DIGITS) + 1
 
 
 def test_rescore_first_stage_lowers_for_gpu(no_interpret):

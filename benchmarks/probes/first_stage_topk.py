@@ -1,9 +1,13 @@
 """The two-stage selector's first stage top-k alone (issue 27's cost): C candidates of a row
 of N Quest scores, XLA's top-k ("sort", the first stage's default, unordered) against the
-Pallas radix-select kernel with its default chunking and single-stage (``chunk=1``), at the
-128k decode shapes of ``ab_step.py``: Qwen-like B=8 (2 KV heads, 2048 pages of 64 tokens;
-8x / 16x of a 1024-token budget) and 8B-like B=1 (8 KV heads, 8192 pages of 16 tokens;
-8x / 16x). Also the final choice kernel (``candidate_select``) against its XLA form.
+sort-free XLA radix select ("radix": ``dense_select._topk_radix``, 3 scatter-histogram
+passes of 11/11/10 bits; "radix_s8x4": 4 passes of 8 bits; "radix_c4x8": 8 passes of 4 bits
+counted by a fused compare-and-sum instead of a scatter) and the Pallas radix-select kernel
+with its default chunking and single-stage (``chunk=1``), at the 128k decode shapes of
+``ab_step.py``: Qwen-like B=8 (2 KV heads, 2048 pages of 64 tokens; 8x / 16x of a 1024-token
+budget) and 8B-like B=1 (8 KV heads, 8192 pages of 16 tokens; 8x / 16x), and Qwen-like B=1
+at 1M tokens (2 KV heads, 16384 pages of 64 tokens; 8x / 16x). Also the final choice kernel
+(``candidate_select``) against its XLA form.
 
 Each variant runs chained in one jitted loop (``_meta.time_chained``, 8 calls per iteration),
 so the figure is device time per call, launches included. The pages each variant picks are
@@ -23,6 +27,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
 import _meta  # noqa: E402
@@ -33,8 +38,22 @@ from jaxkv.kernels import topk  # noqa: E402
 
 # name -> (B, H, N, ps, k of the budget, candidate counts, G)
 SHAPES = {"qwen_b8": (8, 2, 2048, 64, 16, (128, 256), 6),
-          "8b_b1": (1, 8, 8192, 16, 64, (512, 1024), 4)}
+          "8b_b1": (1, 8, 8192, 16, 64, (512, 1024), 4),
+          "qwen_b1_1m": (1, 2, 16384, 64, 16, (128, 256), 6)}
 QUICK = {"tiny": (2, 2, 64, 16, 4, (16, 32), 3)}
+
+
+def _radix_first_stage(scores, seq_lens, *, k, num_pages, page_size, num_sink_pages,
+                       **radix_kw):
+    """``select_top_pages(method="radix", ordered=False)`` on [B, H, N] scores with other
+    ``_topk_radix`` settings (``radix_kw``): the same masking, then the radix select."""
+    n_valid = ds.num_valid_pages(seq_lens, page_size, num_pages)[:, None, None]
+    pages = lax.broadcasted_iota(jnp.int32, scores.shape, 2)
+    valid = pages < n_valid
+    forced = valid & ((pages < num_sink_pages) | (pages == n_valid - 1))
+    x = jnp.where(forced, jnp.inf, jnp.where(valid, scores.astype(jnp.float32), -jnp.inf))
+    v, i = ds._topk_radix(x.reshape(-1, x.shape[-1]), k, **radix_kw)
+    return jnp.where(v == -jnp.inf, -1, i).reshape(scores.shape[:-1] + (k,))
 
 
 def _measure(row: dict, result, fn, args, ref, timing: dict) -> dict:
@@ -71,6 +90,11 @@ def main():
             variants = {
                 "sort": functools.partial(ds.select_top_pages, k=C, method="sort", ordered=False,
                                           **kw),
+                "radix": functools.partial(ds.select_top_pages, k=C, method="radix",
+                                           ordered=False, **kw),
+                "radix_s8x4": functools.partial(_radix_first_stage, k=C, digits=(8,) * 4, **kw),
+                "radix_c4x8": functools.partial(_radix_first_stage, k=C, digits=(4,) * 8,
+                                                histogram="compare", **kw),
                 "pallas": functools.partial(topk.select_top_pages_pallas, k=C, **kw),
                 "pallas_two_stage": functools.partial(topk.select_top_pages_pallas, k=C,
                                                       chunk=topk._default_chunk(
