@@ -7,9 +7,9 @@ conversation again as one prompt.
     PYTHONPATH=. python benchmarks/bench_context.py --out DIR --quick
 
 Per cache (``--modes``: ``default`` is ``CacheConfig()``, the two-stage selector on the host
-tier; ``dense`` the dense selector, resident) and context length: one request's prompt of
-random token ids is prefilled once with ``keep=True``; then per turn length, a turn of random
-ids continues it (``context=``) and, for comparison, the same conversation (context tokens,
+tier; ``dense`` the dense selector, resident; ``quest`` Quest on the host tier) and context
+length: one request's prompt of random token ids is prefilled once with ``keep=True``; then
+per turn length, a turn of random ids continues it (``context=``) and, for comparison, the same conversation (context tokens,
 the first call's reply, the turn) runs as one fresh prompt; each with ``--new`` greedy new
 tokens. One untimed call of each compiles, then ``--reps`` timed calls; the figures are the
 medians of the wall time of ``generate`` and of its stats: ``context_copy_time_s`` (the kept
@@ -36,6 +36,7 @@ sys.path.insert(0, str(HERE))
 MODES = {
     "default": {},
     "dense": {"mode": "resident", "selector": "dense"},
+    "quest": {"selector": "quest"},
 }
 
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.kernels.prefill_attention import extend_attention
 from jaxkv.models import gguf_loader, llama
 from jaxkv.models.tokenizer import load_tokenizer
 
@@ -25,9 +26,13 @@ def layer_qkv(path, tokens: int, layers: int | None = None):
     ids = decode_lib.haystack_tokens(load_tokenizer(path), tokens)
     x = llama.embed(params, cfg, jnp.asarray([ids], jnp.int32))
     pos = jnp.arange(len(ids), dtype=jnp.int32)[None]
+    valid = jnp.ones(pos.shape, bool)
     for i, lp in enumerate(params["layers"][:layers]):
         _, q, k, v = llama.attention_inputs(lp, cfg, x, pos)
-        attn, _ = llama.dense_attend(i, lp, None, q, k, v, None)
+        if len(ids) <= 8192:
+            attn, _ = llama.dense_attend(i, lp, None, q, k, v, None)
+        else:  # no [T, T] scores: key blocks with an online softmax
+            attn = extend_attention(q, k, v, pos, valid).astype(q.dtype)
         x = llama.layer_output(lp, cfg, x, attn)
         yield i, q[0], k[0], v[0]
 

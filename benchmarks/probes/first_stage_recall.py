@@ -1,0 +1,121 @@
+"""What the two-stage selector's first stage keeps when it bounds blocks of pages
+(``CacheConfig.candidate_block``, issue 27's cost): on a real model and real text, per layer,
+the attention mass the two-stage selection keeps against an exact page oracle's, for Quest's
+bound per page (r = 1, the selector's default) and per block of r pages. CPU, float32.
+
+Per layer: the model's own q / k (prefill of ``--tokens`` tokens of Paul Graham's essays),
+the last ``--queries`` positions. For each query position and KV head, with the selector's
+rules (the sink page and the query's own page forced, Quest's bound summed over the head's
+query group):
+
+- the oracle keeps the ``budget / page_size`` pages of most attention mass (the ``oracle``
+  selector's page score, summed over the group) of all pages;
+- the first stage keeps ``candidates / r`` blocks of r pages by Quest's bound over each
+  block's keys (up to the query), and the second stage the ``budget / page_size`` candidate
+  pages of most mass (an exact second stage: the selector's int8 key copy is close to it);
+- ``kept``: the two-stage selection's mass over the oracle's (1 = the oracle's pages' mass);
+  ``hit``: the share of the oracle's pages among the candidates.
+
+    PYTHONPATH=.:benchmarks/probes JAX_PLATFORMS=cpu python benchmarks/probes/first_stage_recall.py \\
+        --gguf FILE --tokens 8192 --budget 512 --candidates 8 --blocks 1 2 4 --out OUT.json
+"""
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from _probe import layer_qkv, print_row, report
+from jaxkv.models import gguf_loader
+from jaxkv.selectors import oracle
+
+
+def _quest_scores(q, k, pos, bs):
+    """Quest's bound per block of ``bs`` tokens for one query: q [Hq, D] at position ``pos``,
+    k [T, H, D] (T a multiple of bs). Returns [H, T / bs], -inf on blocks past ``pos``."""
+    T, H, D = k.shape
+    G = q.shape[0] // H
+    valid = (jnp.arange(T) <= pos)[:, None, None]
+    kb = k.reshape(T // bs, bs, H, D)
+    vb = valid.reshape(T // bs, bs, 1, 1)
+    mx = jnp.max(jnp.where(vb, kb, -jnp.inf), axis=1)                  # [Nb, H, D]
+    mn = jnp.min(jnp.where(vb, kb, jnp.inf), axis=1)
+    ok = jnp.isfinite(mx[:, 0, 0])
+    mx, mn = jnp.where(ok[:, None, None], mx, 0.0), jnp.where(ok[:, None, None], mn, 0.0)
+    qg = q.reshape(H, G, D)
+    s = jnp.maximum(qg[None] * mx[:, :, None], qg[None] * mn[:, :, None]).sum(axis=(2, 3))
+    return jnp.where(ok[:, None], s, -jnp.inf).T                      # [H, Nb]
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
+def recall(q, k, t0, page_size, n_pages, n_cand, r):
+    """q [Q, Hq, D] at positions t0.., k [T, H, D] -> (kept [Q, H], hit [Q, H]) for blocks of
+    ``r`` pages, ``n_cand`` candidate pages and ``n_pages`` selected."""
+    Q, Hq, D = q.shape
+    T, H, _ = k.shape
+    bs = page_size * r
+    Tp = -(-T // bs) * bs
+    kp = jnp.pad(k, ((0, Tp - T), (0, 0), (0, 0)))
+    Np = Tp // page_size
+    keys = kp.reshape(Np, page_size, H, D)
+    qpos = t0 + jnp.arange(Q, dtype=jnp.int32)
+
+    def one(args):
+        qi, pos = args
+        mass = oracle.attention_mass(qi[None], keys[None], pos[None], page_size)[0]  # [H, Np]
+        page = jnp.arange(Np)
+        valid = page <= pos // page_size
+        forced = (page == 0) | (page == pos // page_size)
+        m = jnp.where(forced, jnp.inf, jnp.where(valid, mass, -jnp.inf))
+        top = jax.lax.top_k(m, n_pages)[1]                              # [H, n_pages]
+        best = jnp.zeros((H, Np), bool).at[jnp.arange(H)[:, None], top].set(True) & valid
+        s = _quest_scores(qi, kp, pos, bs)                              # [H, Nb]
+        blk = jnp.arange(Np // r)
+        s = jnp.where((blk == 0) | (blk == pos // bs), jnp.inf, s)
+        cb = jax.lax.top_k(s, max(n_cand // r, 1))[1]
+        cand_b = jnp.zeros((H, Np // r), bool).at[jnp.arange(H)[:, None], cb].set(True)
+        cand = jnp.repeat(cand_b, r, axis=1) & valid
+        m2 = jnp.where(cand, m, -jnp.inf)
+        top2 = jax.lax.top_k(m2, n_pages)[1]
+        sel = jnp.zeros((H, Np), bool).at[jnp.arange(H)[:, None], top2].set(True) & cand
+        kept = jnp.sum(jnp.where(sel, mass, 0.0), -1) / jnp.sum(jnp.where(best, mass, 0.0), -1)
+        hit = jnp.sum(best & cand, -1) / jnp.sum(best, -1)
+        return kept, hit
+
+    return jax.lax.map(one, (q, qpos))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--queries", type=int, default=32)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--budget", type=int, default=512, help="selected tokens per KV head")
+    ap.add_argument("--candidates", type=int, default=8, help="first-stage pages / budget pages")
+    ap.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--layers", type=int, default=None, help="the first N layers only")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    path = a.gguf or str(gguf_loader.default_model_path())
+    n_pages = a.budget // a.page_size
+    n_cand = n_pages * a.candidates
+    rows = []
+    for i, q, k, _ in layer_qkv(path, a.tokens, a.layers):
+        T = k.shape[0]
+        t0 = T - a.queries
+        row = dict(layer=i)
+        for r in a.blocks:
+            kept, hit = recall(q[t0:], k, t0, a.page_size, n_pages, n_cand, r)
+            row[f"kept_r{r}"] = float(jnp.mean(kept))
+            row[f"kept_min_r{r}"] = float(jnp.min(kept))
+            row[f"hit_r{r}"] = float(jnp.mean(hit))
+        rows.append(row)
+        print_row(row)
+    report(rows, a.out, model=path, tokens=T, queries=a.queries, page_size=a.page_size,
+           budget=a.budget, candidates=n_cand, blocks=a.blocks)
+
+
+if __name__ == "__main__":
+    main()
