@@ -402,6 +402,18 @@ def test_rescore_candidate_block_end_to_end():
     assert one.tokens == base.tokens
 
 
+def test_candidate_block_of_a_kept_context_must_match():
+    """A context's first-stage summaries are per block: continuing it with another block size
+    is an early error naming the field."""
+    kw = dict(mode="host", selector="quest_rescore", page_size=4, selected_pages=3,
+              candidate_pages=6, max_context=128)
+    r = jaxkv.generate(CFG, PARAMS, PROMPTS[:1], max_new_tokens=2, stop_tokens=[], keep=True,
+                       cache=CacheConfig(candidate_block=2, **kw))
+    with pytest.raises(ValueError, match="candidate_block=2"):
+        jaxkv.generate(CFG, PARAMS, [[5, 6]], max_new_tokens=2, stop_tokens=[],
+                       context=r.context, cache=CacheConfig(candidate_block=4, **kw))
+
+
 def test_candidate_block_needs_a_two_stage_selector():
     with pytest.raises(ValueError, match="candidate_block groups the first stage"):
         CacheConfig(selector="quest", candidate_block=2)
