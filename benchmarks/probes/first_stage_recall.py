@@ -14,13 +14,18 @@ query group):
   block's keys (up to the query), and the second stage the ``budget / page_size`` candidate
   pages of most mass (an exact second stage: the selector's int8 key copy is close to it);
 - ``kept``: the two-stage selection's mass over the oracle's (1 = the oracle's pages' mass);
-  ``hit``: the share of the oracle's pages among the candidates.
+  ``hit``: the share of the oracle's pages among the candidates;
+- ``--groups max``: the first stage scores a block by the largest bound of the KV head's
+  query heads instead of their sum (keys ``kept_r{r}_gmax``...), ``union``: half the
+  candidates by the sum, half by the max among the rest; ``--recent N``: the blocks of
+  the last N pages forced into the candidates (keys ``..._w{N}``).
 
     PYTHONPATH=.:benchmarks/probes JAX_PLATFORMS=cpu python benchmarks/probes/first_stage_recall.py \\
         --gguf FILE --tokens 8192 --budget 512 --candidates 8 --blocks 1 2 4 --out OUT.json
 """
 import argparse
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +36,11 @@ from jaxkv.models import gguf_loader
 from jaxkv.selectors import oracle
 
 
-def _quest_scores(q, k, pos, bs):
+def _quest_scores(q, k, pos, bs, group="sum"):
     """Quest's bound per block of ``bs`` tokens for one query: q [Hq, D] at position ``pos``,
-    k [T, H, D] (T a multiple of bs). Returns [H, T / bs], -inf on blocks past ``pos``."""
+    k [T, H, D] (T a multiple of bs). ``group``: the bounds of a KV head's query heads summed
+    (the selector's score) or their largest ("max"). Returns [H, T / bs], -inf on blocks past
+    ``pos``."""
     T, H, D = k.shape
     G = q.shape[0] // H
     valid = (jnp.arange(T) <= pos)[:, None, None]
@@ -44,14 +51,16 @@ def _quest_scores(q, k, pos, bs):
     ok = jnp.isfinite(mx[:, 0, 0])
     mx, mn = jnp.where(ok[:, None, None], mx, 0.0), jnp.where(ok[:, None, None], mn, 0.0)
     qg = q.reshape(H, G, D)
-    s = jnp.maximum(qg[None] * mx[:, :, None], qg[None] * mn[:, :, None]).sum(axis=(2, 3))
+    s = jnp.maximum(qg[None] * mx[:, :, None], qg[None] * mn[:, :, None]).sum(axis=3)
+    s = s.sum(axis=2) if group == "sum" else s.max(axis=2)             # [Nb, H]
     return jnp.where(ok[:, None], s, -jnp.inf).T                      # [H, Nb]
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
-def recall(q, k, t0, page_size, n_pages, n_cand, r):
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8))
+def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0):
     """q [Q, Hq, D] at positions t0.., k [T, H, D] -> (kept [Q, H], hit [Q, H]) for blocks of
-    ``r`` pages, ``n_cand`` candidate pages and ``n_pages`` selected."""
+    ``r`` pages, ``n_cand`` candidate pages and ``n_pages`` selected; the blocks of the last
+    ``recent`` pages before the query's own forced into the candidates."""
     Q, Hq, D = q.shape
     T, H, _ = k.shape
     bs = page_size * r
@@ -70,11 +79,21 @@ def recall(q, k, t0, page_size, n_pages, n_cand, r):
         m = jnp.where(forced, jnp.inf, jnp.where(valid, mass, -jnp.inf))
         top = jax.lax.top_k(m, n_pages)[1]                              # [H, n_pages]
         best = jnp.zeros((H, Np), bool).at[jnp.arange(H)[:, None], top].set(True) & valid
-        s = _quest_scores(qi, kp, pos, bs)                              # [H, Nb]
         blk = jnp.arange(Np // r)
-        s = jnp.where((blk == 0) | (blk == pos // bs), jnp.inf, s)
-        cb = jax.lax.top_k(s, max(n_cand // r, 1))[1]
-        cand_b = jnp.zeros((H, Np // r), bool).at[jnp.arange(H)[:, None], cb].set(True)
+        near = (blk * r + r > pos // page_size - recent) & (blk <= pos // bs)
+        forced_b = (blk == 0) | (blk == pos // bs) | near
+        n_b = max(n_cand // r, 1)
+
+        def top(s, n, taken):
+            s = jnp.where(taken, -jnp.inf, jnp.where(forced_b, jnp.inf, s))
+            cb = jax.lax.top_k(s, n)[1]
+            return jnp.zeros((H, Np // r), bool).at[jnp.arange(H)[:, None], cb].set(True)
+
+        if group == "union":  # half by the summed bound, half by the largest head's
+            first = top(_quest_scores(qi, kp, pos, bs, "sum"), n_b // 2, False)
+            cand_b = first | top(_quest_scores(qi, kp, pos, bs, "max"), n_b - n_b // 2, first)
+        else:
+            cand_b = top(_quest_scores(qi, kp, pos, bs, group), n_b, False)
         cand = jnp.repeat(cand_b, r, axis=1) & valid
         m2 = jnp.where(cand, m, -jnp.inf)
         top2 = jax.lax.top_k(m2, n_pages)[1]
@@ -95,6 +114,10 @@ def main():
     ap.add_argument("--budget", type=int, default=512, help="selected tokens per KV head")
     ap.add_argument("--candidates", type=int, default=8, help="first-stage pages / budget pages")
     ap.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--groups", nargs="+", default=["sum"], choices=("sum", "max", "union"),
+                    help="a KV head's query heads' bounds summed (the selector's) or their max")
+    ap.add_argument("--recent", type=int, nargs="+", default=[0],
+                    help="the last N pages forced into the candidates (keys ..._w{N})")
     ap.add_argument("--layers", type=int, default=None, help="the first N layers only")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -106,15 +129,17 @@ def main():
         T = k.shape[0]
         t0 = T - a.queries
         row = dict(layer=i)
-        for r in a.blocks:
-            kept, hit = recall(q[t0:], k, t0, a.page_size, n_pages, n_cand, r)
-            row[f"kept_r{r}"] = float(jnp.mean(kept))
-            row[f"kept_min_r{r}"] = float(jnp.min(kept))
-            row[f"hit_r{r}"] = float(jnp.mean(hit))
+        for g, r, w in itertools.product(a.groups, a.blocks, a.recent):
+            kept, hit = recall(q[t0:], k, t0, a.page_size, n_pages, n_cand, r, g, w)
+            tag = f"r{r}" + ("" if g == "sum" else f"_g{g}") + (f"_w{w}" if w else "")
+            row[f"kept_{tag}"] = float(jnp.mean(kept))
+            row[f"kept_min_{tag}"] = float(jnp.min(kept))
+            row[f"hit_{tag}"] = float(jnp.mean(hit))
         rows.append(row)
         print_row(row)
     report(rows, a.out, model=path, tokens=T, queries=a.queries, page_size=a.page_size,
-           budget=a.budget, candidates=n_cand, blocks=a.blocks)
+           budget=a.budget, candidates=n_cand, blocks=a.blocks, groups=a.groups,
+           recent=a.recent)
 
 
 if __name__ == "__main__":
