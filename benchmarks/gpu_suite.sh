@@ -31,6 +31,10 @@
 # steady: per-step slopes of the fetch loop, XLA's DMA and bulk device_put (bench_fetch --only-steady)
 # ab: same-process A/B of decode-step variants (ab_step.py; $AB_VARIANTS, $AB_SHAPE, $AB_CONFIG b|c2,
 #   $AB_PAIRS; AB_DUMP=1 also returns the optimized HLO of every compiled round as ab_hlo.tgz)
+# first-stage: issue 27's cheaper first stages at the default budget (1024 tokens, 8x candidates), same-process
+#   A/B against Quest and quest_rescore8: blocks of pages (candidate_block; 8B-like B=1 and Qwen-like B=8 at
+#   128k), the radix top-k (Qwen-like B=1 at 1M), then each top-k alone (probes/first_stage_topk.py); ~15 min,
+#   split it over calls by its parts first-stage-8b, first-stage-q8, first-stage-1m, first-stage-topk
 # Every stage writes its log and JSON under OUTDIR; a short summary is printed last.
 set -uo pipefail
 OUT=${1:?usage: gpu_suite.sh OUTDIR [stage ...]}; shift
@@ -108,6 +112,16 @@ for s in $STAGES; do
     launch) run launch 120 $PY benchmarks/probes/bench_launch.py --out "$OUT" ;;
     locality) run locality 200 $PY benchmarks/bench_fetch.py --only-locality --out "$OUT" ;;
     steady) run steady 300 $PY benchmarks/bench_fetch.py --only-steady --budget-s 240 --out "$OUT" ;;
+    first-stage|first-stage-8b|first-stage-q8|first-stage-1m|first-stage-topk)
+        fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --out $OUT"
+        case $s in first-stage|first-stage-8b) run fs_8b 300 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
+            --variants default,rescore8,rescore8_block4 --tag "block_8b1_$JAXKV_COMMIT" $fs ;; esac
+        case $s in first-stage|first-stage-q8) run fs_q8 300 $PY benchmarks/ab_step.py --shape qwen1.5b --batch 8 \
+            --variants default,rescore8,rescore8_block2,rescore8_block4 --tag "block_qwen8_$JAXKV_COMMIT" $fs ;; esac
+        case $s in first-stage|first-stage-1m) run fs_1m 400 $PY benchmarks/ab_step.py --shape qwen1.5b --batch 1 \
+            --context 1M --variants default,rescore8,rescore8_topk_radix --tag "radix_qwen1M_$JAXKV_COMMIT" $fs ;; esac
+        case $s in first-stage|first-stage-topk) run fs_topk 200 $PY benchmarks/probes/first_stage_topk.py \
+            --out "$OUT" ;; esac ;;
     ab) flags=${XLA_FLAGS:-}
         [ "${AB_DUMP:-0}" = 1 ] && flags="$flags --xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_round.*"
         XLA_FLAGS=$flags run ab ${AB_LIMIT:-500} $PY benchmarks/ab_step.py --variants ${AB_VARIANTS:-default,topk_full_row} --shape ${AB_SHAPE:-qwen1.5b} \
