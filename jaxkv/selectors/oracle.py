@@ -65,24 +65,22 @@ class Oracle(Selector):
 
     def update_select(self, plan, summaries, layer, layer_params, h, q, kv_new, positions, *,
                       ahead=False):
-        ps, Np = plan.page_size, plan.pages_per_seq
         k_new = kv_new if kv_new.ndim == 3 else kv_new[:, 0]
-        keys = summaries[0]
-        b = jnp.arange(k_new.shape[0])
-        page = jnp.where(positions >= 0, positions // ps, Np)  # Np: out of range, dropped
-        keys = keys.at[layer, b, page, positions % ps].set(k_new.astype(keys.dtype), mode="drop")
+        keys = self._store(plan, summaries[0], layer, k_new, positions)
         seq_lens = jnp.maximum(positions + 1 + int(ahead), 1)
         layer_keys = jax.lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False)
         return (keys,), self._select(plan, layer_keys, q, positions, seq_lens)
 
     def fold(self, plan, summaries, layer, layer_params, h, q, kv_new, positions):
+        return (self._store(plan, summaries[0], layer, kv_new[:, :, 0], positions),)
+
+    @staticmethod
+    def _store(plan, keys, layer, k, positions):
+        """The key copy with k [B, ..., H, D] stored at positions [B, ...] (-1: dropped)."""
         ps, Np = plan.page_size, plan.pages_per_seq
-        B = positions.shape[0]
-        b = jnp.arange(B)[:, None]
+        b = jnp.arange(positions.shape[0])[(slice(None),) + (None,) * (positions.ndim - 1)]
         page = jnp.where(positions >= 0, positions // ps, Np)  # Np: out of range, dropped
-        keys = summaries[0].at[layer, b, page, positions % ps].set(
-            kv_new[:, :, 0].astype(summaries[0].dtype), mode="drop")
-        return (keys,)
+        return keys.at[layer, b, page, positions % ps].set(k.astype(keys.dtype), mode="drop")
 
     def first_pages(self, plan, summaries, layer, layer_params, h_last, q_last, lengths):
         lengths = jnp.asarray(lengths, jnp.int32)

@@ -179,35 +179,29 @@ class Rescore(Quest):
                 q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
                 **self._first_stage_kw(plan))
             cand = self._block_pages(plan, cand, seq_lens)
-        ps, Np = plan.page_size, plan.pages_per_seq
         k_new = kv_new if kv_new.ndim == 3 else kv_new[:, 0]                # [B, H, D]
-        vals, scale = quantize(k_new, self.key_bits)
-        B, H = k_new.shape[:2]
-        b = jnp.arange(B)[:, None]
-        hh = jnp.arange(H)[None, :]
-        page = jnp.where(positions >= 0, positions // ps, Np)[:, None]  # Np: dropped
-        slot = (positions % ps)[:, None]
-        keys = summaries[2].at[layer, b, hh, page, slot].set(
-            vals.astype(summaries[2].dtype), mode="drop")
-        scales = summaries[3].at[layer, b, hh, page, slot].set(scale, mode="drop")
-        summ = (kmax, kmin, keys, scales)
+        summ = (kmax, kmin) + self._store_keys(plan, summaries, layer, k_new, positions)
         if plan.k >= plan.pages_per_seq:  # the budget holds every page: nothing to re-rank
             return summ, cand
         return summ, self._rescore(plan, summ, layer, q, cand, positions, seq_lens)
 
     def fold(self, plan, summaries, layer, layer_params, h, q, kv_new, positions):
         qsumm = super().fold(plan, summaries[:2], layer, layer_params, h, q, kv_new, positions)
+        return qsumm + self._store_keys(plan, summaries, layer, kv_new[:, :, 0], positions)
+
+    def _store_keys(self, plan, summaries, layer, k, positions):
+        """(keys, scales): the key copy with k [B, ..., H, D] quantized and stored at
+        positions [B, ...] (a decode step's [B], a turn's [B, T]; -1: dropped)."""
         ps, Np = plan.page_size, plan.pages_per_seq
-        vals, scale = quantize(kv_new[:, :, 0], self.key_bits)            # [B, T, H, D], [B, T, H]
-        B, T, H = scale.shape
-        b = jnp.arange(B)[:, None, None]
-        hh = jnp.arange(H)[None, None, :]
-        page = jnp.where(positions >= 0, positions // ps, Np)[:, :, None]  # Np: dropped
-        slot = (positions % ps)[:, :, None]
+        vals, scale = quantize(k, self.key_bits)
+        lead, H = positions.ndim, k.shape[-2]
+        b = jnp.arange(positions.shape[0])[(slice(None),) + (None,) * lead]
+        hh = jnp.arange(H)[(None,) * lead]
+        page = jnp.where(positions >= 0, positions // ps, Np)[..., None]  # Np: dropped
+        slot = (positions % ps)[..., None]
         keys = summaries[2].at[layer, b, hh, page, slot].set(
             vals.astype(summaries[2].dtype), mode="drop")
-        scales = summaries[3].at[layer, b, hh, page, slot].set(scale, mode="drop")
-        return qsumm + (keys, scales)
+        return keys, summaries[3].at[layer, b, hh, page, slot].set(scale, mode="drop")
 
     def first_pages(self, plan, summaries, layer, layer_params, h_last, q_last, lengths):
         lengths = jnp.asarray(lengths, jnp.int32)
