@@ -73,6 +73,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -205,6 +206,65 @@ def _traced_calls(op, fn):
     return out, len(calls)
 
 
+def _setup(a):
+    """(shape, batch, context, Settings, ModelConfig, base Tuning) of the command line."""
+    if a.quick:  # tiny model; the chunk-maxima top-k (and so the fused kernel) at any size
+        st = bd.Settings(**bd.QUICK)
+        return "tiny", 2, 256, st, bd.configs.tiny(), Tuning(topk_cmax_min_pages=1)
+    shape, ctx = a.shape, bd.parse_tokens(a.context)
+    B = a.batch or (8 if shape == "qwen1.5b" else 1)
+    st = bd.Settings(page_size=64 if shape == "qwen1.5b" else 16)
+    if a.budget_tokens:
+        st = dataclasses.replace(st, selected_tokens=a.budget_tokens)
+    return shape, B, ctx, st, bd.model_config(shape), Tuning()
+
+
+def _plans(a, names, B, ctx, st, cfg, base_tuning, impl):
+    """Each variant's plan: its CacheConfig fields and Tuning over the engine's defaults."""
+    ps, k = st.page_size, st.k
+    max_ctx = -(-(ctx + st.round_steps * (2 * a.pairs + 4)) // ps) * ps
+    cache = CacheConfig(mode="resident", selector="quest", page_size=ps, selected_pages=k,
+                        round_steps=st.round_steps, max_context=max_ctx, implementation=impl)
+    if a.config == "c2":
+        one_x = engine.Plan(model=cfg, cache=dataclasses.replace(cache, mode="host"), batch=B,
+                            prompt_len=max_ctx, max_context=max_ctx, num_stop=4).pool_pages
+        cache = dataclasses.replace(cache, mode="host",
+                                    pool_pages=min(B * (max_ctx // ps), 2 * one_x))
+    plans = {}
+    for name in names:
+        cc = dataclasses.replace(cache, tuning=variant_tuning(name, base_tuning),
+                                 **CACHE_CHANGES.get(name, {}))
+        if a.candidate_pages and selectors.get(cc.selector).two_stage:
+            cc = dataclasses.replace(cc, candidate_pages=a.candidate_pages)
+        plans[name] = engine.Plan(model=cfg, batch=B, prompt_len=max_ctx, cache=cc,
+                                  max_context=max_ctx, num_stop=4)
+    return plans
+
+
+def lower_only(a, names):
+    """``--lower-only``: each variant's decode round lowered for an abstract H200 on this
+    machine (:mod:`jaxkv.lowering`; shapes only, nothing allocated or compiled), to find the
+    variants that fail the Pallas -> Triton lowering before a GPU session spends time on
+    them. Prints one line per variant; exits 1 if any failed."""
+    from jaxkv import lowering
+    failed = []
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            with lowering.gpu_target():
+                shape, B, ctx, st, cfg, base_tuning = _setup(a)
+                plan = _plans(a, [name], B, ctx, st, cfg, base_tuning, None)[name]
+                params = jax.eval_shape(lambda: bd.llama.init_params(cfg, st.seed))
+                text = lowering.lower_round(plan, params, engine.abstract_state(plan, [ctx] * B))
+            print(f"  {name:24s} lowered: {text.count(lowering.TRITON_CALL)} Triton calls "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+        except Exception as e:  # noqa: BLE001 - every variant is reported
+            failed.append(name)
+            print(f"  {name:24s} FAILED ({type(e).__name__}: {str(e)[:300]})", flush=True)
+    if failed:
+        raise SystemExit(1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -224,6 +284,9 @@ def main():
     ap.add_argument("--candidate-pages", type=int, default=None,
                     help="CacheConfig.candidate_pages of the two-stage variants (default: "
                          "their multiple of the budget)")
+    ap.add_argument("--lower-only", action="store_true",
+                    help="lower each variant's round for an abstract H200 here and exit "
+                         "(no GPU needed; catches Triton lowering failures before a GPU run)")
     ap.add_argument("--trace", default="",
                     help="after the turns, profile one more round per variant into this "
                          "directory: device time per kernel in the JSON (``kernels``)")
@@ -232,24 +295,14 @@ def main():
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or len(names) < 2 or len(set(names)) != len(names):
         ap.error(f"--variants needs two or more distinct names of {sorted(VARIANTS)}, got {names}")
+    if a.lower_only:
+        return lower_only(a, names)
     gpu = jax.default_backend() == "gpu"
     names = _accepted(names)
     if len(names) < 2:
         raise SystemExit("fewer than two variants left")
-    base_tuning = Tuning()
-    if a.quick:  # tiny model; the chunk-maxima top-k (and so the fused kernel) at any size
-        shape, B, ctx, st = "tiny", 2, 256, bd.Settings(**bd.QUICK)
-        cfg = bd.configs.tiny()
-        base_tuning = Tuning(topk_cmax_min_pages=1)
-    else:
-        shape, ctx = a.shape, bd.parse_tokens(a.context)
-        B = a.batch or (8 if shape == "qwen1.5b" else 1)
-        st = bd.Settings(page_size=64 if shape == "qwen1.5b" else 16)
-        if a.budget_tokens:
-            st = dataclasses.replace(st, selected_tokens=a.budget_tokens)
-        cfg = bd.model_config(shape)
+    shape, B, ctx, st, cfg, base_tuning = _setup(a)
     ps, k = st.page_size, st.k
-    max_ctx = -(-(ctx + st.round_steps * (2 * a.pairs + 4)) // ps) * ps
     params = bd.llama.init_params(cfg, st.seed) if a.quick else bd.get_params(shape, st.seed)
     real = bd.load_overlap(bd.RESULTS / bd.OVERLAP_FILE)
     target = float(real["mean"]) if real else bd.DEFAULT_OVERLAP
@@ -258,24 +311,12 @@ def main():
                                             seed=st.seed)
     synth = synthetic.Synthetic(salience=float(sal))
     lengths = [ctx] * B
-    impl = None if gpu else "pallas"  # the Pallas kernels (interpret mode off the GPU)
-    cache = CacheConfig(mode="resident", selector="quest", page_size=ps, selected_pages=k,
-                        round_steps=st.round_steps, max_context=max_ctx, implementation=impl)
-    if a.config == "c2":
-        one_x = engine.Plan(model=cfg, cache=dataclasses.replace(cache, mode="host"), batch=B,
-                            prompt_len=max_ctx, max_context=max_ctx, num_stop=4).pool_pages
-        cache = dataclasses.replace(cache, mode="host",
-                                    pool_pages=min(B * (max_ctx // ps), 2 * one_x))
     st = dataclasses.replace(st, hbm_gbps=bd.hbm_gbps(st.hbm_bytes, st.reps),
                              pcie_gbps=bd.bulk_h2d_gbps(st.bulk_bytes, st.reps))
-    plans, states, runs, traced = {}, {}, {}, {}
+    impl = None if gpu else "pallas"  # the Pallas kernels (interpret mode off the GPU)
+    plans = _plans(a, names, B, ctx, st, cfg, base_tuning, impl)
+    states, runs, traced = {}, {}, {}
     for name in names:
-        cc = dataclasses.replace(cache, tuning=variant_tuning(name, base_tuning),
-                                 **CACHE_CHANGES.get(name, {}))
-        if a.candidate_pages and selectors.get(cc.selector).two_stage:
-            cc = dataclasses.replace(cc, candidate_pages=a.candidate_pages)
-        plans[name] = engine.Plan(model=cfg, batch=B, prompt_len=max_ctx, cache=cc,
-                                  max_context=max_ctx, num_stop=4)
         states[name] = synthetic.build_state(plans[name], lengths, synth=synth, seed=st.seed,
                                              chunk_bytes=st.chunk_bytes)
         runs[name] = []

@@ -18,6 +18,6 @@ from jaxkv.prefill import (_in_token_chunks, embed_prompt, extend_layer,  # noqa
                            first_token, prefill_layer)
 from jaxkv.residency import pool_only_reads  # noqa: F401
 from jaxkv.sampling import agree  # noqa: F401
-from jaxkv.state import (DecodeState, init_dense, init_kv, init_lookahead,  # noqa: F401
-                         init_summaries, start_state, state_shardings)
+from jaxkv.state import (DecodeState, abstract_state, init_dense, init_kv,  # noqa: F401
+                         init_lookahead, init_summaries, start_state, state_shardings)
 

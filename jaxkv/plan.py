@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxkv import selectors
 from jaxkv.config import CacheConfig, Tuning, dense_layer_set
-from jaxkv.kernels import kv_quant
+from jaxkv.kernels import _common, kv_quant
 from jaxkv.models.configs import ModelConfig
 from jaxkv.selectors import Selector
 from jaxkv.spec import CacheSpec
@@ -92,7 +92,7 @@ class Plan:
     def layer_unroll(self) -> int:
         unroll = self.cache.unroll_layers
         if unroll is None:
-            unroll = jax.default_backend() == "gpu"
+            unroll = _common.backend() == "gpu"
         return self.model.num_layers if unroll else 1
 
     @property
@@ -101,7 +101,7 @@ class Plan:
         backend's default: 131072 on the GPU, 512 elsewhere, at least a page)."""
         chunk = self.cache.prefill_token_chunk
         if chunk is None:
-            chunk = 131072 if jax.default_backend() == "gpu" else max(512, self.page_size)
+            chunk = 131072 if _common.backend() == "gpu" else max(512, self.page_size)
         return chunk
 
     @property

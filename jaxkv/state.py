@@ -93,3 +93,27 @@ def init_summaries(plan: Plan):
 def state_shardings(state: DecodeState):
     """Output shardings that keep every leaf where it is (the host tier stays pinned)."""
     return jax.tree.map(lambda a: a.sharding, state)
+
+
+def abstract_state(plan: Plan, lengths, *, device=None) -> DecodeState:
+    """The state :func:`start_state` builds after a prefill of ``lengths``, as
+    ``jax.ShapeDtypeStruct`` leaves that carry their shardings and memory spaces (the host
+    tier in pinned host memory, the rest on ``device``); nothing is allocated. With it a decode
+    round lowers at full size on a machine that could not hold the cache (an 8B-like model's
+    128k tier for an abstract H200 on a CPU: ``tests/lowering.py``). One device only."""
+    B = plan.batch
+
+    def build():
+        return start_state(plan, init_kv(plan, traced=True), init_summaries(plan), lengths,
+                           jnp.zeros((B,), jnp.int32), jax.random.key(0),
+                           dense=init_dense(plan, traced=True))
+
+    dev = kvcache.device_sharding(device)
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev),
+                         jax.eval_shape(build))
+    if plan.cache.mode != "host":
+        return state
+    host_kv = jax.ShapeDtypeStruct(plan.spec.host_shape, plan.spec.dtype,
+                                   sharding=kvcache.host_sharding(device),
+                                   _memory_space=jax.memory.Space.Host)
+    return state.replace(kv=state.kv.replace(host_kv=host_kv))

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..kernels import _common
 from ..kernels.prefill_attention import gqa_attention  # noqa: F401 - part of the model API
 from .configs import ModelConfig, RopeScaling
 
@@ -129,7 +130,7 @@ def apply_rope(x, positions, theta: float, rot_dim: int | None = None,
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     if scaling is not None and scaling.attention_factor != 1.0:
         cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
-    if jax.default_backend() != "gpu":  # XLA:CPU fuses cos / sin into the rotation and
+    if _common.backend() != "gpu":  # XLA:CPU fuses cos / sin into the rotation and
         cos, sin = jax.lax.optimization_barrier((cos, sin))  # evaluates them once per head
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., :half], xf[..., half:rot]
@@ -424,7 +425,7 @@ def rolled_weights(mode: str | None = None) -> str:
     ``lax.switch`` over the layers' own arrays: XLA:CPU copies a dynamic slice of a stacked
     weight before a dot, which triples a decode step's weight traffic)."""
     if mode is None:
-        mode = "stack" if jax.default_backend() == "gpu" else "switch"
+        mode = "stack" if _common.backend() == "gpu" else "switch"
     if mode not in ("stack", "switch"):
         raise ValueError(f"rolled_weights must be 'stack', 'switch' or None, got {mode!r}")
     return mode

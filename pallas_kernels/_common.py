@@ -15,6 +15,8 @@ speed) unless the op's module registered a faster formulation for the CPU and sa
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from collections.abc import Callable
 from typing import Literal
@@ -29,9 +31,29 @@ _GPU_DEFAULT: dict[str, str] = {}
 _CPU_DEFAULT: dict[str, str] = {}
 
 
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxkv_target", default=None)
+
+
 def backend() -> str:
-    """The default JAX backend platform: 'gpu', 'cpu' or 'tpu'."""
-    return jax.default_backend()
+    """The platform programs are built for: 'gpu', 'cpu' or 'tpu'. JAX's default backend,
+    or the platform :func:`target_platform` names while it is active."""
+    return _TARGET.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def target_platform(platform: str):
+    """Build programs for ``platform`` (e.g. "gpu") on a machine without it, to lower them
+    with ``lowering_platforms``: inside, every backend rule (an op's default implementation,
+    Triton instead of interpret mode, a plan's per-backend defaults) answers for
+    ``platform``. JAX's caches are cleared on entry (a function traced before would keep its
+    trace for this machine) and on exit (nothing traced inside can run here)."""
+    jax.clear_caches()
+    token = _TARGET.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+        jax.clear_caches()
 
 
 def on_gpu() -> bool:

@@ -48,6 +48,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from . import _common
+
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 QUANT_DTYPES = FP8_DTYPES + ("int8",)
 EXP_BIAS = 127
@@ -75,7 +77,7 @@ def bytes_movable(a) -> bool:
     host arrays on the CPU, where host and device memory are the same RAM (on a GPU an op on
     a pinned_host array's bits could copy the whole array; those paths keep the dtype)."""
     return (jax.typeof(a).memory_space != jax.memory.Space.Host
-            or jax.default_backend() == "cpu")
+            or _common.backend() == "cpu")
 
 
 def from_bits(a, dtype):

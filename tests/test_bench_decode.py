@@ -76,6 +76,18 @@ def test_ab_step_traces_each_variant_once(tmp_path):
     assert out["compiles_after_warmup"] == {n: 0 for n in t}
 
 
+def test_ab_step_lower_only(tmp_path):
+    """--lower-only: each variant's round lowered for an abstract H200 on the CPU; a line each,
+    nothing written."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab_step.py"), "--quick",
+                        "--variants", "default,rescore8_block2", "--lower-only",
+                        "--out", str(tmp_path)], check=True, cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = [ln.split() for ln in r.stdout.splitlines() if "lowered:" in ln]
+    assert [ln[0] for ln in lines] == ["default", "rescore8_block2"]
+    assert all(int(ln[2]) > 0 for ln in lines) and not list(tmp_path.iterdir())
+
+
 def test_lagged_selection_run(tmp_path):
     """--selection-lag 1: the sparse configs run with CacheConfig(selection_lag=1), the dense
     baseline (a) without it; the JSON's settings say so."""

@@ -2,13 +2,16 @@
 refactor leaves the compiled programs unchanged.
 
     PYTHONPATH=. python benchmarks/probes/hlo_rounds.py --out DIR [--impl pallas] [--texts]
+    PYTHONPATH=. python benchmarks/probes/hlo_rounds.py --out DIR --target gpu   # no GPU needed
 
 For each configuration (host tier and resident; quest, indexer and dense; exact and lagged
 selection; the other host schedules) it lowers one decode round and one prefill layer of a
 small model (bf16, head_dim 64 on GPU, where the Pallas kernels lower to Triton; f32 on CPU,
 where ``--impl pallas`` lowers the kernels in interpret mode, so their bodies are in the HLO)
 and writes the sha256 of each text to ``DIR/hlo_rounds.json`` (with ``--texts`` the texts
-too). Compare two such files with ``--compare A.json B.json``.
+too). Compare two such files with ``--compare A.json B.json``. ``--target gpu`` lowers the GPU's
+programs on any machine (:mod:`jaxkv.lowering`: an abstract H200, the state as shapes); its
+texts differ from a GPU run's (no donation or compiler options), so compare it with itself.
 
 A Pallas kernel lowered for the GPU is embedded as Triton MLIR bytecode that carries source
 locations (file and line of every op), so moving kernel code changes the bytes but not the
@@ -18,6 +21,7 @@ info before hashing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -33,6 +37,7 @@ except ImportError:  # trees before the jaxkv.models mapping
     from models import configs, llama
 from jaxkv import CacheConfig, Sampling, engine
 from jaxkv.api import make_plan
+from jaxkv.kernels import _common
 
 CASES = {
     "resident_quest": dict(mode="resident", selector="quest"),
@@ -99,19 +104,25 @@ def normalize(text: str) -> str:
 
 
 def model_config(indexer: bool):
-    gpu = jax.default_backend() == "gpu"
+    gpu = _common.backend() == "gpu"
     kw = dict(dtype="bfloat16", head_dim=64, num_kv_heads=2, num_heads=8) if gpu else {}
     cfg = configs.tiny(**kw)
     return configs.with_indexer(cfg) if indexer else cfg
 
 
-def lower_case(name: str, kw: dict, impl: str | None) -> dict:
+def lower_case(name: str, kw: dict, impl: str | None, target: bool = False) -> dict:
     cfg = model_config(kw["selector"] == "indexer")
     params = llama.init_params(cfg, seed=0)
-    ps = 16 if jax.default_backend() == "gpu" else 4
+    ps = 16 if _common.backend() == "gpu" else 4
     cache = CacheConfig(page_size=ps, selected_pages=4, implementation=impl, **kw)
     lens = [300, 170] if ps == 16 else [30, 17]
     plan = make_plan(cfg, cache, lens, 8, num_stop=4)
+    if target:
+        from jaxkv import lowering
+        st = engine.abstract_state(plan, lens)
+        return {"round": lowering.lower_round(plan, params, st),
+                "prefill": lowering.lower_prefill(plan, params["layers"][0], st.kv,
+                                                  st.summaries, st.dense)}
     kv, summ = engine.init_kv(plan), engine.init_summaries(plan)
     dense = engine.init_dense(plan)
     state = engine.start_state(plan, kv, summ, lens, jnp.ones((plan.batch,), jnp.int32),
@@ -129,6 +140,8 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--impl", default=None, help="implementation (default: per backend)")
     ap.add_argument("--texts", action="store_true", help="also write the HLO texts")
+    ap.add_argument("--target", choices=("gpu",), default=None,
+                    help="lower the GPU's programs on this machine (an abstract H200)")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"))
     args = ap.parse_args()
@@ -140,7 +153,9 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     hashes = {}
     for name in args.cases.split(","):
-        texts = {k: normalize(v) for k, v in lower_case(name, CASES[name], args.impl).items()}
+        with _common.target_platform(args.target) if args.target else contextlib.nullcontext():
+            lowered = lower_case(name, CASES[name], args.impl, bool(args.target))
+        texts = {k: normalize(v) for k, v in lowered.items()}
         for part, text in texts.items():
             key = f"{name}/{part}"
             hashes[key] = hashlib.sha256(text.encode()).hexdigest()
@@ -149,7 +164,7 @@ def main():
                     f.write(text)
         print(name, hashes[f"{name}/round"][:12], hashes[f"{name}/prefill"][:12], flush=True)
     with open(os.path.join(args.out, "hlo_rounds.json"), "w") as f:
-        json.dump({"backend": jax.default_backend(), "impl": args.impl,
+        json.dump({"backend": args.target or jax.default_backend(), "impl": args.impl,
                    "jax": jax.__version__, "sha256": hashes}, f, indent=1)
 
 
