@@ -4,6 +4,8 @@
 # stages: env tests fetch attention attnhost select decode quality tp (default: env tests fetch attention)
 # tests: the whole GPU suite (~480 s on the H200; limit $TESTS_LIMIT, default 560 s)
 # tests-files: the GPU tests of $TEST_FILES only
+# tests-1, tests-2: the whole GPU suite in two calls (the files with GPU tests, sorted, split in
+#   halves; the suite as one stage needs ~600 s on the H200, over a device call's limit)
 # prefill-attn: causal prefill attention per layer, XLA / Pallas tunings / cuDNN (bench_prefill_attention.py)
 # prefill: 8B-like prefill of 32k and 128k prompts, resident and host (bench_decode --no-decode;
 #   JAXKV_IMPL_PREFILL_ATTENTION=pallas|cudnn|xla picks the attention, tagged in the JSON name)
@@ -60,6 +62,12 @@ for s in $STAGES; do
     tests) run tests ${TESTS_LIMIT:-560} $PY -m pytest -q -m gpu -p no:cacheprovider tests/ --continue-on-collection-errors --timeout=200 -o addopts="-ra" ;;
     tests-files) run tests_files ${TESTS_LIMIT:-300} $PY -m pytest -q -m gpu -p no:cacheprovider ${TEST_FILES:?set TEST_FILES} \
         -o addopts="-ra" --tb=short ;;
+    tests-1|tests-2)
+        mapfile -t files < <(grep -l "mark\.gpu" tests/test_*.py | sort)
+        half=$(( (${#files[@]} + 1) / 2 ))
+        if [ "$s" = tests-1 ]; then part=("${files[@]:0:half}"); else part=("${files[@]:half}"); fi
+        run "$s" ${TESTS_LIMIT:-540} $PY -m pytest -q -m gpu -p no:cacheprovider "${part[@]}" \
+          --timeout=200 -o addopts="-ra" ;;
     fetch) run fetch 300 $PY benchmarks/bench_fetch.py --out "$OUT" ;;
     attention) run attention 300 $PY benchmarks/bench_attention.py --out "$OUT" ;;
     attnhost) run attnhost 150 $PY benchmarks/bench_attention_host.py --out "$OUT" ;;
