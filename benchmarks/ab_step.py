@@ -241,11 +241,28 @@ def _plans(a, names, B, ctx, st, cfg, base_tuning, impl):
     return plans
 
 
+def _check_fits(plans, lengths, params, share: float = 0.9):
+    """Stop before allocating when the variants' states (each holds its own cache) and the
+    weights need more than ``share`` of the device's memory (the rest: the programs' own
+    buffers), naming the fix."""
+    from jaxkv import lowering
+    need = lowering.footprint(params)["device"] + sum(
+        lowering.footprint(engine.abstract_state(p, lengths))["device"] for p in plans.values())
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    print(f"  device memory: {need / 2**30:.1f} GiB of weights and {len(plans)} variants' "
+          f"states" + (f" of {limit / 2**30:.1f} GiB" if limit else ""), flush=True)
+    if limit and need > share * limit:
+        raise SystemExit(f"the weights and {len(plans)} variants' states need "
+                         f"{need / 2**30:.1f} GiB of the device's {limit / 2**30:.1f} GiB: "
+                         f"pass fewer --variants (each holds its own cache)")
+
+
 def lower_only(a, names):
     """``--lower-only``: each variant's decode round lowered for an abstract H200 on this
     machine (:mod:`jaxkv.lowering`; shapes only, nothing allocated or compiled), to find the
     variants that fail the Pallas -> Triton lowering before a GPU session spends time on
-    them. Prints one line per variant; exits 1 if any failed."""
+    them. Prints one line per variant (with what its state and the weights would take);
+    exits 1 if any failed."""
     from jaxkv import lowering
     failed = []
     for name in names:
@@ -255,9 +272,13 @@ def lower_only(a, names):
                 shape, B, ctx, st, cfg, base_tuning = _setup(a)
                 plan = _plans(a, [name], B, ctx, st, cfg, base_tuning, None)[name]
                 params = jax.eval_shape(lambda: bd.llama.init_params(cfg, st.seed))
-                text = lowering.lower_round(plan, params, engine.abstract_state(plan, [ctx] * B))
+                state = engine.abstract_state(plan, [ctx] * B)
+                text = lowering.lower_round(plan, params, state)
+            mem = lowering.footprint(state)
             print(f"  {name:24s} lowered: {text.count(lowering.TRITON_CALL)} Triton calls "
-                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+                  f"({time.perf_counter() - t0:.1f} s); state {mem['device'] / 2**30:.1f} GiB "
+                  f"device, {mem['host'] / 2**30:.1f} GiB host; weights "
+                  f"{lowering.footprint(params)['device'] / 2**30:.1f} GiB", flush=True)
         except Exception as e:  # noqa: BLE001 - every variant is reported
             failed.append(name)
             print(f"  {name:24s} FAILED ({type(e).__name__}: {str(e)[:300]})", flush=True)
@@ -315,6 +336,7 @@ def main():
                              pcie_gbps=bd.bulk_h2d_gbps(st.bulk_bytes, st.reps))
     impl = None if gpu else "pallas"  # the Pallas kernels (interpret mode off the GPU)
     plans = _plans(a, names, B, ctx, st, cfg, base_tuning, impl)
+    _check_fits(plans, lengths, params)
     states, runs, traced = {}, {}, {}
     for name in names:
         states[name] = synthetic.build_state(plans[name], lengths, synth=synth, seed=st.seed,

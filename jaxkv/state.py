@@ -109,7 +109,8 @@ def abstract_state(plan: Plan, lengths, *, device=None) -> DecodeState:
                            dense=init_dense(plan, traced=True))
 
     dev = kvcache.device_sharding(device)
-    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev),
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev,
+                                                        _memory_space=jax.memory.Space.Device),
                          jax.eval_shape(build))
     if plan.cache.mode != "host":
         return state

@@ -116,3 +116,22 @@ def test_benchmark_round_lowers_at_full_size(shape, batch, mode, changes):
         txt = lowering.lower_round(plan, jax.eval_shape(lambda: llama.init_params(cfg, 0)),
                                    state)
     assert txt.count(TRITON) >= 3 * cfg.num_layers  # scores, second stage, attention
+
+
+@pytest.mark.parametrize("mode", ["host", "resident"])
+def test_abstract_state_matches_the_built_one(mode):
+    """``abstract_state``: the shapes, dtypes and memory spaces of ``start_state``'s leaves,
+    and so the same ``footprint``."""
+    import jax.numpy as jnp
+    cfg = configs.tiny()
+    plan = make_plan(cfg, CacheConfig(page_size=4, selected_pages=4, mode=mode,
+                                      selector="quest_rescore8"), [30, 17], 8, num_stop=4)
+    built = engine.start_state(plan, engine.init_kv(plan), engine.init_summaries(plan), [30, 17],
+                               jnp.zeros((2,), jnp.int32), jax.random.key(0),
+                               dense=engine.init_dense(plan))
+    abst = engine.abstract_state(plan, [30, 17])
+    a, b = jax.tree.leaves(lowering.abstract(built)), jax.tree.leaves(abst)
+    assert [(x.shape, x.dtype, x._memory_space) for x in a] == \
+        [(x.shape, x.dtype, x._memory_space) for x in b]
+    fp = lowering.footprint(abst)
+    assert fp == lowering.footprint(built) and (fp["host"] > 0) == (mode == "host")
