@@ -82,7 +82,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _meta  # noqa: E402
 import decode_lib as bd  # noqa: E402
 import synthetic  # noqa: E402
-from jaxkv import CacheConfig, Tuning, engine, selectors  # noqa: E402
+from jaxkv import CacheConfig, Tuning, engine, selectors, validation  # noqa: E402
 from jaxkv.kernels import _common, quest  # noqa: E402
 
 _EXH = ("xla_gpu_exhaustive_tiling_search", True)
@@ -245,9 +245,9 @@ def _check_fits(plans, lengths, params, share: float = 0.9):
     """Stop before allocating when the variants' states (each holds its own cache) and the
     weights need more than ``share`` of the device's memory (the rest: the programs' own
     buffers), naming the fix."""
-    from jaxkv import lowering
-    need = lowering.footprint(params)["device"] + sum(
-        lowering.footprint(engine.abstract_state(p, lengths))["device"] for p in plans.values())
+    need = validation.nbytes_by_space(params)["device"] + sum(
+        validation.nbytes_by_space(engine.abstract_state(p, lengths))["device"]
+        for p in plans.values())
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     print(f"  device memory: {need / 2**30:.1f} GiB of weights and {len(plans)} variants' "
           f"states" + (f" of {limit / 2**30:.1f} GiB" if limit else ""), flush=True)
@@ -274,11 +274,11 @@ def lower_only(a, names):
                 params = jax.eval_shape(lambda: bd.llama.init_params(cfg, st.seed))
                 state = engine.abstract_state(plan, [ctx] * B)
                 text = lowering.lower_round(plan, params, state)
-            mem = lowering.footprint(state)
+            mem = validation.nbytes_by_space(state)
             print(f"  {name:24s} lowered: {text.count(lowering.TRITON_CALL)} Triton calls "
                   f"({time.perf_counter() - t0:.1f} s); state {mem['device'] / 2**30:.1f} GiB "
                   f"device, {mem['host'] / 2**30:.1f} GiB host; weights "
-                  f"{lowering.footprint(params)['device'] / 2**30:.1f} GiB", flush=True)
+                  f"{validation.nbytes_by_space(params)['device'] / 2**30:.1f} GiB", flush=True)
         except Exception as e:  # noqa: BLE001 - every variant is reported
             failed.append(name)
             print(f"  {name:24s} FAILED ({type(e).__name__}: {str(e)[:300]})", flush=True)

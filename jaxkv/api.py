@@ -76,11 +76,12 @@ def _summary_bytes(plan: engine.Plan) -> int:
     return validation.nbytes_of(jax.eval_shape(lambda: engine.init_summaries(plan)))
 
 
-def _need_device_bytes(plan: engine.Plan, summary_bytes: int | None = None) -> int:
-    """Device bytes generate() allocates for the KV cache (pool or resident) and summaries."""
-    spec = plan.spec
-    kv = spec.pool_bytes if plan.cache.mode == "host" else spec.host_bytes
-    return kv + (_summary_bytes(plan) if summary_bytes is None else summary_bytes)
+def _need_device_bytes(plan: engine.Plan) -> int:
+    """Device bytes of the decode state generate() allocates: the pool or resident KV cache,
+    the page table and LRU, the selector's summaries and, on the host tier, the dense layers'
+    device copy (``engine.abstract_state``: shapes only)."""
+    state = engine.abstract_state(plan, [0] * plan.batch)
+    return validation.nbytes_by_space(state)["device"]
 
 
 def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int],
@@ -149,13 +150,16 @@ def _check_device_memory(plan: engine.Plan):
     summ = _summary_bytes(plan)
     fix = ("lower pool_pages / selected_pages / batch" if host
            else "lower batch / max_context, or use mode='host'")
+    if host and plan.num_dense:
+        fix += (f"; the {plan.num_dense} dense layers' K/V (CacheConfig.dense_layers) stay on "
+                "the device whole")
     if plan.selector.two_stage:
         fix += (f"; the {plan.cache.selector!r} selector's summaries (Quest's bounds and a copy "
                 f"of the keys) take {summ / 2**30:.2f} GiB of it: selector='quest' keeps the "
                 "bounds only")
-    validation.check_device_memory(
-        _need_device_bytes(plan, summ), what="device pool" if host else "resident KV cache",
-        fix=fix)
+    what = (("device pool and dense layers" if plan.num_dense else "device pool") if host
+            else "resident KV cache")
+    validation.check_device_memory(_need_device_bytes(plan), what=what, fix=fix)
 
 
 def _memory_stats(plan: engine.Plan, state: engine.DecodeState, n: int = 1) -> dict:
@@ -163,7 +167,8 @@ def _memory_stats(plan: engine.Plan, state: engine.DecodeState, n: int = 1) -> d
     spec = plan.spec
     summ = sum(int(a.nbytes) for a in jax.tree.leaves(state.summaries))
     if plan.cache.mode == "host":
-        dev = n * spec.pool_bytes + summ + int(state.kv.page_table.nbytes) * 3
+        dense = sum(int(a.nbytes) for a in jax.tree.leaves(state.dense))  # dense layers' K/V
+        dev = n * spec.pool_bytes + summ + int(state.kv.page_table.nbytes) * 3 + dense
         host = n * spec.host_bytes
     else:
         dev, host = n * spec.host_bytes + summ, 0

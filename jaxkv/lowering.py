@@ -65,20 +65,6 @@ def abstract(tree):
     return jax.tree.map(one, tree)
 
 
-def footprint(tree) -> dict:
-    """Bytes of ``tree``'s arrays (concrete or abstract) by memory space: ``{"device": ...,
-    "host": ...}`` (what an abstract state would take once allocated)."""
-    out = {"device": 0, "host": 0}
-    for x in jax.tree.leaves(tree):
-        if not hasattr(x, "shape") or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
-            continue  # PRNG keys: a few bytes
-        space = getattr(x, "_memory_space", None) if isinstance(x, jax.ShapeDtypeStruct) \
-            else jax.typeof(x).memory_space
-        key = "host" if space == jax.memory.Space.Host else "device"
-        out[key] += x.size * jnp.dtype(x.dtype).itemsize
-    return out
-
-
 def lower_round(plan, params, state, sampling=None, max_new: int = 8, **kw) -> str:
     """``plan``'s decode round (``decode.decode_round``) for CUDA; ``params`` / ``state``
     concrete or abstract. ``kw``: :func:`lower`'s device."""

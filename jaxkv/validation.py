@@ -428,3 +428,18 @@ def check_strict(stats: dict, result=None) -> None:
 def nbytes_of(tree) -> int:
     """Bytes of every array (or ShapeDtypeStruct) leaf of ``tree``."""
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def nbytes_by_space(tree) -> dict:
+    """Bytes of ``tree``'s arrays (or ``jax.ShapeDtypeStruct`` leaves, e.g.
+    ``engine.abstract_state``) by memory space: ``{"device": ..., "host": ...}`` (pinned host
+    memory). PRNG keys count nothing."""
+    out = {"device": 0, "host": 0}
+    for x in jax.tree.leaves(tree):
+        if not hasattr(x, "shape") or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+            continue
+        space = (x._memory_space if isinstance(x, jax.ShapeDtypeStruct)
+                 else jax.typeof(x).memory_space)
+        out["host" if space == jax.memory.Space.Host else "device"] += (
+            math.prod(x.shape) * np.dtype(x.dtype).itemsize)
+    return out

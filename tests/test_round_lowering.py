@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import pytest
 
-from jaxkv import CacheConfig, Tuning, engine, lowering
+from jaxkv import CacheConfig, Tuning, engine, lowering, validation
 from jaxkv.api import make_plan
 from jaxkv.models import configs, llama
 
@@ -121,7 +121,7 @@ def test_benchmark_round_lowers_at_full_size(shape, batch, mode, changes):
 @pytest.mark.parametrize("mode", ["host", "resident"])
 def test_abstract_state_matches_the_built_one(mode):
     """``abstract_state``: the shapes, dtypes and memory spaces of ``start_state``'s leaves,
-    and so the same ``footprint``."""
+    and so the same bytes by memory space."""
     import jax.numpy as jnp
     cfg = configs.tiny()
     plan = make_plan(cfg, CacheConfig(page_size=4, selected_pages=4, mode=mode,
@@ -133,5 +133,5 @@ def test_abstract_state_matches_the_built_one(mode):
     a, b = jax.tree.leaves(lowering.abstract(built)), jax.tree.leaves(abst)
     assert [(x.shape, x.dtype, x._memory_space) for x in a] == \
         [(x.shape, x.dtype, x._memory_space) for x in b]
-    fp = lowering.footprint(abst)
-    assert fp == lowering.footprint(built) and (fp["host"] > 0) == (mode == "host")
+    fp = validation.nbytes_by_space(abst)
+    assert fp == validation.nbytes_by_space(built) and (fp["host"] > 0) == (mode == "host")

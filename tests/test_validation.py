@@ -215,6 +215,21 @@ def test_device_memory_too_small(monkeypatch):
         gen(cache=dataclasses.replace(SMALL, selector="quest_rescore8"))
 
 
+def test_device_memory_counts_the_dense_layers_copy(monkeypatch):
+    """On the host tier the dense layers' K/V stay on the device whole: the check counts them
+    (the whole decode state's device leaves, ``engine.abstract_state``) and names them."""
+    dense = dataclasses.replace(SMALL, dense_layers=(0,))
+    plans = [api.make_plan(CFG, c, [40, 30], 8, num_stop=0) for c in (SMALL, dense)]
+    need = [api._need_device_bytes(p) for p in plans]
+    assert need[1] - need[0] >= plans[1].dense_spec.host_bytes > 0
+    stats = [gen(cache=c).stats["device_kv_bytes"] for c in (SMALL, dense)]
+    assert stats[1] - stats[0] >= plans[1].dense_spec.host_bytes  # and the stats count them
+    monkeypatch.setattr(validation, "device_free_bytes", lambda device=None: need[0])
+    with pytest.raises(ValueError, match=r"device pool and dense layers needs .*the 1 dense "
+                                         r"layers' K/V \(CacheConfig.dense_layers\)"):
+        gen(cache=dense)
+
+
 def test_device_memory_env_override(monkeypatch):
     monkeypatch.setenv(validation.DEVICE_LIMIT_OVERRIDE_ENV, "0.000001")
     assert validation.device_free_bytes() == int(1e-6 * 2**30)
