@@ -34,11 +34,22 @@ def _int_at_least(minimum: int):
 _positive_int = _int_at_least(1)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in --help, except where there is none to show (None, a flag's
+    False) or the help text already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxkv import __version__
     p = argparse.ArgumentParser(
         prog="jaxkv", description="Generate text with a host-tier sparse KV cache (JAX/Pallas).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     p.add_argument("--version", action="version", version=f"jaxkv {__version__}")
     p.add_argument("prompt", nargs="?", default=None, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--file", type=Path, help="read the prompt from a file ('-': standard input)")
@@ -64,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="selected tokens per step, layer and KV head (rounded to pages)")
     p.add_argument("--page-size", type=_positive_int, default=16, help="tokens per page (a power of two)")
     p.add_argument("--pool-pages", type=_positive_int, default=None,
-                   help="device pool slots per layer (host mode)")
+                   help="device pool slots per layer (host mode; default: enough for a "
+                        "step's worst-case working set, so no page is dropped)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=_int_at_least(0), default=0,
                    help="keep the k most likely tokens (0: off)")

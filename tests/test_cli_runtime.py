@@ -28,6 +28,10 @@ def test_version_and_help_defaults(capsys):
     assert e.value.code == 0 and jaxkv.__version__ in capsys.readouterr().out
     help_text = " ".join(build_parser().format_help().split())
     assert "(default: 48)" in help_text and "(default: host)" in help_text
+    assert "(default: 0)" in help_text  # --top-k's 0, although 0 == False
+    # nothing without a default to show, and no option with two defaults
+    assert "(default: None)" not in help_text and "(default: False)" not in help_text
+    assert help_text.count("(default: SmolLM2-135M-Instruct)") == 1
 
 
 def test_json_prints_only_json(capsys):
