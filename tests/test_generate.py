@@ -223,6 +223,27 @@ def test_gpu_host_equals_resident(selector):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("changes", [{}, dict(candidate_block=4),
+                                     dict(tuning=jaxkv.Tuning(topk_method="radix"))],
+                         ids=["per-page", "block4", "radix"])
+def test_gpu_two_stage_host_equals_resident(changes):
+    """The default two-stage selector with its first stage at work (contexts past its 48
+    candidate pages): per page, per block of 4 pages, and with the radix top-k. The host tier
+    with a small pool gives the resident cache's tokens on the GPU's kernels."""
+    cfg = configs.tiny(dtype="bfloat16", head_dim=64, num_heads=8, num_kv_heads=2, num_layers=3,
+                       max_position=4096)
+    params = llama.init_params(cfg, seed=0)
+    prompts = [list(RNG.integers(3, cfg.vocab_size, n)) for n in (1500, 900, 2100)]
+    kw = dict(max_new_tokens=24, stop_tokens=[])
+    base = CacheConfig(page_size=16, selected_pages=6, max_context=4096, **changes)
+    res = jaxkv.generate(cfg, params, prompts, cache=dataclasses.replace(base, mode="resident"),
+                         **kw)
+    host = jaxkv.generate(cfg, params, prompts, cache=dataclasses.replace(
+        base, mode="host", pool_pages=3 * (2 * 6 + 2)), **kw)
+    assert host.tokens == res.tokens
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
 def test_gpu_continued_context_host_equals_resident(kv_dtype):
     """A kept context continued by a second turn (its tokens prefilled against the pinned
