@@ -12,6 +12,12 @@ V quantized as ``kv_quant`` stores them (``--dtype``, a power-of-two scale per t
   V's output rotated back); ``k_only_rot_signs``: R after random signs;
 - ``k_only_smooth``: K minus its mean over the tokens (per head) before quantizing, exact
   under softmax (q . mu is the same for every key of a query); ``k_only_smooth_rot``: both.
+- ``k_only_page_shift``: K minus its page's mean (``--page-size`` tokens, per head) before
+  quantizing, the mean kept in bf16 and added back (attention would add q . mean per page);
+  ``k_only_page_shift_rot``: then rotated; ``k_only_first_shift``: the page's first key (bf16)
+  as the offset instead, which a decode step knows when it writes a page's later tokens;
+  ``k_only_outliers{4,8}``: the 4 / 8 channels of largest mean |k| over the prompt (per head)
+  kept in bf16, the rest fp8.
 - ``int8_*``: the same with int8 payloads (``kv_quant``'s int8 scale per token and
   head): ``int8_kv`` (K and V), ``int8_kv_smooth`` (K shifted, as ``kv_key_shift`` stores it),
   ``int8_k_only``, ``int8_k_only_smooth``, ``int8_k_only_rot``, ``int8_k_only_smooth_rot``,
@@ -48,6 +54,31 @@ def attend(q, k, v, t0):
     return jnp.einsum("hqt,thd->qhd", jax.nn.softmax(s, axis=-1), vv), s
 
 
+def _page_variants(q, k, v, t0, R, ps, dtype, rel) -> dict:
+    """K-only errors with a per-page offset (the page's mean or first key, kept in bf16) taken
+    out before quantizing, and with outlier channels kept in bf16 (module docstring)."""
+    bf = lambda t: t.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    T = k.shape[0]
+    if T % ps:
+        raise SystemExit(f"--tokens ({T}) must be a multiple of --page-size ({ps})")
+    kp = k.reshape(T // ps, ps, *k.shape[1:])
+    out = {}
+    for name, off in (("page_shift", kp.mean(1, keepdims=True)), ("first_shift", kp[:, :1])):
+        res = (kp - bf(off)).reshape(k.shape)
+        offs = jnp.broadcast_to(bf(off), kp.shape).reshape(k.shape)
+        out[f"k_only_{name}"] = rel(attend(q, offs + fp8(res, dtype), v, t0)[0])
+        if name == "page_shift":
+            out["k_only_page_shift_rot"] = rel(attend(q, offs + fp8(res @ R, dtype) @ R.T,
+                                                      v, t0)[0])
+    mag = jnp.mean(jnp.abs(k[:t0]), axis=0)                              # [H, D]
+    for c in (4, 8):
+        top = jnp.argsort(-mag, axis=-1)[:, :c]
+        keep = jnp.zeros(mag.shape, bool).at[jnp.arange(mag.shape[0])[:, None], top].set(True)
+        kq = jnp.where(keep[None], bf(k), fp8(jnp.where(keep[None], 0.0, k), dtype))
+        out[f"k_only_outliers{c}"] = rel(attend(q, kq, v, t0)[0])
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gguf", default=None)
@@ -55,6 +86,7 @@ def main():
     ap.add_argument("--queries", type=int, default=128)
     ap.add_argument("--dtype", default="float8_e4m3fn")
     ap.add_argument("--layers", type=int, default=None, help="the first N layers only")
+    ap.add_argument("--page-size", type=int, default=16, help="pages of the page shifts")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     path = a.gguf or str(gguf_loader.default_model_path())
@@ -91,13 +123,14 @@ def main():
             int8_k_only_rot=rel(attend(q1 @ R, i8(k1 @ R), v1, t0)[0]),
             int8_k_only_smooth_rot=rel(attend(q1 @ R, i8((k1 - mu) @ R), v1, t0)[0]),
             int8_v_only=rel(attend(q1, k1, i8(v1), t0)[0]))
+        page = _page_variants(q1, k1, v1, t0, R, a.page_size, a.dtype, rel)
         mx = lambda s_: float(jnp.max(jnp.where(ok, jnp.abs(s_ - s_ref), 0)))
         row = dict(layer=i, out_rel=rel(out), out_rel_rot=rel(out_r), out_rel_bf16=rel(out_bf),
                    k_only=rel(out_k), k_only_rot=rel(out_kr @ R.T), k_only_rot_signs=rel(out_krs), k_only_smooth=rel(out_ks), k_only_smooth_rot=rel(out_ksr), v_only=rel(out_v),
                    v_only_rot=rel(out_vr), logit_max=mx(s),
                    logit_max_rot=mx(s_r),
                    k_kurtosis=float(jnp.mean(jnp.max(jnp.abs(k1), -1) / jnp.sqrt(jnp.mean(k1 ** 2, -1)))),
-                   **int8)
+                   **int8, **page)
         rows.append(row)
         print_row(row)
     report(rows, a.out, model=path, tokens=T, queries=a.queries, dtype=a.dtype)
