@@ -100,7 +100,8 @@ def abstract_state(plan: Plan, lengths, *, device=None) -> DecodeState:
     ``jax.ShapeDtypeStruct`` leaves that carry their shardings and memory spaces (the host
     tier in pinned host memory, the rest on ``device``); nothing is allocated. With it a decode
     round lowers at full size on a machine that could not hold the cache (an 8B-like model's
-    128k tier for an abstract H200 on a CPU: ``tests/lowering.py``). One device only."""
+    128k tier for an abstract H200 on a CPU: :mod:`jaxkv.lowering`), and its bytes count
+    before anything is allocated (``validation.nbytes_by_space``). One device only."""
     B = plan.batch
 
     def build():
