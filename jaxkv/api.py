@@ -59,8 +59,8 @@ def _validate_prompts(model: ModelConfig, prompts) -> list[list[int]]:
     if isinstance(prompts, (np.ndarray, jax.Array)) and prompts.ndim == 2:
         prompts = list(np.asarray(prompts))  # a [B, T] array of equal-length prompts
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError("prompts must be a non-empty list of token-id lists "
-                         "(encode text with the model's tokenizer first)")
+        raise ValueError("prompts must be one request (token ids; with a Model from jaxkv.load "
+                         "also text or a chat) or a non-empty list of requests")
     out = []
     for i, p in enumerate(prompts):
         if not isinstance(p, (str, bytes)) and np.asarray(p).size == 0:
@@ -107,6 +107,11 @@ def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int]
             f"recent_pages {cache.recent_pages}): raise max_context to at least {pinned * ps} "
             "(or None), or lower sink_pages / recent_pages")
     dense_layer_set(cache.dense_layers, model.num_layers)  # a ValueError names a bad set
+    if cache.selector == "indexer" and not model.indexer_heads:
+        raise ValueError(
+            f"CacheConfig(selector='indexer') needs a model with lightning-indexer weights "
+            f"(ModelConfig.indexer_heads); {model.name!r} has none: use the default selector "
+            "('quest_rescore8') or 'quest'")
     if need > model.max_position:
         raise ValueError(
             f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) = {need} exceeds the model's "
@@ -332,6 +337,8 @@ def generate(model, params=None, prompts=None, *, max_new_tokens: int = 32,
     if isinstance(model, Model):
         if prompts is None:
             prompts, params = params, model.params
+        elif params is None:  # generate(model, prompts=...)
+            params = model.params
         tokenizer, model = model.tokenizer, model.config
     elif prompts is None:
         raise TypeError("generate(config, params, prompts) needs prompts (or pass the Model from "
@@ -410,7 +417,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     eng = engine if tp is None else tp
     ctx, src = (None, None)
     if context is not None:
-        n = len(text_api.normalize(prompts)) if not isinstance(prompts, np.ndarray) else len(prompts)
+        n = len(text_api.normalize(prompts))
         ctx, src = context_api.sources(context, n)
     new_ids, messages = _encode_prompts(model, tokenizer, prompts, ctx, src)
     if stop_tokens is None:

@@ -356,9 +356,9 @@ class CacheConfig:
                              f"got {self.implementation!r}")
         optional = tuple(n for n in ("unroll_layers", "kv_key_shift", "kv_key_rotation")
                          if getattr(self, n) is not None)
-        for name in ("strict",) + optional:
+        for name in ("strict", "reuse") + optional:
             if not isinstance(getattr(self, name), (bool, np.bool_)):
-                opt = "" if name == "strict" else "None or "
+                opt = "" if name in ("strict", "reuse") else "None or "
                 raise ValueError(f"CacheConfig.{name} must be {opt}a bool, got "
                                  f"{getattr(self, name)!r}")
         for name in ("prefill_chunk", "prefill_token_chunk"):

@@ -9,6 +9,8 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from jaxkv.models.configs import ModelConfig
 
 
@@ -65,16 +67,41 @@ def is_chat(p) -> bool:
             and all(isinstance(m, Mapping) for m in p))
 
 
+def _is_token_ids(p) -> bool:
+    """One request's token ids: a 1-D integer array, or a non-empty list / tuple of ints."""
+    if isinstance(p, np.ndarray):
+        return p.ndim == 1 and p.size > 0 and np.issubdtype(p.dtype, np.integer)
+    return (isinstance(p, (list, tuple)) and len(p) > 0
+            and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p))
+
+
 def normalize(prompts) -> list:
-    """One request (a str, a token-id list, or a chat as a list of message dicts) or a list of
-    them -> a list of requests."""
-    if isinstance(prompts, str) or is_chat(prompts):
+    """One request (a str, a token-id list or 1-D array, or a chat as a list of message dicts)
+    or a list of them (or a 2-D array of token ids) -> a list of requests."""
+    if isinstance(prompts, str) or is_chat(prompts) or _is_token_ids(prompts):
         return [prompts]
     return prompts
 
 
 def is_text(p) -> bool:
     return isinstance(p, str) or is_chat(p)
+
+
+def check_chat(messages, i: int) -> None:
+    """Prompt ``i``'s chat messages: each a dict with a str ``role`` and a str ``content``
+    (an assistant message with ``tool_calls`` may leave ``content`` out or None). A template
+    would otherwise render a missing content as nothing or None as the text "None"."""
+    for j, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"prompt {i}, message {j}: 'role' must be a non-empty str "
+                             f"('system', 'user', 'assistant', ...), got {role!r}")
+        if content is None and m.get("tool_calls"):
+            continue
+        if not isinstance(content, str):
+            what = "is missing" if "content" not in m else f"must be a str, got {content!r}"
+            raise ValueError(f"prompt {i}, message {j} ({role}): 'content' {what}: each "
+                             "message is {'role': ..., 'content': text}")
 
 
 def encode(tokenizer, p, i: int, *, continued: bool = False, history: str | None = None) -> list[int]:
@@ -89,6 +116,7 @@ def encode(tokenizer, p, i: int, *, continued: bool = False, history: str | None
             raise ValueError(f"prompt {i} is an empty string: every request needs text")
         return tokenizer.encode(p, add_bos=False if continued else None)
     if not continued:
+        check_chat(p, i)
         return tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=True)
     raise AssertionError("continued chats go through encode_turns")
 
@@ -99,6 +127,7 @@ def encode_turns(tokenizer, history: list, reply_ids: Sequence[int], new_message
     (``history`` ends with it as an assistant message; ``reply_ids`` its tokens). The template
     renders the whole conversation; appended are the end of the reply's turn that the
     generation did not produce (e.g. the newline after ``<|im_end|>``) and the new turns."""
+    check_chat(new_messages, i)
     before = tokenizer.apply_chat_template(history, add_generation_prompt=False)
     full = tokenizer.apply_chat_template(history + list(new_messages), add_generation_prompt=True)
     if not full.startswith(before):

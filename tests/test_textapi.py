@@ -56,6 +56,27 @@ def test_chat_messages_use_the_template(model):
     assert r.tokens[0] == ref.tokens[0] and len(r.text) == 2
 
 
+@pytest.mark.parametrize("msg, match", [
+    ({"role": "user", "content": None}, r"prompt 0, message 0 \(user\): 'content' must be a str"),
+    ({"role": "user", "text": "hi"}, r"message 0 \(user\): 'content' is missing"),
+    ({"content": "hi"}, r"message 0: 'role' must be a non-empty str"),
+])
+def test_bad_chat_messages(model, msg, match):
+    """A chat message without a str content or role gets an early error naming the prompt
+    and the message (a template would render None as "None" or a missing content as "")."""
+    with pytest.raises(ValueError, match=match):
+        _gen(model, [msg])
+    tool = {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": {}}}]}
+    jaxkv.text.check_chat([{"role": "user", "content": "hi"}, tool], 0)  # tool calls: no content
+
+
+def test_prompts_by_keyword(model):
+    """generate(model, prompts=...) with a Model: its params, as with the prompts in place."""
+    assert jaxkv.generate(model, prompts="Hi", cache=QUEST, max_new_tokens=2).tokens == \
+        _gen(model, "Hi", max_new_tokens=2).tokens
+
+
 def test_finish_reasons_stop_token_and_length(model):
     base = _gen(model, "Once upon a time", stop_tokens=[])
     assert base.finish_reasons == ["length"] and len(base.tokens[0]) == NEW

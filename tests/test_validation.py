@@ -39,7 +39,8 @@ def gen(prompts=PROMPTS, cache=SMALL, model=CFG, params=PARAMS, **kw):
 
 # ------------------------------------------------------------------------------ prompts
 @pytest.mark.parametrize("prompts, exc, match", [
-    ([], ValueError, "non-empty list of token-id lists"),
+    ([], ValueError, "one request .* or a non-empty list of requests"),
+    (iter([[5, 6]]), ValueError, "one request .* or a non-empty list of requests"),
     ("hello", TypeError, r"prompt 0 is text: pass token ids \(tokenizer.encode.*jaxkv.load"),
     ([[5, 6], "text"], TypeError, r"prompt 1 is text: pass token ids \(tokenizer.encode"),
     ([[5, 6], []], ValueError, "prompt 1 is empty.*BOS"),
@@ -51,6 +52,13 @@ def gen(prompts=PROMPTS, cache=SMALL, model=CFG, params=PARAMS, **kw):
 def test_bad_prompts(prompts, exc, match):
     with pytest.raises(exc, match=match):
         gen(prompts)
+
+
+@pytest.mark.parametrize("one", [[5, 6, 7], (5, 6, 7), np.array([5, 6, 7], np.int32)],
+                         ids=["list", "tuple", "array"])
+def test_one_token_id_list_is_one_request(one):
+    """A single token-id list (or 1-D integer array) is one request, like a single text."""
+    assert gen(one).tokens == gen([[5, 6, 7]]).tokens
 
 
 def test_2d_array_prompts_accepted():
@@ -200,6 +208,12 @@ def test_host_tiers_over_ram_and_the_doubling_warning():
     assert validation.host_ram_bytes() is None or validation.host_ram_bytes() > 2**30
 
 
+def test_indexer_selector_needs_indexer_weights():
+    with pytest.raises(ValueError, match=r"selector='indexer'\) needs a model with lightning-"
+                                         r"indexer weights.*'tiny' has none"):
+        gen(cache=dataclasses.replace(SMALL, selector="indexer"))
+
+
 def test_device_memory_too_small(monkeypatch):
     # a CPU device reports no memory figure: the RAM bounds it
     assert validation.device_free_bytes() == validation.host_ram_bytes() or jax.default_backend() == "gpu"
@@ -254,6 +268,7 @@ def test_device_memory_env_override(monkeypatch):
     (dict(kv_dtype="float8"), "kv_dtype must be one of.*float8_e4m3fn"),
     (dict(implementation="triton"), "'pallas', 'xla' or None"),
     (dict(strict="yes"), "strict must be a bool"),
+    (dict(reuse="no"), "reuse must be a bool"),
     (dict(mode="device"), "'host' or 'resident'"),
     (dict(selector="topk"), r"selector must be one of \(.*'dense'.*'quest'.*\), got 'topk'"),
     (dict(prefill_chunk=24), "prefill_chunk must be a power of two"),
