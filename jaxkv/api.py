@@ -133,10 +133,12 @@ def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int]
         # of its pages (a short context caps it, as it caps the clamped pool)
         one = min(plan.k + plan.num_pinned, plan.pages_per_seq)
         if pool is not None and pool < one:
+            clamp = (f", at most the context's {plan.pages_per_seq} pages"
+                     if one < cache.selected_pages + plan.num_pinned else "")
             raise ValueError(
-                f"pool_pages ({pool}) is smaller than one request's selection "
-                f"(selected_pages {plan.k} + pinned {plan.num_pinned}): raise pool_pages to "
-                f"at least {one} (None sizes it for a step's working set)")
+                f"pool_pages ({pool}) is smaller than one request's pages in a step ({one}: "
+                f"selected_pages {cache.selected_pages} + pinned {plan.num_pinned}{clamp}): "
+                f"raise pool_pages to at least {one} (None sizes it for a step's working set)")
         if pool is not None and pool < batch * plan.num_pinned:
             raise ValueError(
                 f"pool_pages ({pool}) cannot hold the pinned pages of {batch} requests "
@@ -642,7 +644,9 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         rate = ctx.prefill_tokens_per_s
         stats.update({"reused_context_tokens": reused, "appended_tokens": sum(lens) - reused,
                       "context_copy_time_s": t_copy,
-                      "prefill_time_saved_s": (reused / rate - t_prefill) if rate and rate > 0
+                      # what prefilling the reused tokens again would take, less the copy
+                      # (this call's compilation is compile_time_s)
+                      "prefill_time_saved_s": (reused / rate - t_copy) if rate and rate > 0
                       else float("nan")})
     if n_dev > 1:  # counters are totals over the devices; here each device's own
         stats["per_device"] = {k: [int(x) for x in v] for k, v in per_device.items()}

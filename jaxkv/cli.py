@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
+
+import numpy as np
 
 DEFAULT_PROMPT = "The capital of France is Paris. The capital of Germany is"
 DEFAULT_BUDGET = 1024  # tokens: CacheConfig's default, 64 pages of 16
@@ -43,6 +46,22 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False or "default" in text:
             return text
         return super()._get_help_string(action)
+
+
+def _json_safe(x):
+    """``x`` for strict JSON: NaN and infinities (e.g. a hit rate with no lookups) as null,
+    numpy scalars as Python numbers."""
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, (float, np.floating)):
+        return float(x) if math.isfinite(x) else None
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.bool_):
+        return bool(x)
+    return x
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,15 +244,19 @@ def main(argv=None) -> int:
     out = res.text[0]
     s = res.stats
     if args.json:
-        print(json.dumps({"backend": backend, "model": model.config.name, "prompt": text,
-                          "text": out, "finish_reason": res.finish_reasons[0],
-                          "tokens": res.tokens[0], "stats": s}, indent=1, default=float))
+        print(json.dumps(_json_safe({"backend": backend, "model": model.config.name,
+                                     "prompt": text, "text": out,
+                                     "finish_reason": res.finish_reasons[0],
+                                     "tokens": res.tokens[0], "stats": s}),
+                         indent=1, allow_nan=False))
         return 0
     if not args.stream:
         print(text + out if not args.chat else out)
     cfg = model.config
+    clamp = (f" (all of the context's pages; --budget {args.budget} asks for more)"
+             if s["selected_pages"] * s["page_size"] < args.budget else "")
     print(f"\n--- {cfg.name} on {backend}, {s['mode']} mode, {s['selector']} selector, "
-          f"{s['selected_pages']} pages x {s['page_size']} tokens selected per KV head; "
+          f"{s['selected_pages']} pages x {s['page_size']} tokens selected per KV head{clamp}; "
           f"finished: {res.finish_reasons[0]}")
     print(f"prompt {s['prompt_tokens']} tokens, prefill {s['prefill_time_s']:.2f} s; "
           f"{s['generated_tokens']} new tokens, decode {s['decode_tokens_per_s']:.1f} tokens/s "

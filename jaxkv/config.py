@@ -251,12 +251,13 @@ class CacheConfig:
         costs a host round trip, ~10 us on the H200 (docs/decisions.md); off elsewhere, for
         compile time).
       selection_lag: 0 (default): each step's pages are chosen with that step's own queries
-        (exact Quest / indexer). 1: they are chosen one step ahead, with the previous token's
+        (exact selection). 1: they are chosen one step ahead, with the previous token's
         queries (the prompt's last token for the first step), plus the step's own page,
         always included; the selector's work then does not sit between a layer's query and
         its attention, so it can run beside the rest of the step. An approximation: it
         changes which pages are read (about 1 in 9 on real text: docs/decisions.md), never
-        the pages the sinks / current page rule forces. Quest and indexer only.
+        the pages the sinks / current page rule forces. Every selector that scores pages
+        (the two-stage ones, Quest, the indexer, the oracle); with "dense" it changes nothing.
       tuning: :class:`Tuning`, performance settings that never change results.
     """
 

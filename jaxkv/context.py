@@ -118,14 +118,15 @@ def check_compatible(context: Context, plan: Plan):
                        ("selector", a.cache.selector, b.cache.selector),
                        ("page_size", a.page_size, b.page_size),
                        ("candidate_block", a.cache.candidate_block, b.cache.candidate_block),
-                       ("dtype", a.kv_dtype, b.kv_dtype),
+                       ("kv_dtype", a.kv_dtype, b.kv_dtype),  # resolved: None is the model's
                        ("kv_key_shift", a.key_shift, b.key_shift),
                        ("kv_key_rotation", a.key_rotation, b.key_rotation),
                        ("dense_layers", a.dense_set, b.dense_set),
                        ("selection_lag", a.lagged, b.lagged)):
         if x != y:
+            note = " (None resolves to the model's dtype)" if what == "kv_dtype" else ""
             raise ValueError(f"the context was built with CacheConfig {what}={x!r}, this call "
-                             f"uses {y!r}: continue a context with the same cache settings")
+                             f"uses {y!r}{note}: continue a context with the same cache settings")
     if a.model != b.model:
         raise ValueError("the context belongs to another model: continue it with the same model")
 

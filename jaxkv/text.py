@@ -56,6 +56,9 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | None = None, dev
     """
     from jaxkv import models, runtime
 
+    if not (compile_cache is None or isinstance(compile_cache, (bool, str, os.PathLike))):
+        raise TypeError(f"compile_cache must be None (on), False (off) or a directory, got "
+                        f"{type(compile_cache).__name__}")
     runtime.enable_compilation_cache(compile_cache)
     runtime.warn_if_gpu_unused()
     cfg, params, tok = models.load(path, dtype=dtype, device=device)

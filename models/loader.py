@@ -22,6 +22,12 @@ def resolve_model(path: str | os.PathLike | None) -> tuple[str, Path]:
 
     if path is None:
         return "gguf", default_model_path()
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike (a GGUF file, a checkpoint directory, "
+                        f"a cached repo id or an asset name) or None, got {type(path).__name__}")
+    if not str(path).strip():
+        raise ValueError("path is empty: pass a GGUF file, a checkpoint directory, a cached repo "
+                         "id or an asset name, or None for the packaged SmolLM2-135M-Instruct")
     p = Path(path).expanduser()
     if not p.exists() and str(path) in assets.ASSETS:
         return "gguf", assets.asset_path(str(path))
@@ -43,21 +49,40 @@ def resolve_model(path: str | os.PathLike | None) -> tuple[str, Path]:
                                 f"{sorted(assets.ASSETS)}); {e}") from None
 
 
+def resolve_device(device):
+    """``device`` as a ``jax.Device`` (or None): a platform name gives its first device."""
+    import jax
+    if device is None or isinstance(device, jax.Device):
+        return device
+    if isinstance(device, str):
+        try:
+            return jax.devices(device)[0]
+        except RuntimeError:
+            raise ValueError(f"device {device!r}: JAX has no such platform here (its devices: "
+                             f"{jax.devices()}); pass 'cpu', 'gpu', a jax.Device or None")
+    raise TypeError(f"device must be a jax.Device, a platform name ('cpu', 'gpu') or None, got "
+                    f"{type(device).__name__}")
+
+
 def load(path: str | os.PathLike | None = None, *, dtype: str | None = None, device=None):
     """Loads a model and its tokenizer: ``(ModelConfig, params, Tokenizer)``.
 
     ``path``: see :func:`resolve_model`. ``dtype``: "float32", "bfloat16" or None (GGUF:
-    float32; checkpoints: their stored dtype, bf16 staying bf16). ``device``: where a
-    checkpoint's weights go (default device when None; GGUF weights always go to the default
-    device). The tokenizer and chat template come from the model's own files.
+    float32; checkpoints: their stored dtype, bf16 staying bf16). ``device``: where the weights
+    go: a ``jax.Device``, a platform name ("cpu", "gpu") for its first device, or None for the
+    default device. The tokenizer and chat template come from the model's own files.
     """
     from .gguf_loader import load_gguf
     from .hf_loader import load_hf
     from .tokenizer import Tokenizer
 
+    device = resolve_device(device)
     kind, p = resolve_model(path)
     if kind == "gguf":
         cfg, params = load_gguf(p, dtype="float32" if dtype is None else dtype)
+        if device is not None:
+            import jax
+            params = jax.device_put(params, device)
         tok = Tokenizer.from_gguf(p)
     else:
         cfg, params = load_hf(p, dtype=dtype, device=device)

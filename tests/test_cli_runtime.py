@@ -41,6 +41,10 @@ def test_json_prints_only_json(capsys):
     assert d["prompt"] == "Hello" and len(d["tokens"]) <= 3
     assert d["finish_reason"] in ("length", "stop_token") and d["backend"].startswith("cpu")
     assert isinstance(d["text"], str) and d["stats"]["generated_tokens"] == len(d["tokens"])
+    # strict JSON: no lookups on a resident dense cache, so no hit rate: null, not NaN
+    assert cli_main(["Hello", *FAST, "--json", "--mode", "resident", "--selector", "dense"]) == 0
+    d = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"JSON has {c}"))
+    assert d["stats"]["hit_rate"] is None
 
 
 def test_two_stage_selector_from_the_command_line(capsys):

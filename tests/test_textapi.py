@@ -71,6 +71,23 @@ def test_bad_chat_messages(model, msg, match):
     jaxkv.text.check_chat([{"role": "user", "content": "hi"}, tool], 0)  # tool calls: no content
 
 
+def test_load_arguments():
+    """load's device by platform name, and early errors naming a bad path, device or
+    compile_cache."""
+    m = jaxkv.load(FIXTURE, compile_cache=False, device="cpu")
+    assert {d.platform for leaf in jax.tree.leaves(m.params) for d in leaf.devices()} == {"cpu"}
+    with pytest.raises(ValueError, match=r"device 'tpu': JAX has no such platform here"):
+        jaxkv.load(FIXTURE, compile_cache=False, device="tpu")
+    with pytest.raises(TypeError, match="device must be a jax.Device, a platform name"):
+        jaxkv.load(FIXTURE, compile_cache=False, device=0)
+    with pytest.raises(TypeError, match="path must be a str or os.PathLike"):
+        jaxkv.load(123, compile_cache=False)
+    with pytest.raises(ValueError, match="path is empty"):
+        jaxkv.load("", compile_cache=False)
+    with pytest.raises(TypeError, match="compile_cache must be None"):
+        jaxkv.load(FIXTURE, compile_cache=123)
+
+
 def test_prompts_by_keyword(model):
     """generate(model, prompts=...) with a Model: its params, as with the prompts in place."""
     assert jaxkv.generate(model, prompts="Hi", cache=QUEST, max_new_tokens=2).tokens == \
@@ -270,6 +287,22 @@ def test_context_errors(model):
              cache=CacheConfig(mode="host", selector="quest", page_size=8, round_steps=8))
     with pytest.raises(TypeError, match="keep=True"):
         _gen(model, ["a"], context="not a context")
+    with pytest.raises(ValueError, match=r"CacheConfig kv_dtype='float32', this call uses "
+                                         r"'int8' \(None resolves to the model's dtype\)"):
+        _gen(model, ["a", "b"], context=r.context,
+             cache=CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=32,
+                               round_steps=8, max_context=128, kv_dtype="int8"))
+
+
+def test_context_reuse_stats(model):
+    """prefill_time_saved_s: the reused tokens at the context's own prefill rate, less the
+    copy (compilation is compile_time_s, not a negative saving)."""
+    r = _gen(model, ["one two three"], keep=True, max_new_tokens=2)
+    s = _gen(model, ["four"], context=r.context, max_new_tokens=2).stats
+    reused = s["reused_context_tokens"]
+    assert reused == len(r.context.tokens[0]) - 1 and s["appended_tokens"] >= 1
+    want = reused / r.context.prefill_tokens_per_s - s["context_copy_time_s"]
+    assert s["prefill_time_saved_s"] == pytest.approx(want)
 
 
 def test_stop_string_then_continue(model):

@@ -121,8 +121,15 @@ def test_over_model_max_position():
 
 def test_selection_over_pool():
     cache = dataclasses.replace(SMALL, pool_pages=5)  # k 4 + pinned 2 = 6 > 5
-    with pytest.raises(ValueError, match=r"pool_pages \(5\) is smaller than one request's selection.*raise pool_pages"):
+    with pytest.raises(ValueError, match=r"pool_pages \(5\) is smaller than one request's pages "
+                                         r"in a step \(6: selected_pages 4 \+ pinned 2\): raise "
+                                         r"pool_pages to at least 6"):
         gen(cache=cache)
+    # a short context caps the working set at its own pages, and the message says so
+    with pytest.raises(ValueError, match=r"\(4: selected_pages 8 \+ pinned 2, at most the "
+                                         r"context's 4 pages\): raise pool_pages to at least 4"):
+        gen([[5, 6, 7]], cache=dataclasses.replace(SMALL, pool_pages=2, selected_pages=8,
+                                                   max_context=16), max_new_tokens=2)
 
 
 def test_pinned_pages_over_pool():
