@@ -107,6 +107,13 @@ def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int]
             f"recent_pages {cache.recent_pages}): raise max_context to at least {pinned * ps} "
             "(or None), or lower sink_pages / recent_pages")
     dense_layer_set(cache.dense_layers, model.num_layers)  # a ValueError names a bad set
+    if cache.mode == "resident":
+        host_only = [f"{n}={v!r}" for n, v, default in (
+            ("pool_pages", cache.pool_pages, None), ("schedule", cache.schedule, "step"),
+            ("reuse", cache.reuse, True)) if v != default]
+        if host_only:
+            warnings.warn(f"CacheConfig({', '.join(host_only)}) applies to mode='host' only: "
+                          "the resident cache ignores it", UserWarning, stacklevel=4)
     if cache.selector == "indexer" and not model.indexer_heads:
         raise ValueError(
             f"CacheConfig(selector='indexer') needs a model with lightning-indexer weights "

@@ -192,8 +192,8 @@ def main(argv=None) -> int:
         return fail("--json and --stream exclude each other: --json prints one JSON object")
     # settings first: a bad option fails before the model is loaded
     budget = args.budget
-    # --strict checks for dropped pages: only the per-layer schedule drops any
-    schedule = args.schedule or ("layer" if args.strict else "step")
+    # --strict checks for dropped pages: only the per-layer schedule drops any (host mode)
+    schedule = args.schedule or ("layer" if args.strict and args.mode == "host" else "step")
     try:
         cache = jaxkv.CacheConfig(
             mode=args.mode, selector=args.selector, page_size=args.page_size,

@@ -215,6 +215,17 @@ def test_host_tiers_over_ram_and_the_doubling_warning():
     assert validation.host_ram_bytes() is None or validation.host_ram_bytes() > 2**30
 
 
+def test_host_only_settings_warn_in_resident_mode():
+    """pool_pages / schedule / reuse do nothing to a resident cache: a warning says so."""
+    with pytest.warns(UserWarning, match=r"CacheConfig\(pool_pages=10, schedule='layer'\) "
+                                         r"applies to mode='host' only"):
+        gen(cache=dataclasses.replace(SMALL, mode="resident", pool_pages=10, schedule="layer"),
+            max_new_tokens=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gen(cache=dataclasses.replace(SMALL, mode="resident"), max_new_tokens=2)
+
+
 def test_indexer_selector_needs_indexer_weights():
     with pytest.raises(ValueError, match=r"selector='indexer'\) needs a model with lightning-"
                                          r"indexer weights.*'tiny' has none"):
