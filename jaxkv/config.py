@@ -349,6 +349,11 @@ class CacheConfig:
             lo, hi = self.max_context // ps * ps, -(-self.max_context // ps) * ps
             raise ValueError(f"CacheConfig.max_context ({self.max_context}) is not a multiple of page_size "
                              f"({ps}): use {hi}" + (f" or {lo}" if lo else ""))
+        if self.kv_dtype is not None and not isinstance(self.kv_dtype, str):
+            try:  # a dtype object (np.dtype, jnp.int8, ml_dtypes' fp8): its name
+                object.__setattr__(self, "kv_dtype", np.dtype(self.kv_dtype).name)
+            except TypeError:
+                pass  # refused below, naming the value
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"CacheConfig.kv_dtype must be one of {KV_DTYPES} or None (the "
                              f"model's), got {self.kv_dtype!r}")
@@ -381,8 +386,9 @@ def _sampling_number(name: str, v, *, integer: bool = False):
             not isinstance(v, (int, float, np.integer, np.floating)):
         raise TypeError(f"Sampling.{name} must be {kind}, got {v!r} ({type(v).__name__})")
     if integer:
-        if isinstance(v, (float, np.floating)) and not float(v).is_integer():
-            raise ValueError(f"Sampling.{name}: top_k must be an int >= 0 (0 = off), got {v!r}")
+        if isinstance(v, (float, np.floating)):
+            raise ValueError(f"Sampling.{name}: top_k must be an int >= 0 (0 = off), got {v!r}"
+                             + (f": pass {int(v)}" if float(v).is_integer() else ""))
         return int(v)
     return float(v)
 

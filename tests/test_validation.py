@@ -319,6 +319,23 @@ def test_cache_config_numpy_ints_normalised():
 def test_sampling_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         Sampling.make(**kw)
+    with pytest.raises(ValueError, match=kw and next(iter(kw))):  # the constructor alike
+        Sampling(**kw)
+
+
+def test_kv_dtype_given_as_a_dtype_object():
+    """np / jnp / ml_dtypes dtype objects name their dtype (the field stays a str)."""
+    for d, name in ((np.dtype("int8"), "int8"), (jnp.int8, "int8"), (jnp.bfloat16, "bfloat16"),
+                    (jnp.float8_e4m3fn, "float8_e4m3fn")):
+        assert CacheConfig(kv_dtype=d).kv_dtype == name
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        CacheConfig(kv_dtype=jnp.int32)
+
+
+def test_sampling_top_k_float_refused_alike():
+    for build in (Sampling, Sampling.make):
+        with pytest.raises(ValueError, match="top_k must be an int"):
+            build(top_k=2.0)
 
 
 SPEC = dict(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, dtype="float32",
