@@ -177,10 +177,17 @@ class Tokenizer:
             tok.normalizer = normalizer
         tok.pre_tokenizer = pre_tok
         tok.decoder = decoders.ByteLevel()
+        # control tokens are special (skip_special_tokens drops them); user-defined ones
+        # (Qwen2.5's <tool_call>, FIM markers) are whole tokens in text but not special, as in
+        # the model's tokenizer.json, so a decoded reply keeps them
         special = [AddedToken(tokens[i], special=True, normalized=False)
-                   for i, t in enumerate(token_types) if int(t) in (_CONTROL, _USER_DEFINED)]
+                   for i, t in enumerate(token_types) if int(t) == _CONTROL]
+        user = [AddedToken(tokens[i], special=False, normalized=False)
+                for i, t in enumerate(token_types) if int(t) == _USER_DEFINED]
         if special:
             tok.add_special_tokens(special)
+        if user:
+            tok.add_tokens(user)
         return tok
 
     @classmethod

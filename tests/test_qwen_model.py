@@ -26,6 +26,7 @@ pytest.importorskip("gguf")
 import jaxkv  # noqa: E402
 from jaxkv.models import assets, gguf_loader, llama  # noqa: E402
 from jaxkv.models.tokenizer import Tokenizer  # noqa: E402
+from jaxkv.text import Detokenizer  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "qwen2_5_coder_reference.npz"
 LOGIT_ATOL = 2e-3
@@ -82,6 +83,18 @@ def test_tokenizer_and_chat_template(tok, ref):
         assert tok.apply_chat_template(msgs, tools=tools) == str(z[f"chat_text_{k}"]), k
     assert (tok.bos_id, tok.eos_id, tok.add_bos_default) == (151643, 151645, False)
     assert tok.stop_ids[:2] == (151645, 151643)
+
+
+def test_tool_call_tags_survive_decoding(tok):
+    """<tool_call> / </tool_call> are user-defined tokens (not special in the model's
+    tokenizer.json): a reply decoded with skip_special_tokens keeps them, so its tool calls
+    can be parsed; the control tokens (<|im_end|>) are dropped."""
+    text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    ids = tok.encode(text + "<|im_end|>")
+    assert ids[0] == 151657 and 151658 in ids and ids[-1] == 151645
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    d = Detokenizer(tok)
+    assert "".join(d.add([i]) for i in ids) == tok.decode(ids, skip_special_tokens=True)
 
 
 def test_config(model, ref):
