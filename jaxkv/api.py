@@ -367,6 +367,20 @@ def generate(model, params=None, prompts=None, *, max_new_tokens: int = 32,
         return e.value
 
 
+def _check_params_device(params) -> None:
+    """One-device generate() builds its cache on the default device: weights committed to
+    another device would fail inside the first compiled call."""
+    default = jax.devices()[0]
+    devices = {d for leaf in jax.tree.leaves(params) if isinstance(leaf, jax.Array)
+               for d in leaf.devices()}
+    if devices and devices != {default}:
+        where = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(f"params are on {where}, but generate() builds its cache on the default "
+                         f"device {default}: load the model onto it (jaxkv.load(..., "
+                         f"device=None)), or move the params there (jax.device_put(params, "
+                         f"jax.devices()[0]))")
+
+
 def _encode_prompts(model, tokenizer, prompts, ctx, src):
     """(token ids per request: the whole prompt, or with a context the tokens to append;
     chat messages per request, None where the request is not a chat)."""
@@ -420,6 +434,8 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     stop_strs = text_api.check_stop_strings(stop_strings, tokenizer)
     validation.check_params(model, params)
     tp = parallel.TensorParallel.create(mesh, model)   # None: one device
+    if tp is None:
+        _check_params_device(params)
     if tp is not None and (keep or context is not None or logprobs):
         raise ValueError("keep / context / logprobs run on one device: drop mesh, or drop them")
     n_dev = 1 if tp is None else tp.size

@@ -8,6 +8,7 @@ tiny model (one compilation shared by its cases).
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 
 import jax
@@ -224,6 +225,25 @@ def test_host_only_settings_warn_in_resident_mode():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gen(cache=dataclasses.replace(SMALL, mode="resident"), max_new_tokens=2)
+
+
+def test_params_on_another_device():
+    """Weights committed to a device other than the default fail before any work, naming
+    both devices and the fix (a subprocess with two CPU devices)."""
+    import subprocess
+    import sys
+    code = ("import jax, jaxkv\n"
+            "from jaxkv.models import configs, llama\n"
+            "cfg = configs.tiny(); p = jax.device_put(llama.init_params(cfg, 0), jax.devices()[1])\n"
+            "try:\n"
+            "    jaxkv.generate(cfg, p, [[1, 2, 3]], max_new_tokens=2)\n"
+            "except ValueError as e:\n"
+            "    print(e)\n")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300).stdout
+    assert "params are on cpu:1, but generate() builds its cache on the default device cpu:0" in out
 
 
 def test_indexer_selector_needs_indexer_weights():
