@@ -355,8 +355,14 @@ def eos_ids(directory: str | os.PathLike) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _default_dtype(hf: dict) -> str:
-    dt = hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
+def _default_dtype(hf: dict, directory: Path) -> str:
+    """The checkpoint's dtype: config.json's ``dtype`` / ``torch_dtype``, else the stored
+    embedding's; bf16 stays bf16, f32 and f16 load as float32."""
+    dt = hf.get("dtype") or hf.get("torch_dtype")
+    if dt is None:
+        ck = Checkpoint(directory)
+        name = "model.embed_tokens.weight"
+        dt = "bfloat16" if name in ck.names and ck.file(name).dtype(name) == "BF16" else None
     return "bfloat16" if dt == "bfloat16" else "float32"
 
 
@@ -375,7 +381,7 @@ def load_config(path: str | os.PathLike, *, dtype: str | None = None):
     gen_path = d / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else None
     if dtype is None:
-        dtype = _default_dtype(hf)
+        dtype = _default_dtype(hf, d)
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32', 'bfloat16' or None (the checkpoint's), got {dtype!r}")
     cfg = model_config_from_hf(hf, name=_model_name(d, path), dtype=dtype, generation=gen)
@@ -439,6 +445,12 @@ def load_hf(path: str | os.PathLike, *, dtype: str | None = None, device=None):
                 raw[f"{p}_bias"] = put(f"{b}self_attn.{p}_proj.bias", (n,))
         layers.append(_fuse_layer(raw, cfg.dtype))
         del raw
+    extra = sorted({int(m.group(1)) for n in ck.names
+                    if (m := re.match(r"model\.layers\.(\d+)\.", n))} - set(range(cfg.num_layers)))
+    if extra:
+        raise CheckpointError(f"{d}: the weights hold layer(s) {extra[:3]} beyond config.json's "
+                              f"num_hidden_layers ({cfg.num_layers}): the config does not match "
+                              "the weights")
     extra_bias = sorted(n for n in ck.names if re.search(r"\.(o_proj|mlp\.\w+)\.bias$", n))
     if extra_bias:
         raise CheckpointError(f"{d}: unsupported bias tensors {extra_bias[:3]}")

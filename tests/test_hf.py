@@ -374,6 +374,29 @@ def test_tensor_shape_mismatch(tmp_path):
         load_hf(d)
 
 
+def test_layers_beyond_the_config(tmp_path):
+    """Weights of more layers than config.json's num_hidden_layers are an error, not a model
+    that silently drops them."""
+    d = _copy(tmp_path)
+    hf = json.loads((d / "config.json").read_text())
+    hf["num_hidden_layers"] = 1
+    (d / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(CheckpointError, match=r"layer\(s\) \[1\] beyond config.json's "
+                                              r"num_hidden_layers \(1\)"):
+        load_hf(d)
+
+
+def test_dtype_from_the_weights_without_a_config_dtype(tmp_path):
+    """No dtype in config.json: the stored embedding's (float32 here; bf16 would stay bf16)."""
+    d = _copy(tmp_path)
+    hf = json.loads((d / "config.json").read_text())
+    for k in ("dtype", "torch_dtype"):
+        hf.pop(k, None)
+    (d / "config.json").write_text(json.dumps(hf))
+    cfg, params = load_hf(d)
+    assert cfg.dtype == "float32" and params["embed"].dtype == jnp.float32
+
+
 # --------------------------------------------------------------------------- tokenizers
 
 @pytest.mark.parametrize("name", NAMES)
