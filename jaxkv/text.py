@@ -91,20 +91,9 @@ def is_text(p) -> bool:
 
 
 def check_chat(messages, i: int) -> None:
-    """Prompt ``i``'s chat messages: each a dict with a str ``role`` and a str ``content``
-    (an assistant message with ``tool_calls`` may leave ``content`` out or None). A template
-    would otherwise render a missing content as nothing or None as the text "None"."""
-    for j, m in enumerate(messages):
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str) or not role:
-            raise ValueError(f"prompt {i}, message {j}: 'role' must be a non-empty str "
-                             f"('system', 'user', 'assistant', ...), got {role!r}")
-        if content is None and m.get("tool_calls"):
-            continue
-        if not isinstance(content, str):
-            what = "is missing" if "content" not in m else f"must be a str, got {content!r}"
-            raise ValueError(f"prompt {i}, message {j} ({role}): 'content' {what}: each "
-                             "message is {'role': ..., 'content': text}")
+    """Prompt ``i``'s chat messages (``tokenizer.check_messages``: a str role and content)."""
+    from jaxkv.models.tokenizer import check_messages
+    check_messages(messages, f"prompt {i}, ")
 
 
 def encode(tokenizer, p, i: int, *, continued: bool = False, history: str | None = None) -> list[int]:
@@ -170,7 +159,13 @@ class Detokenizer:
             pass
 
     def add(self, ids) -> str:
-        """Appends ``ids``; returns the new text."""
+        """Appends ``ids``; returns the new text. Ids outside the tokenizer's vocabulary raise
+        (as ``Tokenizer.decode`` does) instead of decoding to nothing."""
+        ids = list(ids)
+        for t in ids:
+            if not 0 <= int(t) < self.tok.vocab_size:
+                raise ValueError(f"Detokenizer.add: token id {int(t)} is outside the vocabulary "
+                                 f"[0, {self.tok.vocab_size}): pass ids of this tokenizer's model")
         new = []
         for t in ids:
             self.ids.append(int(t))

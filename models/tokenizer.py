@@ -199,7 +199,7 @@ class Tokenizer:
         post-processor that prepends it, as Llama-3's does)."""
         from tokenizers import Tokenizer as HFTokenizer
 
-        from .hf_loader import eos_ids, resolve_checkpoint
+        from .hf_loader import _read_json, eos_ids, resolve_checkpoint
 
         d = resolve_checkpoint(path)
         tj = d / "tokenizer.json"
@@ -213,7 +213,7 @@ class Tokenizer:
         except Exception as e:  # the Rust side raises its own exception type
             raise ValueError(f"{tj}: cannot be read by the tokenizers package ({e})") from None
         tc_path = d / "tokenizer_config.json"
-        tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+        tc = _read_json(tc_path) if tc_path.is_file() else {}
         names = {k: _token_text(tc.get(k)) for k in ("bos_token", "eos_token", "unk_token",
                                                      "pad_token")}
         names = {k: v for k, v in names.items() if v is not None}
@@ -228,7 +228,7 @@ class Tokenizer:
         if (d / "chat_template.jinja").is_file():
             template = (d / "chat_template.jinja").read_text()
         elif (d / "chat_template.json").is_file():
-            template = json.loads((d / "chat_template.json").read_text()).get("chat_template")
+            template = _read_json(d / "chat_template.json").get("chat_template")
         else:
             template = tc.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
@@ -271,7 +271,16 @@ class Tokenizer:
         ids or ids outside ``[0, vocab_size)`` (the backend would drop them silently)."""
         if isinstance(ids, (str, bytes)):
             raise TypeError("decode: ids is text: pass token ids (the output of encode)")
-        arr = np.asarray(ids).reshape(-1)
+        if not hasattr(ids, "__array__"):  # a list, tuple or iterator (read once)
+            ids = list(ids)
+            if any(isinstance(t, (list, tuple)) or np.ndim(t) for t in ids):
+                raise TypeError("decode: ids must be one sequence of token ids, not a batch: "
+                                "decode each request's ids ([tok.decode(x) for x in ids])")
+        arr = np.asarray(ids)
+        if arr.ndim > 1:
+            raise TypeError(f"decode: ids must be one sequence of token ids, got an array of "
+                            f"shape {arr.shape}: decode each row")
+        arr = arr.reshape(-1)
         if arr.size and arr.dtype.kind not in "iu":
             raise TypeError(f"decode: ids must be integer token ids in [0, {self.vocab_size}), got "
                             f"dtype {arr.dtype}")
@@ -301,8 +310,10 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("the model files have no chat template: format the prompt yourself "
                              "and call encode()")
-        if isinstance(messages, (str, bytes)) or not all(isinstance(m, Mapping) for m in messages):
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or \
+                not all(isinstance(m, Mapping) for m in messages):
             raise TypeError("messages must be a list of dicts like {'role': 'user', 'content': '...'}")
+        check_messages(messages)
         text = render_chat_template(self.chat_template, messages,
                                     add_generation_prompt=add_generation_prompt, tools=tools,
                                     **{**self.special_tokens, **kwargs})
@@ -310,6 +321,24 @@ class Tokenizer:
 
 
 # --------------------------------------------------------------------------- chat templates
+
+def check_messages(messages: Sequence[Mapping], where: str = "") -> None:
+    """Chat messages: each with a non-empty str ``role`` and a str ``content`` (an assistant
+    message with ``tool_calls`` may leave ``content`` out or None). A template would
+    otherwise render a missing content as nothing, or None as the text "None". ``where``
+    prefixes the message (e.g. "prompt 2, ")."""
+    for j, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"{where}message {j}: 'role' must be a non-empty str "
+                             f"('system', 'user', 'assistant', ...), got {role!r}")
+        if content is None and m.get("tool_calls"):
+            continue
+        if not isinstance(content, str):
+            what = "is missing" if "content" not in m else f"must be a str, got {content!r}"
+            raise ValueError(f"{where}message {j} ({role}): 'content' {what}: each message is "
+                             "{'role': ..., 'content': text}")
+
 
 _ENV_CACHE: dict = {}        # "env": the jinja2 environment, built on first use
 _TEMPLATE_CACHE: dict = {}   # template source -> compiled template

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jaxkv
+import jaxkv.text
 from jaxkv import CacheConfig, Sampling
 from dense_reference import reference_logits
 
@@ -86,6 +87,23 @@ def test_load_arguments():
         jaxkv.load("", compile_cache=False)
     with pytest.raises(TypeError, match="compile_cache must be None"):
         jaxkv.load(FIXTURE, compile_cache=123)
+
+
+def test_tokenizer_refuses_batches_and_foreign_ids(model):
+    """decode takes one sequence (a batch is an error, not one joined string); the streaming
+    detokenizer refuses ids outside the vocabulary as decode does; apply_chat_template checks
+    its messages as generate does."""
+    tok = model.tokenizer
+    for batch in ([[71, 72], [73, 74]], [[71, 72], [73]], np.array([[71, 72], [73, 74]])):
+        with pytest.raises(TypeError, match="one sequence of token ids"):
+            tok.decode(batch)
+    assert tok.decode(iter([71, 72])) == tok.decode(np.array([71, 72])) == tok.decode((71, 72))
+    with pytest.raises(ValueError, match="token id 99999 is outside the vocabulary"):
+        jaxkv.text.Detokenizer(tok).add([99999])
+    with pytest.raises(ValueError, match=r"message 0 \(user\): 'content' must be a str"):
+        tok.apply_chat_template([{"role": "user", "content": None}])
+    with pytest.raises(TypeError, match="messages must be a list of dicts"):
+        tok.apply_chat_template(m for m in [{"role": "user", "content": "hi"}])
 
 
 def test_prompts_by_keyword(model):
