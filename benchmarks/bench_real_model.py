@@ -42,6 +42,7 @@ from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jaxkv.runtime import json_safe  # noqa: E402
 
 CONFIGS = ("dense", "resident", "host")
 
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
             row["context"] = ctx
             got[name] = row
             doc["rows"].append(row)
-            out_file.write_text(json.dumps(doc, indent=1, default=float))
+            out_file.write_text(json.dumps(json_safe(doc), indent=1, allow_nan=False))
             print(table([row]).splitlines()[1], flush=True)
         check = {"context": ctx}
         if "host" in got and "resident" in got:
@@ -231,7 +232,7 @@ def main(argv=None) -> int:
                     check[f"{name}_leading_tokens_equal_dense"] = _lead(got[name]["tokens"],
                                                                        got["dense"]["tokens"])
         doc["checks"].append(check)
-        out_file.write_text(json.dumps(doc, indent=1, default=float))
+        out_file.write_text(json.dumps(json_safe(doc), indent=1, allow_nan=False))
         print(json.dumps(check), flush=True)
     print(table(doc["rows"]))
     print(f"wrote {out_file}")

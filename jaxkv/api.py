@@ -307,7 +307,8 @@ def generate(model, params=None, prompts=None, *, max_new_tokens: int = 32,
       params: the model's params pytree (jaxkv.models.llama layout); with a Model, omitted.
       prompts: one request or a list of them. A request is text (a str), a chat (a list of
         ``{"role": ..., "content": ...}`` dicts, rendered with the model's chat template) or
-        a list of token ids. Text and chats need a Model (its tokenizer).
+        a list of token ids. Text and chats need a Model (its tokenizer); special-token
+        strings in them (``<|im_end|>``) encode as those tokens, as in transformers.
       max_new_tokens: per request (traced: changing it does not recompile).
       sampling: :class:`Sampling` (default greedy); traced.
       cache: :class:`CacheConfig` (mode "host" or "resident", selector, page size, pool...).
@@ -325,6 +326,7 @@ def generate(model, params=None, prompts=None, *, max_new_tokens: int = 32,
         ``jax.sharding.Mesh`` or a list of N devices; N must divide num_kv_heads and ffn_dim.
         Each device keeps its heads' host tier, pool and LRU state. None or the one default
         device: the single-device path. Counters in ``stats`` are totals over the devices.
+        ``keep``, ``context`` and ``logprobs`` run on one device only.
       logprobs: also return each chosen token's log-probability under the model
         (temperature 1), computed in the compiled step.
       keep: return the requests' KV, summaries and conversation as ``result.context``.

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
-
-import numpy as np
 
 DEFAULT_PROMPT = "The capital of France is Paris. The capital of Germany is"
 DEFAULT_BUDGET = 1024  # tokens: CacheConfig's default, 64 pages of 16
@@ -46,22 +43,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False or "default" in text:
             return text
         return super()._get_help_string(action)
-
-
-def _json_safe(x):
-    """``x`` for strict JSON: NaN and infinities (e.g. a hit rate with no lookups) as null,
-    numpy scalars as Python numbers."""
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    if isinstance(x, (float, np.floating)):
-        return float(x) if math.isfinite(x) else None
-    if isinstance(x, np.integer):
-        return int(x)
-    if isinstance(x, np.bool_):
-        return bool(x)
-    return x
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -244,7 +225,7 @@ def main(argv=None) -> int:
     out = res.text[0]
     s = res.stats
     if args.json:
-        print(json.dumps(_json_safe({"backend": backend, "model": model.config.name,
+        print(json.dumps(runtime.json_safe({"backend": backend, "model": model.config.name,
                                      "prompt": text, "text": out,
                                      "finish_reason": res.finish_reasons[0],
                                      "tokens": res.tokens[0], "stats": s}),

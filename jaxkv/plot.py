@@ -34,6 +34,10 @@ def plot_rounds(results, *, title: str | None = None, figsize=(10, 3.8)):
     import matplotlib.pyplot as plt
 
     runs = _runs(results)
+    if not any(rounds for _, rounds in runs):
+        raise ValueError("plot_rounds: no decode rounds to plot (a result of max_new_tokens=1 "
+                         "decodes none, and an empty dict holds no runs): pass a result that "
+                         "decoded tokens")
     fig, (ax_hit, ax_tps) = plt.subplots(1, 2, figsize=figsize, constrained_layout=True)
     for label, rounds in runs:
         if not rounds:

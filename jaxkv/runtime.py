@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import glob
+import math
 import os
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import jax
+import numpy as np
 
 ENV_CACHE = "JAXKV_COMPILATION_CACHE"
 _OFF = ("0", "off", "false", "no", "")
@@ -136,3 +138,19 @@ def drop_compiled_programs() -> None:
     collection so the executables' code maps go now); they compile again when next used."""
     jax.clear_caches()
     gc.collect()
+
+
+def json_safe(x):
+    """``x`` for strict JSON: NaN and infinities (e.g. a hit rate with no lookups) as null,
+    numpy scalars as Python numbers."""
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    if isinstance(x, (float, np.floating)):
+        return float(x) if math.isfinite(x) else None
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.bool_):
+        return bool(x)
+    return x

@@ -175,8 +175,10 @@ def test_bench_real_model_quick(tmp_path):
                     "--model", str(ROOT / "tests" / "fixtures" / "hf_qwen2"), "--contexts", "256",
                     "--out", str(tmp_path)], check=True, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
-    doc = json.loads((tmp_path / "bench_real_model.json").read_text())
+    doc = json.loads((tmp_path / "bench_real_model.json").read_text(),
+                     parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
     assert [r["config"] for r in doc["rows"]] == ["dense", "resident", "host"]
+    assert doc["rows"][0]["hit_rate"] is None  # dense: no lookups
     assert [c["host_equals_resident"] for c in doc["checks"]] == [True]
     host = doc["rows"][2]
     assert 0 < host["hit_rate"] < 1 and host["bytes_host_to_device_per_step"] > 0

@@ -147,6 +147,9 @@ def test_plot_rounds(tmp_path):
     fig.savefig(tmp_path / "rounds.png")
     with pytest.raises(TypeError, match="GenerateResult"):
         plot_rounds(3)
+    for empty in ({}, [], {"a": []}):
+        with pytest.raises(ValueError, match="no decode rounds to plot"):
+            plot_rounds(empty)
 
 
 def test_memory_maps_guard(monkeypatch):
