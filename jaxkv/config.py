@@ -33,8 +33,9 @@ class Tuning:
         default orders the round's CUDA graph by buffer dependencies so independent kernels may
         overlap (a faster step: docs/decisions.md). Options this XLA rejects are dropped
         with a warning; the CPU backend accepts and ignores this one.
-      topk_method: top-k of the scored selectors (Quest, indexer, the two-stage selectors'
-        first stage, where "auto" is XLA's "sort"): "auto" or one of
+      topk_method: top-k of the scored selectors (Quest, indexer, the oracle, the two-stage
+        selectors' first stage, where "auto" is the full-row Pallas top-k for rows of up to
+        4096 pages with the Pallas implementation, else XLA's "sort"): "auto" or one of
         ``jaxkv.kernels.dense_select.TOPK_METHODS``.
       topk_cmax_min_pages: with "auto" and the Pallas implementation, rows of at least this
         many pages take the chunk-maxima top-k ("pallas_cmax": the scores kernel writes chunk
@@ -43,8 +44,8 @@ class Tuning:
         results; ``jaxkv.lru``).
       ensure_dense_max_elems: "auto" takes the sort-free compare-matrix form up to this many
         compare elements per layer (R*R + S*S + R*S + Q*S), the sort form above. ``None``:
-        the measured threshold of the backend (2**20 on the GPU, 2048 elsewhere:
-        ``jaxkv.lru``).
+        the measured threshold (2**20 on the GPU or with the Pallas implementation, 2048
+        with XLA elsewhere: ``jaxkv.lru``).
       ensure_pallas_max: "auto" with the Pallas implementation runs the compare-matrix form as
         one Pallas kernel when R, S and Q are at most this (above 128 the kernel's matrices
         spill registers).
@@ -157,9 +158,10 @@ class CacheConfig:
         default: Quest's bound picks ``candidate_pages``, an int8 copy of the keys on the
         device re-ranks them by attention mass; near-lossless at the default budget),
         "quest" (the bound alone: the cheapest step, no key copy, lossy at small budgets),
-        "quest_rescore" (4x candidates), "indexer", "dense" (every valid page) or "oracle"
+        "quest_rescore" (4x candidates), "indexer", "dense" (every valid page), "oracle"
         (exact attention mass per page from a full copy of the keys; resident only, for
-        measuring what a selector could keep). Of dense's RULER retrievals at 1024 tokens,
+        measuring what a selector could keep) or "quest_rescore_exact" (the second stage on
+        the keys as stored, for measuring what the int8 copy costs). Of dense's RULER retrievals at 1024 tokens,
         SmolLM2-135M keeps 97.7% with "quest_rescore8" (float32 KV itself 98.4%) against
         74% with "quest"; Qwen2.5-Coder-0.5B at 8k-32k 94% against 71% (BENCHMARKS.md).
       page_size: tokens per page (power of two).
@@ -182,7 +184,8 @@ class CacheConfig:
       max_context: tokens per sequence the cache holds (prompt + generated). ``None``: the
         next power of two >= longest prompt + max_new_tokens (at least 256), so calls in
         the same bucket share one compilation.
-      strict: raise after a call if any selection was dropped (pool too small).
+      strict: raise after a call if any selection was dropped (pool too small) or a request
+        was cut at the context's capacity (``truncated_requests``).
       kv_dtype: the dtype K and V are stored in, in the host tier and the device pool (None =
         the model's dtype). "float32" / "bfloat16" / "float16" store them as they are (a
         dtype other than the model's is converted on write; attention multiplies in the wider
@@ -219,8 +222,9 @@ class CacheConfig:
         no retrievals from it (97.7% against 97.9%), nor do shifted fp8 keys in the CPU probe
         (Qwen2.5-Coder-0.5B's key error 5.5% shifted, 6.1% shifted and rotated). It costs
         0.3-0.6% of a Qwen-like B=8 step (BENCHMARKS.md). Ignored for other dtypes.
-      prefill_chunk: query tokens per chunk of the XLA prefill attention (bounds its memory;
-        the flash-attention implementations on the GPU do not need it).
+      prefill_chunk: query tokens per chunk of the "xla" prefill attention (bounds its memory;
+        the CPU's "blocked" form and the flash-attention implementations on the GPU do not
+        read it).
       prefill_token_chunk: tokens per piece of a prefill layer's per-token work (norms,
         projections, MLP), run one piece after another; bounds the activation memory of long
         prompts (the MLP's float32 products take ~230 KiB per token at the 8B-like shape).
@@ -257,7 +261,7 @@ class CacheConfig:
         its attention, so it can run beside the rest of the step. An approximation: it
         changes which pages are read (about 1 in 9 on real text: docs/decisions.md), never
         the pages the sinks / current page rule forces. Every selector that scores pages
-        (the two-stage ones, Quest, the indexer, the oracle); with "dense" it changes nothing.
+        (the two-stage ones, Quest, the indexer, the oracle); "dense" refuses it.
       tuning: :class:`Tuning`, performance settings that never change results.
     """
 

@@ -370,8 +370,8 @@ def check_page_requests(spec, requests, protect, layers=None) -> None:
 
 def check_token_writes(spec, layer, logical_pages, offsets, kv) -> None:
     """Check ``write_through`` arguments: layer scalar or [M], logical_pages/offsets [M],
-    kv [M, 2, H, D]. Values are checked when concrete (pages ``>= P`` would land in another
-    layer's rows)."""
+    kv [M, 2, H, D]. Values are checked when concrete (``write_through`` writes nothing for
+    a page ``>= P``: a silent no-op the check makes an error)."""
     _int_array("logical_pages", logical_pages, 1)
     _int_array("offsets", offsets, 1)
     M = logical_pages.shape[0]
