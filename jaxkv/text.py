@@ -162,10 +162,11 @@ class Detokenizer:
         """Appends ``ids``; returns the new text. Ids outside the tokenizer's vocabulary raise
         (as ``Tokenizer.decode`` does) instead of decoding to nothing."""
         ids = list(ids)
+        vocab = getattr(self.tok, "vocab_size", None)
         for t in ids:
-            if not 0 <= int(t) < self.tok.vocab_size:
+            if vocab is not None and not 0 <= int(t) < vocab:
                 raise ValueError(f"Detokenizer.add: token id {int(t)} is outside the vocabulary "
-                                 f"[0, {self.tok.vocab_size}): pass ids of this tokenizer's model")
+                                 f"[0, {vocab}): pass ids of this tokenizer's model")
         new = []
         for t in ids:
             self.ids.append(int(t))

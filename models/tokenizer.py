@@ -267,16 +267,23 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Iterable[int] | np.ndarray, *, skip_special_tokens: bool = False) -> str:
-        """Token ids -> text. Raises TypeError / ValueError naming ``ids`` for text, non-integer
-        ids or ids outside ``[0, vocab_size)`` (the backend would drop them silently)."""
+        """Token ids -> text (one request's ids; a batch of one is taken as its row). Raises
+        TypeError / ValueError naming ``ids`` for text, a batch of several requests,
+        non-integer ids or ids outside ``[0, vocab_size)`` (the backend would drop them
+        silently)."""
         if isinstance(ids, (str, bytes)):
             raise TypeError("decode: ids is text: pass token ids (the output of encode)")
         if not hasattr(ids, "__array__"):  # a list, tuple or iterator (read once)
             ids = list(ids)
-            if any(isinstance(t, (list, tuple)) or np.ndim(t) for t in ids):
+            rows = [t for t in ids if isinstance(t, (list, tuple)) or np.ndim(t)]
+            if rows and len(ids) == 1:  # a batch of one request: its ids
+                ids = list(ids[0])
+            elif rows:
                 raise TypeError("decode: ids must be one sequence of token ids, not a batch: "
                                 "decode each request's ids ([tok.decode(x) for x in ids])")
         arr = np.asarray(ids)
+        if arr.ndim > 1 and arr.shape[0] == 1:
+            arr = arr[0]
         if arr.ndim > 1:
             raise TypeError(f"decode: ids must be one sequence of token ids, got an array of "
                             f"shape {arr.shape}: decode each row")

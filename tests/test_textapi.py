@@ -98,6 +98,7 @@ def test_tokenizer_refuses_batches_and_foreign_ids(model):
         with pytest.raises(TypeError, match="one sequence of token ids"):
             tok.decode(batch)
     assert tok.decode(iter([71, 72])) == tok.decode(np.array([71, 72])) == tok.decode((71, 72))
+    assert tok.decode([[71, 72]]) == tok.decode(np.array([[71, 72]])) == tok.decode([71, 72])
     with pytest.raises(ValueError, match="token id 99999 is outside the vocabulary"):
         jaxkv.text.Detokenizer(tok).add([99999])
     with pytest.raises(ValueError, match=r"message 0 \(user\): 'content' must be a str"):
