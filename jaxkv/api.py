@@ -71,17 +71,13 @@ def _validate_prompts(model: ModelConfig, prompts) -> list[list[int]]:
     return out
 
 
-def _summary_bytes(plan: engine.Plan) -> int:
-    """Device bytes of the selector's summaries (the two-stage selectors' key copy included)."""
-    return validation.nbytes_of(jax.eval_shape(lambda: engine.init_summaries(plan)))
-
-
-def _need_device_bytes(plan: engine.Plan) -> int:
-    """Device bytes of the decode state generate() allocates: the pool or resident KV cache,
+def _device_state_bytes(plan: engine.Plan) -> tuple[int, int]:
+    """(device bytes of the decode state generate() allocates: the pool or resident KV cache,
     the page table and LRU, the selector's summaries and, on the host tier, the dense layers'
-    device copy (``engine.abstract_state``: shapes only)."""
+    device copy; of those, the summaries' bytes), from ``engine.abstract_state`` (shapes only)."""
     state = engine.abstract_state(plan, [0] * plan.batch)
-    return validation.nbytes_by_space(state)["device"]
+    return (validation.nbytes_by_space(state)["device"],
+            validation.nbytes_of(state.summaries))
 
 
 def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int],
@@ -161,7 +157,7 @@ def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int]
 
 def _check_device_memory(plan: engine.Plan):
     host = plan.cache.mode == "host"
-    summ = _summary_bytes(plan)
+    need, summ = _device_state_bytes(plan)
     fix = ("lower pool_pages / selected_pages / batch" if host
            else "lower batch / max_context, or use mode='host'")
     if host and plan.num_dense:
@@ -173,7 +169,7 @@ def _check_device_memory(plan: engine.Plan):
                 "bounds only")
     what = (("device pool and dense layers" if plan.num_dense else "device pool") if host
             else "resident KV cache")
-    validation.check_device_memory(_need_device_bytes(plan), what=what, fix=fix)
+    validation.check_device_memory(need, what=what, fix=fix)
 
 
 def _memory_stats(plan: engine.Plan, state: engine.DecodeState, n: int = 1) -> dict:

@@ -161,9 +161,10 @@ class CacheConfig:
         "quest_rescore" (4x candidates), "indexer", "dense" (every valid page), "oracle"
         (exact attention mass per page from a full copy of the keys; resident only, for
         measuring what a selector could keep) or "quest_rescore_exact" (the second stage on
-        the keys as stored, for measuring what the int8 copy costs). Of dense's RULER retrievals at 1024 tokens,
-        SmolLM2-135M keeps 97.7% with "quest_rescore8" (float32 KV itself 98.4%) against
-        74% with "quest"; Qwen2.5-Coder-0.5B at 8k-32k 94% against 71% (BENCHMARKS.md).
+        the keys as stored, for measuring what the int8 copy costs). Of dense's RULER
+        retrievals at 1024 tokens, SmolLM2-135M keeps 97.7% with "quest_rescore8" (float32
+        KV itself 98.4%) against 74% with "quest"; Qwen2.5-Coder-0.5B at 8k-32k 94% against
+        71% (BENCHMARKS.md).
       page_size: tokens per page (power of two).
       selected_pages: k, pages selected per request, layer and KV head per step
         (ignored by "dense"). Default 64: 1024 tokens of the default 16-token pages.

@@ -436,6 +436,12 @@ def load_hf(path: str | os.PathLike, *, dtype: str | None = None, device=None):
     where = {"input_layernorm": "", "post_attention_layernorm": "", "q_proj": "self_attn.",
              "k_proj": "self_attn.", "v_proj": "self_attn.", "o_proj": "self_attn.",
              "gate_proj": "mlp.", "up_proj": "mlp.", "down_proj": "mlp."}
+    extra = sorted({int(m.group(1)) for n in ck.names
+                    if (m := re.match(r"model\.layers\.(\d+)\.", n))} - set(range(cfg.num_layers)))
+    if extra:
+        raise CheckpointError(f"{d}: the weights hold layer(s) {extra[:3]} beyond config.json's "
+                              f"num_hidden_layers ({cfg.num_layers}): the config does not match "
+                              "the weights")
     layers = []
     for i in range(cfg.num_layers):
         b = f"model.layers.{i}."
@@ -445,12 +451,6 @@ def load_hf(path: str | os.PathLike, *, dtype: str | None = None, device=None):
                 raw[f"{p}_bias"] = put(f"{b}self_attn.{p}_proj.bias", (n,))
         layers.append(_fuse_layer(raw, cfg.dtype))
         del raw
-    extra = sorted({int(m.group(1)) for n in ck.names
-                    if (m := re.match(r"model\.layers\.(\d+)\.", n))} - set(range(cfg.num_layers)))
-    if extra:
-        raise CheckpointError(f"{d}: the weights hold layer(s) {extra[:3]} beyond config.json's "
-                              f"num_hidden_layers ({cfg.num_layers}): the config does not match "
-                              "the weights")
     extra_bias = sorted(n for n in ck.names if re.search(r"\.(o_proj|mlp\.\w+)\.bias$", n))
     if extra_bias:
         raise CheckpointError(f"{d}: unsupported bias tensors {extra_bias[:3]}")

@@ -272,7 +272,7 @@ def test_device_memory_counts_the_dense_layers_copy(monkeypatch):
     (the whole decode state's device leaves, ``engine.abstract_state``) and names them."""
     dense = dataclasses.replace(SMALL, dense_layers=(0,))
     plans = [api.make_plan(CFG, c, [40, 30], 8, num_stop=0) for c in (SMALL, dense)]
-    need = [api._need_device_bytes(p) for p in plans]
+    need = [api._device_state_bytes(p)[0] for p in plans]
     assert need[1] - need[0] >= plans[1].dense_spec.host_bytes > 0
     stats = [gen(cache=c).stats["device_kv_bytes"] for c in (SMALL, dense)]
     assert stats[1] - stats[0] >= plans[1].dense_spec.host_bytes  # and the stats count them
