@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxkv import cache as kvcache
 from jaxkv import compile_stats, engine, parallel, runtime, validation
+from jaxkv import sampling as sampling_lib
 from jaxkv import context as context_api
 from jaxkv import text as text_api
 from jaxkv.config import CacheConfig, Sampling, dense_layer_set
@@ -236,6 +237,23 @@ def prng_key(seed: int) -> jax.Array:
     return key
 
 
+def request_keys(seed, n: int) -> jax.Array:
+    """One sampling key per request [n]: request b draws with ``prng_key(seed + b)`` for an int
+    ``seed``, or ``prng_key(seed[b])`` for a sequence of n ints. A request's sampled tokens
+    depend on its prompt and its seed only: alone, with ``seed=s``, it gives what it gives as
+    request b of a batch whose seed makes its own ``s``."""
+    if isinstance(seed, (Sequence, np.ndarray)) and not isinstance(seed, (str, bytes)):
+        seeds = list(seed)
+        if len(seeds) != n:
+            raise ValueError(f"seed: a sequence needs one seed per request ({n}), got {len(seeds)}")
+        seeds = [validation.check_int(f"seed[{i}]", v, minimum=0) for i, v in enumerate(seeds)]
+    else:
+        first = validation.check_int("seed", seed, minimum=0)
+        seeds = [first + b for b in range(n)]
+    data = np.stack([np.asarray(jax.random.key_data(prng_key(v))) for v in seeds])
+    return jax.random.wrap_key_data(data)
+
+
 class TokenStream:
     """Iterator over rounds (or steps, ``stream="step"``): each item is a :class:`Chunk`, a
     list (one per request) of the new token ids, with ``.text`` the new text per request.
@@ -312,7 +330,9 @@ def generate(model, params=None, prompts=None, *, max_new_tokens: int = 32,
         model's eos id).
       stop_strings: strings that end a request (checked after each round; the text stops
         before the string, the tokens with the token that completes it).
-      seed: PRNG seed for sampling, any int >= 0 (:func:`prng_key`).
+      seed: PRNG seed for sampling: an int >= 0 (request b draws with seed + b) or one int
+        per request; a request's tokens depend on its prompt and its seed, not on the rest
+        of the batch (:func:`request_keys`).
       stream: True or "round": return a :class:`TokenStream` yielding each round's new tokens
         and text; "step": one item per decode step (the round still runs as one program:
         ``CacheConfig(round_steps=...)`` sets how often new tokens arrive); breaking out and
@@ -423,7 +443,6 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         raise TypeError(f"cache must be a jaxkv.CacheConfig, got {type(cache).__name__}")
     sampling = _validate_sampling(sampling)
     validation.check_int("max_new_tokens", max_new_tokens, minimum=1)
-    validation.check_int("seed", seed, minimum=0)
     for name, v in (("logprobs", logprobs), ("keep", keep)):
         if not isinstance(v, (bool, np.bool_)):
             raise ValueError(f"{name} must be a bool, got {v!r}")
@@ -443,6 +462,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         n = len(text_api.normalize(prompts))
         ctx, src = context_api.sources(context, n)
     new_ids, messages = _encode_prompts(model, tokenizer, prompts, ctx, src)
+    key = request_keys(seed, len(new_ids))
     if stop_tokens is None:
         stops = list(tokenizer.stop_ids) if tokenizer is not None and tokenizer.stop_ids else [model.eos_id]
     else:
@@ -462,7 +482,6 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         plan, params = tp.plan(plan), tp.shard_params(params)
     B, T = plan.batch, plan.prompt_len
     compiles0 = compile_stats.snapshot()
-    key = prng_key(int(seed))
     out = [[] for _ in range(B)]
     lps = [[] for _ in range(B)] if logprobs else None
     stop_np = set(stops)
@@ -512,7 +531,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
 
     # the first new token from each request's last prompt position (``last`` [B]: its index
     # in x), then the decode state
-    key, sub = jax.random.split(key)
+    key, sub = sampling_lib.split(key)
     if logprobs:
         first, first_lp = engine.first_token(plan, params, x, last, sampling, sub,
                                              with_logprob=True)
@@ -545,6 +564,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         comes from the streaming decoder, or with stop strings from the whole text, without
         the tail a stop string could still start in (and a partial UTF-8 character)."""
         texts = [] if detok is not None else None
+        n0 = [len(o) for o in out]      # the chunk carries what it adds to the result
         for b in range(B):
             toks = [] if finish[b] is not None else new[b]
             out[b].extend(toks)
@@ -571,7 +591,9 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
             piece = vis[len(shown[b]):] if vis.startswith(shown[b]) else ""
             shown[b] += piece
             texts.append(piece)
-        return Chunk(new, texts, new_lp)
+        kept = [o[n:] for o, n in zip(out, n0)]
+        kept_lp = [lp[n:] for lp, n in zip(lps, n0)] if lps is not None else None
+        return Chunk(kept, texts, kept_lp)
 
     yield absorb(first_new, first_lp)
 
@@ -617,9 +639,10 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
             if lbuf is not None:
                 lp_part = lbuf[:, c].reshape(B, -1)
                 new_lp = [[float(v) for v, t in zip(lr, row) if t >= 0] for lr, row in zip(lp_part, part)]
-            if per_step and not any(new):
+            chunk = absorb(new, new_lp)
+            if per_step and not any(chunk):
                 continue
-            yield absorb(new, new_lp)
+            yield chunk
     # decode time without the first round's compilation (reported as compile_time_s)
     t_decode = max(0.0, time.perf_counter() - t1 - compile_stats.since(compiles_decode0)["time_s"])
     compiles = compile_stats.since(compiles0)

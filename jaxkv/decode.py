@@ -20,7 +20,7 @@ from jaxkv.kernels import dense_select, kv_quant
 from jaxkv.kernels.sparse_attention import sparse_paged_attention
 from jaxkv.models import llama
 from jaxkv.plan import Plan, round_compiler_options
-from jaxkv.sampling import agree, sample
+from jaxkv.sampling import agree, sample, split as split_keys
 from jaxkv.spec import INVALID
 from jaxkv.state import DecodeState, state_shardings
 
@@ -148,7 +148,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
                               jnp.where(lpos[:, :, None, None] >= 0, ahead, st.summaries[-1]))
     kv = sched.end(plan, kv, look, active, before, pool_only)
     logits = llama.final_logits(params, cfg, x)
-    key, sub = jax.random.split(st.key)
+    key, sub = split_keys(st.key)
     tok = agree(sample(logits[:, 0], sampling, sub), plan.axis_name)
     logprobs = st.logprobs
     if logprobs:  # the chosen token's log-probability under the model (temperature 1)

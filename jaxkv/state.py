@@ -10,6 +10,7 @@ from flax import struct
 from jaxkv import cache as kvcache
 from jaxkv import selectors
 from jaxkv.plan import Plan
+from jaxkv.sampling import per_request
 from jaxkv.spec import INVALID
 
 
@@ -19,7 +20,8 @@ class DecodeState:
 
     kv: HostTierCache (host mode) or ResidentCache. summaries: selector summaries.
     lengths [B]: tokens in the cache = position of ``last_token``. last_token [B]: the next
-    token to feed. done [B] bool. n_generated [B]: tokens produced so far. key: PRNG key.
+    token to feed. done [B] bool. n_generated [B]: tokens produced so far. key [B]: each
+    request's PRNG key.
     logprobs: () or ([B, N] float32,),
     the log-probability of each round step's chosen token under the model (NaN: none).
     """
@@ -56,13 +58,14 @@ def start_state(plan: Plan, kv, summaries, lengths, last_token, key, *, done=Non
     (the next token to feed), ``done`` [B] bool (default all False), every request's
     ``n_generated`` set to the given count, empty per-step selections (``lookahead`` default:
     ``init_lookahead(plan)``), a per-round buffer of
-    chosen-token log-probabilities if ``logprobs``."""
+    chosen-token log-probabilities if ``logprobs``. ``key``: one PRNG key per request [B], or
+    one key (request b then draws with ``fold_in(key, b)``)."""
     B = plan.batch
     return DecodeState(
         kv=kv, summaries=summaries, lengths=jnp.asarray(lengths, jnp.int32),
         last_token=jnp.asarray(last_token, jnp.int32),
         done=jnp.zeros((B,), jnp.bool_) if done is None else jnp.asarray(done),
-        n_generated=jnp.full((B,), n_generated, jnp.int32), key=key,
+        n_generated=jnp.full((B,), n_generated, jnp.int32), key=per_request(key, B),
         lookahead=init_lookahead(plan) if lookahead is None else lookahead, dense=dense,
         logprobs=(jnp.full((B, plan.cache.round_steps), jnp.nan, jnp.float32),) if logprobs else ())
 

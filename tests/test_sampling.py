@@ -65,6 +65,23 @@ def test_top_p_keeps_the_nucleus(rng):
         assert set(got[:, b].tolist()) <= nucleus
 
 
+@pytest.mark.parametrize("s", [Sampling.make(temperature=1.0),
+                               Sampling.make(temperature=1.0, top_k=5, top_p=0.9)],
+                         ids=["plain", "filtered"])
+def test_each_row_draws_with_its_own_key(rng, s):
+    """Per-request keys [B]: a row's token depends on its key and logits only (the batch
+    around it changes nothing); one key means fold_in(key, b) for row b."""
+    logits = jnp.asarray(rng.standard_normal((4, 40)) * 2, jnp.float32)
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4)
+    got = np.asarray(sample(logits, s, keys))
+    for b in range(4):
+        assert int(sample(logits[b:b + 1], s, keys[b:b + 1])[0]) == got[b]
+    key = keys[0]
+    folded = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(4, dtype=jnp.uint32))
+    np.testing.assert_array_equal(np.asarray(sample(logits, s, key)),
+                                  np.asarray(sample(logits, s, folded)))
+
+
 def test_switching_modes_does_not_recompile():
     logits = jnp.zeros((2, 16), jnp.float32)
     f = jax.jit(sample)

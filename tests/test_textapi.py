@@ -138,9 +138,39 @@ def test_stop_strings_cut_text_and_tokens(model):
     if s not in base.text[1]:
         assert r.tokens[1] == base.tokens[1] and r.finish_reasons[1] == "length"
     # streamed text: the same, never past the stop string
-    st = _gen(model, ["Once upon a time", "Hello"], stop_tokens=[], stop_strings=[s], stream=True)
-    pieces = [c.text[0] for c in st]
-    assert "".join(pieces) == want and st.result.text == r.text
+    # and the streamed ids and logprobs are the result's, none past the cut
+    for mode in (True, "step"):
+        st = _gen(model, ["Once upon a time", "Hello"], stop_tokens=[], stop_strings=[s],
+                  stream=mode, logprobs=True)
+        chunks = list(st)
+        assert "".join(c.text[0] for c in chunks) == want and st.result.text == r.text
+        for b in range(2):
+            assert [t for c in chunks for t in c[b]] == st.result.tokens[b] == r.tokens[b]
+            assert [v for c in chunks for v in c.logprobs[b]] == st.result.logprobs[b]
+            assert len(st.result.logprobs[b]) == len(r.tokens[b])
+        if mode == "step":
+            assert all(any(c) for c in chunks)   # no item without a token
+
+
+def test_sampled_tokens_do_not_depend_on_the_batch(model):
+    """Each request draws with its own key: alone with seed s + b it gives what it gives as
+    request b of a batch with seed s; prompts permuted with their seeds give permuted tokens."""
+    S = Sampling(temperature=1.0)
+    prompts = ["Hello there", "A much longer prompt than the first one is here", "Third"]
+    kw = dict(stop_tokens=[], sampling=S)
+    batch = _gen(model, prompts, seed=5, **kw)
+    for b, p in enumerate(prompts):
+        assert _gen(model, p, seed=5 + b, **kw).tokens[0] == batch.tokens[b]
+    perm = [2, 0, 1]
+    permuted = _gen(model, [prompts[i] for i in perm], seed=[5 + i for i in perm], **kw)
+    assert permuted.tokens == [batch.tokens[i] for i in perm]
+    # it samples: the requests' seeds differ, so the same prompt twice differs
+    twice = _gen(model, ["Hello there"] * 2, seed=5, **kw)
+    assert twice.tokens[0] == batch.tokens[0] and twice.tokens[1] != twice.tokens[0]
+    with pytest.raises(ValueError, match=r"seed: a sequence needs one seed per request \(3\), got 2"):
+        _gen(model, prompts, seed=[1, 2], **kw)
+    with pytest.raises(ValueError, match=r"seed\[1\] must be an int >= 0"):
+        _gen(model, prompts[:2], seed=[1, -2], **kw)
 
 
 def test_logprobs_of_the_chosen_tokens(model):
