@@ -55,6 +55,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxkv import cache as kvcache  # noqa: E402
 from jaxkv import compile_stats, engine, parallel  # noqa: E402
 from jaxkv.config import CacheConfig, Sampling  # noqa: E402
 from jaxkv.spec import INVALID  # noqa: E402
@@ -253,7 +254,7 @@ def _bytes_in_use(device):
 def counter_dict(state, spec) -> dict:
     """The cache counters (summed over devices) as ``CacheCounters.as_dict``."""
     c = jax.tree.map(lambda a: np.asarray(a).astype(np.int64).sum(), jax.device_get(state.kv.counters))
-    return c.as_dict(spec)
+    return c.as_dict(spec, host=isinstance(state.kv, kvcache.HostTierCache))
 
 
 # ------------------------------------------------------------------------------ real text

@@ -604,6 +604,8 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     t1 = time.perf_counter()
     compiles_decode0 = compile_stats.snapshot()
     rounds = []
+    paused = 0.0
+    host_mode = plan.cache.mode == "host"
     totals = {f.name: 0 for f in dataclasses.fields(kvcache.CacheCounters)}
     per_device = {name: np.zeros(n_dev, np.int64) for name in totals}
     while True:
@@ -621,7 +623,8 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         buf = np.asarray(buf)[:, :steps]
         lbuf = np.asarray(state.logprobs[0])[:, :steps] if logprobs else None
         dt = time.perf_counter() - tr
-        delta = kvcache.CacheCounters(**{k: totals[k] - before[k] for k in totals}).as_dict(plan.spec)
+        delta = kvcache.CacheCounters(**{k: totals[k] - before[k] for k in totals})
+        delta = delta.as_dict(plan.spec, host=host_mode)
         n_tok = int(np.sum(buf >= 0))
         info = {"round": len(rounds), "steps": steps, "active_requests": active,
                 "new_tokens": n_tok, "time_s": dt, "tokens_per_s": n_tok / dt if dt > 0 else float("nan"),
@@ -629,7 +632,9 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
                 **delta}
         rounds.append(info)
         if on_round is not None:
+            tc = time.perf_counter()
             on_round(info)
+            paused += time.perf_counter() - tc
         cols = range(steps) if per_step else [slice(0, steps)]
         for c in cols:
             part = buf[:, c] if per_step else buf
@@ -642,9 +647,13 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
             chunk = absorb(new, new_lp)
             if per_step and not any(chunk):
                 continue
+            ty = time.perf_counter()
             yield chunk
-    # decode time without the first round's compilation (reported as compile_time_s)
-    t_decode = max(0.0, time.perf_counter() - t1 - compile_stats.since(compiles_decode0)["time_s"])
+            paused += time.perf_counter() - ty
+    # decode time without the first round's compilation (reported as compile_time_s) and
+    # without the caller's: on_round callbacks and a stream's consumer between items
+    t_decode = max(0.0, time.perf_counter() - t1 - paused
+                   - compile_stats.since(compiles_decode0)["time_s"])
     compiles = compile_stats.since(compiles0)
 
     reasons = []
@@ -664,7 +673,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         if any(tail):  # text held back (a possible stop string, a partial character)
             yield Chunk([[] for _ in range(B)], tail, [[] for _ in range(B)] if logprobs else None)
 
-    counters = kvcache.CacheCounters(**totals).as_dict(plan.spec)
+    counters = kvcache.CacheCounters(**totals).as_dict(plan.spec, host=host_mode)
     n_new = sum(len(o) for o in out)
     n_decoded = n_new - B
     stats = {

@@ -43,7 +43,7 @@ class CacheCounters:
       pool-only attention they would count as ``dropped``, which its pool bound rules out).
     pages_fetched: host->device rows moved into the pool; host_reads: (KV head, page)
     entries attention read in place from the host tier (each 1/H of a page row); tokens_written:
-    token rows written through to the host (per layer).
+    token rows written (per layer): through to the host tier, or into a resident cache.
     """
 
     hits: jax.Array
@@ -60,13 +60,15 @@ class CacheCounters:
         # distinct buffers: the whole state is donated, and a buffer may be donated once
         return cls(*[jnp.zeros((), jnp.int32) for _ in dataclasses.fields(cls)])
 
-    def as_dict(self, spec: CacheSpec) -> dict:
+    def as_dict(self, spec: CacheSpec, *, host: bool = True) -> dict:
+        """The counts as ints with the hit rate and the bytes they move; ``host=False`` (a
+        resident cache): its token rows are written on the device, so no byte goes to the host."""
         d = {f.name: int(getattr(self, f.name)) for f in dataclasses.fields(self)}
         total = d["hits"] + d["misses"]
         d["hit_rate"] = d["hits"] / total if total else float("nan")
         d["bytes_host_to_device"] = (d["pages_fetched"] * spec.page_bytes
                                      + d["host_reads"] * (spec.page_bytes // spec.num_kv_heads))
-        d["bytes_device_to_host"] = d["tokens_written"] * spec.token_bytes
+        d["bytes_device_to_host"] = d["tokens_written"] * spec.token_bytes if host else 0
         return d
 
 

@@ -1,6 +1,7 @@
 """Text in, text out (jaxkv.load, text and chat prompts, stop strings, finish reasons,
 log-probabilities, streaming text) and kept contexts (continued chats, forks), on the tiny
 Qwen2 checkpoint of tests/fixtures (random weights: its text is arbitrary bytes)."""
+import time
 from pathlib import Path
 
 import jax
@@ -215,6 +216,14 @@ def test_on_round_reports_per_round_stats(model):
         assert key in seen[0]
     assert sum(x["hits"] for x in seen) == r.stats["hits"]
     assert sum(x["new_tokens"] for x in seen) == NEW - 1  # the first token comes from prefill
+    # the decode time is the rounds', not the caller's (a slow callback, a paused stream)
+    slow = _gen(model, ["Observe the rounds"], stop_tokens=[], on_round=lambda d: time.sleep(0.3))
+    st = _gen(model, ["Observe the rounds"], stop_tokens=[], stream=True)
+    for _ in st:
+        time.sleep(0.3)
+    for res in (slow, st.result):
+        assert len(res.rounds) >= 2
+        assert res.stats["decode_time_s"] < sum(x["time_s"] for x in res.rounds) + 0.25
 
 
 # ----------------------------------------------------------------------------- contexts

@@ -478,6 +478,11 @@ def test_strict_dropped_counted_warned_and_raised():
     assert s["dropped"] > 0 and s["truncated_requests"] == 0 and s["decode_rounds"] >= 3
     # counters summed over rounds (drained each round): every decode step wrote one token per layer
     assert s["tokens_written"] == CFG.num_layers * (s["generated_tokens"] - 1)
+    assert s["bytes_device_to_host"] > 0
+    # resident: the same rows are written on the device, so no byte goes to the host
+    r = gen(PROMPTS[2:], cache=dataclasses.replace(DROPPY, mode="resident", pool_pages=None),
+            max_new_tokens=40).stats
+    assert r["tokens_written"] == s["tokens_written"] and r["bytes_device_to_host"] == 0
     with pytest.raises(RuntimeError, match="strict mode: .* dropped") as e:
         gen(PROMPTS[2:], cache=dataclasses.replace(DROPPY, strict=True), max_new_tokens=40)
     # the generated tokens are not lost: the exception (a StrictModeError) carries the result
