@@ -553,9 +553,13 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     finish: list = [None] * B         # "stop_string" once one is seen
     hold = max((len(s) for s in stop_strs), default=1) - 1
 
+    def text_ids(ids):
+        """The ids whose text a request shows: all but a stop token (only ever the last)."""
+        return ids[:-1] if ids and ids[-1] in stop_np else ids
+
     def decoded(b: int) -> str:
-        """Request b's whole text, cut before its first stop string."""
-        txt = tokenizer.decode(out[b], skip_special_tokens=True)
+        """Request b's whole text, without a stop token and cut before its first stop string."""
+        txt = tokenizer.decode(text_ids(out[b]), skip_special_tokens=True)
         i = text_api.find_stop(txt, stop_strs) if stop_strs else -1
         return txt if i < 0 else txt[:i]
 
@@ -573,11 +577,11 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
             if detok is None:
                 continue
             if not stop_strs:
-                piece = detok[b].add(toks)
+                piece = detok[b].add(text_ids(toks))
                 shown[b] += piece
                 texts.append(piece)
                 continue
-            txt = tokenizer.decode(out[b], skip_special_tokens=True) if toks else shown[b]
+            txt = tokenizer.decode(text_ids(out[b]), skip_special_tokens=True) if toks else shown[b]
             i = text_api.find_stop(txt, stop_strs) if toks else -1
             if i >= 0:
                 m = text_api.tokens_until(tokenizer, out[b], stop_strs)

@@ -154,6 +154,17 @@ def _check_model_options(args):
             raise ValueError(f"--chat: {path} has no chat template: drop --chat")
 
 
+def _print_json(backend, model, text, res, error=None) -> None:
+    """--json: one JSON object on stdout (strict JSON: NaN as null); ``error`` with --strict's
+    failure, whose result is still reported."""
+    from jaxkv import runtime
+    obj = {"backend": backend, "model": model.config.name, "prompt": text, "text": res.text[0],
+           "finish_reason": res.finish_reasons[0], "tokens": res.tokens[0], "stats": res.stats}
+    if error is not None:
+        obj["error"] = error
+    print(json.dumps(runtime.json_safe(obj), indent=1, allow_nan=False))
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import jaxkv
@@ -183,6 +194,8 @@ def main(argv=None) -> int:
             strict=args.strict, schedule=schedule,
             prefill_chunk=max(jaxkv.CacheConfig.prefill_chunk, args.page_size))
         sampling = jaxkv.Sampling.make(args.temperature, args.top_k, args.top_p)
+        if args.stop is not None and not all(args.stop):
+            raise ValueError("--stop: a stop string must not be empty")
     except (ValueError, TypeError) as e:
         return fail(e)
     from jaxkv import runtime
@@ -217,7 +230,9 @@ def main(argv=None) -> int:
         else:
             res = jaxkv.generate(model, [prompt], **kw)
     except StrictModeError as e:  # the text is printed, then the failure
-        if not args.stream:
+        if args.json:  # the one JSON object, with the error
+            _print_json(backend, model, text, e.result, error=str(e))
+        elif not args.stream:
             print(text + e.result.text[0] if not args.chat else e.result.text[0])
         return fail(e, 1)
     except (ValueError, TypeError, RuntimeError) as e:
@@ -225,11 +240,7 @@ def main(argv=None) -> int:
     out = res.text[0]
     s = res.stats
     if args.json:
-        print(json.dumps(runtime.json_safe({"backend": backend, "model": model.config.name,
-                                     "prompt": text, "text": out,
-                                     "finish_reason": res.finish_reasons[0],
-                                     "tokens": res.tokens[0], "stats": s}),
-                         indent=1, allow_nan=False))
+        _print_json(backend, model, text, res)
         return 0
     if not args.stream:
         print(text + out if not args.chat else out)

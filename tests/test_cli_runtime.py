@@ -87,6 +87,22 @@ def test_options_the_model_cannot_serve_fail_before_loading(capsys, monkeypatch,
     (bare / "chat_template.jinja").unlink()
     assert cli_main(["hi", "--model", str(bare), "--chat"]) == 2
     assert "has no chat template: drop --chat" in capsys.readouterr().err
+    assert cli_main(["hi", "--model", FIXTURE, "--stop="]) == 2
+    assert "--stop: a stop string must not be empty" in capsys.readouterr().err
+
+
+def test_json_strict_failure_is_still_one_json_object(capsys):
+    """--json --strict with dropped pages: stdout is one JSON object (the result and the
+    error), the exit status 1."""
+    words = " ".join(f"word{i}" for i in range(40))
+    args = [words, "--model", FIXTURE, "--page-size", "4", "--no-compile-cache", "--json",
+            "--strict", "--selector", "quest", "--budget", "20", "--pool-pages", "7",
+            "--max-new-tokens", "40"]
+    assert cli_main(args) == 1
+    cap = capsys.readouterr()
+    d = json.loads(cap.out)
+    assert "strict mode" in d["error"] and d["stats"]["dropped"] > 0 and d["tokens"]
+    assert "strict mode" in cap.err
 
 
 def test_gpu_warning(monkeypatch):

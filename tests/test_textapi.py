@@ -121,6 +121,13 @@ def test_finish_reasons_stop_token_and_length(model):
     r = _gen(model, "Once upon a time", stop_tokens=[stop])
     first = base.tokens[0].index(stop)
     assert r.tokens[0] == base.tokens[0][:first + 1] and r.finish_reasons == ["stop_token"]
+    # the text leaves the stop token out (a regular token here: skipping specials would not),
+    # streamed alike
+    want = model.tokenizer.decode(base.tokens[0][:first], skip_special_tokens=True)
+    assert r.text == [want]
+    for mode in (True, "step"):
+        st = _gen(model, "Once upon a time", stop_tokens=[stop], stream=mode)
+        assert "".join(c.text[0] for c in st) == want and st.result.text == [want]
 
 
 def test_stop_strings_cut_text_and_tokens(model):
