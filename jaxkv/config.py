@@ -395,7 +395,13 @@ def _sampling_number(name: str, v, *, integer: bool = False):
             raise ValueError(f"Sampling.{name}: top_k must be an int >= 0 (0 = off), got {v!r}"
                              + (f": pass {int(v)}" if float(v).is_integer() else ""))
         return int(v)
-    return float(v)
+    v = float(v)
+    with np.errstate(over="ignore", under="ignore"):
+        v32 = float(np.float32(v))
+    if math.isfinite(v) and not math.isfinite(v32):
+        raise ValueError(f"Sampling.{name}: {v!r} overflows float32, in which it is held "
+                         f"(at most {float(np.finfo(np.float32).max):.4g})")
+    return v32   # the value the sampler sees, so the checks below hold for it
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -427,7 +433,8 @@ class Sampling:
             raise ValueError(f"Sampling.top_k: top_k must be an int >= 0 and < 2**31 (0 = off), "
                              f"got {k!r}")
         if not isinstance(p, jax.core.Tracer) and not 0 < p <= 1:
-            raise ValueError(f"Sampling.top_p: top_p must be in (0, 1] (1 = off), got {p}")
+            raise ValueError(f"Sampling.top_p: top_p must be in (0, 1] (1 = off), got {p}"
+                             + (" (in float32)" if p == 0 and self.top_p != 0 else ""))
         if not isinstance(m, jax.core.Tracer) and not 0 <= m <= 1:
             raise ValueError(f"Sampling.min_p: min_p must be in [0, 1] (0 = off), got {m}")
         for name, v, dt in (("temperature", t, jnp.float32), ("top_k", k, jnp.int32),
@@ -443,7 +450,9 @@ class Sampling:
         return cls(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
 
     def __repr__(self):
-        vals = ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        def show(v):  # a float32 as its shortest repr (0.7, not 0.699999988079071)
+            return v if isinstance(v, jax.core.Tracer) else str(np.asarray(v))
+        vals = ", ".join(f"{f.name}={show(getattr(self, f.name))}" for f in dataclasses.fields(self))
         return f"Sampling({vals})"
 
 

@@ -129,6 +129,8 @@ def test_plain_constructor_is_traced_and_validated():
     (dict(top_p="high"), TypeError, "top_p"),
     (dict(min_p=-0.5), ValueError, "min_p"),
     (dict(min_p=None), TypeError, "min_p"),
+    (dict(temperature=1e39), ValueError, "temperature"),   # inf in float32
+    (dict(top_p=1e-50), ValueError, "top_p"),              # 0 in float32
 ])
 def test_bad_values_name_the_field(kw, exc, field):
     with pytest.raises(exc, match=rf"Sampling\.{field}"):
