@@ -419,8 +419,10 @@ def _encode_prompts(model, tokenizer, prompts, ctx, src):
                 ids.append(text_api.encode_turns(tokenizer, list(history), reply, p, i))
                 messages.append(list(history) + list(p))
             else:
-                raise ValueError(f"prompt {i} is a chat, but the context's request {src[i]} was "
-                                 "not: continue it with text or token ids")
+                raise ValueError(f"prompt {i} is a chat, but the context's request {src[i]} has "
+                                 "no chat history (it began as text or token ids, or a text or "
+                                 "token-id turn continued it, which ends a chat's history): "
+                                 "continue it with text or token ids, or start a new chat")
         elif isinstance(p, str):
             ids.append(text_api.encode(tokenizer, p, i, continued=ctx is not None))
             messages.append(None)

@@ -341,6 +341,11 @@ def test_continued_chat_messages(model):
     assert conv[:len(r1.context.tokens[0])] == list(r1.context.tokens[0])
     assert "<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n" in tok.decode(conv)
     assert r2.context.messages[0][-2] == {"role": "user", "content": "Again"}
+    # a text turn ends the chat's history: a later chat turn is refused, saying why
+    r3 = _gen(model, [" plain text"], cache=cache, context=r2.context, keep=True,
+              max_new_tokens=2)
+    with pytest.raises(ValueError, match="a text or token-id turn continued it, which ends"):
+        _gen(model, [[{"role": "user", "content": "More"}]], cache=cache, context=r3.context)
 
 
 def test_context_errors(model):
