@@ -318,7 +318,7 @@ def measure_overlap(cfg=None, params=None, tokens=None, *, context: int = 8192, 
     state = engine.DecodeState(kv=kv, summaries=summ, lengths=lengths,
                                last_token=jnp.asarray(tokens[n_prompt:n_prompt + 1]),
                                done=jnp.zeros((1,), jnp.bool_), n_generated=jnp.zeros((1,), jnp.int32),
-                               key=jax.random.key(0))
+                               key=jax.random.key(0)[None])
     fed = tokens[n_prompt:context][None]
     state, pages, greedy = synthetic.trace_selections(plan, params, state, fed)
     pages, greedy = np.asarray(pages), np.asarray(greedy)

@@ -52,6 +52,24 @@ class Chunk(list):
         self.logprobs = logprobs
 
 
+class _CallerTime:
+    """Wall time and compilations spent outside the call while it waits on its caller (an
+    ``on_round`` callback, a stream's consumer between items): ``with caller: ...``."""
+
+    def __init__(self):
+        self.time_s, self.compiles, self.compile_time_s = 0.0, 0, 0.0
+
+    def __enter__(self):
+        self._t, self._c = time.perf_counter(), compile_stats.snapshot()
+
+    def __exit__(self, *exc):
+        self.time_s += time.perf_counter() - self._t
+        c = compile_stats.since(self._c)
+        self.compiles += c["count"]
+        self.compile_time_s += c["time_s"]
+        return False
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -242,12 +260,15 @@ def request_keys(seed, n: int) -> jax.Array:
     ``seed``, or ``prng_key(seed[b])`` for a sequence of n ints. A request's sampled tokens
     depend on its prompt and its seed only: alone, with ``seed=s``, it gives what it gives as
     request b of a batch whose seed makes its own ``s``."""
-    if isinstance(seed, (Sequence, np.ndarray)) and not isinstance(seed, (str, bytes)):
+    if isinstance(seed, (Sequence, np.ndarray, jax.Array)) and np.ndim(seed) > 0 \
+            and not isinstance(seed, (str, bytes)):
         seeds = list(seed)
         if len(seeds) != n:
             raise ValueError(f"seed: a sequence needs one seed per request ({n}), got {len(seeds)}")
         seeds = [validation.check_int(f"seed[{i}]", v, minimum=0) for i, v in enumerate(seeds)]
     else:
+        if isinstance(seed, (np.ndarray, jax.Array)):
+            seed = seed.item()
         first = validation.check_int("seed", seed, minimum=0)
         seeds = [first + b for b in range(n)]
     data = np.stack([np.asarray(jax.random.key_data(prng_key(v))) for v in seeds])
@@ -336,7 +357,9 @@ def generate(model, params=None, prompts=None, *, max_new_tokens: int = 32,
       stream: True or "round": return a :class:`TokenStream` yielding each round's new tokens
         and text; "step": one item per decode step (the round still runs as one program:
         ``CacheConfig(round_steps=...)`` sets how often new tokens arrive); breaking out and
-        iterating again resumes the stream.
+        iterating again resumes the stream. The items' ids and logprobs are the result's; a
+        last item may carry text only (text held back while a stop string could still start
+        in it, or half a UTF-8 character).
       progress: show a prefill progress bar (default: prompts of >= 8k tokens).
       mesh: tensor parallelism over KV heads (jaxkv.parallel): a one-axis
         ``jax.sharding.Mesh`` or a list of N devices; N must divide num_kv_heads and ffn_dim.
@@ -560,10 +583,14 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         return ids[:-1] if ids and ids[-1] in stop_np else ids
 
     def decoded(b: int) -> str:
-        """Request b's whole text, without a stop token and cut before its first stop string."""
-        txt = tokenizer.decode(text_ids(out[b]), skip_special_tokens=True)
+        """Request b's whole text: cut before its first stop string (searched with the stop
+        token's text, which may complete one), else without a stop token."""
+        txt = tokenizer.decode(out[b], skip_special_tokens=True)
         i = text_api.find_stop(txt, stop_strs) if stop_strs else -1
-        return txt if i < 0 else txt[:i]
+        if i >= 0:
+            return txt[:i]
+        ids = text_ids(out[b])
+        return txt if len(ids) == len(out[b]) else tokenizer.decode(ids, skip_special_tokens=True)
 
     def absorb(new, new_lp) -> Chunk:
         """Adds one round's (or step's) tokens; a stop string ends its request. The new text
@@ -583,8 +610,10 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
                 shown[b] += piece
                 texts.append(piece)
                 continue
-            txt = tokenizer.decode(text_ids(out[b]), skip_special_tokens=True) if toks else shown[b]
+            txt = tokenizer.decode(out[b], skip_special_tokens=True) if toks else shown[b]
             i = text_api.find_stop(txt, stop_strs) if toks else -1
+            if i < 0 and toks and len(text_ids(out[b])) < len(out[b]):  # no stop token's text
+                txt = tokenizer.decode(text_ids(out[b]), skip_special_tokens=True)
             if i >= 0:
                 m = text_api.tokens_until(tokenizer, out[b], stop_strs)
                 del out[b][m:]
@@ -610,7 +639,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     t1 = time.perf_counter()
     compiles_decode0 = compile_stats.snapshot()
     rounds = []
-    paused = 0.0
+    caller = _CallerTime()
     host_mode = plan.cache.mode == "host"
     totals = {f.name: 0 for f in dataclasses.fields(kvcache.CacheCounters)}
     per_device = {name: np.zeros(n_dev, np.int64) for name in totals}
@@ -638,9 +667,8 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
                 **delta}
         rounds.append(info)
         if on_round is not None:
-            tc = time.perf_counter()
-            on_round(info)
-            paused += time.perf_counter() - tc
+            with caller:
+                on_round(info)
         cols = range(steps) if per_step else [slice(0, steps)]
         for c in cols:
             part = buf[:, c] if per_step else buf
@@ -653,14 +681,15 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
             chunk = absorb(new, new_lp)
             if per_step and not any(chunk):
                 continue
-            ty = time.perf_counter()
-            yield chunk
-            paused += time.perf_counter() - ty
+            with caller:
+                yield chunk
     # decode time without the first round's compilation (reported as compile_time_s) and
     # without the caller's: on_round callbacks and a stream's consumer between items
-    t_decode = max(0.0, time.perf_counter() - t1 - paused
-                   - compile_stats.since(compiles_decode0)["time_s"])
-    compiles = compile_stats.since(compiles0)
+    t_decode = max(0.0, time.perf_counter() - t1 - caller.time_s
+                   - (compile_stats.since(compiles_decode0)["time_s"] - caller.compile_time_s))
+    compiles = compile_stats.since(compiles0)   # this call's, not the caller's
+    compiles = {"count": compiles["count"] - caller.compiles,
+                "time_s": compiles["time_s"] - caller.compile_time_s}
 
     reasons = []
     for b in range(B):

@@ -4,7 +4,8 @@ Loads SmolLM2-135M-Instruct from its GGUF package, or ``--model PATH``: a GGUF f
 qwen2 architecture), a Hugging Face checkpoint directory (config.json, safetensors,
 tokenizer.json), a cached hub repo id, or an installed asset name (``qwen2.5-coder-0.5b``).
 Generates with the host tier by default and prints the backend, the text, tokens/s and the
-cache counters (``--json``: one JSON object only). JAX's persistent compilation cache is on
+cache counters (``--json``: one JSON object only, with ``"error"`` when generation fails; a bad
+option fails before the model loads, on stderr with exit status 2). JAX's persistent compilation cache is on
 (``--compile-cache DIR``, ``--no-compile-cache`` or ``JAXKV_COMPILATION_CACHE=0``).
 """
 from __future__ import annotations
@@ -236,6 +237,9 @@ def main(argv=None) -> int:
             print(text + e.result.text[0] if not args.chat else e.result.text[0])
         return fail(e, 1)
     except (ValueError, TypeError, RuntimeError) as e:
+        if args.json:
+            print(json.dumps({"backend": backend, "model": model.config.name, "prompt": text,
+                              "error": str(e)}, indent=1))
         return fail(e, 1)
     out = res.text[0]
     s = res.stats

@@ -10,6 +10,9 @@ from jaxkv.config import Sampling
 def per_request(key, batch: int):
     """Per-request keys [batch]: ``key`` itself when it already is one key per request, else
     (one key) ``fold_in(key, b)`` for request b."""
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        raise TypeError("sampling keys are typed PRNG keys (jax.random.key(seed)), got an array "
+                        f"of {key.dtype} {key.shape}: wrap a raw key with jax.random.wrap_key_data")
     if key.ndim == 1:
         return key
     return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch, dtype=jnp.uint32))

@@ -103,6 +103,11 @@ def test_json_strict_failure_is_still_one_json_object(capsys):
     d = json.loads(cap.out)
     assert "strict mode" in d["error"] and d["stats"]["dropped"] > 0 and d["tokens"]
     assert "strict mode" in cap.err
+    # any failure of the generation itself: the object carries the error
+    assert cli_main(["Hello", *FAST[:2], "--no-compile-cache", "--json",
+                     "--max-new-tokens", "100000"]) == 1
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["error"] in cap.err
 
 
 def test_gpu_warning(monkeypatch):

@@ -128,6 +128,21 @@ def test_finish_reasons_stop_token_and_length(model):
     for mode in (True, "step"):
         st = _gen(model, "Once upon a time", stop_tokens=[stop], stream=mode)
         assert "".join(c.text[0] for c in st) == want and st.result.text == [want]
+    # a stop string that the stop token's text completes still ends the text before it
+    dec = lambda ids: model.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    j = next(j for j in range(1, NEW) if base.tokens[0][j] not in base.tokens[0][:j]
+             and len(dec(base.tokens[0][:j + 1])) > len(dec(base.tokens[0][:j])) > 0
+             and "\ufffd" not in dec(base.tokens[0][:j + 1]))
+    before, full = dec(base.tokens[0][:j]), dec(base.tokens[0][:j + 1])
+    span = full[len(before) - 1:len(before) + 1]
+    for mode in (False, True):
+        r = _gen(model, "Once upon a time", stop_tokens=[base.tokens[0][j]], stop_strings=[span],
+                 stream=mode)
+        if mode:
+            streamed = "".join(c.text[0] for c in r)
+            r = r.result
+            assert streamed == r.text[0]
+        assert r.text == [full[:full.find(span)]] and r.finish_reasons == ["stop_string"]
 
 
 def test_stop_strings_cut_text_and_tokens(model):
@@ -231,6 +246,12 @@ def test_on_round_reports_per_round_stats(model):
     for res in (slow, st.result):
         assert len(res.rounds) >= 2
         assert res.stats["decode_time_s"] < sum(x["time_s"] for x in res.rounds) + 0.25
+    # what the caller compiles is the caller's: not this call's compilations, nor subtracted
+    # from its decode time
+    compiling = _gen(model, ["Observe the rounds"], stop_tokens=[],
+                     on_round=lambda d: jax.jit(lambda x: x + d["round"])(1.0))
+    assert compiling.stats["num_compilations"] == st.result.stats["num_compilations"] == 0
+    assert compiling.stats["decode_time_s"] > 0
 
 
 # ----------------------------------------------------------------------------- contexts
