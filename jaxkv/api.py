@@ -489,7 +489,8 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     new_ids, messages = _encode_prompts(model, tokenizer, prompts, ctx, src)
     key = request_keys(seed, len(new_ids))
     if stop_tokens is None:
-        stops = list(tokenizer.stop_ids) if tokenizer is not None and tokenizer.stop_ids else [model.eos_id]
+        # the tokenizer's stop ids (none for a vocabulary without eos), else the config's eos
+        stops = list(tokenizer.stop_ids) if tokenizer is not None else [model.eos_id]
     else:
         stops = _validate_stop_tokens(model, stop_tokens)
     num_stop = max(4, _next_pow2(len(stops)))

@@ -224,6 +224,11 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
     ffn = _meta_int(reader, path, a + "feed_forward_length", required=True)
     n_head = _meta_int(reader, path, a + "attention.head_count", required=True)
     n_kv = _meta_int(reader, path, a + "attention.head_count_kv", n_head)
+    max_pos = _meta_int(reader, path, a + "context_length", required=True)
+    eps_key = a + "attention.layer_norm_rms_epsilon"
+    if eps_key not in reader.fields:  # llama.cpp requires it too; models use 1e-5 or 1e-6
+        raise GGUFError(f"{path}: metadata {eps_key!r} is missing: the file is incomplete; "
+                        "re-convert it with a current llama.cpp")
     if n_head % n_kv:
         raise GGUFError(f"{path}: head_count {n_head} is not a multiple of head_count_kv {n_kv}")
     if a + "attention.key_length" not in reader.fields and d_model % n_head:
@@ -255,9 +260,12 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
               "ffn_gate": (ffn, d_model), "ffn_up": (ffn, d_model), "ffn_down": (d_model, ffn)}
     bias_shapes = {"attn_q": (qd,), "attn_k": (kvd,), "attn_v": (kvd,)}
 
+    used = {"rope_freqs.weight"}  # read by _rope_scaling
+
     def get(name):
         if name not in tensors:
             raise GGUFError(f"{path}: tensor {name!r} is missing")
+        used.add(name)
         w = _dequantize(tensors[name])
         base, kind = name.split(".")[-2], name.split(".")[-1]
         want = (bias_shapes if kind == "bias" else shapes).get(base)
@@ -312,6 +320,12 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
     tie = "output.weight" not in tensors
     if not tie:
         params["lm_head"] = jnp.asarray(get("output.weight").T, jdt)
+    unused = sorted(set(tensors) - used)
+    if unused:  # e.g. attn_output / ffn biases or q/k norms: dropping them changes the outputs
+        shown = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
+        raise GGUFError(f"{path}: tensors this loader has no place for: {shown}. jaxkv's "
+                        f"{arch} model has Q/K/V biases only (no output / MLP biases, no Q/K "
+                        "norms); loading without them would change the model's outputs")
 
     name = _meta(reader, "general.name") or _meta(reader, "general.basename") or path.stem
     try:
@@ -325,11 +339,11 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
             head_dim=head_dim,
             ffn_dim=ffn,
             rope_theta=float(_meta(reader, a + "rope.freq_base", 10000.0)),
-            rms_eps=float(_meta(reader, a + "attention.layer_norm_rms_epsilon", 1e-5)),
+            rms_eps=float(_meta(reader, eps_key)),
             tie_embeddings=tie,
             qkv_bias=has_bias,
             dtype=dtype,
-            max_position=int(_meta(reader, a + "context_length", 2048)),
+            max_position=max_pos,
             bos_id=int(_meta(reader, "tokenizer.ggml.bos_token_id", 1)),
             eos_id=int(_meta(reader, "tokenizer.ggml.eos_token_id", 2)),
             rope_scaling=scaling,

@@ -243,7 +243,10 @@ def rope_from_hf(hf: dict):
     if set(params) & {"full_attention", "sliding_attention"}:
         raise CheckpointError("per-layer-type rope_parameters are not supported")
     params = {**(hf.get("rope_scaling") or {}), **params}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    theta = 10000.0 if theta is None else theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise CheckpointError(f"rope_theta must be a positive number, got {theta!r}")
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     prf = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if prf not in (None, 1, 1.0):
@@ -259,7 +262,12 @@ def rope_from_hf(hf: dict):
     try:
         if kind == "linear":
             return float(theta), RopeScaling("linear", factor=float(factor))
-        if kind == "llama3":
+        if kind == "llama3":  # transformers requires all four fields: no defaults here
+            missing = [k for k in ("factor", "original_max_position_embeddings",
+                                   "low_freq_factor", "high_freq_factor") if params.get(k) is None]
+            if missing:
+                raise CheckpointError(f"llama3 RoPE scaling needs {', '.join(missing)}: the "
+                                      "config is incomplete (the frequencies depend on them)")
             return float(theta), RopeScaling(
                 "llama3", factor=float(factor), original_max_position=orig,
                 low_freq_factor=float(params.get("low_freq_factor", 1.0)),

@@ -78,15 +78,16 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | None = None, dev
 
     device = resolve_device(device)
     kind, p = resolve_model(path)
+    # the tokenizer first: one the loader cannot read fails before minutes of weights
     if kind == "gguf":
+        tok = Tokenizer.from_gguf(p)
         cfg, params = load_gguf(p, dtype="float32" if dtype is None else dtype)
         if device is not None:
             import jax
             params = jax.device_put(params, device)
-        tok = Tokenizer.from_gguf(p)
     else:
-        cfg, params = load_hf(p, dtype=dtype, device=device)
         tok = Tokenizer.from_pretrained(p)
+        cfg, params = load_hf(p, dtype=dtype, device=device)
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(f"{p}: the tokenizer has {tok.vocab_size} tokens, the model's embedding "
                          f"only {cfg.vocab_size}: the files belong to different models")

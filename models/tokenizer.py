@@ -132,7 +132,11 @@ class Tokenizer:
         if model is None:
             raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.model missing)")
         if model != "gpt2":
-            raise ValueError(f"unsupported tokenizer model {model!r}: only byte-level BPE ('gpt2')")
+            raise ValueError(f"unsupported tokenizer model {model!r}: only byte-level BPE ('gpt2': "
+                             "Llama-3, Qwen2, SmolLM2 files) is read, not SentencePiece ('llama': "
+                             "Llama-2, Mistral); load the model's Hugging Face checkpoint "
+                             "directory instead (its tokenizer.json is read by the tokenizers "
+                             "package)")
         pre = _field(reader, "tokenizer.ggml.pre")
         if pre is None:
             warnings.warn("GGUF file has no tokenizer.ggml.pre (converted before llama.cpp recorded "
@@ -145,6 +149,11 @@ class Tokenizer:
                                     types, pre)
         bos = _field(reader, "tokenizer.ggml.bos_token_id")
         eos = _field(reader, "tokenizer.ggml.eos_token_id")
+        if eos is None:
+            warnings.warn("GGUF file has no tokenizer.ggml.eos_token_id: no eos token, so a "
+                          "generation ends at a stop token the vocabulary names (<|im_end|>, "
+                          "<|eot_id|>, ...), at max_new_tokens, or at the stop_tokens / "
+                          "stop_strings you pass", UserWarning, stacklevel=2)
         for key, i in (("bos", bos), ("eos", eos)):  # the rule load_gguf's ModelConfig applies
             if i is not None and not 0 <= int(i) < len(tokens):
                 from .gguf_loader import GGUFError
@@ -194,7 +203,8 @@ class Tokenizer:
     def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
         """Builds the tokenizer of a Hugging Face checkpoint directory (or hub cache entry):
         ``tokenizer.json`` (required), ``tokenizer_config.json`` (special tokens,
-        ``add_bos_token``, chat template), ``chat_template.jinja`` / ``chat_template.json``.
+        ``add_bos_token``, chat template), ``special_tokens_map.json`` (special tokens the
+        config does not name), ``chat_template.jinja`` / ``chat_template.json``.
         BOS is added by default when the file asks for it (``add_bos_token``, or a
         post-processor that prepends it, as Llama-3's does)."""
         from tokenizers import Tokenizer as HFTokenizer
@@ -214,16 +224,23 @@ class Tokenizer:
             raise ValueError(f"{tj}: cannot be read by the tokenizers package ({e})") from None
         tc_path = d / "tokenizer_config.json"
         tc = _read_json(tc_path) if tc_path.is_file() else {}
-        names = {k: _token_text(tc.get(k)) for k in ("bos_token", "eos_token", "unk_token",
-                                                     "pad_token")}
+        sm_path = d / "special_tokens_map.json"
+        sm = _read_json(sm_path) if sm_path.is_file() else {}
+        keys = ("bos_token", "eos_token", "unk_token", "pad_token")
+        names = {k: _token_text(tc.get(k)) or _token_text(sm.get(k)) for k in keys}
         names = {k: v for k, v in names.items() if v is not None}
         bos = backend.token_to_id(names["bos_token"]) if "bos_token" in names else None
         eos = backend.token_to_id(names["eos_token"]) if "eos_token" in names else None
+        # what the post-processor does to a plain word: a token it prepends is the BOS
+        plain = backend.encode("a", add_special_tokens=False).ids
+        probe = backend.encode("a", add_special_tokens=True).ids
+        first = probe[0] if len(probe) > len(plain) and probe[1:1 + len(plain)] == plain else None
+        if bos is None and first is not None:
+            bos, names["bos_token"] = first, backend.id_to_token(first)
         if "add_bos_token" in tc:
             add_bos = bool(tc["add_bos_token"])
-        else:  # what the post-processor does to a plain word
-            probe = backend.encode("a", add_special_tokens=True).ids
-            add_bos = bos is not None and len(probe) > 1 and probe[0] == bos
+        else:
+            add_bos = bos is not None and first == bos
         template = None
         if (d / "chat_template.jinja").is_file():
             template = (d / "chat_template.jinja").read_text()

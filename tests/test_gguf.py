@@ -271,6 +271,29 @@ def test_missing_tensor(tmp_path):
         load_gguf(path)
 
 
+def test_tensors_the_loader_has_no_place_for_are_an_error(tmp_path):
+    """Output / MLP biases (llama.cpp's optional llama tensors) or Q/K norms would be dropped,
+    changing the outputs: the load fails naming them."""
+    cfg = _tiny_cfg()
+    extra = {"blk.0.attn_output.bias": np.full(cfg.d_model, 0.5, np.float32),
+             "blk.1.ffn_down.bias": np.full(cfg.d_model, 0.5, np.float32)}
+    path = _write_gguf(tmp_path / "b.gguf", cfg, _tiny_params(cfg, 0), extra_tensors=extra)
+    with pytest.raises(GGUFError, match=r"no place for: blk\.0\.attn_output\.bias, "
+                                        r"blk\.1\.ffn_down\.bias"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("adder, key", [("add_layer_norm_rms_eps", "attention.layer_norm_rms_epsilon"),
+                                        ("add_context_length", "context_length")])
+def test_required_metadata_is_not_defaulted(tmp_path, monkeypatch, adder, key):
+    """The RMS epsilon and the context length have no safe default (llama.cpp requires them)."""
+    cfg = _tiny_cfg()
+    monkeypatch.setattr(gguf.GGUFWriter, adder, lambda *a, **k: None)
+    path = _write_gguf(tmp_path / "e.gguf", cfg, _tiny_params(cfg, 0))
+    with pytest.raises(GGUFError, match=rf"llama\.{key}.*missing"):
+        load_gguf(path)
+
+
 def test_open_gguf_reads_tiny(tiny_file):
     path, cfg, _ = tiny_file
     r = open_gguf(path)
@@ -600,8 +623,9 @@ def test_unsupported_rope_scaling(tmp_path):
 
 # --------------------------------------------------------------------------- pre-tokenizers
 
-def _tokenizer_gguf(path, pre):
-    """A GGUF holding only a byte-level tokenizer (256 byte tokens, no merges)."""
+def _tokenizer_gguf(path, pre, eos=0):
+    """A GGUF holding only a byte-level tokenizer (256 byte tokens, no merges; ``eos`` None:
+    no eos key)."""
     from tokenizers import pre_tokenizers
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_string("tokenizer.ggml.model", "gpt2")
@@ -610,7 +634,8 @@ def _tokenizer_gguf(path, pre):
     toks = sorted(pre_tokenizers.ByteLevel.alphabet())
     w.add_array("tokenizer.ggml.tokens", toks)
     w.add_array("tokenizer.ggml.token_type", [1] * len(toks))
-    w.add_uint32("tokenizer.ggml.eos_token_id", 0)
+    if eos is not None:
+        w.add_uint32("tokenizer.ggml.eos_token_id", eos)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -641,6 +666,14 @@ def test_unknown_pre_tokenizer_is_an_error(tmp_path):
     with pytest.warns(UserWarning, match="no tokenizer.ggml.pre"):
         tok = Tokenizer.from_gguf(_tokenizer_gguf(tmp_path / "d.gguf", None))
     assert tok.decode(tok.encode("héllo 12")) == "héllo 12"
+
+
+def test_no_eos_key_means_no_stop_token(tmp_path):
+    """Without tokenizer.ggml.eos_token_id the tokenizer has no stop ids (and says so), and
+    generate stops on none rather than on the config's default eos id (2)."""
+    with pytest.warns(UserWarning, match="no tokenizer.ggml.eos_token_id"):
+        tok = Tokenizer.from_gguf(_tokenizer_gguf(tmp_path / "n.gguf", "gpt2", eos=None))
+    assert tok.eos_id is None and tok.stop_ids == ()
 
 
 def test_qwen2_pre_normalizes_nfc(tmp_path):

@@ -176,6 +176,25 @@ def test_published_configs_map():
     assert hf_loader.model_config_from_hf(v5, name="llama3.1-8b", dtype="bfloat16") == cfg
 
 
+@pytest.mark.parametrize("drop", ["original_max_position_embeddings", "low_freq_factor",
+                                  "high_freq_factor", "factor"])
+def test_incomplete_llama3_scaling_is_an_error(drop):
+    """transformers requires every llama3 field; a default would give other frequencies."""
+    hf = {**LLAMA31, "rope_scaling": {k: v for k, v in LLAMA31["rope_scaling"].items() if k != drop}}
+    with pytest.raises(CheckpointError, match=f"llama3 RoPE scaling needs {drop}"):
+        hf_loader.model_config_from_hf(hf, name="x")
+
+
+@pytest.mark.parametrize("theta", [None, "1e4", -1.0])
+def test_rope_theta_null_or_bad(theta):
+    hf = {k: v for k, v in LLAMA31.items() if k != "rope_scaling"} | {"rope_theta": theta}
+    if theta is None:  # null: the default, as a missing key
+        assert hf_loader.model_config_from_hf(hf, name="x").rope_theta == 10000.0
+    else:
+        with pytest.raises(CheckpointError, match="rope_theta must be a positive number"):
+            hf_loader.model_config_from_hf(hf, name="x")
+
+
 def test_legacy_config_layout_loads_same(tmp_path):
     d = tmp_path / "legacy"
     shutil.copytree(FIXTURES / "hf_llama3_scaled", d)
@@ -427,6 +446,24 @@ def test_tokenizer_settings_from_files():
         qw.encode("x", add_bos=True)
     assert qw.stop_ids[0] == 319 and qw.token(qw.stop_ids[1]) == "<|endoftext|>"
     assert qw.encode("e\u0301") == qw.encode("\u00e9")  # tokenizer.json's NFC normalizer
+
+
+@pytest.mark.parametrize("where", ["special_tokens_map", "post_processor_only"])
+def test_bos_from_the_other_files(tmp_path, where):
+    """A BOS that tokenizer_config.json does not name comes from special_tokens_map.json, or
+    from the post-processor that prepends it (Llama-3's): text prompts and templates get it."""
+    d = _copy(tmp_path)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    names = {k: tc.pop(k) for k in ("bos_token", "eos_token")}
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    if where == "special_tokens_map":
+        (d / "special_tokens_map.json").write_text(json.dumps(names))
+    tok = Tokenizer.from_pretrained(d)
+    want = Tokenizer.from_pretrained(FIXTURES / "hf_llama")
+    assert tok.bos_id == want.bos_id == 315 and tok.add_bos_default
+    assert tok.encode("hello") == want.encode("hello")
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(msgs, date_string="x").startswith("<|begin_of_text|>")
 
 
 # --------------------------------------------------------------------------- end to end
