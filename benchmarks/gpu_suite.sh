@@ -40,18 +40,28 @@
 # Every stage writes its log and JSON under OUTDIR; a short summary is printed last.
 set -uo pipefail
 OUT=${1:?usage: gpu_suite.sh OUTDIR [stage ...]}; shift
-mkdir -p "$OUT"
 STAGES=${*:-env tests fetch attention}
+# every stage name is checked first: a misspelt one fails before hours of others run
+KNOWN=" $(sed -n 's/^    \([a-z0-9|-]*\))[ (].*/\1/p; s/^    \([a-z0-9|-]*\))$/\1/p' "$0" | tr '|' ' ' | tr '\n' ' ') "
+for s in $STAGES; do
+  case "$KNOWN" in *" $s "*) ;; *) echo "gpu_suite.sh: unknown stage '$s' (usage: gpu_suite.sh OUTDIR [stage ...])" >&2; exit 2 ;; esac
+done
+case "$KNOWN" in *" $OUT "*) echo "gpu_suite.sh: the first argument is the output folder, got the stage '$OUT'" >&2; exit 2 ;; esac
+mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.}:.
 export PYTHONUNBUFFERED=1
 export JAXKV_COMMIT=${JAXKV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 PY=${PY:-python3}
+# pytest-timeout bounds each GPU test where it is installed (it is not a dependency)
+TIMEOUT_ARG=$($PY -c 'import pytest_timeout' 2>/dev/null && echo --timeout=200)
 summary=()
+failed=0
 run() {  # name timeout cmd...
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
+  [ "$rc" -eq 0 ] || failed=1
   summary+=("$(printf '%-10s rc=%-3s %4ss' "$name" "$rc" "$(( $(date +%s) - t0 ))")")
   tail -n 25 "$OUT/$name.log"
 }
@@ -59,7 +69,7 @@ for s in $STAGES; do
   echo "===== $s"
   case $s in
     env) run env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -c 'import jax; print(jax.__version__, jax.devices())'" ;;
-    tests) run tests ${TESTS_LIMIT:-560} $PY -m pytest -q -m gpu -p no:cacheprovider tests/ --continue-on-collection-errors --timeout=200 -o addopts="-ra" ;;
+    tests) run tests ${TESTS_LIMIT:-560} $PY -m pytest -q -m gpu -p no:cacheprovider tests/ --continue-on-collection-errors $TIMEOUT_ARG -o addopts="-ra" ;;
     tests-files) run tests_files ${TESTS_LIMIT:-300} $PY -m pytest -q -m gpu -p no:cacheprovider ${TEST_FILES:?set TEST_FILES} \
         -o addopts="-ra" --tb=short ;;
     tests-1|tests-2)
@@ -67,7 +77,7 @@ for s in $STAGES; do
         half=$(( (${#files[@]} + 1) / 2 ))
         if [ "$s" = tests-1 ]; then part=("${files[@]:0:half}"); else part=("${files[@]:half}"); fi
         run "$s" ${TESTS_LIMIT:-540} $PY -m pytest -q -m gpu -p no:cacheprovider "${part[@]}" \
-          --timeout=200 -o addopts="-ra" ;;
+          $TIMEOUT_ARG -o addopts="-ra" ;;
     fetch) run fetch 300 $PY benchmarks/bench_fetch.py --out "$OUT" ;;
     attention) run attention 300 $PY benchmarks/bench_attention.py --out "$OUT" ;;
     attnhost) run attnhost 150 $PY benchmarks/bench_attention_host.py --out "$OUT" ;;
@@ -158,8 +168,9 @@ for s in $STAGES; do
           --devices "$n" --shape 8b --contexts 128k --batches 8 --configs ${TP_CONFIGS:-a,b,c} --pools 2 --page-size 64 \
           --prefill none --no-plot --budget 360 --host-mem-gb 135 --tag 8b_128k_b8_tp${n}_$JAXKV_COMMIT \
           --out "$OUT" ;;
-    *) echo "unknown stage $s" ;;
+    *) echo "unknown stage $s"; failed=1 ;;
   esac
 done
 echo "===== summary ($JAXKV_COMMIT)"
 printf '%s\n' "${summary[@]}"
+exit $failed
