@@ -615,6 +615,8 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
     done = set()
     if resume and (out_dir / f"{name}.json").exists():
         prev = json.loads((out_dir / f"{name}.json").read_text())
+        check_resume(prev, out, specs, out_dir / f"{name}.json")
+        out["resumed_from"] = {"commit": prev.get("commit"), "date": prev.get("date")}
         out["runs"] = prev["runs"]
         done = {(r["length"], r["name"]) for r in prev["runs"]}
         print(f"[quality] resuming: {len(done)} runs already in {name}.json")
@@ -673,6 +675,19 @@ def sign_test_p(lost: int, gained: int) -> float:
 
 
 STORED_KEYS = ("model", "dtype", "page_size", "generator", "seed", "template", "max_new_tokens")
+
+
+def check_resume(prev: dict, out: dict, specs: dict, path) -> None:
+    """--resume keeps ``prev``'s runs only if they are what this command would run: every
+    ``STORED_KEYS`` setting and every shared run's spec the same; else an error naming them."""
+    diff = [f"{k} {prev.get(k)!r} there, {out.get(k)!r} here" for k in STORED_KEYS
+            if prev.get(k) != out.get(k)]
+    diff += [f"run {n!r} is {prev['specs'][n]!r} there, {specs[n]!r} here"
+             for n in sorted(set(specs) & set(prev.get("specs", {})))
+             if prev["specs"][n] != json.loads(json.dumps(specs[n], default=str))]
+    if diff:
+        raise SystemExit(f"--resume {path}: another setting ({'; '.join(diff)}): pass another "
+                         "--tag or --out")
 
 
 def stored_dense(prev: dict, out: dict, cases: list, *, source: str) -> dict:

@@ -273,6 +273,22 @@ def test_stored_dense_checks_settings_and_cases():
         bench_quality.stored_dense(same, dict(meta), other, source="p")
 
 
+def test_resume_keeps_only_runs_of_the_same_settings():
+    """--resume: an earlier file's runs are kept only under the same settings and specs."""
+    meta = dict(model="m", dtype="bfloat16", page_size=16, generator="g", seed=42,
+                template="chat", max_new_tokens=None)
+    specs = {"dense": dict(mode="resident", selector="dense"),
+             "q": dict(mode="host", selector="quest", selected_pages=8)}
+    prev = dict(meta, specs=json.loads(json.dumps(specs)), runs=[])
+    bench_quality.check_resume(prev, dict(meta), specs, "o/r.json")
+    bench_quality.check_resume(prev, dict(meta), {"new": dict(selector="quest")}, "o/r.json")
+    with pytest.raises(SystemExit, match="dtype 'bfloat16' there, 'float32' here"):
+        bench_quality.check_resume(prev, dict(meta, dtype="float32"), specs, "o/r.json")
+    with pytest.raises(SystemExit, match="run 'q' is"):
+        bench_quality.check_resume(prev, dict(meta), dict(specs, q=dict(specs["q"], selected_pages=4)),
+                                   "o/r.json")
+
+
 def test_default_batch_size_bounds_prompt_tokens_per_call():
     """On a GPU at most 160 requests and 1.3M prompt tokens per generate call (Qwen ran out of
     the H200's memory at 150 x 16k); 8 on the CPU."""
