@@ -76,6 +76,11 @@ def _num(tok: str):
     return None if tok in ("-", "nan") else float(tok)
 
 
+def _pct(tok: str):
+    v = _num(tok)
+    return None if v is None else v / 100
+
+
 def rows_of_log(text: str, path: str) -> list[dict]:
     """Rows from the summary tables a bench_decode run prints (for runs whose JSON did not come
     back): tok/s, step, split, hit rate, fetch GB/s, pool %, compile s; no memory figures."""
@@ -94,8 +99,11 @@ def rows_of_log(text: str, path: str) -> list[dict]:
                 r.setdefault("bucket_compilations", bucket)
             continue
         t = line.split()
-        if not meta or len(t) != 15 or not t[1].isdigit() or not t[2].isdigit():
+        # 15 columns, or 18 with the roofline's (floor ms, roof%, peak%) since bench_decode has them
+        if not meta or len(t) not in (15, 18) or not t[1].isdigit() or not t[2].isdigit():
             continue
+        roof = dict(floor_ms=_num(t[15]), fraction_of_roofline=_pct(t[16]),
+                    fraction_of_peak_roofline=_pct(t[17])) if len(t) == 18 else {}
         shape, B, ctx, cfg = t[0], int(t[1]), int(t[2]), t[3]
         out.append(dict(shape=shape, batch=B, context=ctx, config=cfg, selection_lag=0,
                         tokens_per_s=float(t[4]), step_ms=float(t[5]),
@@ -105,7 +113,7 @@ def rows_of_log(text: str, path: str) -> list[dict]:
                         pool_fraction=None if cfg in ("a", "b") else _num(t[13]) / 100,
                         compile_s=_num(t[14]), pages_fetched_per_step=None,
                         h2d_mb_per_step=None, device_peak_gib=None, host_rss_gib=None,
-                        commit=meta["commit"], date=None, file=path, source="log"))
+                        commit=meta["commit"], date=None, file=path, source="log", **roof))
     by_point = {}
     for r in out:
         by_point.setdefault((r["shape"], r["batch"], r["context"]), {})[r["config"]] = r

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -166,6 +168,14 @@ no recompilation within a bucket: True
     assert (c1["commit"], c1["bulk_gbps"], c1["hit_rate"], c1["fetch_gbps"]) == ("abc1234", 52.8, 0.917, 43.5)
     assert c1["pool_fraction"] == 0.0322 and c1["bucket_compilations"] == 0
     assert c1["vs_b"] == 1773.1 / 3648.4 and rows["b"]["hit_rate"] is None
+    # the table as bench_decode prints it now: three roofline columns more
+    log18 = "\n".join(
+        line + ("  floor roof%  peak%" if line.startswith("shape") else
+                "  1.000  45.6  40.1" if line.startswith("qwen1.5b") else "")
+        for line in log.splitlines())
+    rows = {r["config"]: r for r in summarize_grid.rows_of_log(log18, "x.log")}
+    assert sorted(rows) == ["a", "b", "c1"] and rows["c1"]["hit_rate"] == 0.917
+    assert rows["c1"]["floor_ms"] == 1.0 and rows["c1"]["fraction_of_roofline"] == 0.456
 
 
 def test_bench_real_model_quick(tmp_path):
