@@ -25,11 +25,13 @@ import sys
 
 
 def _devices_arg(argv) -> int:
+    """--devices read before JAX starts (it sets the CPU device count); a bad value is left to
+    argparse, which names it."""
     for i, a in enumerate(argv):
-        if a == "--devices" and i + 1 < len(argv):
-            return int(argv[i + 1])
-        if a.startswith("--devices="):
-            return int(a.split("=", 1)[1])
+        v = argv[i + 1] if a == "--devices" and i + 1 < len(argv) else \
+            a.split("=", 1)[1] if a.startswith("--devices=") else None
+        if v is not None:
+            return int(v) if v.isdigit() else 1
     return 1
 
 
@@ -109,7 +111,28 @@ def main():
               f"next-token accuracy {r['next_token_accuracy']:.3f}; {r['seconds']:.0f} s")
         return
     cfgs = [c.strip() for c in a.configs.split(",") if c.strip()]
-    pools = tuple(int(x) for x in a.pools.split(",") if x.strip())
+    known = set(lib.CONFIG_ORDER) | {"c"}
+    if not cfgs or set(cfgs) - known:
+        ap.error(f"--configs: {a.configs!r} names {sorted(set(cfgs) - known) or 'nothing'}; "
+                 f"choose from {', '.join(lib.CONFIG_ORDER)} (c = c1, c2 and c4 by --pools)")
+    try:
+        pools = tuple(int(x) for x in a.pools.split(",") if x.strip())
+    except ValueError:
+        ap.error(f"--pools: {a.pools!r} is not a list of ints")
+    host_pools = {int(c[1:]) for c in lib.CONFIG_ORDER if c[0] == "c"}
+    if set(pools) - host_pools:
+        ap.error(f"--pools: {sorted(set(pools) - host_pools)} have no configuration; the host "
+                 f"tier's pools are {sorted(host_pools)} (x the working set)")
+    try:
+        contexts = [lib.parse_tokens(x) for x in a.contexts.split(",") if x.strip()] or None
+        prefill_arg = [] if a.prefill.strip().lower() == "none" else \
+            [lib.parse_tokens(x) for x in a.prefill.split(",") if x.strip()]
+        batches = [int(x) for x in a.batches.split(",") if x.strip()] or None
+    except ValueError as e:
+        ap.error(f"--contexts / --prefill / --batches: {e}")
+    if a.pairs > 0 and "c2" not in cfgs and "c" not in cfgs:
+        print("bench_decode: --pairs pairs b with c2, which --configs leaves out: no pairs",
+              file=sys.stderr)
     expanded = tuple(c for c in lib.CONFIG_ORDER
                      if c in cfgs or (c[0] == "c" and ("c" in cfgs or c in cfgs)))
     st = lib.Settings(page_size=a.page_size, selected_tokens=a.selected_tokens,
@@ -118,12 +141,7 @@ def main():
                       devices=a.devices, trace=a.trace, timed_rounds=a.timed_rounds,
                       pairs=a.pairs, selection_lag=a.selection_lag, kv_dtype=a.kv_dtype)
     shapes = ("8b", "qwen1.5b") if a.shape == "all" else (a.shape,)
-    contexts = [lib.parse_tokens(x) for x in a.contexts.split(",") if x.strip()] or None
-    batches = [int(x) for x in a.batches.split(",") if x.strip()] or None
-    if a.prefill.strip().lower() == "none":
-        prefill = ()
-    else:
-        prefill = [lib.parse_tokens(x) for x in a.prefill.split(",") if x.strip()] or None
+    prefill = () if a.prefill.strip().lower() == "none" else (prefill_arg or None)
     lib.run(a.out, quick=a.quick, shapes=shapes, contexts=contexts, batches=batches,
             settings=st, prefill=prefill, overlap_target=a.overlap, plot=not a.no_plot,
             decode=not a.no_decode, tag=a.tag, numa=numa)

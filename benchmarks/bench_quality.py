@@ -274,6 +274,9 @@ def prepare(data_dir, gguf=None, *, tasks=None, lengths=None, samples=None, seed
 def load_cases(data_dir, which: str = "full") -> tuple[list[dict], dict]:
     """(case records with ``ids`` lists, metadata) of set ``which`` from ``data_dir``."""
     data_dir = Path(data_dir)
+    if not (data_dir / DATA_JSON).is_file() or not (data_dir / DATA_NPZ).is_file():
+        raise SystemExit(f"--data {data_dir}: no prepared cases ({DATA_JSON} and {DATA_NPZ}); "
+                         "make them with --prepare DIR")
     meta = json.loads((data_dir / DATA_JSON).read_text())
     z = np.load(data_dir / DATA_NPZ)
     ids, off = z["ids"], z["offsets"]
@@ -585,10 +588,22 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
                       resident=resident, controls=controls, extra=extra_specs)
     if runs:
         specs = {n: s for n, s in specs.items() if any(fnmatch.fnmatch(n, p) for p in runs)}
+        if not specs:
+            every = run_specs(budgets or BUDGETS[which], page_size=page_size, exact=exact,
+                              lagged=lagged, resident=resident, controls=controls,
+                              extra=extra_specs)
+            raise SystemExit(f"--runs {' '.join(runs)} match no run; the runs here: "
+                             f"{', '.join(every)} (add one with --spec NAME=key=value,...)")
         if "dense" not in specs and not dense_from:   # kept-of-dense needs the baseline
             print("[quality] note: 'dense' not among --runs: no kept-of-dense column")
     t0 = time.perf_counter()
     model, params = gguf_loader.load_gguf(gguf_path, dtype=dtype)
+    for n, spec in specs.items():  # a bad spec fails now, not after the runs before it
+        try:  # its CacheConfig as written (at a length where it would not be dense)
+            from jaxkv import CacheConfig
+            CacheConfig(**dict(dict(page_size=page_size, max_context=None), **spec))
+        except (ValueError, TypeError) as e:
+            raise SystemExit(f"run {n!r} ({spec}): {e}") from None
     stops = dec.stop_ids(model.eos_id)
     print(f"[quality] {len(cases)} cases from {source}; {model.name} ({dtype}) loaded in "
           f"{time.perf_counter() - t0:.1f} s on {dev.platform}:{dev.device_kind}; runs "
@@ -965,9 +980,13 @@ def main(argv=None):
         return
     if not a.out:
         ap.error("--out is required (or --prepare DIR, or --summarize)")
+    try:
+        extra = dict(parse_spec(s) for s in a.spec)
+    except ValueError as e:
+        ap.error(str(e))
     run(a.out, quick=a.quick, data=a.data, gguf=a.gguf, dtype=a.dtype, lengths=a.lengths,
         tasks=a.tasks, cases_per_task=a.cases, budgets=a.budgets, runs=a.runs,
-        extra_specs=dict(parse_spec(s) for s in a.spec), resident=a.resident,
+        extra_specs=extra, resident=a.resident,
         lagged=not a.no_lag, exact=not a.no_exact, batch_size=a.batch_size,
         page_size=a.page_size, pool_cap=a.pool_cap, max_new_tokens=a.max_new_tokens, tag=a.tag,
         resume=a.resume, texts=a.texts, logprobs=a.logprobs, controls=a.controls,

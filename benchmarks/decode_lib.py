@@ -1001,6 +1001,9 @@ def run(out_dir, *, quick=False, shapes=("8b", "qwen1.5b"), contexts=None, batch
                 for c in (contexts or (32768, 131072)):
                     if (s, b, c) not in grid:
                         grid.append((s, b, c))
+    if decode and not grid:
+        raise SystemExit("bench_decode: no grid point matches --batches / --contexts"
+                         + (f" in the --quick grid {QUICK_GRID}" if quick else ""))
     limits = _limits(st)
     notes += [
         "Random weights. Contexts are filled synthetically (benchmarks/synthetic.py), not "
