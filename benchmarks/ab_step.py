@@ -312,6 +312,8 @@ def main():
                     help="after the turns, profile one more round per variant into this "
                          "directory: device time per kernel in the JSON (``kernels``)")
     a = ap.parse_args()
+    if a.pairs < 1:
+        ap.error(f"--pairs must be >= 1, got {a.pairs}")
     names = a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or len(names) < 2 or len(set(names)) != len(names):

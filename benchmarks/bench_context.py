@@ -60,6 +60,8 @@ def main(argv=None):
                          "Selector.fold: update_select per token) instead of the selector's "
                          "own fold: the A/B of the bulk fold")
     a = ap.parse_args(argv)
+    if a.reps < 1:
+        ap.error(f"--reps must be >= 1, got {a.reps}")
 
     import jax
     import numpy as np

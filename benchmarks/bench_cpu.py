@@ -245,6 +245,8 @@ def main():
     ap.add_argument("--gguf", default=None,
                     help="a GGUF model file (default: the bundled SmolLM2-135M-Instruct)")
     args = ap.parse_args()
+    if args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
     if args.torch_worker:
         print(json.dumps(torch_worker(args.lengths, args.new, args.reps, args.gguf)))
         return
