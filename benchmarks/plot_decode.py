@@ -4,8 +4,8 @@
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 PARTS = ("selector", "ensure", "fetch", "attention", "rest")
 COLORS = {"selector": "#4c72b0", "ensure": "#dd8452", "fetch": "#c44e52", "attention": "#55a868",
@@ -54,11 +54,18 @@ def plot(res: dict, path: str):
     plt.close(fig)
 
 
-def main():
-    src = sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/bench_decode.json"
-    out = sys.argv[2] if len(sys.argv) > 2 else src.replace(".json", ".png")
-    with open(src) as f:
-        plot(json.load(f), out)
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", help="a bench_decode JSON")
+    ap.add_argument("out", nargs="?", help="the PNG (default: the JSON's name, .png; give one "
+                                           "outside benchmarks/results for a committed JSON)")
+    a = ap.parse_args(argv)
+    with open(a.json) as f:
+        res = json.load(f)
+    if not any(c.get("results") for c in res.get("cases", [])):
+        ap.error(f"{a.json} has no decode results to plot")
+    out = a.out or a.json.rsplit(".", 1)[0] + ".png"
+    plot(res, out)
     print(out)
 
 

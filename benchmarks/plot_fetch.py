@@ -4,8 +4,8 @@ Usage: PYTHONPATH=. python3 benchmarks/plot_fetch.py DIR/bench_fetch.json [out.p
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 
 def plot(results: dict, path: str) -> str:
@@ -45,13 +45,15 @@ def plot(results: dict, path: str) -> str:
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        raise SystemExit(__doc__)
-    with open(argv[0]) as f:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", help="a bench_fetch JSON")
+    ap.add_argument("out", nargs="?", help="the PNG (default: the JSON's name, .png)")
+    a = ap.parse_args(argv)
+    with open(a.json) as f:
         results = json.load(f)
-    out = argv[1] if len(argv) > 1 else argv[0].rsplit(".", 1)[0] + ".png"
-    print(plot(results, out))
+    if not any(r.get("GBps") for r in results.get("grid", [])):
+        ap.error(f"{a.json} has no fetch grid to plot (a bench_fetch.py JSON has one)")
+    print(plot(results, a.out or a.json.rsplit(".", 1)[0] + ".png"))
 
 
 if __name__ == "__main__":
