@@ -901,11 +901,16 @@ def summarize(out_json, inputs) -> dict:
         if out is None:
             out = d
             continue
+        diff = [f"{k} {out.get(k)!r} in {inputs[0]}, {d.get(k)!r} in {p}"
+                for k in STORED_KEYS + ("device",) if out.get(k) != d.get(k)]
+        if diff:  # runs of other settings would be paired and labelled as one
+            raise SystemExit(f"--summarize: the files differ in {'; '.join(diff)}")
         keys = {(r["length"], r["name"]) for r in d["runs"]}
         out["runs"] = [r for r in out["runs"] if (r["length"], r["name"]) not in keys] + d["runs"]
         if d.get("commit") != out.get("commit"):
             out["commit"] = f"{out['commit']} + {d.get('commit')}"
     out_json = Path(out_json)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
     write(out, out_json.parent, out_json.stem)
     return out
 

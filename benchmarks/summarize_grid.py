@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 
 CONFIG_ORDER = ("a", "b", "c1", "c2", "c4", "d")
@@ -246,6 +247,7 @@ def main(argv=None):
         devices.add((res.get("device"), res.get("jax_version")))
     meta = {"commits": commits, "devices": sorted(f"{d} (jax {v})" for d, v in devices),
             "files": list(a.files)}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     table = markdown(rows)

@@ -327,6 +327,13 @@ def test_markdown_and_summarize(tmp_path):
     md = (tmp_path / "all.md").read_text()
     assert "| vt | 4096 | 100.0 |" in md
     assert "| **all** | quest256 | 33.3% (1/3) | 2 | 1 | -1 | 1 |" in md   # both lengths
+    # files of other settings are not merged into one labelled table; a new folder is made
+    (tmp_path / "c.json").write_text(json.dumps(dict(b, dtype="bf16")))
+    with pytest.raises(SystemExit, match="dtype 'f32' in .*a.json, 'bf16' in .*c.json"):
+        bench_quality.main(["--summarize", str(tmp_path / "x.json"), str(tmp_path / "a.json"),
+                            str(tmp_path / "c.json")])
+    bench_quality.main(["--summarize", str(tmp_path / "new" / "all.json"), str(tmp_path / "a.json")])
+    assert (tmp_path / "new" / "all.md").is_file()
 
 
 # ---------------------------------------------------------------------------------------
