@@ -14,7 +14,7 @@ Variants (``VARIANTS``): each one is a set of ``CacheConfig`` fields, ``jaxkv.Tu
 and XLA compiler options (``Tuning.compiler_options``, added to the default ones); every
 variant is a plan of its own, so nothing is read at trace time.
 
-* ``default``: Quest (`selector="quest"`, the baseline every ratio is against) with the default tunings;
+* ``default``: Quest (``selector="quest"``, the baseline of every ratio), default tunings;
 * ``exhaustive``: the Triton GEMM autotuner searches its full tiling space; ``autotune0``: no
   autotuning (XLA's heuristic tilings);
 * ``pdl_off`` / ``pdl_on`` / ``pdl_launch``: programmatic dependent launch (Hopper) off, on,
