@@ -531,6 +531,7 @@ def write_tiny_gguf(path, cfg=CFG, *, meta=None, replace=None, tokenizer=True):
               **(meta or {})}
     for k, v in fields.items():
         w.add_uint32(k, v)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg.rms_eps)
     if tokenizer:
         w.add_string("tokenizer.ggml.model", "gpt2")
         w.add_string("tokenizer.ggml.pre", "gpt2")
