@@ -315,13 +315,17 @@ def model_config_from_hf(hf: dict, *, name: str = "hf-model", dtype: str = "bflo
     if arch == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
         raise CheckpointError("attention_bias / mlp_bias are not supported for llama checkpoints "
                               "(they add biases to o_proj and the MLP)")
-    if arch == "qwen2" and hf.get("use_sliding_window") and any(
-            t == "sliding_attention" for t in hf.get("layer_types") or ["sliding_attention"]):
+    # Qwen2's layer types without the key: layer i slides iff i >= max_window_layers (default 28)
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if i >= int(hf.get("max_window_layers", 28)) else "full_attention"
+        for i in range(int(hf.get("num_hidden_layers") or 0))]
+    if arch == "qwen2" and hf.get("use_sliding_window") and "sliding_attention" in layer_types:
         raise CheckpointError("use_sliding_window is set: sliding-window attention is not "
                               "supported (set it to false to attend to the full context)")
     heads = int(hf["num_attention_heads"])
     theta, scaling = rope_from_hf(hf)
-    max_pos = int(hf.get("max_position_embeddings") or 2048)
+    # without the key, transformers' config default: LlamaConfig 2048, Qwen2Config 32768
+    max_pos = int(hf.get("max_position_embeddings") or (32768 if arch == "qwen2" else 2048))
     if scaling is not None and scaling.kind == "yarn":
         max_pos = max(max_pos, int(round(scaling.factor * scaling.original_max_position)))
     gen = generation or {}

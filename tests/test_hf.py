@@ -338,6 +338,16 @@ def test_sliding_window_qwen2_refused(tmp_path):
     _edit_config(d, use_sliding_window=True, layer_types=["sliding_attention", "full_attention"])
     with pytest.raises(CheckpointError, match="sliding-window attention is not supported"):
         load_hf(d)
+    # without layer_types, Qwen2 slides layers from max_window_layers on: none here
+    base = {k: v for k, v in QWEN25_YARN.items() if k != "rope_scaling"}
+    cfg = hf_loader.model_config_from_hf(dict(base, use_sliding_window=True), name="q")
+    assert cfg.num_layers == 28
+    with pytest.raises(CheckpointError, match="sliding-window attention is not supported"):
+        hf_loader.model_config_from_hf(dict(base, use_sliding_window=True, max_window_layers=20),
+                                       name="q")
+    # and without max_position_embeddings, Qwen2Config's default
+    nompe = {k: v for k, v in base.items() if k != "max_position_embeddings"}
+    assert hf_loader.model_config_from_hf(nompe, name="q").max_position == 32768
 
 
 def test_missing_files(tmp_path):
