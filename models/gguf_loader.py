@@ -250,6 +250,8 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
                         f"block(s) {extra[:8]}{' ...' if len(extra) > 8 else ''}: the metadata does "
                         "not match its tensors; re-convert the file (or fix block_count)")
     scaling = _rope_scaling(reader, path, a, tensors, head_dim)
+    if scaling is not None and scaling.kind == "yarn":  # the extended context, as load_hf
+        max_pos = max(max_pos, int(round(scaling.factor * scaling.original_max_position)))
     permuted = arch in _PERMUTED_QK
 
     qd, kvd = n_head * head_dim, n_kv * head_dim

@@ -598,7 +598,7 @@ def test_rope_freqs_tensor_equals_llama3_scaling(tmp_path):
 
 @pytest.mark.parametrize("kind,extra,want", [
     ("linear", {}, configs.RopeScaling("linear", factor=4.0)),
-    ("yarn", {"orig": 128}, configs.RopeScaling("yarn", factor=4.0, original_max_position=128)),
+    ("yarn", {"orig": 256}, configs.RopeScaling("yarn", factor=4.0, original_max_position=256)),
 ])
 def test_rope_scaling_metadata(tmp_path, kind, extra, want):
     cfg = _tiny_cfg()
@@ -611,6 +611,8 @@ def test_rope_scaling_metadata(tmp_path, kind, extra, want):
 
     got_cfg, _ = load_gguf(_write_gguf(tmp_path / "s.gguf", cfg, _tiny_params(cfg, 0), meta=meta))
     assert got_cfg.rope_scaling == want
+    # yarn extends the context to factor x the original, as load_hf does
+    assert got_cfg.max_position == (1024 if kind == "yarn" else cfg.max_position)
 
 
 def test_unsupported_rope_scaling(tmp_path):
