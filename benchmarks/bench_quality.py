@@ -151,8 +151,8 @@ class VocabDecoder:
         """Fingerprint of the vocabulary (the prepared ids are only valid for it)."""
         return hashlib.sha256("\n".join(self.tokens).encode("utf-8")).hexdigest()
 
-    def stop_ids(self, eos_id: int) -> list[int]:
-        out = [int(eos_id)]
+    def stop_ids(self, eos_id: int | None) -> list[int]:
+        out = [] if eos_id is None else [int(eos_id)]
         for n in self.stop_names:
             if self._index[n] not in out:
                 out.append(self._index[n])

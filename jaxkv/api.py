@@ -211,8 +211,8 @@ def _memory_stats(plan: engine.Plan, state: engine.DecodeState, n: int = 1) -> d
 
 
 def _validate_stop_tokens(model: ModelConfig, stop_tokens) -> list[int]:
-    if stop_tokens is None:
-        return [model.eos_id]
+    if stop_tokens is None:  # the config's eos (none when its files name no eos)
+        return [] if model.eos_id is None else [model.eos_id]
     if isinstance(stop_tokens, (int, np.integer)) or not isinstance(stop_tokens, Iterable):
         raise TypeError(f"stop_tokens must be a list of token ids, got {type(stop_tokens).__name__} "
                         f"{stop_tokens!r}" + (f": pass [{int(stop_tokens)}]"
@@ -490,7 +490,8 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     key = request_keys(seed, len(new_ids))
     if stop_tokens is None:
         # the tokenizer's stop ids (none for a vocabulary without eos), else the config's eos
-        stops = list(tokenizer.stop_ids) if tokenizer is not None else [model.eos_id]
+        stops = list(tokenizer.stop_ids) if tokenizer is not None else \
+            _validate_stop_tokens(model, None)
     else:
         stops = _validate_stop_tokens(model, stop_tokens)
     num_stop = max(4, _next_pow2(len(stops)))

@@ -9,7 +9,8 @@ is shapes only, so a round lowers at full benchmark size (an 8B-like model's 16 
 
     from jaxkv import lowering
     with lowering.gpu_target():
-        plan = engine.Plan(model=cfg, cache=cache, batch=1, prompt_len=n, max_context=n)
+        plan = engine.Plan(model=cfg, cache=cache, batch=1, prompt_len=n, max_context=n,
+                           num_stop=4)
         text = lowering.lower_round(plan, jax.eval_shape(lambda: llama.init_params(cfg, 0)),
                                     engine.abstract_state(plan, [n]))
 

@@ -143,7 +143,8 @@ class ModelConfig:
     `rope_scaling` (a `RopeScaling` or None for plain RoPE).
     `dtype` is the dtype of parameters and activations ("float32" or "bfloat16"); norms,
     softmax and logits are always computed in float32. `indexer_heads` (H_I) and
-    `indexer_dim` (dI) are both 0 (no indexer parameters) or both positive.
+    `indexer_dim` (dI) are both 0 (no indexer parameters) or both positive. `eos_id` None:
+    the model's files name no eos token (generate then stops only on the stop tokens given).
     """
 
     name: str
@@ -161,7 +162,7 @@ class ModelConfig:
     dtype: str = "float32"
     max_position: int = 2048
     bos_id: int = 1
-    eos_id: int = 2
+    eos_id: int | None = 2
     indexer_heads: int = 0
     indexer_dim: int = 0
     rope_scaling: RopeScaling | None = None
@@ -181,6 +182,8 @@ class ModelConfig:
             object.__setattr__(self, f, int(v))
         for f in ("bos_id", "eos_id", "indexer_heads", "indexer_dim"):
             v = getattr(self, f)
+            if f == "eos_id" and v is None:
+                continue
             if not _is_int(v) or v < 0:
                 bad(f"{f} must be a non-negative int, got {v!r}")
             object.__setattr__(self, f, int(v))
@@ -202,7 +205,7 @@ class ModelConfig:
                 f"({self.num_kv_heads})")
         if self.head_dim % 2:
             bad(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.bos_id >= self.vocab_size or self.eos_id >= self.vocab_size:
+        if self.bos_id >= self.vocab_size or (self.eos_id or 0) >= self.vocab_size:
             bad(f"bos_id ({self.bos_id}) and eos_id ({self.eos_id}) must be < vocab_size "
                 f"({self.vocab_size})")
         if (self.indexer_heads == 0) != (self.indexer_dim == 0):

@@ -15,6 +15,7 @@ import functools
 import importlib.util
 import os
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -250,6 +251,11 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
                         f"block(s) {extra[:8]}{' ...' if len(extra) > 8 else ''}: the metadata does "
                         "not match its tensors; re-convert the file (or fix block_count)")
     scaling = _rope_scaling(reader, path, a, tensors, head_dim)
+    eos = _meta(reader, "tokenizer.ggml.eos_token_id")
+    if eos is None:
+        warnings.warn(f"{path}: no tokenizer.ggml.eos_token_id: the config has no eos token "
+                      "(eos_id None), so generate stops only on the stop tokens given",
+                      UserWarning, stacklevel=2)
     if scaling is not None and scaling.kind == "yarn":  # the extended context, as load_hf
         max_pos = max(max_pos, int(round(scaling.factor * scaling.original_max_position)))
     permuted = arch in _PERMUTED_QK
@@ -347,7 +353,7 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
             dtype=dtype,
             max_position=max_pos,
             bos_id=int(_meta(reader, "tokenizer.ggml.bos_token_id", 1)),
-            eos_id=int(_meta(reader, "tokenizer.ggml.eos_token_id", 2)),
+            eos_id=None if eos is None else int(eos),
             rope_scaling=scaling,
         )
     except (TypeError, ValueError) as e:

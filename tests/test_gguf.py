@@ -678,6 +678,18 @@ def test_no_eos_key_means_no_stop_token(tmp_path):
     assert tok.eos_id is None and tok.stop_ids == ()
 
 
+def test_no_eos_key_means_no_eos_id(tmp_path, monkeypatch):
+    """load_gguf of a file without the eos key: eos_id None (warned), so generate's default
+    stop tokens are none, not a guessed id."""
+    from jaxkv import api
+    cfg = _tiny_cfg()
+    monkeypatch.setattr(gguf.GGUFWriter, "add_eos_token_id", lambda *a, **k: None)
+    path = _write_gguf(tmp_path / "n.gguf", cfg, _tiny_params(cfg, 0))
+    with pytest.warns(UserWarning, match="no tokenizer.ggml.eos_token_id"):
+        got, _ = load_gguf(path)
+    assert got.eos_id is None and api._validate_stop_tokens(got, None) == []
+
+
 def test_qwen2_pre_normalizes_nfc(tmp_path):
     tok = Tokenizer.from_gguf(_tokenizer_gguf(tmp_path / "q.gguf", "qwen2"))
     assert tok.encode("e\u0301") == tok.encode("\u00e9")
