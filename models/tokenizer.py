@@ -111,6 +111,7 @@ class Tokenizer:
         self.eos_id = None if eos_id is None else int(eos_id)
         self.add_bos_default = bool(add_bos)
         self.chat_template = chat_template
+        self.chat_template_names: tuple = ()   # named templates, when none is "default"
         self.special_tokens = dict(special_tokens or {})
         stops = [] if self.eos_id is None else [self.eos_id]
         for i in list(extra_stop_ids) + [backend.token_to_id(n) for n in _STOP_NAMES]:
@@ -248,12 +249,16 @@ class Tokenizer:
             template = _read_json(d / "chat_template.json").get("chat_template")
         else:
             template = tc.get("chat_template")
+        named = ()
         if isinstance(template, list):  # named templates: take "default"
+            named = tuple(str(t.get("name")) for t in template if isinstance(t, Mapping))
             template = next((t.get("template") for t in template if t.get("name") == "default"),
                             None)
         extra = eos_ids(d) if (d / "config.json").is_file() else ()
-        return cls(backend, bos_id=bos, eos_id=eos, add_bos=add_bos, chat_template=template,
-                   special_tokens=names, extra_stop_ids=extra)
+        tok = cls(backend, bos_id=bos, eos_id=eos, add_bos=add_bos, chat_template=template,
+                  special_tokens=names, extra_stop_ids=extra)
+        tok.chat_template_names = named
+        return tok
 
     # ------------------------------------------------------------------ use
 
@@ -332,6 +337,11 @@ class Tokenizer:
         ``date_string``). Returns the text, or its ids if ``tokenize`` (no BOS added: templates
         that want one write ``bos_token`` themselves)."""
         if not self.chat_template:
+            named = self.chat_template_names
+            if named:
+                raise ValueError(f"the model files have named chat templates {list(named)} and "
+                                 "none is 'default', the one used: format the prompt yourself "
+                                 "and call encode(), or set Tokenizer.chat_template to one")
             raise ValueError("the model files have no chat template: format the prompt yourself "
                              "and call encode()")
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or \

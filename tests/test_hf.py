@@ -458,6 +458,19 @@ def test_tokenizer_settings_from_files():
     assert qw.encode("e\u0301") == qw.encode("\u00e9")  # tokenizer.json's NFC normalizer
 
 
+def test_named_chat_templates_without_default(tmp_path):
+    d = _copy(tmp_path, "hf_qwen2")
+    (d / "chat_template.jinja").unlink(missing_ok=True)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc["chat_template"] = [{"name": "tool_use", "template": "{{ messages }}"},
+                           {"name": "rag", "template": "{{ messages }}"}]
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    tok = Tokenizer.from_pretrained(d)
+    with pytest.raises(ValueError, match=r"named chat templates \['tool_use', 'rag'\] and none "
+                                         r"is 'default'"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 @pytest.mark.parametrize("where", ["special_tokens_map", "post_processor_only"])
 def test_bos_from_the_other_files(tmp_path, where):
     """A BOS that tokenizer_config.json does not name comes from special_tokens_map.json, or
