@@ -137,7 +137,8 @@ def main(argv=None):
     stem = f"bench_context_{a.tag}" if a.tag else "bench_context"
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
     lines = [f"# bench_context ({cfg.name} {cfg.dtype}, {res['backend']}, {res['cpus']} CPUs, "
-             f"jax {jax.__version__}, commit {res['commit'][:7]}, fold {res['fold']})", "",
+             f"jax {jax.__version__}, commit {res['commit'][:7]}, fold {res['fold']}, "
+             f"{res['date']})", "",
              "| cache | context | turn | continued s | copy s | turn prefill s | decode s "
              "| one fresh prompt s | fresh / continued | same tokens |",
              "|---|---|---|---|---|---|---|---|---|---|"]

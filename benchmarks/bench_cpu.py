@@ -26,11 +26,12 @@ steps with the cache. Without torch the JSON records the issue's comparison figu
 (issue 34, a 2-core machine of the same kind). Each figure carries the 1-minute load average
 at its measurement: the machines are shared, compare figures measured close together.
 
-Writes ``DIR/bench_cpu.json`` and ``DIR/bench_cpu.md``.
+Writes ``DIR/bench_cpu.json`` and ``DIR/bench_cpu.md`` (``--tag T``: ``bench_cpu_T.*``).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import subprocess
@@ -198,8 +199,8 @@ def cpu_model() -> str:
 
 
 def markdown(res: dict) -> str:
-    out = [f"# bench_cpu ({res['model']}, {res['cpus']} CPUs ({res.get('cpu_model', '?')}), jax {res['jax']}, "
-           f"commit {res['commit'][:7]})", "",
+    out = [f"# bench_cpu ({res['model']}, {res['cpus']} CPUs ({res.get('cpu_model', '?')}), "
+           f"jax {res['jax']}, commit {res['commit'][:7]}, {res['date']})", "",
            "| mode | prompt | prefill tok/s (best / median) | decode tok/s (best / median) | "
            "attention s | rest ms/token | compile s | load |", "|---|---|---|---|---|---|---|---|"]
     for r in res["jaxkv"]:
@@ -230,6 +231,7 @@ def markdown(res: dict) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tag", help="suffix of the output names (bench_cpu_TAG.json / .md)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--modes", nargs="+", default=["resident", "host"],
                     choices=["resident", "host", "default", "default-xla"],
@@ -269,14 +271,16 @@ def main():
     res = {"model": name, "backend": jax.default_backend(), "cpus": os.cpu_count(),
            "cpu_model": cpu_model(),
            "jax": jax.__version__, "commit": commit(),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args)}
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "args": vars(args)}
     res["jaxkv"] = run_jaxkv(args, cfg, params)
     t = None if (args.quick or args.no_torch) else run_transformers(args, gguf)
     res["transformers"] = t if t is not None else ISSUE_TRANSFORMERS
     os.makedirs(args.out, exist_ok=True)
-    Path(args.out, "bench_cpu.json").write_text(json.dumps(res, indent=1))
+    stem = f"bench_cpu_{args.tag}" if args.tag else "bench_cpu"
+    Path(args.out, f"{stem}.json").write_text(json.dumps(res, indent=1))
     md = markdown(res)
-    Path(args.out, "bench_cpu.md").write_text(md)
+    Path(args.out, f"{stem}.md").write_text(md)
     print(md)
 
 
