@@ -72,6 +72,16 @@ def _snapshot(repo_dir: Path) -> Path:
                           f"snapshot folder itself, one of {[p.name for p in found]}")
 
 
+def _with_config(d: Path) -> Path:
+    """``d`` if it holds config.json; a folder of GGUF files only is named as such."""
+    if not (d / _CONFIG).is_file():
+        ggufs = sorted(d.glob("*.gguf"))
+        if ggufs:
+            raise FileNotFoundError(f"{d} holds GGUF file(s) and no {_CONFIG}: pass the file "
+                                    f"itself, e.g. {ggufs[0]}")
+    return d
+
+
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """The directory holding ``config.json`` for ``path``: a checkpoint directory, a hub cache
     entry (``models--Org--Name``) or a repo id ``Org/Name`` present in the local hub cache.
@@ -81,14 +91,15 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         if (p / _CONFIG).is_file():
             return p
         if (p / "snapshots").is_dir():
-            return _snapshot(p)
+            return _with_config(_snapshot(p))
+        _with_config(p)
         raise FileNotFoundError(f"{p} has no {_CONFIG}: a Hugging Face checkpoint directory holds "
                                 f"{_CONFIG}, {_SINGLE} (or {_INDEX} and its shards) and tokenizer.json")
     text = str(path)
     if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text) and not p.exists():
         entry = _hub_cache_dir() / ("models--" + text.replace("/", "--"))
         if entry.is_dir():
-            return _snapshot(entry)
+            return _with_config(_snapshot(entry))
         raise FileNotFoundError(
             f"{text!r} is neither a directory nor in the local Hugging Face cache ({entry}); "
             "jaxkv downloads nothing: fetch it first (e.g. `huggingface-cli download "

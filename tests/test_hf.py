@@ -292,6 +292,14 @@ def test_hub_cache_entry_and_repo_id(tmp_path, monkeypatch):
         assert tok.encode("Hello") == Tokenizer.from_pretrained(FIXTURES / "hf_llama").encode("Hello")
     with pytest.raises(FileNotFoundError, match="local Hugging Face cache.*downloads nothing"):
         jaxkv.models.load("tiny-org/absent")
+    # a repo of GGUF files only (Org/X-GGUF): the error names the file to pass
+    src = tmp_path / "gguf_only"
+    src.mkdir()
+    (src / "x-q4.gguf").write_bytes(b"GGUF")
+    _hub_entry(tmp_path / "hub", "tiny-org/x-gguf", src)
+    with pytest.raises(FileNotFoundError, match=r"holds GGUF file\(s\) and no config.json: pass "
+                                                r"the file itself, e.g. .*x-q4.gguf"):
+        jaxkv.models.load("tiny-org/x-gguf")
 
 
 # --------------------------------------------------------------------------- errors
