@@ -598,9 +598,9 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
             print("[quality] note: 'dense' not among --runs: no kept-of-dense column")
     t0 = time.perf_counter()
     model, params = gguf_loader.load_gguf(gguf_path, dtype=dtype)
+    from jaxkv import CacheConfig
     for n, spec in specs.items():  # a bad spec fails now, not after the runs before it
         try:  # its CacheConfig as written (at a length where it would not be dense)
-            from jaxkv import CacheConfig
             CacheConfig(**dict(dict(page_size=page_size, max_context=None), **spec))
         except (ValueError, TypeError) as e:
             raise SystemExit(f"run {n!r} ({spec}): {e}") from None
@@ -692,11 +692,16 @@ def sign_test_p(lost: int, gained: int) -> float:
 STORED_KEYS = ("model", "dtype", "page_size", "generator", "seed", "template", "max_new_tokens")
 
 
+def _setting_diff(a: dict, b: dict, keys=STORED_KEYS, where=("there", "here")) -> list[str]:
+    """The ``keys`` on which two result files' settings differ, each as a phrase."""
+    return [f"{k} {a.get(k)!r} {where[0]}, {b.get(k)!r} {where[1]}" for k in keys
+            if a.get(k) != b.get(k)]
+
+
 def check_resume(prev: dict, out: dict, specs: dict, path) -> None:
     """--resume keeps ``prev``'s runs only if they are what this command would run: every
     ``STORED_KEYS`` setting and every shared run's spec the same; else an error naming them."""
-    diff = [f"{k} {prev.get(k)!r} there, {out.get(k)!r} here" for k in STORED_KEYS
-            if prev.get(k) != out.get(k)]
+    diff = _setting_diff(prev, out)
     diff += [f"run {n!r} is {prev['specs'][n]!r} there, {specs[n]!r} here"
              for n in sorted(set(specs) & set(prev.get("specs", {})))
              if prev["specs"][n] != json.loads(json.dumps(specs[n], default=str))]
@@ -710,8 +715,7 @@ def stored_dense(prev: dict, out: dict, cases: list, *, source: str) -> dict:
     records with (dense decoding is deterministic: the same model, dtype, page size and cases
     give the same tokens). Every setting in ``STORED_KEYS`` must match ``out``'s and every
     case of ``cases`` must be in the stored run; else an error naming what differs."""
-    diff = [f"{k} {prev.get(k)!r} there, {out.get(k)!r} here" for k in STORED_KEYS
-            if prev.get(k) != out.get(k)]
+    diff = _setting_diff(prev, out)
     if diff:
         raise SystemExit(f"--dense-from {source}: another setting ({'; '.join(diff)}): "
                          "run dense here instead")
@@ -901,8 +905,7 @@ def summarize(out_json, inputs) -> dict:
         if out is None:
             out = d
             continue
-        diff = [f"{k} {out.get(k)!r} in {inputs[0]}, {d.get(k)!r} in {p}"
-                for k in STORED_KEYS + ("device",) if out.get(k) != d.get(k)]
+        diff = _setting_diff(out, d, STORED_KEYS + ("device",), (f"in {inputs[0]}", f"in {p}"))
         if diff:  # runs of other settings would be paired and labelled as one
             raise SystemExit(f"--summarize: the files differ in {'; '.join(diff)}")
         keys = {(r["length"], r["name"]) for r in d["runs"]}

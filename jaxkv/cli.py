@@ -156,11 +156,13 @@ def _check_model_options(args):
 
 
 def _print_json(backend, model, text, res, error=None) -> None:
-    """--json: one JSON object on stdout (strict JSON: NaN as null); ``error`` with --strict's
-    failure, whose result is still reported."""
+    """--json: one JSON object on stdout (strict JSON: NaN as null); ``error`` with a failure
+    (``res`` None, or --strict's result, which is still reported)."""
     from jaxkv import runtime
-    obj = {"backend": backend, "model": model.config.name, "prompt": text, "text": res.text[0],
-           "finish_reason": res.finish_reasons[0], "tokens": res.tokens[0], "stats": res.stats}
+    obj = {"backend": backend, "model": model.config.name, "prompt": text}
+    if res is not None:
+        obj.update(text=res.text[0], finish_reason=res.finish_reasons[0], tokens=res.tokens[0],
+                   stats=res.stats)
     if error is not None:
         obj["error"] = error
     print(json.dumps(runtime.json_safe(obj), indent=1, allow_nan=False))
@@ -238,8 +240,7 @@ def main(argv=None) -> int:
         return fail(e, 1)
     except (ValueError, TypeError, RuntimeError) as e:
         if args.json:
-            print(json.dumps({"backend": backend, "model": model.config.name, "prompt": text,
-                              "error": str(e)}, indent=1))
+            _print_json(backend, model, text, None, error=str(e))
         return fail(e, 1)
     out = res.text[0]
     s = res.stats
