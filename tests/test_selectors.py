@@ -129,6 +129,45 @@ def test_quest_scores_match_reference(G, H, D, dtype, Np, bp, unmasked):
     np.testing.assert_array_less(np.abs(got[fin] - ref[fin]), (2e-5 * scale + 1e-6)[fin])
 
 
+def quest_scores_numpy(q, kmax, kmin, layer, seq_lens, *, page_size):
+    """Quest's page score in float64 loops: for KV head h and page p, the sum over the head's
+    query heads and the dimensions of max(q * kmax, q * kmin); -inf past the sequence."""
+    q = np.asarray(q, np.float64)
+    mx = np.asarray(kmax[layer], np.float64)
+    mn = np.asarray(kmin[layer], np.float64)
+    b, np_, h, d = mx.shape
+    g = q.shape[1] // h
+    out = np.full((b, h, np_), -np.inf)
+    for bi in range(b):
+        for p in range(int(_n_valid(seq_lens[bi], page_size, np_))):
+            for hi in range(h):
+                qh = q[bi, hi * g:(hi + 1) * g]  # [G, D]
+                out[bi, hi, p] = np.maximum(qh * mx[bi, p, hi], qh * mn[bi, p, hi]).sum()
+    return out
+
+
+@pytest.mark.parametrize("G,H,D,dtype,Np,bp,unmasked", QUEST_CASES)
+def test_quest_scores_every_implementation_matches_numpy(G, H, D, dtype, Np, bp, unmasked):
+    """The literal reference, the registered "xla" linear form and the kernel against the
+    numpy rule, NaN-poisoned pages past each sequence included."""
+    rng = _rng()
+    ps, L, layer = 4, 2, 1
+    seq_lens = np.array([0, rng.integers(1, Np * ps), Np * ps], np.int32)
+    q, kmax, kmin = _quest_inputs(rng, L=L, B=3, Np=Np, H=H, G=G, D=D, ps=ps, dtype=dtype,
+                                  seq_lens=seq_lens, layer=layer)
+    want = quest_scores_numpy(q, kmax, kmin, layer, seq_lens, page_size=ps)
+    fin = np.isfinite(want)
+    tol = (2e-5 * _quest_scale(q, kmax, kmin, layer) + 1e-6)[fin]
+    args = (q, kmax, kmin, jnp.int32(layer), jnp.asarray(seq_lens))
+    for name, fn in (("reference", quest.quest_scores_reference),
+                     ("xla", quest.quest_scores_xla),
+                     ("pallas", functools.partial(quest.quest_scores_pallas, block_pages=bp,
+                                                  unmasked=unmasked))):
+        got = np.asarray(fn(*args, page_size=ps))[..., :Np]
+        assert np.array_equal(np.isneginf(got), ~fin), name
+        np.testing.assert_array_less(np.abs(got[fin] - want[fin]), tol, err_msg=name)
+
+
 @pytest.mark.parametrize("G,H,D,dtype,Np", [c[:5] for c in QUEST_CASES])
 def test_quest_scores_xla_linear_form_matches_literal(G, H, D, dtype, Np):
     """The registered "xla" scores (linear group form) vs the literal formula."""
@@ -475,22 +514,42 @@ def _indexer_scale(q, w, pk, layer, ps):
     return np.einsum("bj,bjd,bpd->bp", np.abs(np.asarray(w)), qa, ka) / np.sqrt(q.shape[-1])
 
 
+def indexer_scores_numpy(q_idx, weights, page_keys, layer, seq_lens, *, page_size):
+    """The indexer's page score in float64 loops: the page's mean key (its key sum over the
+    tokens it holds), each indexer head's ReLU'd dot product with it, weighted, summed and
+    divided by sqrt(dI); -inf past the sequence."""
+    q = np.asarray(q_idx, np.float64)
+    w = np.asarray(weights, np.float64)
+    sums = np.asarray(page_keys[layer], np.float64)
+    b, np_, di = sums.shape
+    out = np.full((b, np_), -np.inf)
+    for bi in range(b):
+        for p in range(int(_n_valid(seq_lens[bi], page_size, np_))):
+            mean = sums[bi, p] / min(int(seq_lens[bi]) - p * page_size, page_size)
+            out[bi, p] = sum(w[bi, j] * max(float(q[bi, j] @ mean), 0.0)
+                             for j in range(q.shape[1])) / np.sqrt(di)
+    return out
+
+
 @pytest.mark.parametrize("HI,dI,Np,bp", [(6, 16, 37, 16), (16, 32, 20, 64)])
-def test_indexer_scores_match_reference(HI, dI, Np, bp):
+def test_indexer_scores_every_implementation_matches_numpy(HI, dI, Np, bp):
     rng = _rng()
-    ps, L, layer = 4, 2, 0
-    seq_lens = np.array([1, rng.integers(2, Np * ps), Np * ps], np.int32)
+    ps, L, layer = 4, 2, 1
+    seq_lens = np.array([0, rng.integers(1, Np * ps), Np * ps], np.int32)
     q, w, pk = _indexer_inputs(rng, L=L, B=3, Np=Np, HI=HI, dI=dI, ps=ps, seq_lens=seq_lens,
                                layer=layer, qdtype=jnp.bfloat16)
+    want = indexer_scores_numpy(q, w, pk, layer, seq_lens, page_size=ps)
+    fin = np.isfinite(want)
+    tol = (1e-5 * _indexer_scale(q, w, pk, layer, ps) + 1e-6)[fin]
     args = (q, w, pk, jnp.int32(layer), jnp.asarray(seq_lens))
-    ref = np.asarray(indexer.indexer_scores_reference(*args, page_size=ps))
-    got = np.asarray(indexer.indexer_scores_pallas(*args, page_size=ps, block_pages=bp))
-    assert got.shape[0] == 3 and got.shape[1] >= Np and np.all(got[:, Np:] == -np.inf)
-    got = got[:, :Np]
-    assert np.array_equal(np.isneginf(ref), np.isneginf(got))
-    fin = np.isfinite(ref)
-    scale = _indexer_scale(q, w, pk, layer, ps)
-    np.testing.assert_array_less(np.abs(got[fin] - ref[fin]), (1e-5 * scale + 1e-6)[fin])
+    for name, fn in (("reference", indexer.indexer_scores_reference),
+                     ("pallas", functools.partial(indexer.indexer_scores_pallas,
+                                                  block_pages=bp))):
+        got = np.asarray(fn(*args, page_size=ps))
+        assert got.shape[0] == 3 and got.shape[1] >= Np and np.all(got[:, Np:] == -np.inf)
+        got = got[:, :Np]
+        assert np.array_equal(np.isneginf(got), ~fin), name
+        np.testing.assert_array_less(np.abs(got[fin] - want[fin]), tol, err_msg=name)
 
 
 def test_indexer_scores_pooled_mean_by_hand():
