@@ -272,3 +272,28 @@ def test_gpu_write_through_jit_no_host_copy(rng):
     host = f(host, kv)
     got = as_f32(host[5 * P]).reshape(2, H, ps, D)[:, :, :T]
     np.testing.assert_array_equal(got, as_f32(kv[:, 5]).transpose(1, 2, 0, 3))
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_rows_past_the_array_write_nothing(rng, impl):
+    """Rows >= the array's row count (and huge ones) are skipped like -1, by both writers: no
+    clamped write lands in the last row."""
+    H, D, ps, n = 3, 64, 4, 5
+    row = 2 * H * ps * D
+    rows = np.array([n, 2, n + 7, 2**30, -1, 0], np.int32)
+    offs = np.array([0, 1, 3, 2, 0, 3], np.int32)
+    kv = rng.standard_normal((6, 2, H, D)).astype(np.float32)
+    got = run_tokens(n, row, rows, offs, kv, ps, jnp.float32, impl, True)
+    expect = np.full((n, 2, H, ps, D), np.nan, np.float32)
+    expect[2, :, :, 1], expect[0, :, :, 3] = kv[1], kv[5]
+    np.testing.assert_array_equal(got, expect.reshape(n, row))
+
+    pages = rng.standard_normal((4, row)).astype(np.float32)
+    prow = np.array([n, 1, 2**30, n + 1], np.int32)
+    tuning = dict(chunk_elems=16384, chunks_per_program=0) if impl == "pallas" else {}
+    out = page_write.write_pages(jax.device_put(jnp.full((n, row), jnp.nan), HOST),
+                                 jnp.asarray(prow), jnp.asarray(pages), implementation=impl,
+                                 **tuning)
+    expect = np.full((n, row), np.nan, np.float32)
+    expect[1] = pages[1]
+    np.testing.assert_array_equal(as_f32(out), expect)
