@@ -160,6 +160,31 @@ def test_candidate_mass_in_order_reads_only_the_pages_in_use(implementation, chu
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "blocked", "pallas"])
+def test_candidate_mass_of_an_empty_page_is_zero(implementation):
+    """A candidate page that holds no token yet (past the request's position; every candidate
+    of the request before its first token) gets mass 0, not NaN, in every implementation;
+    the pages' keys and scales there are NaN."""
+    rng = _rng()
+    ps, D, G = (16, 32, 6) if implementation == "pallas" else (4, 8, 3)
+    q, keys, scales, cand, positions = _case(rng, L=2, B=3, H=2, G=G, Np=7, ps=ps, D=D, C=5,
+                                             int8=implementation != "pallas")
+    if implementation == "pallas":
+        keys = (keys.astype(np.float32) * scales[..., None]).astype(jnp.bfloat16)
+        scales = np.ones_like(scales)
+    nv = np.clip(-(-(positions + 1) // ps), 0, 7)
+    for b in range(3):  # the last candidate of each row: the first page past the position
+        cand[b, :, -1] = nv[b] if nv[b] < 7 else -1
+    want = mass_numpy(q, np.asarray(keys, np.float32), scales, 1, cand, positions)
+    keys, scales = _poison(np.asarray(keys), scales, cand, positions, 1, ps)
+    got = np.asarray(cm.candidate_mass(
+        jnp.asarray(q), jnp.asarray(keys), jnp.asarray(scales), jnp.int32(1), jnp.asarray(cand),
+        jnp.asarray(positions), implementation=implementation))
+    empty = (cand >= 0) & (cand * ps > positions[:, None, None])
+    assert empty.any() and np.all(got[empty] == 0.0)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
+
+
 def test_candidate_mass_default_off_the_gpu_is_the_blocked_form():
     """Off the GPU the op's default is the blocked formulation; "xla" still names the
     reference."""

@@ -93,6 +93,26 @@ def test_candidate_select_matches_numpy(impl, case):
     np.testing.assert_array_equal(_run(impl, m, l, cand, seq_lens, **kw), want)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_candidate_select_drops_candidates_past_the_end(impl):
+    """Candidates at or past the request's page count (with finite, large statistics, as
+    garbage would give) are never picked; a request with no token (seq_len 0) picks none."""
+    rng = _rng()
+    m, l, cand, seq_lens = _case(rng, B=4, C=12)
+    n = -(-np.maximum(seq_lens, 0) // 4)
+    for b in range(1, 4):  # request 0 fills all 40 pages
+        for h in range(2):
+            free = np.flatnonzero(cand[b, h] < 0)[:2]
+            cand[b, h, free] = n[b] + np.arange(len(free))
+            m[b, h, free, :3], l[b, h, free, :3] = 50.0, 20.0
+    kw = dict(G=3, k=5, page_size=4, num_pages=40, num_sink_pages=1)
+    got = _run(impl, m, l, cand, seq_lens, **kw)
+    want = select_numpy(np.nan_to_num(m, nan=-np.inf), np.nan_to_num(l, nan=0.0), cand, seq_lens,
+                        **kw)
+    np.testing.assert_array_equal(got, want)
+    assert np.all((got < n[:, None, None]) | (got == -1)) and np.all(got[3] == -1)
+
+
 def test_candidate_select_ignores_candidate_order():
     """Distinct masses: the same pages whatever order the first stage left the candidates in."""
     rng = _rng()
