@@ -1,5 +1,6 @@
 """Smoke tests of small benchmark scripts off the GPU (their --quick modes)."""
 import json
+import re
 import os
 import subprocess
 import sys
@@ -288,3 +289,37 @@ def test_first_stage_recall_probe_small(tmp_path):
     for r in (1, 2, 4):
         assert abs(rows[4]["mean"][f"kept_r{r}"] - 1) < 1e-6 and rows[4]["mean"][f"hit_r{r}"] == 1
         assert 0 < rows[2]["mean"][f"kept_r{r}"] <= 1 + 1e-6 and rows[2]["mean"][f"hit_r{r}"] <= 1
+
+
+def _docs_text(history=True):
+    """The docs' text; ``history=False`` leaves out docs/benchmark-log.md, whose old entries
+    name files deleted since."""
+    docs = [ROOT / "BENCHMARKS.md", ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return "\n".join(p.read_text() for p in docs if history or p.name != "benchmark-log.md")
+
+
+def test_every_result_file_is_cited_by_a_doc():
+    """benchmarks/results/ holds only files a doc names: whole, or as ``stem.{json,md}`` /
+    ``stem.md`` / ``.json``."""
+    text = _docs_text()
+    orphans = []
+    for path in sorted((ROOT / "benchmarks" / "results").iterdir()):
+        stem = path.name.split(".")[0]
+        cited = path.name in text or re.search(re.escape(stem) + r"\.(\{|\w)", text)
+        if not cited:
+            orphans.append(path.name)
+    assert not orphans, f"result files no doc cites (cite them or delete them): {orphans}"
+
+
+def test_result_paths_in_the_docs_exist():
+    """Every ``benchmarks/results/NAME`` a current doc writes out (braces expanded) is in the
+    repo."""
+    text = _docs_text(history=False)
+    missing = []
+    for m in re.finditer(r"benchmarks/results/([\w.\-]+(?:\{[\w,]+\})?)", text):
+        name = m.group(1).rstrip(".")
+        brace = re.search(r"\{([\w,]+)\}", name)
+        names = ([name[:brace.start()] + alt + name[brace.end():] for alt in brace.group(1).split(",")]
+                 if brace else [name])
+        missing += [n for n in names if "." in n and not (ROOT / "benchmarks" / "results" / n).exists()]
+    assert not missing, f"docs cite result files that are not in the repo: {sorted(set(missing))}"
