@@ -57,6 +57,11 @@ variant is a plan of its own, so nothing is read at trace time.
 ``--shape`` picks the model shape: ``qwen1.5b`` (default; 64-token pages, ``--batch`` requests,
 default 8) or ``8b`` (Llama-3-8B-like, 16-token pages, ``--batch`` 1). Each variant holds its
 own KV cache: at 128k, four Qwen-like B=8 variants or five 8B-like B=1 ones fit the H200.
+``--share-kv`` (resident config "b") gives every variant the same device KV array (filled once
+with the same synthetic data; each round's state hands it to the next variant), so only the
+selectors' data are per variant: Qwen-like B=8 with Quest, ``rescore8`` and
+``rescore8_block4`` then needs 46 GiB instead of 103 and fits an H100. The variants write
+their new tokens into the shared rows, which changes no step's work.
 ``--context`` sets the tokens per request (default 128k; ``1M`` with Qwen-like B=1).
 
 Variants whose options the compiler rejects, or whose round fails to compile or run, are
@@ -241,20 +246,49 @@ def _plans(a, names, B, ctx, st, cfg, base_tuning, impl):
     return plans
 
 
-def _check_fits(plans, lengths, params, share: float = 0.9):
-    """Stop before allocating when the variants' states (each holds its own cache) and the
-    weights need more than ``share`` of the device's memory (the rest: the programs' own
-    buffers), naming the fix."""
+def _device_need(plans, lengths, params, share_kv: bool) -> int:
+    """Device bytes of the weights and the variants' states; with ``share_kv`` the KV cache
+    counts once."""
+    states = [engine.abstract_state(p, lengths) for p in plans.values()]
     need = validation.nbytes_by_space(params)["device"] + sum(
-        validation.nbytes_by_space(engine.abstract_state(p, lengths))["device"]
-        for p in plans.values())
+        validation.nbytes_by_space(s)["device"] for s in states)
+    if share_kv:
+        need -= (len(states) - 1) * validation.nbytes_by_space(states[0].kv.pool)["device"]
+    return need
+
+
+def _check_fits(plans, lengths, params, share_kv: bool, share: float = 0.9):
+    """Stop before allocating when the variants' states (each holds its own cache unless
+    ``share_kv``) and the weights need more than ``share`` of the device's memory (the rest:
+    the programs' own buffers), naming the fix."""
+    need = _device_need(plans, lengths, params, share_kv)
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     print(f"  device memory: {need / 2**30:.1f} GiB of weights and {len(plans)} variants' "
-          f"states" + (f" of {limit / 2**30:.1f} GiB" if limit else ""), flush=True)
+          f"states" + (" (one shared KV cache)" if share_kv else "")
+          + (f" of {limit / 2**30:.1f} GiB" if limit else ""), flush=True)
     if limit and need > share * limit:
+        fix = "pass fewer --variants" + ("" if share_kv else " or --share-kv (config b)")
         raise SystemExit(f"the weights and {len(plans)} variants' states need "
                          f"{need / 2**30:.1f} GiB of the device's {limit / 2**30:.1f} GiB: "
-                         f"pass fewer --variants (each holds its own cache)")
+                         f"{fix}")
+
+
+class _SharedKV:
+    """The one device KV array of ``--share-kv``: bound into a variant's state before its
+    round, taken back from the state the round returns (the round donates it)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.pool = enabled, None
+
+    def bind(self, state):
+        if not self.enabled or self.pool is None:
+            return state
+        return dataclasses.replace(state, kv=dataclasses.replace(state.kv, pool=self.pool))
+
+    def take(self, state):
+        if self.enabled:
+            self.pool = state.kv.pool
+        return state
 
 
 def lower_only(a, names):
@@ -308,6 +342,9 @@ def main():
     ap.add_argument("--lower-only", action="store_true",
                     help="lower each variant's round for an abstract H200 here and exit "
                          "(no GPU needed; catches Triton lowering failures before a GPU run)")
+    ap.add_argument("--share-kv", action="store_true",
+                    help="config b: one device KV cache for every variant (only the "
+                         "selectors' data per variant), so more variants fit the device")
     ap.add_argument("--trace", default="",
                     help="after the turns, profile one more round per variant into this "
                          "directory: device time per kernel in the JSON (``kernels``)")
@@ -318,6 +355,8 @@ def main():
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or len(names) < 2 or len(set(names)) != len(names):
         ap.error(f"--variants needs two or more distinct names of {sorted(VARIANTS)}, got {names}")
+    if a.share_kv and a.config != "b":
+        ap.error("--share-kv shares the resident cache: config b only")
     if a.lower_only:
         return lower_only(a, names)
     gpu = jax.default_backend() == "gpu"
@@ -338,18 +377,26 @@ def main():
                              pcie_gbps=bd.bulk_h2d_gbps(st.bulk_bytes, st.reps))
     impl = None if gpu else "pallas"  # the Pallas kernels (interpret mode off the GPU)
     plans = _plans(a, names, B, ctx, st, cfg, base_tuning, impl)
-    _check_fits(plans, lengths, params)
+    _check_fits(plans, lengths, params, a.share_kv)
     states, runs, traced = {}, {}, {}
+    shared = _SharedKV(a.share_kv)
     for name in names:
-        states[name] = synthetic.build_state(plans[name], lengths, synth=synth, seed=st.seed,
-                                             chunk_bytes=st.chunk_bytes)
+        kv = shared.bind(states[names[0]]).kv if shared.pool is not None else None
+        states[name] = shared.take(synthetic.build_state(
+            plans[name], lengths, synth=synth, seed=st.seed, chunk_bytes=st.chunk_bytes, kv=kv))
         runs[name] = []
+
+    def run(name, st_, **kw):
+        rec, state = bd.run_decode(name, plans[name], params, shared.bind(states[name]), st_,
+                                   **kw)
+        states[name] = shared.take(state)
+        return rec
+
     warm = {}
     for name in list(names):  # warm-up: trace and compile
         try:
-            (rec, states[name]), traced[name] = _traced_calls(
-                quest.OP_UPDATE_CMAX,
-                lambda: bd.run_decode(name, plans[name], params, states[name], st, rounds=1))
+            rec, traced[name] = _traced_calls(quest.OP_UPDATE_CMAX,
+                                              lambda: run(name, st, rounds=1))
         except Exception as e:  # noqa: BLE001 - a variant that fails to compile is dropped
             print(f"  {name}: dropped, its round failed ({type(e).__name__}: {str(e)[:300]})")
             names.remove(name)
@@ -364,8 +411,7 @@ def main():
     floors = {n: None for n in names}
     for i in range(a.pairs):
         for name in (names if i % 2 == 0 else names[::-1]):
-            rec, states[name] = bd.run_decode(name, plans[name], params, states[name], st,
-                                              rounds=2, warmup=False)
+            rec = run(name, st, rounds=2, warmup=False)
             runs[name].append(rec["step_ms"])
             floors[name] = rec.get("floor_ms")
             compiles[name] += rec["num_compilations"]
@@ -375,9 +421,7 @@ def main():
     if a.trace:
         st_trace = dataclasses.replace(st, trace=a.trace)
         for name in names:
-            rec, states[name] = bd.run_decode(name, plans[name], params, states[name], st_trace,
-                                              rounds=1, warmup=False)
-            kernels[name] = rec.get("kernels")
+            kernels[name] = run(name, st_trace, rounds=1, warmup=False).get("kernels")
     base = names[0]
     ratios = {n: [x / b for x, b in zip(runs[n], runs[base])] for n in names[1:]}
     summary = {n: dict(median_step_ms=statistics.median(runs[n]), step_ms=runs[n],
@@ -394,6 +438,7 @@ def main():
                shape=shape, batch=B, context=ctx, page_size=ps, selected_pages=k,
                hbm_gbps=st.hbm_gbps, pcie_gbps=st.pcie_gbps,
                config=a.config, pool_pages=plans[base].pool_pages if a.config == "c2" else None,
+               share_kv=a.share_kv,
                salience=float(sal), simulated_overlap=float(sim), pairs=a.pairs,
                candidate_pages={n: plans[n].selector.candidate_count(plans[n])
                                 for n in names if plans[n].selector.two_stage},

@@ -131,7 +131,8 @@ for s in $STAGES; do
     locality) run locality 200 $PY benchmarks/bench_fetch.py --only-locality --out "$OUT" ;;
     steady) run steady 300 $PY benchmarks/bench_fetch.py --only-steady --budget-s 240 --out "$OUT" ;;
     first-stage|first-stage-8b|first-stage-q8|first-stage-1m|first-stage-topk)
-        fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --out $OUT"
+        # one shared KV cache: every part fits an H100 as well as an H200
+        fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
         case $s in first-stage|first-stage-8b) run fs_8b 300 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
             --variants default,rescore8,rescore8_block4 --tag "block_8b1_$JAXKV_COMMIT" $fs ;; esac
         case $s in first-stage|first-stage-q8) run fs_q8 300 $PY benchmarks/ab_step.py --shape qwen1.5b --batch 8 \

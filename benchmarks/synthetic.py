@@ -291,7 +291,7 @@ def _fresh(plan: engine.Plan, kv, summaries, lengths: np.ndarray, seed: int) -> 
 
 def build_state(plan: engine.Plan, lengths, *, synth: Synthetic = Synthetic(), seed: int = 0,
                 poison: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                tp: parallel.TensorParallel | None = None) -> engine.DecodeState:
+                tp: parallel.TensorParallel | None = None, kv=None) -> engine.DecodeState:
     """A DecodeState for ``plan`` whose requests hold ``lengths`` tokens of synthetic context.
 
     Args:
@@ -305,6 +305,9 @@ def build_state(plan: engine.Plan, lengths, *, synth: Synthetic = Synthetic(), s
       chunk_bytes: K/V bytes generated per fill call (bounds device scratch memory).
       tp: fill every device's shard of a tensor-parallel state over ``tp``'s mesh, each
         device with its own stream (device 0's data are those of ``tp=None``).
+      kv: a resident cache of another plan's state with this plan's layout, filled in place
+        instead of a new one (same ``seed`` and ``synth``: the same data), so that several
+        plans share one cache (``ab_step.py --share-kv``); resident mode only.
     Returns:
       DecodeState: the tier holds every page with a token ``< lengths[b]`` (whole pages: the
       tail of the last page is random too, as after a padded prefill), summaries cover the
@@ -312,7 +315,16 @@ def build_state(plan: engine.Plan, lengths, *, synth: Synthetic = Synthetic(), s
     """
     lengths = _check_lengths(plan, lengths)
     lay = layout(plan, synth, chunk_bytes)
-    if tp is None:
+    if kv is not None:
+        want = jax.eval_shape(lambda: engine.init_kv(plan))
+        if plan.cache.mode != "resident" or tp is not None or (
+                jax.tree.map(lambda a: (a.shape, a.dtype), kv)
+                != jax.tree.map(lambda a: (a.shape, a.dtype), want)):
+            raise ValueError("kv= takes a resident cache of this plan's layout (no tp)")
+        # the array is shared, the counters are the state's own
+        kv = dataclasses.replace(kv, counters=kvcache.CacheCounters.zeros())
+        summaries = engine.init_summaries(plan)
+    elif tp is None:
         kv, summaries = engine.init_kv(plan, poison=poison), engine.init_summaries(plan)
     else:
         kv, summaries = tp.init_kv(plan, poison=poison), tp.init_summaries(plan) or ()

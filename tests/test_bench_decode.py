@@ -76,6 +76,20 @@ def test_ab_step_traces_each_variant_once(tmp_path):
     assert out["compiles_after_warmup"] == {n: 0 for n in t}
 
 
+def test_ab_step_share_kv(tmp_path):
+    """--share-kv: three variants decode from one device KV array handed from round to round
+    (a donated array read again would fail), each with its own selector data."""
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab_step.py"), "--quick",
+                    "--variants", "default,rescore8,dense", "--share-kv", "--pairs", "1",
+                    "--out", str(tmp_path)], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = json.loads((tmp_path / "ab_step.json").read_text())
+    assert out["share_kv"] is True
+    assert {n: len(r["step_ms"]) for n, r in out["results"].items()} == {
+        "default": 1, "rescore8": 1, "dense": 1}
+    assert out["compiles_after_warmup"] == {"default": 0, "rescore8": 0, "dense": 0}
+
+
 def test_ab_step_lower_only(tmp_path):
     """--lower-only: each variant's round lowered for an abstract H200 on the CPU; a line each,
     nothing written."""

@@ -112,6 +112,25 @@ def test_rescore_key_copy_is_the_tiers_keys_quantized():
                                       np.asarray(scale)[:, b, :, :nv])
 
 
+def test_a_shared_cache_gets_the_same_data_and_summaries():
+    """build_state(kv=another resident state's cache) fills that cache in place with the same
+    data and gives the selector the summaries of a state of its own; a host plan, another
+    layout or tp is refused."""
+    quest_plan = _plan(mode="resident")
+    rescore_plan = _plan(mode="resident", selector="quest_rescore8", candidate_pages=8)
+    own = synthetic.build_state(rescore_plan, LENGTHS, seed=SEED)
+    first = synthetic.build_state(quest_plan, LENGTHS, seed=SEED)
+    want_tier = _tier(quest_plan, first)
+    shared = synthetic.build_state(rescore_plan, LENGTHS, seed=SEED, kv=first.kv)
+    np.testing.assert_array_equal(_tier(rescore_plan, shared), want_tier)
+    np.testing.assert_array_equal(_tier(rescore_plan, shared), _tier(rescore_plan, own))
+    for a, b in zip(jax.tree.leaves(shared.summaries), jax.tree.leaves(own.summaries)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for plan in (_plan(mode="host"), _plan(mode="resident", max_context=128)):
+        with pytest.raises(ValueError, match="kv= takes a resident cache"):
+            synthetic.build_state(plan, LENGTHS, seed=SEED, kv=shared.kv)
+
+
 def test_indexer_page_sums_cover_valid_tokens_only():
     cfg = configs.with_indexer(CFG, heads=4, dim=16)
     synth = synthetic.Synthetic(salience=0.3)
