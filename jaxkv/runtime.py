@@ -37,12 +37,20 @@ def enable_compilation_cache(setting: bool | str | os.PathLike | None = None, *,
     prefill and decode programs from disk instead of compiling them (the command line with
     SmolLM2 on a 2-core CPU: compile 15.9 s -> 0.8 s, the whole run 34 s -> 16 s). ``setting``: None or True = :func:`default_cache_dir`; False = leave
     it off; a path = that directory. A directory the user already gave JAX
-    (``jax_compilation_cache_dir``) is kept. Programs that compile faster than
+    (``jax_compilation_cache_dir``) is kept, and so is the first one of the process: JAX reads
+    it once, so a later, different path warns that it is not used. Programs that compile faster than
     ``min_compile_time_s`` are not stored. Returns the directory in use, or None."""
     current = jax.config.jax_compilation_cache_dir
     if setting is False:
         return current
     if current:
+        if not isinstance(setting, (bool, type(None))) and (
+                os.path.abspath(os.fspath(setting)) != os.path.abspath(current)):
+            # JAX reads its cache directory once per process: a second one would be ignored
+            warnings.warn(f"jaxkv: the compilation cache stays in {current} (set earlier in "
+                          f"this process); {os.fspath(setting)} is not used. Give the directory "
+                          f"in the process's first load, or set JAX_COMPILATION_CACHE_DIR",
+                          RuntimeWarning, stacklevel=2)
         return current
     path = default_cache_dir() if setting is None or setting is True else os.fspath(setting)
     if path is None:

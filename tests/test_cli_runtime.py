@@ -128,6 +128,21 @@ def test_cache_dir_switches(monkeypatch, tmp_path):
     assert runtime.default_cache_dir() == str(tmp_path / "jaxkv" / "xla")
 
 
+def test_a_second_cache_directory_is_named_as_unused(tmp_path):
+    """JAX keeps the process's first cache directory: a later, different one warns naming
+    both; the same one, None, True and False do not."""
+    import warnings
+    import jax
+    current = jax.config.jax_compilation_cache_dir  # the suite's (tests/conftest.py)
+    assert current
+    with pytest.warns(RuntimeWarning, match="stays in .* is not used"):
+        assert runtime.enable_compilation_cache(tmp_path) == current
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for setting in (current, None, True, False):
+            assert runtime.enable_compilation_cache(setting) == current
+
+
 _CHILD = """
 import sys, jax
 hits = []
