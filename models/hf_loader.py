@@ -301,6 +301,34 @@ def rope_from_hf(hf: dict):
         raise CheckpointError(f"rope scaling {params}: {e}") from None
 
 
+def _refuse_sliding_window(hf: dict) -> None:
+    """Refuse a Qwen2 config whose layers attend to a sliding window, read as Qwen2Config
+    reads it: the window (``sliding_window``, default 4096) applies only with
+    ``use_sliding_window``; ``layer_types`` names the sliding layers, else layers from
+    ``max_window_layers`` (default 28) on slide. ``max_window_layers`` is read only when a
+    window applies (configs with the window off may leave it null)."""
+    if not hf.get("use_sliding_window"):
+        return
+    window = hf.get("sliding_window", 4096)
+    if window is None:  # Qwen2Config: no window, every layer attends to the full context
+        return
+    layers = int(hf.get("num_hidden_layers") or 0)
+    types = hf.get("layer_types")
+    if types is None:
+        first = hf.get("max_window_layers", 28)
+        if isinstance(first, bool) or not isinstance(first, int):
+            raise CheckpointError(f"max_window_layers must be an integer when use_sliding_window "
+                                  f"is set, got {first!r}")
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if sliding:
+        raise CheckpointError(
+            f"use_sliding_window is set: {len(sliding)} of {layers} layers (the first: layer "
+            f"{sliding[0]}) attend to a sliding window of {window} tokens; sliding-window "
+            "attention is not supported (set use_sliding_window to false to attend to the full "
+            "context)")
+
+
 def model_config_from_hf(hf: dict, *, name: str = "hf-model", dtype: str = "bfloat16",
                          generation: dict | None = None):
     """A :class:`ModelConfig` from a ``config.json`` dict of a LlamaForCausalLM or
@@ -326,13 +354,8 @@ def model_config_from_hf(hf: dict, *, name: str = "hf-model", dtype: str = "bflo
     if arch == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
         raise CheckpointError("attention_bias / mlp_bias are not supported for llama checkpoints "
                               "(they add biases to o_proj and the MLP)")
-    # Qwen2's layer types without the key: layer i slides iff i >= max_window_layers (default 28)
-    layer_types = hf.get("layer_types") or [
-        "sliding_attention" if i >= int(hf.get("max_window_layers", 28)) else "full_attention"
-        for i in range(int(hf.get("num_hidden_layers") or 0))]
-    if arch == "qwen2" and hf.get("use_sliding_window") and "sliding_attention" in layer_types:
-        raise CheckpointError("use_sliding_window is set: sliding-window attention is not "
-                              "supported (set it to false to attend to the full context)")
+    if arch == "qwen2":
+        _refuse_sliding_window(hf)
     heads = int(hf["num_attention_heads"])
     theta, scaling = rope_from_hf(hf)
     # without the key, transformers' config default: LlamaConfig 2048, Qwen2Config 32768

@@ -343,7 +343,9 @@ def test_bad_config(tmp_path, edit, match):
 
 def test_sliding_window_qwen2_refused(tmp_path):
     d = _copy(tmp_path, "hf_qwen2")
-    _edit_config(d, use_sliding_window=True, layer_types=["sliding_attention", "full_attention"])
+    # transformers writes sliding_window null when the window is off: turning it on takes both
+    _edit_config(d, use_sliding_window=True, sliding_window=64,
+                 layer_types=["sliding_attention", "full_attention"])
     with pytest.raises(CheckpointError, match="sliding-window attention is not supported"):
         load_hf(d)
     # without layer_types, Qwen2 slides layers from max_window_layers on: none here
@@ -352,6 +354,25 @@ def test_sliding_window_qwen2_refused(tmp_path):
     assert cfg.num_layers == 28
     with pytest.raises(CheckpointError, match="sliding-window attention is not supported"):
         hf_loader.model_config_from_hf(dict(base, use_sliding_window=True, max_window_layers=20),
+                                       name="q")
+    # the window off (Qwen2Config's default), max_window_layers may be null
+    off = dict(base, use_sliding_window=False, max_window_layers=None)
+    assert hf_loader.model_config_from_hf(off, name="q").num_layers == 28
+    # layer_types win over max_window_layers; without the window they slide nowhere
+    types = ["full_attention"] * 27 + ["sliding_attention"]
+    assert hf_loader.model_config_from_hf(dict(off, layer_types=types), name="q").num_layers == 28
+    with pytest.raises(CheckpointError, match="1 of 28 layers .* 131072 tokens"):
+        hf_loader.model_config_from_hf(dict(base, use_sliding_window=True, max_window_layers=0,
+                                            layer_types=types), name="q")
+    # the window on: sliding_window defaults to 4096; null means no window
+    nowin = {k: v for k, v in base.items() if k != "sliding_window"}
+    with pytest.raises(CheckpointError, match="28 of 28 layers .* window of 4096 tokens"):
+        hf_loader.model_config_from_hf(dict(nowin, use_sliding_window=True, max_window_layers=0),
+                                       name="q")
+    assert hf_loader.model_config_from_hf(dict(base, use_sliding_window=True, sliding_window=None,
+                                               max_window_layers=0), name="q").num_layers == 28
+    with pytest.raises(CheckpointError, match="max_window_layers must be an integer"):
+        hf_loader.model_config_from_hf(dict(base, use_sliding_window=True, max_window_layers=None),
                                        name="q")
     # and without max_position_embeddings, Qwen2Config's default
     nompe = {k: v for k, v in base.items() if k != "max_position_embeddings"}
