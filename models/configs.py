@@ -19,6 +19,25 @@ DTYPES = ("float32", "bfloat16")
 ROPE_SCALING_KINDS = ("linear", "llama3", "yarn", "factors")
 
 
+def dtype_name(dtype) -> str | None:
+    """A loader's ``dtype`` argument as the name it takes: None (the file's own) stays None;
+    "float32" / "bfloat16", or a dtype object of one (``np.float32``, ``np.dtype("bfloat16")``,
+    ``jnp.bfloat16``), gives that name. Anything else is an error naming ``dtype``."""
+    if dtype is None:
+        return None
+    name = dtype
+    if not isinstance(dtype, str):
+        try:  # a dtype object: its name (np.dtype compares equal to its name, so convert first)
+            name = np.dtype(dtype).name
+        except TypeError:
+            raise TypeError(f"dtype must be one of {DTYPES}, a dtype object of one "
+                            f"(np.float32, jnp.bfloat16) or None, got {dtype!r}") from None
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES} (or a dtype object of one) or None, "
+                         f"got {dtype!r}: load in float32 or bfloat16")
+    return name
+
+
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 

@@ -200,7 +200,7 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
     """Loads a llama- or qwen2-architecture GGUF file.
 
     Args: ``path`` (default: ``default_model_path()``); ``dtype`` of the returned weights
-    ("float32" or "bfloat16"; norms are cast too).
+    ("float32", "bfloat16" or a dtype object of one; None: float32; norms are cast too).
     Returns ``(ModelConfig, params)``: params as in models/llama.py, jax arrays
     ``embed [V, d]``, ``layers`` (one dict per layer, fused as in ``jaxkv.models.llama.init_params``;
     weights ``[in, out]``),
@@ -208,11 +208,10 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
     is dequantized on the host and moved to the device before the next one.
     """
     import jax.numpy as jnp
-    from .configs import ModelConfig
+    from .configs import ModelConfig, dtype_name
     from .llama import fuse_layer
 
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    dtype = dtype_name(dtype) or "float32"
     path = default_model_path() if path is None else Path(path)
     reader = open_gguf(path)
     arch = _meta(reader, "general.architecture", required=True)

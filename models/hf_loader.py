@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .configs import dtype_name
 from .llama import fuse_layer
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
@@ -422,14 +423,12 @@ def _model_name(directory: Path, requested) -> str:
 
 def load_config(path: str | os.PathLike, *, dtype: str | None = None):
     """``(ModelConfig, checkpoint directory)`` for ``path`` without reading the weights."""
+    dtype = dtype_name(dtype)
     d = resolve_checkpoint(path)
     hf = _read_json(d / _CONFIG)
     gen_path = d / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else None
-    if dtype is None:
-        dtype = _default_dtype(hf, d)
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be 'float32', 'bfloat16' or None (the checkpoint's), got {dtype!r}")
+    dtype = dtype or _default_dtype(hf, d)
     cfg = model_config_from_hf(hf, name=_model_name(d, path), dtype=dtype, generation=gen)
     return cfg, d
 
@@ -460,9 +459,9 @@ def load_hf(path: str | os.PathLike, *, dtype: str | None = None, device=None):
     """Loads a LlamaForCausalLM / Qwen2ForCausalLM checkpoint.
 
     Args: ``path``: checkpoint directory, hub cache entry or cached repo id (see
-    :func:`resolve_checkpoint`); ``dtype``: "float32", "bfloat16" or None (the checkpoint's:
-    bf16 stays bf16, f32 and f16 load as float32); ``device``: a ``jax.Device`` (default: the
-    default device).
+    :func:`resolve_checkpoint`); ``dtype``: "float32", "bfloat16" (or a dtype object of one) or
+    None (the checkpoint's: bf16 stays bf16, f32 and f16 load as float32); ``device``: a
+    ``jax.Device`` (default: the default device).
     Returns ``(ModelConfig, params)`` in the ``jaxkv.models.llama`` layout. Each tensor goes
     from the memory-mapped file to the device in its stored dtype; transposes, fusion and the
     cast run there, one layer at a time.

@@ -55,6 +55,9 @@ def resolve_device(device):
     if device is None or isinstance(device, jax.Device):
         return device
     if isinstance(device, str):
+        if not device.strip():  # jax.devices("") is the default backend's: not what was meant
+            raise ValueError("device is an empty string: pass a platform name ('cpu', 'gpu'), a "
+                             "jax.Device, or None for the default device")
         try:
             return jax.devices(device)[0]
         except RuntimeError:
@@ -67,15 +70,18 @@ def resolve_device(device):
 def load(path: str | os.PathLike | None = None, *, dtype: str | None = None, device=None):
     """Loads a model and its tokenizer: ``(ModelConfig, params, Tokenizer)``.
 
-    ``path``: see :func:`resolve_model`. ``dtype``: "float32", "bfloat16" or None (GGUF:
-    float32; checkpoints: their stored dtype, bf16 staying bf16). ``device``: where the weights
+    ``path``: see :func:`resolve_model`. ``dtype``: "float32", "bfloat16" (or a dtype object of
+    one: ``np.float32``, ``jnp.bfloat16``) or None (GGUF: float32; checkpoints: their stored
+    dtype, bf16 staying bf16). ``device``: where the weights
     go: a ``jax.Device``, a platform name ("cpu", "gpu") for its first device, or None for the
     default device. The tokenizer and chat template come from the model's own files.
     """
+    from .configs import dtype_name
     from .gguf_loader import load_gguf
     from .hf_loader import load_hf
     from .tokenizer import Tokenizer
 
+    dtype = dtype_name(dtype)
     device = resolve_device(device)
     kind, p = resolve_model(path)
     # the tokenizer first: one the loader cannot read fails before minutes of weights

@@ -82,12 +82,30 @@ def test_load_arguments():
         jaxkv.load(FIXTURE, compile_cache=False, device="tpu")
     with pytest.raises(TypeError, match="device must be a jax.Device, a platform name"):
         jaxkv.load(FIXTURE, compile_cache=False, device=0)
+    with pytest.raises(ValueError, match="device is an empty string"):  # not the default
+        jaxkv.load(FIXTURE, compile_cache=False, device="")
     with pytest.raises(TypeError, match="path must be a str or os.PathLike"):
         jaxkv.load(123, compile_cache=False)
     with pytest.raises(ValueError, match="path is empty"):
         jaxkv.load("", compile_cache=False)
     with pytest.raises(TypeError, match="compile_cache must be None"):
         jaxkv.load(FIXTURE, compile_cache=123)
+
+
+def test_load_dtype_objects():
+    """load's dtype: a dtype object of float32 / bfloat16 loads as that name (np.dtype compares
+    equal to its name, so it once reached ModelConfig unconverted); others name dtype."""
+    import jax.numpy as jnp
+    for dt, name in ((np.float32, "float32"), (np.dtype(jnp.bfloat16), "bfloat16"),
+                     (jnp.bfloat16, "bfloat16")):
+        m = jaxkv.load(FIXTURE, compile_cache=False, dtype=dt)
+        assert m.config.dtype == name
+        assert {leaf.dtype.name for leaf in jax.tree.leaves(m.params)} == {name}
+    for dt in ("float16", jnp.float16, np.int8):
+        with pytest.raises(ValueError, match=r"dtype must be one of \('float32', 'bfloat16'\)"):
+            jaxkv.load(FIXTURE, compile_cache=False, dtype=dt)
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        jaxkv.load(FIXTURE, compile_cache=False, dtype=3)
 
 
 def test_tokenizer_refuses_batches_and_foreign_ids(model):
