@@ -119,6 +119,11 @@ def _open(path: Path, size: int):
     return reader
 
 
+# a layer's weight tensors, as llama.cpp names them (blk.N.<name>.weight)
+_LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate",
+                  "ffn_up", "ffn_down")
+
+
 def _meta(reader, key, default=None, *, required=False):
     f = reader.fields.get(key)
     if f is None:
@@ -140,16 +145,25 @@ def _meta_int(reader, path, key, default=None, *, required=False) -> int:
     return iv
 
 
-def _dequantize(t) -> np.ndarray:
-    """One GGUF tensor -> float32 numpy array in numpy (reversed ggml) order."""
-    from gguf.quants import dequantize
+def _shape(t) -> tuple[int, ...]:
+    """A GGUF tensor's numpy shape (reversed ggml order), from the header alone."""
+    return tuple(int(s) for s in reversed(t.shape.tolist()))
 
+
+def _check_type(t) -> None:
+    """A GGUF tensor's quantisation type is one this loader dequantizes (GGUFError otherwise)."""
     if t.tensor_type not in _supported_types():
         names = sorted(q.name for q in _supported_types())
         raise GGUFError(f"tensor {t.name!r} has unsupported quantisation type "
                         f"{t.tensor_type.name}; supported: {', '.join(names)}")
-    shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-    out = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+
+
+def _dequantize(t) -> np.ndarray:
+    """One GGUF tensor -> float32 numpy array in numpy (reversed ggml) order."""
+    from gguf.quants import dequantize
+
+    _check_type(t)
+    out = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(_shape(t))
     if np.shares_memory(out, t.data):  # F32 tensors are views of the read-only file mapping
         out = out.copy()
     return out
@@ -267,20 +281,58 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
               "ffn_gate": (ffn, d_model), "ffn_up": (ffn, d_model), "ffn_down": (d_model, ffn)}
     bias_shapes = {"attn_q": (qd,), "attn_k": (kvd,), "attn_v": (kvd,)}
 
-    used = {"rope_freqs.weight"}  # read by _rope_scaling
-
-    def get(name):
+    has_bias = "blk.0.attn_q.bias" in tensors
+    # every tensor the model takes, with its shape: the header is checked against it (missing,
+    # unexpected and misshapen tensors, unsupported types) before any tensor data is read
+    want = {"token_embd.weight": shapes["token_embd"], "output_norm.weight": shapes["output_norm"]}
+    if "output.weight" in tensors:
+        want["output.weight"] = shapes["output"]
+    for i in range(n_layers):
+        want.update({f"blk.{i}.{base}.weight": shapes[base] for base in _LAYER_TENSORS})
+        if has_bias:
+            want.update({f"blk.{i}.{base}.bias": shape for base, shape in bias_shapes.items()})
+    unused = sorted(set(tensors) - set(want) - {"rope_freqs.weight"})  # rope_freqs: read above
+    if unused:  # e.g. attn_output / ffn biases or q/k norms: dropping them changes the outputs
+        shown = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
+        raise GGUFError(f"{path}: tensors this loader has no place for: {shown}. jaxkv's "
+                        f"{arch} model has Q/K/V biases only (no output / MLP biases, no Q/K "
+                        "norms); loading without them would change the model's outputs")
+    for name, shape in want.items():
         if name not in tensors:
             raise GGUFError(f"{path}: tensor {name!r} is missing")
-        used.add(name)
-        w = _dequantize(tensors[name])
-        base, kind = name.split(".")[-2], name.split(".")[-1]
-        want = (bias_shapes if kind == "bias" else shapes).get(base)
-        if want is not None and (len(want) != w.ndim
-                                 or any(x is not None and x != y for x, y in zip(want, w.shape))):
-            raise GGUFError(f"{path}: tensor {name!r} has shape {list(w.shape)}, the metadata implies "
-                            f"{[x if x is not None else '*' for x in want]}: the file is corrupt or "
+        _check_type(tensors[name])
+        got = _shape(tensors[name])
+        if len(shape) != len(got) or any(x is not None and x != y for x, y in zip(shape, got)):
+            raise GGUFError(f"{path}: tensor {name!r} has shape {list(got)}, the metadata implies "
+                            f"{[x if x is not None else '*' for x in shape]}: the file is corrupt or "
                             "its metadata does not match its tensors")
+    tie = "output.weight" not in tensors
+    model_name = _meta(reader, "general.name") or _meta(reader, "general.basename") or path.stem
+    try:  # from the header too (the vocabulary: the embedding's rows), before the weights
+        cfg = ModelConfig(
+            name=str(model_name),
+            vocab_size=_shape(tensors["token_embd.weight"])[0],
+            d_model=d_model,
+            num_layers=n_layers,
+            num_heads=n_head,
+            num_kv_heads=n_kv,
+            head_dim=head_dim,
+            ffn_dim=ffn,
+            rope_theta=float(_meta(reader, a + "rope.freq_base", 10000.0)),
+            rms_eps=float(_meta(reader, eps_key)),
+            tie_embeddings=tie,
+            qkv_bias=has_bias,
+            dtype=dtype,
+            max_position=max_pos,
+            bos_id=int(_meta(reader, "tokenizer.ggml.bos_token_id", 1)),
+            eos_id=None if eos is None else int(eos),
+            rope_scaling=scaling,
+        )
+    except (TypeError, ValueError) as e:
+        raise GGUFError(f"{path}: inconsistent metadata: {e}") from e
+
+    def get(name):
+        w = _dequantize(tensors[name])
         if not np.isfinite(w).all():
             raise GGUFError(f"{path}: tensor {name!r} holds NaN or Inf values: the file is corrupt; "
                             "re-download or re-convert it")
@@ -297,8 +349,6 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
 
     jdt = jnp.dtype(dtype)
     embed = get("token_embd.weight")
-    vocab = int(embed.shape[0])
-    has_bias = "blk.0.attn_q.bias" in tensors
     layers = []
     for i in range(n_layers):
         b = f"blk.{i}."
@@ -324,37 +374,6 @@ def load_gguf(path: str | os.PathLike | None = None, *, dtype="float32"):
         "final_norm": jnp.asarray(get("output_norm.weight"), jdt),
     }
     del embed
-    tie = "output.weight" not in tensors
     if not tie:
         params["lm_head"] = jnp.asarray(get("output.weight").T, jdt)
-    unused = sorted(set(tensors) - used)
-    if unused:  # e.g. attn_output / ffn biases or q/k norms: dropping them changes the outputs
-        shown = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
-        raise GGUFError(f"{path}: tensors this loader has no place for: {shown}. jaxkv's "
-                        f"{arch} model has Q/K/V biases only (no output / MLP biases, no Q/K "
-                        "norms); loading without them would change the model's outputs")
-
-    name = _meta(reader, "general.name") or _meta(reader, "general.basename") or path.stem
-    try:
-        cfg = ModelConfig(
-            name=str(name),
-            vocab_size=vocab,
-            d_model=d_model,
-            num_layers=n_layers,
-            num_heads=n_head,
-            num_kv_heads=n_kv,
-            head_dim=head_dim,
-            ffn_dim=ffn,
-            rope_theta=float(_meta(reader, a + "rope.freq_base", 10000.0)),
-            rms_eps=float(_meta(reader, eps_key)),
-            tie_embeddings=tie,
-            qkv_bias=has_bias,
-            dtype=dtype,
-            max_position=max_pos,
-            bos_id=int(_meta(reader, "tokenizer.ggml.bos_token_id", 1)),
-            eos_id=None if eos is None else int(eos),
-            rope_scaling=scaling,
-        )
-    except (TypeError, ValueError) as e:
-        raise GGUFError(f"{path}: inconsistent metadata: {e}") from e
     return cfg, params

@@ -271,13 +271,16 @@ def test_missing_tensor(tmp_path):
         load_gguf(path)
 
 
-def test_tensors_the_loader_has_no_place_for_are_an_error(tmp_path):
+def test_tensors_the_loader_has_no_place_for_are_an_error(tmp_path, monkeypatch):
     """Output / MLP biases (llama.cpp's optional llama tensors) or Q/K norms would be dropped,
-    changing the outputs: the load fails naming them."""
+    changing the outputs: the load fails naming them, from the header, before any tensor's
+    data is read (a multi-GB file fails at once)."""
+    from jaxkv.models import gguf_loader
     cfg = _tiny_cfg()
     extra = {"blk.0.attn_output.bias": np.full(cfg.d_model, 0.5, np.float32),
              "blk.1.ffn_down.bias": np.full(cfg.d_model, 0.5, np.float32)}
     path = _write_gguf(tmp_path / "b.gguf", cfg, _tiny_params(cfg, 0), extra_tensors=extra)
+    monkeypatch.setattr(gguf_loader, "_dequantize", lambda t: pytest.fail(f"{t.name} read"))
     with pytest.raises(GGUFError, match=r"no place for: blk\.0\.attn_output\.bias, "
                                         r"blk\.1\.ffn_down\.bias"):
         load_gguf(path)

@@ -570,7 +570,17 @@ def test_loader_nan_tensor(tmp_path):
         load_gguf(path)
 
 
-def test_loader_tensor_shape_mismatch(tmp_path):
+@pytest.fixture
+def header_only(monkeypatch):
+    """load_gguf may not read any tensor's data: header errors fail before the weights."""
+    from jaxkv.models import gguf_loader
+
+    def refuse(t):
+        raise AssertionError(f"tensor {t.name} read before the header checks failed")
+    monkeypatch.setattr(gguf_loader, "_dequantize", refuse)
+
+
+def test_loader_tensor_shape_mismatch(tmp_path, header_only):
     w = np.zeros((CFG.ffn_dim, CFG.d_model + 1), np.float32)
     path = write_tiny_gguf(tmp_path / "shape.gguf", replace={"blk.0.ffn_up.weight": w})
     with pytest.raises(GGUFError, match=r"'blk.0.ffn_up.weight' has shape \[128, 65\].*implies \[128, 64\]"):
@@ -583,7 +593,7 @@ def test_loader_tensor_shape_mismatch(tmp_path):
     ({"tokenizer.ggml.eos_token_id": 300}, r"inconsistent metadata.*eos_id \(300\).*vocab_size \(256\)"),
     ({"llama.block_count": 1}, r"'llama.block_count' = 1, but the file has tensors of block\(s\) \[1\]"),
 ])
-def test_loader_bad_metadata(tmp_path, meta, match):
+def test_loader_bad_metadata(tmp_path, meta, match, header_only):
     with pytest.raises(GGUFError, match=match):
         load_gguf(write_tiny_gguf(tmp_path / "meta.gguf", meta=meta))
 
