@@ -17,6 +17,7 @@ from pathlib import Path
 
 DEFAULT_PROMPT = "The capital of France is Paris. The capital of Germany is"
 DEFAULT_BUDGET = 1024  # tokens: CacheConfig's default, 64 pages of 16
+SELECTORS = ("quest_rescore8", "quest", "indexer", "dense")  # --selector's choices
 
 
 def _int_at_least(minimum: int):
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--gguf", type=Path, help="a GGUF file (the same as --model for a GGUF file)")
     p.add_argument("--mode", choices=["host", "resident"], default="host",
                    help="host: KV cache in host RAM, device pool as LRU cache; resident: all on device")
-    p.add_argument("--selector", choices=["quest_rescore8", "quest", "indexer", "dense"],
+    p.add_argument("--selector", choices=SELECTORS,
                    default="quest_rescore8",
                    help="which pages each step reads (quest_rescore8: Quest's candidates "
                         "re-ranked by attention mass from an int8 key copy, near-lossless on "
@@ -129,6 +130,17 @@ def _read_prompt(args) -> str:
         raise ValueError(f"cannot read prompt file {args.file} as UTF-8 text ({e})") from None
 
 
+def _check_candidate_pages(args) -> None:
+    """--candidate-pages sizes a two-stage selector's first stage: with another selector it
+    would do nothing, so it is an error naming both options (CacheConfig's rule)."""
+    from jaxkv import selectors
+    if args.candidate_pages is not None and not selectors.get(args.selector).two_stage:
+        two = [n for n in SELECTORS if selectors.get(n).two_stage]
+        raise ValueError(f"--candidate-pages sizes the first stage of a two-stage selector "
+                         f"({', '.join(two)}); --selector {args.selector} has none: drop "
+                         f"--candidate-pages or use --selector {two[0]}")
+
+
 def _check_model_options(args):
     """Options the chosen model cannot serve fail here, before its weights load: the indexer
     selector needs indexer weights (GGUF files and the checkpoints read here have none), and
@@ -151,6 +163,11 @@ def _check_model_options(args):
     if args.chat:
         from jaxkv.models.tokenizer import Tokenizer
         tok = Tokenizer.from_gguf(path) if kind == "gguf" else Tokenizer.from_pretrained(path)
+        if not tok.chat_template and tok.chat_template_names:
+            raise ValueError(f"--chat: {path} has named chat templates "
+                             f"{list(tok.chat_template_names)} and none is 'default', the one "
+                             "--chat uses: drop --chat and pass the prompt formatted with the "
+                             "template you want")
         if not tok.chat_template:
             raise ValueError(f"--chat: {path} has no chat template: drop --chat")
 
@@ -190,6 +207,7 @@ def main(argv=None) -> int:
     # --strict checks for dropped pages: only the per-layer schedule drops any (host mode)
     schedule = args.schedule or ("layer" if args.strict and args.mode == "host" else "step")
     try:
+        _check_candidate_pages(args)
         cache = jaxkv.CacheConfig(
             mode=args.mode, selector=args.selector, page_size=args.page_size,
             selected_pages=max(2, -(-budget // args.page_size)), pool_pages=args.pool_pages,

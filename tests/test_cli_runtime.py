@@ -49,12 +49,15 @@ def test_json_prints_only_json(capsys):
 
 def test_two_stage_selector_from_the_command_line(capsys):
     """--selector quest_rescore8 with --candidate-pages runs; --candidate-pages with a
-    one-stage selector fails naming the field and the fix."""
+    one-stage selector fails before the model loads, naming the options and the fix."""
     assert cli_main(["Hello", *FAST, "--json", "--selector", "quest_rescore8", "--budget", "8",
                      "--candidate-pages", "6"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["generated_tokens"] >= 1
-    assert cli_main(["Hello", *FAST, "--selector", "quest", "--candidate-pages", "6"]) == 2
-    assert "leave candidate_pages=None" in capsys.readouterr().err
+    for sel in ("quest", "dense"):
+        assert cli_main(["Hello", "--model", "/no/such/model", "--selector", sel,
+                         "--candidate-pages", "6"]) == 2
+        assert (f"--selector {sel} has none: drop --candidate-pages or use --selector "
+                "quest_rescore8") in capsys.readouterr().err
 
 
 def test_int8_kv_from_the_command_line(capsys):
@@ -87,6 +90,12 @@ def test_options_the_model_cannot_serve_fail_before_loading(capsys, monkeypatch,
     (bare / "chat_template.jinja").unlink()
     assert cli_main(["hi", "--model", str(bare), "--chat"]) == 2
     assert "has no chat template: drop --chat" in capsys.readouterr().err
+    # named templates without a "default": the error names them (not "no chat template")
+    tc = json.loads((bare / "tokenizer_config.json").read_text())
+    tc["chat_template"] = [{"name": "tool_use", "template": "{{ messages }}"}]
+    (bare / "tokenizer_config.json").write_text(json.dumps(tc))
+    assert cli_main(["hi", "--model", str(bare), "--chat"]) == 2
+    assert "named chat templates ['tool_use'] and none is 'default'" in capsys.readouterr().err
     assert cli_main(["hi", "--model", FIXTURE, "--stop="]) == 2
     assert "--stop: a stop string must not be empty" in capsys.readouterr().err
 
