@@ -54,7 +54,7 @@ import decode_lib as lib  # noqa: E402
 
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="output directory (bench_decode.json, .png)")
     ap.add_argument("--quick", action="store_true", help="tiny smoke test (also runs on CPU)")
@@ -96,7 +96,11 @@ def main():
                     help="run on the GPU's local CPUs (its NUMA node; before JAX allocates)")
     ap.add_argument("--measure-overlap", action="store_true",
                     help="measure the real-text overlap (SmolLM2) into --out and exit")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    if a.devices < 1:
+        ap.error(f"--devices must be >= 1, got {a.devices}")
+    if a.pairs < 0:
+        ap.error(f"--pairs must be >= 0 (0: no pairs), got {a.pairs}")
     numa = _numa.bind_to_gpu() if a.bind_numa else _numa.gpu_numa()
     if a.measure_overlap:
         r = lib.measure_overlap(page_size=a.page_size, selected_tokens=a.selected_tokens)
@@ -119,6 +123,8 @@ def main():
         pools = tuple(int(x) for x in a.pools.split(",") if x.strip())
     except ValueError:
         ap.error(f"--pools: {a.pools!r} is not a list of ints")
+    if not pools:  # every case's memory plan sizes the largest pool
+        ap.error(f"--pools: {a.pools!r} names no pool size; give some of 1,2,4 (the default)")
     host_pools = {int(c[1:]) for c in lib.CONFIG_ORDER if c[0] == "c"}
     if set(pools) - host_pools:
         ap.error(f"--pools: {sorted(set(pools) - host_pools)} have no configuration; the host "
@@ -130,11 +136,16 @@ def main():
         batches = [int(x) for x in a.batches.split(",") if x.strip()] or None
     except ValueError as e:
         ap.error(f"--contexts / --prefill / --batches: {e}")
-    if a.pairs > 0 and "c2" not in cfgs and "c" not in cfgs:
-        print("bench_decode: --pairs pairs b with c2, which --configs leaves out: no pairs",
-              file=sys.stderr)
     expanded = tuple(c for c in lib.CONFIG_ORDER
                      if c in cfgs or (c[0] == "c" and ("c" in cfgs or c in cfgs)))
+    if a.pairs > 0:  # the paired run needs b, c2 (a pool of 2) and the decode section
+        why = [w for w, missing in (("--configs leaves out b", "b" not in expanded),
+                                    ("--configs leaves out c2", "c2" not in expanded),
+                                    ("--pools leaves out 2 (c2)", 2 not in pools),
+                                    ("--no-decode skips decoding", a.no_decode)) if missing]
+        if why:
+            print(f"bench_decode: --pairs {a.pairs} has no effect: it pairs b with c2, and "
+                  f"{'; '.join(why)}", file=sys.stderr)
     st = lib.Settings(page_size=a.page_size, selected_tokens=a.selected_tokens,
                       selector=a.selector, budget_s=a.budget, probe_steps=a.probe_steps,
                       host_mem_gb=a.host_mem_gb, pools=pools, configs=expanded,

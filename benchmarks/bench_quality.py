@@ -54,7 +54,8 @@ Three steps::
     PYTHONPATH=. python3 benchmarks/bench_quality.py --quick --out /tmp/q
 
 Writes ``quality_<platform>[_quick][_<tag>].json`` and ``.md`` to ``--out`` after every run
-(a run cut short keeps what it finished; ``--resume`` skips the runs already in the file;
+(a run cut short keeps what it finished; ``--resume`` skips the runs already in the file,
+whose settings, pool cap, run specs and cases must be this command's;
 ``--dense-from`` pairs the runs with an earlier file's dense runs instead of running dense,
 for the same model, dtype, page size and cases: dense decoding is deterministic).
 ``--summarize OUT.json A.json B.json ...`` merges result files of several commands into one
@@ -630,7 +631,7 @@ def run(out_dir, *, quick=False, data=None, gguf=None, dtype=None, lengths=None,
     done = set()
     if resume and (out_dir / f"{name}.json").exists():
         prev = json.loads((out_dir / f"{name}.json").read_text())
-        check_resume(prev, out, specs, out_dir / f"{name}.json")
+        check_resume(prev, out, specs, out_dir / f"{name}.json", cases)
         out["resumed_from"] = {"commit": prev.get("commit"), "date": prev.get("date")}
         out["runs"] = prev["runs"]
         done = {(r["length"], r["name"]) for r in prev["runs"]}
@@ -698,13 +699,43 @@ def _setting_diff(a: dict, b: dict, keys=STORED_KEYS, where=("there", "here")) -
             if a.get(k) != b.get(k)]
 
 
-def check_resume(prev: dict, out: dict, specs: dict, path) -> None:
+def _case_diff(requests: list, group: list) -> tuple[list, list, list]:
+    """How a stored run's per-request records differ from ``group``'s cases (one length): the
+    cases they lack and the ones they have beyond them, as (task, index), and the cases whose
+    prompt length differs (another draw of the data) as (task, index, here, there). A case is
+    known by (task, index); its prompt length tells the draw."""
+    have = {(q["task"], q["index"]): q.get("n_tokens") for q in requests}
+    missing = [(c["task"], c["index"]) for c in group if (c["task"], c["index"]) not in have]
+    extra = sorted(set(have) - {(c["task"], c["index"]) for c in group})
+    other = [(c["task"], c["index"], c.get("n_tokens"), m) for c in group
+             if (c["task"], c["index"]) in have
+             and None not in (m := have[(c["task"], c["index"])], c.get("n_tokens"))
+             and m != c["n_tokens"]]
+    return missing, extra, other
+
+
+RESUME_KEYS = STORED_KEYS + ("pool_cap",)  # the host runs' pool size depends on pool_cap
+
+
+def check_resume(prev: dict, out: dict, specs: dict, path, cases: list) -> None:
     """--resume keeps ``prev``'s runs only if they are what this command would run: every
-    ``STORED_KEYS`` setting and every shared run's spec the same; else an error naming them."""
-    diff = _setting_diff(prev, out)
+    ``RESUME_KEYS`` setting and every shared run's spec the same, and its runs at this
+    command's lengths over exactly these ``cases``; else an error naming what differs."""
+    diff = _setting_diff(prev, out, RESUME_KEYS)
     diff += [f"run {n!r} is {prev['specs'][n]!r} there, {specs[n]!r} here"
              for n in sorted(set(specs) & set(prev.get("specs", {})))
              if prev["specs"][n] != json.loads(json.dumps(specs[n], default=str))]
+    for r in prev.get("runs", []):
+        group = [c for c in cases if c["length"] == r["length"]]
+        if not group:  # a length this command does not run: kept as it is
+            continue
+        missing, extra, other = _case_diff(r.get("requests", []), group)
+        what = ([f"lacks {len(missing)} of the cases here (e.g. {missing[0]})"] if missing else []) \
+            + ([f"has {len(extra)} cases not here (e.g. {extra[0]})"] if extra else []) \
+            + ([f"has {len(other)} cases of another draw (e.g. {other[0][0]} #{other[0][1]}: "
+                f"{other[0][2]} prompt tokens here, {other[0][3]} there)"] if other else [])
+        if what:
+            diff.append(f"run {r['name']!r} at {r['length']} tokens {', '.join(what)}")
     if diff:
         raise SystemExit(f"--resume {path}: another setting ({'; '.join(diff)}): pass another "
                          "--tag or --out")
@@ -724,16 +755,11 @@ def stored_dense(prev: dict, out: dict, cases: list, *, source: str) -> dict:
     for length in sorted({c["length"] for c in cases}):
         if length not in dense:
             raise SystemExit(f"--dense-from {source}: no dense run at {length} tokens")
-        have = {(q["task"], q["index"]): q.get("n_tokens") for q in dense[length]["requests"]}
         group = [c for c in cases if c["length"] == length]
-        missing = [(c["task"], c["index"]) for c in group if (c["task"], c["index"]) not in have]
+        missing, _, other = _case_diff(dense[length]["requests"], group)
         if missing:
             raise SystemExit(f"--dense-from {source}: {len(missing)} cases at {length} tokens "
                              f"are not in its dense run, e.g. {missing[0]}")
-        # A case is known by (task, index): its prompt length tells another draw of the data.
-        other = [(c["task"], c["index"], c.get("n_tokens"), m) for c in group
-                 if None not in (m := have[(c["task"], c["index"])], c.get("n_tokens"))
-                 and m != c["n_tokens"]]
         if other:
             t, i, n, m = other[0]
             raise SystemExit(f"--dense-from {source}: {len(other)} cases at {length} tokens "
@@ -970,7 +996,8 @@ def main(argv=None):
                          "running dense (same model, dtype, page size and cases: dense "
                          "decoding is deterministic)")
     ap.add_argument("--resume", action="store_true",
-                    help="keep the runs already in the output file and skip them")
+                    help="keep the runs already in the output file and skip them (its "
+                         "settings, --pool-cap, run specs and cases must be these)")
     ap.add_argument("--texts", choices=["all", "diff", "none"], default="diff",
                     help="generated texts in the JSON: all, those differing from dense, none")
     ap.add_argument("--logprobs", action="store_true",

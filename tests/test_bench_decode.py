@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import decode_lib  # benchmarks/ (tests/conftest.py puts it on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,3 +176,30 @@ def test_roofline_bytes_by_part():
     peak = decode_lib.roofline(dict(step_ms=2.0, h2d_bytes_per_step=0), got, 1.0, 50.0, peak=4.0)
     assert peak["peak_floor_ms"] == got["total"] / 4e9 * 1e3
     assert peak["fraction_of_peak_roofline"] == peak["peak_floor_ms"] / 2.0
+
+
+def test_command_line_errors_and_the_pairs_notice(tmp_path, monkeypatch, capsys):
+    """An empty --pools, --devices below 1 and a negative --pairs are argparse errors naming
+    the option (an empty --pools once crashed every case in the memory plan's max()); --pairs
+    where the paired b / c2 run cannot happen prints why, and the run goes on."""
+    import bench_decode
+    runs = []
+    monkeypatch.setattr(bench_decode.lib, "run", lambda *a, **k: runs.append(k["settings"]))
+    out = ["--quick", "--out", str(tmp_path)]
+    for bad, match in ((["--pools", ""], "--pools: '' names no pool size"),
+                       (["--pools", " , "], "--pools: ' , ' names no pool size"),
+                       (["--devices", ""], "argument --devices: invalid int value: ''"),
+                       (["--devices", "0"], "--devices must be >= 1, got 0"),
+                       (["--pairs", "-1"], "--pairs must be >= 0")):
+        with pytest.raises(SystemExit) as e:
+            bench_decode.main(out + bad)
+        assert e.value.code == 2 and match in capsys.readouterr().err
+    for args, why in ((["--configs", "a,c"], "--configs leaves out b"),
+                      (["--configs", "b,c", "--pools", "1,4"], "--pools leaves out 2 (c2)"),
+                      (["--no-decode"], "--no-decode skips decoding")):
+        bench_decode.main(out + ["--pairs", "2"] + args)
+        err = capsys.readouterr().err
+        assert "--pairs 2 has no effect: it pairs b with c2" in err and why in err
+    bench_decode.main(out + ["--pairs", "2", "--configs", "b,c2", "--pools", "2"])
+    assert "--pairs" not in capsys.readouterr().err and runs[-1].pairs == 2
+    assert len(runs) == 4

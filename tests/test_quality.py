@@ -274,19 +274,37 @@ def test_stored_dense_checks_settings_and_cases():
 
 
 def test_resume_keeps_only_runs_of_the_same_settings():
-    """--resume: an earlier file's runs are kept only under the same settings and specs."""
+    """--resume: an earlier file's runs are kept only under the same settings, pool cap and
+    specs, and over the same cases at the lengths this command runs."""
     meta = dict(model="m", dtype="bfloat16", page_size=16, generator="g", seed=42,
-                template="chat", max_new_tokens=None)
+                template="chat", max_new_tokens=None, pool_cap=0.75)
     specs = {"dense": dict(mode="resident", selector="dense"),
              "q": dict(mode="host", selector="quest", selected_pages=8)}
-    prev = dict(meta, specs=json.loads(json.dumps(specs)), runs=[])
-    bench_quality.check_resume(prev, dict(meta), specs, "o/r.json")
-    bench_quality.check_resume(prev, dict(meta), {"new": dict(selector="quest")}, "o/r.json")
+    run = dict(length=2048, name="q", requests=[_req("vt", i, 1.0) for i in range(3)])
+    prev = dict(meta, specs=json.loads(json.dumps(specs)),
+                runs=[run, dict(run, length=4096, requests=[])])
+    cases = [dict(length=2048, task="vt", index=i, n_tokens=100) for i in range(3)]
+    bench_quality.check_resume(prev, dict(meta), specs, "o/r.json", cases)
+    bench_quality.check_resume(prev, dict(meta), {"new": dict(selector="quest")}, "o/r.json",
+                               cases)
     with pytest.raises(SystemExit, match="dtype 'bfloat16' there, 'float32' here"):
-        bench_quality.check_resume(prev, dict(meta, dtype="float32"), specs, "o/r.json")
+        bench_quality.check_resume(prev, dict(meta, dtype="float32"), specs, "o/r.json", cases)
     with pytest.raises(SystemExit, match="run 'q' is"):
         bench_quality.check_resume(prev, dict(meta), dict(specs, q=dict(specs["q"], selected_pages=4)),
-                                   "o/r.json")
+                                   "o/r.json", cases)
+    with pytest.raises(SystemExit, match="pool_cap 0.75 there, 0.5 here"):
+        bench_quality.check_resume(prev, dict(meta, pool_cap=0.5), specs, "o/r.json", cases)
+    # other cases at a length both run (--cases, --tasks or another draw of the data)
+    more = cases + [dict(length=2048, task="vt", index=3, n_tokens=100)]
+    with pytest.raises(SystemExit, match=r"run 'q' at 2048 tokens lacks 1 of the cases here "
+                                         r"\(e.g. \('vt', 3\)\)"):
+        bench_quality.check_resume(prev, dict(meta), specs, "o/r.json", more)
+    with pytest.raises(SystemExit, match=r"run 'q' at 2048 tokens has 2 cases not here"):
+        bench_quality.check_resume(prev, dict(meta), specs, "o/r.json", cases[:1])
+    drawn = [dict(c, n_tokens=101) for c in cases]
+    with pytest.raises(SystemExit, match=r"another draw \(e.g. vt #0: 101 prompt tokens here, "
+                                         r"100 there\)"):
+        bench_quality.check_resume(prev, dict(meta), specs, "o/r.json", drawn)
 
 
 def test_default_batch_size_bounds_prompt_tokens_per_call():
