@@ -63,4 +63,7 @@ def __getattr__(name):  # lazy: importing jaxkv must not pull the kernels and mo
     if name == "Context":
         from jaxkv import context as _c
         return _c.Context
-    raise AttributeError(name)
+    if name in ("models", "kernels"):  # subpackages: ``jaxkv.models.load`` after ``import jaxkv``
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

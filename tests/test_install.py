@@ -2,6 +2,7 @@
 used from a user's project that has its own top-level ``models`` package. The repository's
 ``models/`` and ``pallas_kernels/`` install as ``jaxkv.models`` and ``jaxkv.kernels``, so the
 user's ``models`` stays theirs and ``jaxkv.generate`` still works."""
+import os
 import subprocess
 import sys
 import textwrap
@@ -59,3 +60,26 @@ def test_wheel_install_next_to_a_user_models_package(tmp_path):
     assert last.startswith("OK"), out.stdout
     # the wheel's top-level entries: jaxkv and its dist-info, nothing named models / kernels
     assert "models" not in last and "pallas_kernels" not in last, last
+
+
+def test_subpackages_are_lazy_attributes():
+    """``import jaxkv`` then ``jaxkv.models.load`` (as the README writes it) works without
+    importing ``jaxkv.models`` first, and ``import jaxkv`` alone does not import it; an
+    unknown attribute is an AttributeError naming it."""
+    script = textwrap.dedent("""
+        import sys
+        import jaxkv
+        assert "jaxkv.models" not in sys.modules
+        assert callable(jaxkv.models.load) and "jaxkv.models" in sys.modules
+        assert jaxkv.kernels.__name__ == "jaxkv.kernels"
+        try:
+            jaxkv.nothing
+        except AttributeError as e:
+            assert "'nothing'" in str(e), e
+        else:
+            raise AssertionError("jaxkv.nothing")
+        print("OK")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-3000:]
