@@ -113,12 +113,28 @@ def encode(tokenizer, p, i: int, *, continued: bool = False, history: str | None
     raise AssertionError("continued chats go through encode_turns")
 
 
+# stands for the reply when the template renders it, to find what follows an assistant turn
+_REPLY_MARK = "JAXKV-REPLY-MARK-7f3a"
+
+
+def _turn_end(tokenizer, history: list) -> str:
+    """The text the chat template puts after an assistant turn's content (ChatML:
+    ``<|im_end|>\n``): ``history`` (ending with that turn) rendered with a marker as the
+    turn's content, after the marker. A marker, not the reply: a reply that is empty, only
+    whitespace or changed by the template (trimmed) cannot be found in the rendered text."""
+    marked = list(history[:-1]) + [dict(history[-1], content=_REPLY_MARK)]
+    text = tokenizer.apply_chat_template(marked, add_generation_prompt=False)
+    at = text.rfind(_REPLY_MARK)
+    return text[at + len(_REPLY_MARK):] if at >= 0 else ""
+
+
 def encode_turns(tokenizer, history: list, reply_ids: Sequence[int], new_messages: list,
                  i: int) -> list[int]:
     """New chat turns after a kept conversation whose last turn is the generated reply
     (``history`` ends with it as an assistant message; ``reply_ids`` its tokens). The template
     renders the whole conversation; appended are the end of the reply's turn that the
-    generation did not produce (e.g. the newline after ``<|im_end|>``) and the new turns."""
+    generation did not produce (e.g. the newline after ``<|im_end|>``, or all of
+    ``<|im_end|>\n`` after a reply cut by its length) and the new turns."""
     check_chat(new_messages, i)
     before = tokenizer.apply_chat_template(history, add_generation_prompt=False)
     full = tokenizer.apply_chat_template(history + list(new_messages), add_generation_prompt=True)
@@ -127,12 +143,12 @@ def encode_turns(tokenizer, history: list, reply_ids: Sequence[int], new_message
             f"prompt {i}: the chat template renders the kept conversation differently once "
             "new turns follow (it rewrites earlier turns), so they cannot be appended: pass the "
             "new turn as text with the template's markers, or start a new context")
-    reply = tokenizer.decode(list(reply_ids), skip_special_tokens=True).strip()
-    at = before.rfind(reply) if reply else -1
-    turn_end = before[at + len(reply):] if at >= 0 else ""
-    produced = tokenizer.decode(list(reply_ids[-1:])) if len(reply_ids) else ""
-    if produced and turn_end.startswith(produced) and produced not in reply:
-        turn_end = turn_end[len(produced):]       # the stop token the reply ended with
+    turn_end = _turn_end(tokenizer, history)
+    last = list(reply_ids[-1:])
+    if last and not tokenizer.decode(last, skip_special_tokens=True):
+        produced = tokenizer.decode(last)   # a special token: the stop token the reply ended with
+        if produced and turn_end.startswith(produced):
+            turn_end = turn_end[len(produced):]
     text = turn_end + full[len(before):]
     if not text:
         raise ValueError(f"prompt {i}: the new messages add no text to the conversation")

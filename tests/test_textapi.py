@@ -387,6 +387,27 @@ def test_continued_chat_messages(model):
         _gen(model, [[{"role": "user", "content": "More"}]], cache=cache, context=r3.context)
 
 
+def test_continued_chat_after_an_empty_reply_ends_its_turn(model):
+    """A reply that is only the stop token (empty text), whitespace, or cut by its length:
+    the next chat turn appends what the template puts after the reply (ChatML's
+    ``<|im_end|>\n``, less a stop token generated), so the conversation's tokens are the
+    template's for the whole conversation (with the reply as generated)."""
+    tok = model.tokenizer
+    user, new = [{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Again"}]
+    head = tok.apply_chat_template(user, add_generation_prompt=True)
+    turn = "<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n"
+    im_end = tok.encode("<|im_end|>", add_bos=False)
+    for text, stop in (("", im_end), ("Hello there", im_end), ("Hello there", []),
+                       ("  ", im_end)):
+        reply = (tok.encode(text, add_bos=False) if text else []) + stop
+        hist = user + [{"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True)}]
+        got = tok.encode(head, add_bos=False) + reply + jaxkv.text.encode_turns(
+            tok, hist, reply, new, 0)
+        assert tok.decode(got) == head + text + "<|im_end|>\n" + turn
+        if text == text.strip():   # the template trims a reply's whitespace
+            assert got == tok.apply_chat_template(hist + new, tokenize=True)
+
+
 def test_context_errors(model):
     r = _gen(model, ["one", "two"], keep=True, max_new_tokens=2)
     with pytest.raises(ValueError, match="select"):
