@@ -226,4 +226,13 @@ def check_stop_strings(stop_strings, tokenizer) -> tuple[str, ...]:
     if stop_strings and tokenizer is None:
         raise TypeError("stop_strings need a tokenizer: pass the model from jaxkv.load(...) "
                         "(or use stop_tokens)")
+    for j, s in enumerate(stop_strings):
+        # the text leaves special tokens out (skip_special_tokens): a string holding one's
+        # text (e.g. "<|im_end|>") never matches
+        for t in tokenizer.encode(s, add_bos=False):
+            if tokenizer.decode([t]) and not tokenizer.decode([t], skip_special_tokens=True):
+                raise ValueError(
+                    f"stop_strings[{j}] {s!r} holds the special token {tokenizer.decode([t])!r} "
+                    f"(id {t}), which the generated text leaves out, so it would never match: "
+                    f"pass its id as a stop token (stop_tokens=[{t}]) instead")
     return tuple(stop_strings)

@@ -193,6 +193,16 @@ def test_stop_strings_cut_text_and_tokens(model):
             assert all(any(c) for c in chunks)   # no item without a token
 
 
+@pytest.mark.parametrize("stop", ["<|im_end|>", "done<|endoftext|>"])
+def test_stop_string_of_a_special_token_names_its_id(model, stop):
+    """The text leaves special tokens out, so a stop string holding one would never match:
+    refused before any work, naming the token's id to pass in stop_tokens."""
+    tid = model.tokenizer.encode(stop, add_bos=False)[-1]
+    with pytest.raises(ValueError, match=rf"stop_strings\[1\] '{stop}' holds the special token "
+                                         rf"'.*' \(id {tid}\).*stop_tokens=\[{tid}\]"):
+        _gen(model, "Hi", stop_strings=["x", stop])
+
+
 def test_sampled_tokens_do_not_depend_on_the_batch(model):
     """Each request draws with its own key: alone with seed s + b it gives what it gives as
     request b of a batch with seed s; prompts permuted with their seeds give permuted tokens."""
