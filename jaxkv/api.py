@@ -82,10 +82,10 @@ def _validate_prompts(model: ModelConfig, prompts) -> list[list[int]]:
                          "also text or a chat) or a non-empty list of requests")
     out = []
     for i, p in enumerate(prompts):
-        if not isinstance(p, (str, bytes)) and np.asarray(p).size == 0:
+        arr = validation.check_token_ids(p, model.vocab_size, f"prompt {i}")
+        if arr.size == 0:
             raise ValueError(f"prompt {i} is empty: every request needs at least one token "
                              "(e.g. the BOS id)")
-        arr = validation.check_token_ids(p, model.vocab_size, f"prompt {i}")
         out.append([int(t) for t in arr])
     return out
 

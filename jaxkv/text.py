@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jaxkv import validation
 from jaxkv.models.configs import ModelConfig
 
 
@@ -71,11 +72,13 @@ def is_chat(p) -> bool:
 
 
 def _is_token_ids(p) -> bool:
-    """One request's token ids: a 1-D integer array, or a non-empty list / tuple of ints."""
-    if isinstance(p, np.ndarray):
-        return p.ndim == 1 and p.size > 0 and np.issubdtype(p.dtype, np.integer)
+    """One request's token ids: a non-empty 1-D array (numpy or jax), or a non-empty list /
+    tuple of scalars (ints; a float, bool or None among them is then refused naming it, not
+    taken as a batch of one-token requests)."""
+    if isinstance(p, np.ndarray) or (hasattr(p, "__array__") and hasattr(p, "ndim")):
+        return p.ndim == 1 and p.size > 0
     return (isinstance(p, (list, tuple)) and len(p) > 0
-            and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p))
+            and all(validation.is_scalar(t) for t in p))
 
 
 def normalize(prompts) -> list:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -197,10 +198,42 @@ def check_kv_dtype(kv_dtype: str, device=None) -> None:
                          "kv_dtype='bfloat16' (or None, the model's dtype)")
 
 
+def is_scalar(t) -> bool:
+    """Neither a list, tuple or array (of any shape: ``np.ndim`` would fail on a ragged list),
+    nor text or a mapping."""
+    return not isinstance(t, (list, tuple, str, bytes, Mapping)) and np.ndim(t) == 0
+
+
+def _is_int_item(t) -> bool:
+    """An int, a numpy integer or a 0-d integer array (numpy or jax); not a bool."""
+    if _is_int(t):
+        return True
+    dt = getattr(t, "dtype", None)
+    return (dt is not None and np.ndim(t) == 0 and np.issubdtype(np.dtype(dt), np.integer))
+
+
 def check_token_ids(ids, vocab_size: int, what: str) -> np.ndarray:
-    """``ids`` as a 1-D int array of token ids in ``[0, vocab_size)`` (may be empty)."""
+    """``ids`` as a 1-D int array of token ids in ``[0, vocab_size)`` (may be empty). A list's
+    items are checked one by one, so the message names a float, bool, nested list or an int
+    numpy cannot hold (2**70) and its index, instead of numpy's conversion error."""
     if isinstance(ids, (str, bytes)):
         raise TypeError(f"{what} is text: pass token ids (tokenizer.encode(text))")
+
+    def outside(j, t):
+        return ValueError(f"{what} has token id {int(t)} at index {j}, outside the vocabulary "
+                          f"[0, {vocab_size}): encode with the model's own tokenizer")
+
+    if isinstance(ids, (list, tuple)):
+        for j, t in enumerate(ids):
+            if isinstance(t, (list, tuple)) or np.ndim(t) > 0:   # lists first: ragged ones
+                raise ValueError(f"{what} must be a 1-D list of token ids, but holds "
+                                 f"{type(t).__name__} {t!r} at index {j}: a request is a flat "
+                                 "list of ids (a batch, a list of requests)")
+            if not _is_int_item(t):
+                raise TypeError(f"{what} holds a {type(t).__name__} ({t!r}) at index {j}: "
+                                "token ids are ints")
+            if not 0 <= int(t) < vocab_size:   # before numpy, which cannot hold 2**70
+                raise outside(j, t)
     arr = np.asarray(ids)
     if arr.ndim != 1:
         raise ValueError(f"{what} must be a 1-D list of token ids, got shape {arr.shape}")
@@ -209,8 +242,7 @@ def check_token_ids(ids, vocab_size: int, what: str) -> np.ndarray:
     bad = (arr < 0) | (arr >= vocab_size)
     if bad.any():
         j = int(np.argmax(bad))
-        raise ValueError(f"{what} has token id {int(arr[j])} at index {j}, outside the vocabulary "
-                         f"[0, {vocab_size}): encode with the model's own tokenizer")
+        raise outside(j, arr[j])
     return arr.astype(np.int64)
 
 

@@ -45,8 +45,17 @@ def gen(prompts=PROMPTS, cache=SMALL, model=CFG, params=PARAMS, **kw):
     ("hello", TypeError, r"prompt 0 is text: pass token ids \(tokenizer.encode.*jaxkv.load"),
     ([[5, 6], "text"], TypeError, r"prompt 1 is text: pass token ids \(tokenizer.encode"),
     ([[5, 6], []], ValueError, "prompt 1 is empty.*BOS"),
-    ([[5, 6, 7], [1.5, 2.0]], TypeError, "prompt 1 must hold integer token ids"),
-    ([[[1, 2], [3, 4]]], ValueError, "prompt 0 must be a 1-D list"),
+    ([[5, 6, 7], [1.5, 2.0]], TypeError, r"prompt 1 holds a float \(1.5\) at index 0"),
+    ([[5, 6, 7], [5, True]], TypeError, r"prompt 1 holds a bool \(True\) at index 1"),
+    ([5, 6.0], TypeError, r"prompt 0 holds a float \(6.0\) at index 1"),    # one request
+    ([True, False], TypeError, r"prompt 0 holds a bool \(True\) at index 0"),
+    ([[5, None]], TypeError, r"prompt 0 holds a NoneType \(None\) at index 1"),
+    ([[5, 6], np.array([1.5])], TypeError, "prompt 1 must hold integer token ids, got dtype float64"),
+    ([[[1, 2], [3, 4]]], ValueError, r"prompt 0 must be a 1-D list of token ids, but holds list "
+                                     r"\[1, 2\] at index 0"),
+    ([[[1, 2], [3]]], ValueError, r"prompt 0 must be a 1-D list .* holds list \[1, 2\]"),  # ragged
+    ([[5, 2**70]], ValueError, rf"prompt 0 has token id {2**70} at index 1, outside"),
+    ([5, -2**70], ValueError, rf"prompt 0 has token id {-2**70} at index 1, outside"),
     ([[5, 6], [3, 256, 4]], ValueError, r"prompt 1 has token id 256 at index 1.*\[0, 256\).*tokenizer"),
     ([[5, -1]], ValueError, "prompt 0 has token id -1"),
 ])
@@ -55,8 +64,9 @@ def test_bad_prompts(prompts, exc, match):
         gen(prompts)
 
 
-@pytest.mark.parametrize("one", [[5, 6, 7], (5, 6, 7), np.array([5, 6, 7], np.int32)],
-                         ids=["list", "tuple", "array"])
+@pytest.mark.parametrize("one", [[5, 6, 7], (5, 6, 7), np.array([5, 6, 7], np.int32),
+                                 jnp.array([5, 6, 7]), [np.int64(5), np.array(6), jnp.int32(7)]],
+                         ids=["list", "tuple", "array", "jax-array", "numpy-and-jax-scalars"])
 def test_one_token_id_list_is_one_request(one):
     """A single token-id list (or 1-D integer array) is one request, like a single text."""
     assert gen(one).tokens == gen([[5, 6, 7]]).tokens
