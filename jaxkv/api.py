@@ -267,8 +267,6 @@ def request_keys(seed, n: int) -> jax.Array:
             raise ValueError(f"seed: a sequence needs one seed per request ({n}), got {len(seeds)}")
         seeds = [validation.check_int(f"seed[{i}]", v, minimum=0) for i, v in enumerate(seeds)]
     else:
-        if isinstance(seed, (np.ndarray, jax.Array)):
-            seed = seed.item()
         first = validation.check_int("seed", seed, minimum=0)
         seeds = [first + b for b in range(n)]
     data = np.stack([np.asarray(jax.random.key_data(prng_key(v))) for v in seeds])

@@ -384,8 +384,7 @@ def _sampling_number(name: str, v, *, integer: bool = False):
     device arrays of the right kind pass through (jit re-builds Sampling from them)."""
     if isinstance(v, jax.core.Tracer):
         return v
-    if isinstance(v, (jax.Array, np.ndarray)) and np.ndim(v) == 0:
-        v = v.item()
+    v = validation.scalar_value(v)
     kind = "an int" if integer else "a number"
     if isinstance(v, (bool, np.bool_)) or v is None or isinstance(v, (str, bytes)) or \
             not isinstance(v, (int, float, np.integer, np.floating)):
@@ -395,10 +394,13 @@ def _sampling_number(name: str, v, *, integer: bool = False):
             raise ValueError(f"Sampling.{name}: top_k must be an int >= 0 (0 = off), got {v!r}"
                              + (f": pass {int(v)}" if float(v).is_integer() else ""))
         return int(v)
-    v = float(v)
+    try:
+        f = float(v)
+    except OverflowError:   # an int beyond float64 (2**1100): finite, and beyond float32 too
+        f = None
     with np.errstate(over="ignore", under="ignore"):
-        v32 = float(np.float32(v))
-    if math.isfinite(v) and not math.isfinite(v32):
+        v32 = math.inf if f is None else float(np.float32(f))
+    if (f is None or math.isfinite(f)) and not math.isfinite(v32):
         raise ValueError(f"Sampling.{name}: {v!r} overflows float32, in which it is held "
                          f"(at most {float(np.finfo(np.float32).max):.4g})")
     return v32   # the value the sampler sees, so the checks below hold for it
@@ -446,6 +448,8 @@ class Sampling:
              min_p: float = 0.0) -> "Sampling":
         """The same as the constructor, with ``validation.check_sampling_args``' messages
         (which name the argument and the fix)."""
+        temperature, top_k, top_p = (validation.scalar_value(v)
+                                     for v in (temperature, top_k, top_p))
         validation.check_sampling_args(temperature, top_k, top_p)
         return cls(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
 

@@ -246,6 +246,15 @@ def check_token_ids(ids, vocab_size: int, what: str) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+def scalar_value(v):
+    """A concrete 0-d array (numpy or jax) as its Python value; anything else (a traced
+    value too) as it is."""
+    if isinstance(v, (np.ndarray, jax.Array)) and not isinstance(v, jax.core.Tracer) \
+            and v.ndim == 0:
+        return v.item()
+    return v
+
+
 def check_sampling_args(temperature, top_k, top_p) -> None:
     """The arguments of ``Sampling.make``: each a plain number (one value for the batch) in
     its range; the message names the argument."""
@@ -255,7 +264,9 @@ def check_sampling_args(temperature, top_k, top_p) -> None:
                     ": one value applies to every request (per-request sampling is not "
                     "supported): split the batch" if np.ndim(v) else "")
             raise TypeError(f"{name} must be a number, got {type(v).__name__} {v!r}{hint}")
-    if not math.isfinite(temperature) or temperature < 0:
+    # an int is finite (math.isfinite(2**1100) would overflow); Sampling names one that
+    # float32 cannot hold
+    if not (_is_int(temperature) or math.isfinite(temperature)) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if not _is_int(top_k) or not 0 <= top_k < 2**31:
         raise ValueError(f"top_k must be an int >= 0 and < 2**31 (0 = off; a value over the "
@@ -265,6 +276,8 @@ def check_sampling_args(temperature, top_k, top_p) -> None:
 
 
 def check_int(name: str, value, *, minimum: int) -> int:
+    """``value`` (an int, or a 0-d integer array) as a Python int >= ``minimum``."""
+    value = scalar_value(value)
     if not _is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)

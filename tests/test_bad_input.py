@@ -136,10 +136,36 @@ def test_stream_resumes_after_break_and_result_says_when_ready():
     (dict(top_k=99999999999), ValueError, r"top_k must be an int >= 0 and < 2\*\*31"),
     (dict(temperature=np.array([0.7, 0.2])), TypeError, "temperature must be a number.*per-request"),
     (dict(top_k=True), TypeError, "top_k must be a number"),
+    (dict(top_k=2**70), ValueError, rf"top_k must be an int >= 0 and < 2\*\*31.*got {2**70}"),
+    (dict(temperature=2**1100), ValueError, r"Sampling.temperature: 1358.* overflows float32"),
+    (dict(min_p=-2**1100), ValueError, r"Sampling.min_p: -1358.* overflows float32"),
+    (dict(top_k=np.array(2.0)), ValueError, "top_k must be an int >= 0.*got 2.0"),
+    (dict(top_k=np.array(True)), TypeError, "top_k must be a number, got bool True"),
 ])
 def test_sampling_make_names_the_argument(kw, exc, match):
     with pytest.raises(exc, match=match):
         Sampling.make(**kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(top_k=2**70), rf"Sampling.top_k: top_k must be an int >= 0 and < 2\*\*31.*got {2**70}"),
+    (dict(temperature=2**1100), r"Sampling.temperature: 1358.* overflows float32"),
+    (dict(top_p=np.array(2**1100, dtype=object)), r"Sampling.top_p: 1358.* overflows float32"),
+])
+def test_sampling_constructor_names_huge_ints(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Sampling(**kw)
+
+
+def test_sampling_takes_0d_arrays_as_their_value():
+    """0-d numpy / jax arrays are their scalar value, in Sampling.make as in Sampling(...),
+    and in seed lists as in a seed."""
+    arrays = dict(temperature=np.array(0.5), top_k=jnp.array(7), top_p=jnp.array(0.75),
+                  min_p=np.array(0.25))
+    plain = dict(temperature=0.5, top_k=7, top_p=0.75, min_p=0.25)
+    assert repr(Sampling.make(**arrays)) == repr(Sampling(**arrays)) == repr(Sampling.make(**plain))
+    assert np.array_equal(jax.random.key_data(api.request_keys([2**80, np.array(3)], 2)),
+                          jax.random.key_data(api.request_keys([2**80, 3], 2)))
 
 
 @pytest.mark.parametrize("kw, exc, match", [
