@@ -391,7 +391,9 @@ def generate(model, params=None, prompts=None, *, max_new_tokens: int = 32,
     elif prompts is None:
         raise TypeError("generate(config, params, prompts) needs prompts (or pass the Model from "
                         "jaxkv.load(...) as generate(model, prompts))")
-    if stream not in (False, True, "round", "step"):
+    # by type first: 1, 1.0 or None would pass `in (False, True, ...)`, an array would fail in it
+    if not (isinstance(stream, (bool, np.bool_))
+            or isinstance(stream, str) and stream in ("round", "step")):
         raise ValueError(f"stream must be False, True, 'round' or 'step', got {stream!r}")
     gen = _generate(model, params, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                     cache=cache, stop_tokens=stop_tokens, seed=seed, progress=progress, mesh=mesh,
@@ -466,9 +468,10 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         raise TypeError(f"cache must be a jaxkv.CacheConfig, got {type(cache).__name__}")
     sampling = _validate_sampling(sampling)
     validation.check_int("max_new_tokens", max_new_tokens, minimum=1)
-    for name, v in (("logprobs", logprobs), ("keep", keep)):
-        if not isinstance(v, (bool, np.bool_)):
-            raise ValueError(f"{name} must be a bool, got {v!r}")
+    for name, v, none in (("logprobs", logprobs, ""), ("keep", keep, ""),
+                          ("progress", progress, "None (a bar for prompts of 8192 tokens on) or ")):
+        if not (isinstance(v, (bool, np.bool_)) or none and v is None):
+            raise ValueError(f"{name} must be {none}a bool, got {v!r}")
     if on_round is not None and not callable(on_round):
         raise TypeError(f"on_round must be a callable taking one dict, got {type(on_round).__name__}")
     stop_strs = text_api.check_stop_strings(stop_strings, tokenizer)

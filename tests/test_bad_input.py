@@ -172,6 +172,12 @@ def test_sampling_takes_0d_arrays_as_their_value():
     (dict(stop_tokens=2), TypeError, r"stop_tokens must be a list of token ids, got int 2: pass \[2\]"),
     (dict(stop_tokens=2.0), TypeError, "stop_tokens must be a list of token ids, got float"),
     (dict(stop_tokens="2"), TypeError, "stop_tokens is text"),
+    (dict(stream=1), ValueError, r"stream must be False, True, 'round' or 'step', got 1$"),
+    (dict(stream=None), ValueError, "stream must be False, True, 'round' or 'step', got None"),
+    (dict(stream="tokens"), ValueError, "stream must be .* got 'tokens'"),
+    (dict(stream=np.array([1, 2])), ValueError, r"stream must be .* got array\(\[1, 2\]\)"),
+    (dict(progress="yes"), ValueError, r"progress must be None \(a bar .*\) or a bool, got 'yes'"),
+    (dict(progress=1), ValueError, "progress must be None .* or a bool, got 1"),
 ])
 def test_generate_keywords_name_the_argument(kw, exc, match):
     with pytest.raises(exc, match=match):
