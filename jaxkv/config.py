@@ -80,7 +80,15 @@ class Tuning:
                 isinstance(o, (tuple, list)) and len(o) == 2 and isinstance(o[0], str) for o in opts):
             raise ValueError("Tuning.compiler_options must be (name, value) pairs, e.g. "
                              f"(('xla_gpu_autotune_level', 0),), got {opts!r}")
-        object.__setattr__(self, "compiler_options", tuple(tuple(o) for o in opts))
+        # Python values: XLA takes str / bool / int / float (np.bool_(True) it rejects), and
+        # equal values share _accepted_options' cache entry (2 and np.int64(2) hash alike)
+        opts = tuple((name, validation.scalar_value(value)) for name, value in opts)
+        for name, value in opts:
+            if not isinstance(value, (str, bool, int, float)):
+                raise ValueError(f"Tuning.compiler_options: the value of {name!r} must be a str, "
+                                 f"bool, int or float (as XLA takes it), got "
+                                 f"{type(value).__name__} {value!r}")
+        object.__setattr__(self, "compiler_options", opts)
         topk = ("auto", "sort", "rounds", "chunked", "radix", "pallas", "pallas_cmax")
         if self.topk_method not in topk:
             raise ValueError(f"Tuning.topk_method must be one of {topk}, got {self.topk_method!r}")

@@ -247,10 +247,10 @@ def check_token_ids(ids, vocab_size: int, what: str) -> np.ndarray:
 
 
 def scalar_value(v):
-    """A concrete 0-d array (numpy or jax) as its Python value; anything else (a traced
-    value too) as it is."""
-    if isinstance(v, (np.ndarray, jax.Array)) and not isinstance(v, jax.core.Tracer) \
-            and v.ndim == 0:
+    """A numpy scalar or a concrete 0-d array (numpy or jax) as its Python value; anything
+    else (a traced value too) as it is."""
+    if isinstance(v, np.generic) or isinstance(v, (np.ndarray, jax.Array)) and \
+            not isinstance(v, jax.core.Tracer) and v.ndim == 0:
         return v.item()
     return v
 

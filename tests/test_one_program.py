@@ -6,9 +6,11 @@ H200's compiled HLO, where a copy would be a real 'host array -> device' transfe
 """
 import dataclasses
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxkv import CacheConfig, Sampling, Tuning, engine
@@ -142,3 +144,24 @@ def test_round_compiler_options_unknown_dropped():
         got = engine.round_compiler_options(plan)
     assert "xla_no_such_option_for_jaxkv" not in got
     assert got == dict(engine._accepted_options(default, jax.default_backend()))
+
+
+def test_round_compiler_options_numpy_values_and_bad_types():
+    """numpy scalars and 0-d arrays are their Python values (XLA rejects np.bool_(True), and
+    its rejection was cached for True as well); a value of another type is refused, naming
+    the option."""
+    opts = (("xla_cpu_enable_fast_math", np.bool_(False)), ("xla_gpu_autotune_level", np.int64(2)),
+            ("xla_gpu_memory_limit_slop_factor", np.array(95)))
+    t = Tuning(compiler_options=opts)
+    assert t.compiler_options == (("xla_cpu_enable_fast_math", False),
+                                  ("xla_gpu_autotune_level", 2),
+                                  ("xla_gpu_memory_limit_slop_factor", 95))
+    assert [type(v) for _, v in t.compiler_options] == [bool, int, int]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")    # XLA takes all three
+        assert engine.round_compiler_options(_plan_with(t)) == dict(t.compiler_options)
+    for bad in ([1], {"a": 1}, None, np.array([1, 2])):
+        with pytest.raises(ValueError, match="Tuning.compiler_options: the value of "
+                                             "'xla_gpu_autotune_level' must be a str, bool, int "
+                                             "or float"):
+            Tuning(compiler_options=(("xla_gpu_autotune_level", bad),))
