@@ -213,10 +213,11 @@ def _memory_stats(plan: engine.Plan, state: engine.DecodeState, n: int = 1) -> d
 def _validate_stop_tokens(model: ModelConfig, stop_tokens) -> list[int]:
     if stop_tokens is None:  # the config's eos (none when its files name no eos)
         return [] if model.eos_id is None else [model.eos_id]
-    if isinstance(stop_tokens, (int, np.integer)) or not isinstance(stop_tokens, Iterable):
+    one = validation.scalar_value(stop_tokens)   # a 0-d array is one value, as an int is
+    if isinstance(one, (int, np.integer)) or not isinstance(one, Iterable):
         raise TypeError(f"stop_tokens must be a list of token ids, got {type(stop_tokens).__name__} "
-                        f"{stop_tokens!r}" + (f": pass [{int(stop_tokens)}]"
-                                              if isinstance(stop_tokens, (int, np.integer)) else ""))
+                        f"{stop_tokens!r}" + (f": pass [{int(one)}]"
+                                              if isinstance(one, (int, np.integer)) else ""))
     # text is refused by check_token_ids; a set or generator is read once into a list
     ids = validation.check_token_ids(stop_tokens if isinstance(stop_tokens, (str, bytes))
                                      else list(stop_tokens), model.vocab_size, "stop_tokens")

@@ -118,7 +118,9 @@ def _as_int(name: str, v, minimum: int, owner: str = "CacheConfig"):
 
 def _dense_layers(v):
     """CacheConfig.dense_layers as an int >= 0 or a tuple of distinct ints (a list or any
-    iterable of ints accepted; the layer count checks the range, ``jaxkv.api``)."""
+    iterable of ints accepted; the layer count checks the range, ``jaxkv.api``). 0-d arrays
+    (numpy or jax), as the value or as items, are their value."""
+    v = validation.scalar_value(v)
     if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
         return _as_int("dense_layers", v, 0)
     fix = ("pass an int N (the first N layers) or a tuple of layer indices, "
@@ -126,7 +128,7 @@ def _dense_layers(v):
     if isinstance(v, (str, bytes, float, bool, np.bool_)) or not hasattr(v, "__iter__"):
         raise ValueError(f"CacheConfig.dense_layers must be an int or a tuple of ints, got {v!r}: "
                          f"{fix}")
-    items = tuple(v)
+    items = tuple(validation.scalar_value(i) for i in v)
     for i in items:
         if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
             raise ValueError(f"CacheConfig.dense_layers holds {i!r}, not a layer index: {fix}")

@@ -227,8 +227,7 @@ def check_token_ids(ids, vocab_size: int, what: str) -> np.ndarray:
         for j, t in enumerate(ids):
             if isinstance(t, (list, tuple)) or np.ndim(t) > 0:   # lists first: ragged ones
                 raise ValueError(f"{what} must be a 1-D list of token ids, but holds "
-                                 f"{type(t).__name__} {t!r} at index {j}: a request is a flat "
-                                 "list of ids (a batch, a list of requests)")
+                                 f"{type(t).__name__} {t!r} at index {j}: pass a flat list of ids")
             if not _is_int_item(t):
                 raise TypeError(f"{what} holds a {type(t).__name__} ({t!r}) at index {j}: "
                                 "token ids are ints")

@@ -172,6 +172,11 @@ def test_sampling_takes_0d_arrays_as_their_value():
     (dict(stop_tokens=2), TypeError, r"stop_tokens must be a list of token ids, got int 2: pass \[2\]"),
     (dict(stop_tokens=2.0), TypeError, "stop_tokens must be a list of token ids, got float"),
     (dict(stop_tokens="2"), TypeError, "stop_tokens is text"),
+    (dict(stop_tokens=np.array(2)), TypeError, r"stop_tokens must be a list .* got ndarray "
+                                               r"array\(2\): pass \[2\]"),
+    (dict(stop_tokens=jnp.array(2)), TypeError, r"stop_tokens must be a list .*: pass \[2\]"),
+    (dict(stop_tokens=np.array(2.0)), TypeError, r"stop_tokens must be a list .* array\(2\.\)$"),
+    (dict(stop_tokens=[[2]]), ValueError, r"stop_tokens must be a 1-D list .* at index 0: pass a flat"),
     (dict(stream=1), ValueError, r"stream must be False, True, 'round' or 'step', got 1$"),
     (dict(stream=None), ValueError, "stream must be False, True, 'round' or 'step', got None"),
     (dict(stream="tokens"), ValueError, "stream must be .* got 'tokens'"),

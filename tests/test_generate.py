@@ -312,11 +312,22 @@ def test_dense_layer_set(lag, layers):
                                            ((0, -3), "names a layer twice"),
                                            ((1, 1), "names a layer twice"),
                                            ((1.0,), "not a layer index"),
-                                           ("01", "an int or a tuple of ints")])
+                                           ("01", "an int or a tuple of ints"),
+                                           (np.array(1.0), r"an int or a tuple of ints, got 1.0"),
+                                           (np.array(True), r"an int or a tuple of ints, got True")])
 def test_dense_layer_set_bad_input(layers, match):
     with pytest.raises(ValueError, match=match):
         jaxkv.generate(CFG3, PARAMS3, PROMPTS[:1], max_new_tokens=2,
                        cache=CacheConfig(mode="resident", page_size=4, dense_layers=layers))
+
+
+def test_dense_layers_from_arrays():
+    """0-d arrays (numpy or jax) are their int, as np.int64 is; 1-D jax arrays are a tuple of
+    layers, as numpy ones are."""
+    for v in (np.array(2), jnp.array(2), np.int64(2)):
+        assert CacheConfig(dense_layers=v).dense_layers == 2
+    for v in (np.array([0, -1]), jnp.array([0, -1]), [np.array(0), jnp.array(-1)]):
+        assert CacheConfig(dense_layers=v) == CacheConfig(dense_layers=(0, -1))
 
 
 def test_indexer_selector_host_equals_resident():
