@@ -167,6 +167,8 @@ def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int]
                 f"({batch} x (sink {cache.sink_pages} + recent {cache.recent_pages})): raise "
                 "pool_pages, lower sink_pages / recent_pages or split the batch")
     spec = plan.spec  # validates the remaining shapes
+    if plan.selector.two_stage:
+        plan.selector.check_plan(plan)
     validation.check_kv_dtype(plan.kv_dtype)
     if cache.mode == "host":
         validation.check_host_capacity(spec.host_bytes, fix="lower batch / max_context")

@@ -139,14 +139,40 @@ class Rescore(Quest):
         ("sort", no ascending sort). The chunk-maxima kernel is built for budgets and slows
         down at 4-8x the budget."""
         t = plan.cache.tuning.topk_method
-        r = plan.cache.candidate_block
         blocks, block_tokens = self.bound_blocks(plan)
-        C = -(-self.candidate_count(plan) // r)                       # blocks
+        C, sink = self.first_stage_blocks(plan, plan.cache.candidate_block)
         if t == "auto":
             kernel = dense_select.takes_topk_kernel(blocks, C, plan.cache.implementation)
             t = "pallas" if kernel else "sort"
         return dict(_select_kw(plan), k=C, page_size=block_tokens, topk_method=t,
-                    num_sink_pages=-(-plan.cache.sink_pages // r), ordered=False)
+                    num_sink_pages=sink, ordered=False)
+
+    def first_stage_blocks(self, plan, r: int) -> tuple[int, int]:
+        """(blocks the first stage picks, of them the sink pages' blocks) with blocks of r
+        pages; it picks the sink blocks and the current one, so it needs one block more."""
+        return -(-self.candidate_count(plan) // r), -(-plan.cache.sink_pages // r)
+
+    def check_plan(self, plan) -> None:
+        """Raise (naming the largest that works) if ``CacheConfig.candidate_block`` leaves
+        the first stage too few blocks for the sink blocks and the current one: blocks near
+        the candidate count leave one block (candidate_pages 16 in blocks of 16)."""
+        r = plan.cache.candidate_block
+        if self.covers_row(plan):   # no first stage: nothing to pick
+            return
+
+        def fits(x):
+            blocks, sink = self.first_stage_blocks(plan, x)
+            return blocks >= sink + 1
+
+        if not fits(r):
+            n = self.candidate_count(plan)
+            C, sink = self.first_stage_blocks(plan, r)
+            best = max(x for x in range(1, n) if fits(x))   # 1 fits: candidates > sink pages
+            raise ValueError(
+                f"CacheConfig.candidate_block ({r}) groups the {n} candidate pages into {C} "
+                f"block(s), but the first stage needs {sink + 1} (the sink pages' {sink} and "
+                f"the current page's): the largest candidate_block that works here is {best} "
+                "(or raise candidate_pages)")
 
     def _rescore(self, plan, summaries, layer, q, cand, positions, seq_lens):
         tuning, impl = plan.cache.tuning, plan.cache.implementation
