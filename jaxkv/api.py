@@ -74,12 +74,18 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _validate_prompts(model: ModelConfig, prompts) -> list[list[int]]:
+def _prompt_list(prompts) -> Sequence:
+    """``prompts`` (normalized: ``text.normalize``) as a non-empty sequence of requests."""
     if isinstance(prompts, (np.ndarray, jax.Array)) and prompts.ndim == 2:
         prompts = list(np.asarray(prompts))  # a [B, T] array of equal-length prompts
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError("prompts must be one request (token ids; with a Model from jaxkv.load "
                          "also text or a chat) or a non-empty list of requests")
+    return prompts
+
+
+def _validate_prompts(model: ModelConfig, prompts) -> list[list[int]]:
+    prompts = _prompt_list(prompts)
     out = []
     for i, p in enumerate(prompts):
         arr = validation.check_token_ids(p, model.vocab_size, f"prompt {i}")
@@ -488,7 +494,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
     eng = engine if tp is None else tp
     ctx, src = (None, None)
     if context is not None:
-        n = len(text_api.normalize(prompts))
+        n = len(_prompt_list(text_api.normalize(prompts)))
         ctx, src = context_api.sources(context, n)
     new_ids, messages = _encode_prompts(model, tokenizer, prompts, ctx, src)
     key = request_keys(seed, len(new_ids))

@@ -108,6 +108,15 @@ def sources(context, num_prompts: int) -> tuple[Context, list[int]]:
                         f"got {type(context).__name__}")
     if len(src) != num_prompts:
         raise ValueError(f"context.select(...) picked {len(src)} requests for {num_prompts} prompts")
+    # generate never deletes a context's arrays; the caller may have (.delete(), or donated
+    # them to a jitted function), and JAX would fail inside the copy
+    dead = [name for name in ("kv_pages", "dense_pages", "summaries")
+            if any(a.is_deleted() for a in jax.tree.leaves(getattr(context, name))
+                   if isinstance(a, jax.Array))]
+    if dead:
+        raise ValueError(f"context: its {' and '.join(dead)} arrays have been deleted (.delete(), "
+                         "or donated to a jitted function): keep them alive to continue the "
+                         "context, or build it again with generate(..., keep=True)")
     return context, src
 
 

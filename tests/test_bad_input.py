@@ -207,6 +207,23 @@ def test_jax_array_prompts_accepted_like_numpy():
     assert run(stop_tokens=jnp.asarray([200])).stats["generated_tokens"] >= 1
 
 
+def test_context_with_bad_prompts_or_deleted_arrays_fails_early():
+    """With a context, bad prompts get the errors they get without one (not len() of an int
+    or np.stack of nothing), and a context whose arrays were deleted is named, not JAX's
+    "Array has been deleted" from inside the copy."""
+    ctx = run(keep=True).context
+    for prompts, exc, match in ((5, ValueError, "or a non-empty list of requests"),
+                                ([], ValueError, "or a non-empty list of requests"),
+                                ([[5, 6.5]], TypeError, r"prompt 0 holds a float \(6.5\)")):
+        with pytest.raises(exc, match=match):
+            run(prompts, context=ctx)
+    for name in ("kv_pages", "summaries"):
+        ctx = run(keep=True).context
+        jax.tree.leaves(getattr(ctx, name))[0].delete()
+        with pytest.raises(ValueError, match=rf"context: its {name} arrays have been deleted"):
+            run([[5]], context=ctx)
+
+
 # ------------------------------------------------------------------------------ strict mode
 def test_strict_error_carries_the_result():
     err = StrictModeError("strict mode: x", result="r")
