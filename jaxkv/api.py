@@ -173,8 +173,7 @@ def make_plan(model: ModelConfig, cache: CacheConfig, prompt_lens: Sequence[int]
                 f"({batch} x (sink {cache.sink_pages} + recent {cache.recent_pages})): raise "
                 "pool_pages, lower sink_pages / recent_pages or split the batch")
     spec = plan.spec  # validates the remaining shapes
-    if plan.selector.two_stage:
-        plan.selector.check_plan(plan)
+    plan.selector.check_plan(plan)
     validation.check_kv_dtype(plan.kv_dtype)
     if cache.mode == "host":
         validation.check_host_capacity(spec.host_bytes, fix="lower batch / max_context")
@@ -463,7 +462,7 @@ def _encode_prompts(model, tokenizer, prompts, ctx, src):
             messages.append(None)
     if ctx is None:
         return _validate_prompts(model, ids), messages
-    return [[int(t) for t in validation.check_token_ids(p, model.vocab_size, f"prompt {i}")]
+    return [validation.check_token_ids(p, model.vocab_size, f"prompt {i}").tolist()
             for i, p in enumerate(ids)], messages
 
 
@@ -504,6 +503,8 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
             _validate_stop_tokens(model, None)
     else:
         stops = _validate_stop_tokens(model, stop_tokens)
+    if stop_strs:
+        stop_strs = text_api.drop_special_stop_strings(stop_strs, tokenizer, stops)
     num_stop = max(4, _next_pow2(len(stops)))
     stop_ids = jnp.asarray(stops + [-1] * (num_stop - len(stops)), jnp.int32)
     if ctx is None:

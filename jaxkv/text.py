@@ -78,7 +78,7 @@ def _is_token_ids(p) -> bool:
     if isinstance(p, np.ndarray) or (hasattr(p, "__array__") and hasattr(p, "ndim")):
         return p.ndim == 1 and p.size > 0
     return (isinstance(p, (list, tuple)) and len(p) > 0
-            and all(validation.is_scalar(t) for t in p))
+            and (all(type(t) is int for t in p) or all(validation.is_scalar(t) for t in p)))
 
 
 def normalize(prompts) -> list:
@@ -229,13 +229,29 @@ def check_stop_strings(stop_strings, tokenizer) -> tuple[str, ...]:
     if stop_strings and tokenizer is None:
         raise TypeError("stop_strings need a tokenizer: pass the model from jaxkv.load(...) "
                         "(or use stop_tokens)")
-    for j, s in enumerate(stop_strings):
-        # the text leaves special tokens out (skip_special_tokens): a string holding one's
-        # text (e.g. "<|im_end|>") never matches
-        for t in tokenizer.encode(s, add_bos=False):
-            if tokenizer.decode([t]) and not tokenizer.decode([t], skip_special_tokens=True):
-                raise ValueError(
-                    f"stop_strings[{j}] {s!r} holds the special token {tokenizer.decode([t])!r} "
-                    f"(id {t}), which the generated text leaves out, so it would never match: "
-                    f"pass its id as a stop token (stop_tokens=[{t}]) instead")
     return tuple(stop_strings)
+
+
+def drop_special_stop_strings(stop_strings, tokenizer, stop_tokens) -> tuple[str, ...]:
+    """The stop strings without those that are one special token's text: the generated text
+    leaves special tokens out, so such a string never matches; one whose token is among
+    ``stop_tokens`` (the stop ids in use) is left to the token. A string holding a special
+    token that does not stop the request (or one with more text around it) is refused,
+    naming the id to add to the stop tokens."""
+    kept = []
+    for j, s in enumerate(stop_strings):
+        ids = tokenizer.encode(s, add_bos=False)
+        special = [t for t in ids
+                   if tokenizer.decode([t]) and not tokenizer.decode([t], skip_special_tokens=True)]
+        if not special:
+            kept.append(s)
+        elif len(ids) == 1 and ids[0] in stop_tokens:
+            continue
+        else:
+            t = special[0]
+            raise ValueError(
+                f"stop_strings[{j}] {s!r} holds the special token {tokenizer.decode([t])!r} "
+                f"(id {t}), which the generated text leaves out, so it would never match: stop "
+                f"on the token instead, stop_tokens={sorted(set(stop_tokens) | {t})} (the stop "
+                f"ids in use and {t})")
+    return tuple(kept)

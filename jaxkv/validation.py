@@ -199,8 +199,9 @@ def check_kv_dtype(kv_dtype: str, device=None) -> None:
 
 
 def is_scalar(t) -> bool:
-    """Neither a list, tuple or array (of any shape: ``np.ndim`` would fail on a ragged list),
-    nor text or a mapping."""
+    """A single value: a number, a numpy scalar or a 0-d array; not a list, tuple, array of
+    one or more dimensions (lists are tested first: ``np.ndim`` fails on a ragged one), text
+    or a mapping."""
     return not isinstance(t, (list, tuple, str, bytes, Mapping)) and np.ndim(t) == 0
 
 
@@ -210,6 +211,17 @@ def _is_int_item(t) -> bool:
         return True
     dt = getattr(t, "dtype", None)
     return (dt is not None and np.ndim(t) == 0 and np.issubdtype(np.dtype(dt), np.integer))
+
+
+def _plain_int_ids(ids):
+    """A list / tuple of plain Python ints (what tokenizers return; not bools) as an int64
+    array in one conversion, or None for anything else (then checked item by item)."""
+    if not all(type(t) is int for t in ids):
+        return None
+    try:
+        return np.asarray(ids, np.int64) if ids else np.zeros((0,), np.int64)
+    except OverflowError:
+        return None
 
 
 def check_token_ids(ids, vocab_size: int, what: str) -> np.ndarray:
@@ -224,16 +236,22 @@ def check_token_ids(ids, vocab_size: int, what: str) -> np.ndarray:
                           f"[0, {vocab_size}): encode with the model's own tokenizer")
 
     if isinstance(ids, (list, tuple)):
-        for j, t in enumerate(ids):
-            if isinstance(t, (list, tuple)) or np.ndim(t) > 0:   # lists first: ragged ones
-                raise ValueError(f"{what} must be a 1-D list of token ids, but holds "
-                                 f"{type(t).__name__} {t!r} at index {j}: pass a flat list of ids")
-            if not _is_int_item(t):
-                raise TypeError(f"{what} holds a {type(t).__name__} ({t!r}) at index {j}: "
-                                "token ids are ints")
-            if not 0 <= int(t) < vocab_size:   # before numpy, which cannot hold 2**70
-                raise outside(j, t)
-    arr = np.asarray(ids)
+        arr = _plain_int_ids(ids)
+        if arr is None:  # not all plain ints of int64's range: each item checked and named
+            for j, t in enumerate(ids):
+                if isinstance(t, (list, tuple)) or np.ndim(t) > 0:   # lists first: ragged ones
+                    raise ValueError(f"{what} must be a 1-D list of token ids, but holds "
+                                     f"{type(t).__name__} {t!r} at index {j}: pass a flat "
+                                     "list of ids")
+                if not _is_int_item(t):
+                    raise TypeError(f"{what} holds a {type(t).__name__} ({t!r}) at index {j}: "
+                                    "pass int token ids (tokenizer.encode(text) gives them)")
+                if not 0 <= int(t) < vocab_size:   # before numpy, which cannot hold 2**70
+                    raise outside(j, t)
+            # int64 explicitly: numpy would promote int64 mixed with uint64 items to float64
+            arr = np.asarray([int(t) for t in ids], np.int64)
+    else:
+        arr = np.asarray(ids)
     if arr.ndim != 1:
         raise ValueError(f"{what} must be a 1-D list of token ids, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):

@@ -1,6 +1,7 @@
 """Text in, text out (jaxkv.load, text and chat prompts, stop strings, finish reasons,
 log-probabilities, streaming text) and kept contexts (continued chats, forks), on the tiny
 Qwen2 checkpoint of tests/fixtures (random weights: its text is arbitrary bytes)."""
+import re
 import time
 from pathlib import Path
 
@@ -94,7 +95,7 @@ def test_load_arguments():
 
 def test_load_dtype_objects():
     """load's dtype: a dtype object of float32 / bfloat16 loads as that name (np.dtype compares
-    equal to its name, so it once reached ModelConfig unconverted); others name dtype."""
+    equal to its name, so an unconverted one would reach ModelConfig); others name dtype."""
     import jax.numpy as jnp
     for dt, name in ((np.float32, "float32"), (np.dtype(jnp.bfloat16), "bfloat16"),
                      (jnp.bfloat16, "bfloat16")):
@@ -193,14 +194,25 @@ def test_stop_strings_cut_text_and_tokens(model):
             assert all(any(c) for c in chunks)   # no item without a token
 
 
-@pytest.mark.parametrize("stop", ["<|im_end|>", "done<|endoftext|>"])
-def test_stop_string_of_a_special_token_names_its_id(model, stop):
-    """The text leaves special tokens out, so a stop string holding one would never match:
-    refused before any work, naming the token's id to pass in stop_tokens."""
-    tid = model.tokenizer.encode(stop, add_bos=False)[-1]
-    with pytest.raises(ValueError, match=rf"stop_strings\[1\] '{stop}' holds the special token "
-                                         rf"'.*' \(id {tid}\).*stop_tokens=\[{tid}\]"):
-        _gen(model, "Hi", stop_strings=["x", stop])
+def test_stop_strings_of_special_tokens(model):
+    """The text leaves special tokens out, so a stop string holding one never matches: a
+    string that is one stop token's text is left to that token (the same result as without
+    it); one whose token does not stop the request, or with text around it, is refused before
+    any work, naming the stop ids to pass."""
+    tok = model.tokenizer
+    im_end = tok.encode("<|im_end|>", add_bos=False)[-1]
+    eot = tok.encode("done<|endoftext|>", add_bos=False)[-1]
+    assert im_end in tok.stop_ids and eot in tok.stop_ids
+    want = _gen(model, "Hi", stop_strings=["x"])
+    got = _gen(model, "Hi", stop_strings=["x", "<|im_end|>"])
+    assert got.tokens == want.tokens and got.text == want.text
+    for stop, stop_tokens, tid, ids in (
+            ("<|im_end|>", [eot], im_end, sorted({eot, im_end})),
+            ("done<|endoftext|>", None, eot, sorted(set(tok.stop_ids)))):
+        with pytest.raises(ValueError, match=(
+                rf"stop_strings\[1\] '{re.escape(stop)}' holds the special token '.*' "
+                rf"\(id {tid}\).*stop_tokens={re.escape(str(ids))}")):
+            _gen(model, "Hi", stop_strings=["x", stop], stop_tokens=stop_tokens)
 
 
 def test_sampled_tokens_do_not_depend_on_the_batch(model):
