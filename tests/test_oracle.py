@@ -421,12 +421,13 @@ def test_candidate_block_needs_a_two_stage_selector():
         CacheConfig(candidate_block=0)
 
 
-@pytest.mark.parametrize("kw, r, best", [(dict(candidate_pages=16), 16, 15),
-                                         (dict(candidate_pages=16), 128, 15),
-                                         (dict(candidate_pages=4, sink_pages=3), 2, 3)])
+@pytest.mark.parametrize("kw, r, best", [(dict(candidate_pages=16), 16, 8),
+                                         (dict(candidate_pages=16), 128, 8),
+                                         (dict(candidate_pages=4, sink_pages=3), 2, 1)])
 def test_candidate_block_too_large_names_the_largest_that_works(kw, r, best):
     """Blocks that leave the first stage fewer blocks than the sink blocks and the current
-    one fail in make_plan naming the largest candidate_block that works (not the top-k's
+    one fail in make_plan naming the largest candidate_block that divides the candidates and
+    works (a block size that does not divide them reads more pages; not the top-k's
     "k=1 must be >= num_sink_pages + 1" from inside the first stage), and that value plans;
     a row short enough that every page is a candidate has no first stage, so any block does."""
     from jaxkv.api import make_plan
@@ -437,7 +438,8 @@ def test_candidate_block_too_large_names_the_largest_that_works(kw, r, best):
 
     with pytest.raises(ValueError, match=rf"candidate_block \({r}\) groups the \d+ candidate "
                                          rf"pages into \d+ block.*largest candidate_block that "
-                                         rf"works here is {best} \(or raise candidate_pages\)"):
+                                         rf"divides the candidates and works here is {best} "
+                                         rf"\(or raise candidate_pages\)"):
         make_plan(CFG, cache(r), [100], 8, 4)
     make_plan(CFG, cache(best), [100], 8, 4)
     plan = make_plan(CFG, cache(r, max_context=kw["candidate_pages"] * 4), [3], 1, 4)

@@ -29,6 +29,10 @@ class Selector:
     #: (``CacheConfig.candidate_pages`` sets their number).
     two_stage: bool = False
 
+    def check_plan(self, plan) -> None:
+        """Raise ``ValueError`` naming the ``CacheConfig`` field and the fix when ``plan``'s
+        settings leave this selector unable to run (checked by ``make_plan``); none here."""
+
     def init(self, plan) -> tuple:
         """Empty summaries of all layers (a tuple of device arrays; () for none)."""
         raise NotImplementedError

@@ -167,12 +167,14 @@ class Rescore(Quest):
         if not fits(r):
             n = self.candidate_count(plan)
             C, sink = self.first_stage_blocks(plan, r)
-            best = max(x for x in range(1, n) if fits(x))   # 1 fits: candidates > sink pages
+            # a divisor: blocks round up, so another size reads more candidate pages (16
+            # candidates in blocks of 15 read 30); 1 fits as candidates > sink pages
+            best = max(x for x in range(1, n) if n % x == 0 and fits(x))
             raise ValueError(
                 f"CacheConfig.candidate_block ({r}) groups the {n} candidate pages into {C} "
                 f"block(s), but the first stage needs {sink + 1} (the sink pages' {sink} and "
-                f"the current page's): the largest candidate_block that works here is {best} "
-                "(or raise candidate_pages)")
+                f"the current page's): the largest candidate_block that divides the "
+                f"candidates and works here is {best} (or raise candidate_pages)")
 
     def _rescore(self, plan, summaries, layer, q, cand, positions, seq_lens):
         tuning, impl = plan.cache.tuning, plan.cache.implementation
