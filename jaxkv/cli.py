@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -130,15 +131,19 @@ def _read_prompt(args) -> str:
         raise ValueError(f"cannot read prompt file {args.file} as UTF-8 text ({e})") from None
 
 
-def _check_candidate_pages(args) -> None:
-    """--candidate-pages sizes a two-stage selector's first stage: with another selector it
-    would do nothing, so it is an error naming both options (CacheConfig's rule)."""
-    from jaxkv import selectors
-    if args.candidate_pages is not None and not selectors.get(args.selector).two_stage:
-        two = [n for n in SELECTORS if selectors.get(n).two_stage]
-        raise ValueError(f"--candidate-pages sizes the first stage of a two-stage selector "
-                         f"({', '.join(two)}); --selector {args.selector} has none: drop "
-                         f"--candidate-pages or use --selector {two[0]}")
+# CacheConfig's fields as this command's options: CacheConfig's errors name the fields
+_OPTION_OF_FIELD = {"mode": "--mode", "selector": "--selector", "page_size": "--page-size",
+                    "selected_pages": "--budget", "pool_pages": "--pool-pages",
+                    "candidate_pages": "--candidate-pages", "kv_dtype": "--kv-dtype",
+                    "strict": "--strict", "schedule": "--schedule"}
+
+
+def _with_option_names(e: Exception) -> str:
+    """A CacheConfig error with the command-line options of the fields it names."""
+    msg = str(e)
+    named = [f"{field} is {opt}" for field, opt in _OPTION_OF_FIELD.items()
+             if re.search(rf"\b{field}\b", msg)]
+    return msg + (f" (here {', '.join(named)})" if named else "")
 
 
 def _check_model_options(args):
@@ -163,13 +168,11 @@ def _check_model_options(args):
     if args.chat:
         from jaxkv.models.tokenizer import Tokenizer
         tok = Tokenizer.from_gguf(path) if kind == "gguf" else Tokenizer.from_pretrained(path)
-        if not tok.chat_template and tok.chat_template_names:
-            raise ValueError(f"--chat: {path} has named chat templates "
-                             f"{list(tok.chat_template_names)} and none is 'default', the one "
-                             "--chat uses: drop --chat and pass the prompt formatted with the "
-                             "template you want")
-        if not tok.chat_template:
-            raise ValueError(f"--chat: {path} has no chat template: drop --chat")
+        why = tok.no_chat_template()
+        if why:
+            raise ValueError(f"--chat: {path}: {why}: drop --chat"
+                             + (" and pass the prompt formatted with the template you want"
+                                if tok.chat_template_names else ""))
 
 
 def _print_json(backend, model, text, res, error=None) -> None:
@@ -207,13 +210,15 @@ def main(argv=None) -> int:
     # --strict checks for dropped pages: only the per-layer schedule drops any (host mode)
     schedule = args.schedule or ("layer" if args.strict and args.mode == "host" else "step")
     try:
-        _check_candidate_pages(args)
         cache = jaxkv.CacheConfig(
             mode=args.mode, selector=args.selector, page_size=args.page_size,
             selected_pages=max(2, -(-budget // args.page_size)), pool_pages=args.pool_pages,
             candidate_pages=args.candidate_pages, kv_dtype=args.kv_dtype,
             strict=args.strict, schedule=schedule,
             prefill_chunk=max(jaxkv.CacheConfig.prefill_chunk, args.page_size))
+    except (ValueError, TypeError) as e:
+        return fail(_with_option_names(e))
+    try:
         sampling = jaxkv.Sampling.make(args.temperature, args.top_k, args.top_p)
         if args.stop is not None and not all(args.stop):
             raise ValueError("--stop: a stop string must not be empty")

@@ -35,7 +35,7 @@ def dtype_name(dtype) -> str | None:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES} (or a dtype object of one) or None, "
                          f"got {dtype!r}: load in float32 or bfloat16")
-    return name
+    return str(name)   # a plain str (np.str_ too): it goes into ModelConfig.dtype
 
 
 def _is_int(x) -> bool:

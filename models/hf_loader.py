@@ -319,7 +319,8 @@ def _refuse_sliding_window(hf: dict) -> None:
         first = hf.get("max_window_layers", 28)
         if isinstance(first, bool) or not isinstance(first, int):
             raise CheckpointError(f"max_window_layers must be an integer when use_sliding_window "
-                                  f"is set, got {first!r}")
+                                  f"is set, got {first!r}: set it in config.json (the first "
+                                  "layer that slides), or set use_sliding_window to false")
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     if sliding:

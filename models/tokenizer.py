@@ -329,6 +329,16 @@ class Tokenizer:
             raise ValueError(f"token: id {i} is outside the vocabulary [0, {self.vocab_size})")
         return t
 
+    def no_chat_template(self) -> str | None:
+        """Why chat messages cannot be rendered (no template, or only named ones without a
+        'default'), or None when they can."""
+        if self.chat_template:
+            return None
+        if self.chat_template_names:
+            return (f"the model files have named chat templates {list(self.chat_template_names)} "
+                    "and none is 'default', the one used")
+        return "the model files have no chat template"
+
     def apply_chat_template(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True,
                             tokenize: bool = False, tools: Sequence[Mapping] | None = None,
                             **kwargs):
@@ -336,14 +346,11 @@ class Tokenizer:
         (jinja2, as transformers does). ``kwargs`` reach the template as variables (e.g.
         ``date_string``). Returns the text, or its ids if ``tokenize`` (no BOS added: templates
         that want one write ``bos_token`` themselves)."""
-        if not self.chat_template:
-            named = self.chat_template_names
-            if named:
-                raise ValueError(f"the model files have named chat templates {list(named)} and "
-                                 "none is 'default', the one used: format the prompt yourself "
-                                 "and call encode(), or set Tokenizer.chat_template to one")
-            raise ValueError("the model files have no chat template: format the prompt yourself "
-                             "and call encode()")
+        why = self.no_chat_template()
+        if why:
+            raise ValueError(f"{why}: format the prompt yourself and call encode()"
+                             + (", or set Tokenizer.chat_template to one"
+                                if self.chat_template_names else ""))
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or \
                 not all(isinstance(m, Mapping) for m in messages):
             raise TypeError("messages must be a list of dicts like {'role': 'user', 'content': '...'}")

@@ -56,8 +56,9 @@ def test_two_stage_selector_from_the_command_line(capsys):
     for sel in ("quest", "dense"):
         assert cli_main(["Hello", "--model", "/no/such/model", "--selector", sel,
                          "--candidate-pages", "6"]) == 2
-        assert (f"--selector {sel} has none: drop --candidate-pages or use --selector "
-                "quest_rescore8") in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"selector={sel!r} has none: leave candidate_pages=None" in err
+        assert "(here selector is --selector, candidate_pages is --candidate-pages)" in err
 
 
 def test_int8_kv_from_the_command_line(capsys):
@@ -89,7 +90,7 @@ def test_options_the_model_cannot_serve_fail_before_loading(capsys, monkeypatch,
     shutil.copytree(FIXTURE, bare)
     (bare / "chat_template.jinja").unlink()
     assert cli_main(["hi", "--model", str(bare), "--chat"]) == 2
-    assert "has no chat template: drop --chat" in capsys.readouterr().err
+    assert "the model files have no chat template: drop --chat" in capsys.readouterr().err
     # named templates without a "default": the error names them (not "no chat template")
     tc = json.loads((bare / "tokenizer_config.json").read_text())
     tc["chat_template"] = [{"name": "tool_use", "template": "{{ messages }}"}]
