@@ -377,6 +377,14 @@ def main():
                              pcie_gbps=bd.bulk_h2d_gbps(st.bulk_bytes, st.reps))
     impl = None if gpu else "pallas"  # the Pallas kernels (interpret mode off the GPU)
     plans = _plans(a, names, B, ctx, st, cfg, base_tuning, impl)
+    if a.share_kv:
+        layouts = {n: jax.tree.map(lambda x: (x.shape, x.dtype),
+                                   jax.eval_shape(lambda p=p: engine.init_kv(p)))
+                   for n, p in plans.items()}
+        other = [n for n in names if layouts[n] != layouts[names[0]]]
+        if other:
+            ap.error(f"--share-kv: {other} store their KV cache unlike {names[0]} (kv_dtype or "
+                     "page layout): run them without --share-kv")
     _check_fits(plans, lengths, params, a.share_kv)
     states, runs, traced = {}, {}, {}
     shared = _SharedKV(a.share_kv)
@@ -399,6 +407,10 @@ def main():
                                               lambda: run(name, st, rounds=1))
         except Exception as e:  # noqa: BLE001 - a variant that fails to compile is dropped
             print(f"  {name}: dropped, its round failed ({type(e).__name__}: {str(e)[:300]})")
+            if shared.pool is not None and shared.pool.is_deleted():
+                raise SystemExit(f"{name}'s round failed after taking the shared KV cache "
+                                 "(--share-kv), so the other variants have none: run "
+                                 f"without {name} or without --share-kv") from e
             names.remove(name)
             del states[name]
             continue

@@ -180,7 +180,7 @@ def test_roofline_bytes_by_part():
 
 def test_command_line_errors_and_the_pairs_notice(tmp_path, monkeypatch, capsys):
     """An empty --pools, --devices below 1 and a negative --pairs are argparse errors naming
-    the option (an empty --pools once crashed every case in the memory plan's max()); --pairs
+    the option (an empty --pools leaves the memory plan no pool to size); --pairs
     where the paired b / c2 run cannot happen prints why, and the run goes on."""
     import bench_decode
     runs = []

@@ -166,6 +166,18 @@ def _np_rope(x, pos, theta):
     return out
 
 
+def _within_angle_bound(got, want, x):
+    """Each output within rope_angles' documented angle error times the norm of its rotated
+    pair (the error grows with the position): row 0 holds positions < 4096 (1.5e-4 rad), row
+    1 positions < 200,000 (4e-4 rad)."""
+    half = x.shape[-1] // 2
+    pair = np.hypot(x[..., :half], x[..., half:])
+    pair = np.concatenate([pair, pair], -1)
+    for row, rad in ((0, 1.5e-4), (1, 4e-4)):
+        err = np.abs(np.asarray(got[row], np.float64) - want[row])
+        assert np.all(err <= rad * pair[row] + 1e-6), (row, float(np.max(err / pair[row])))
+
+
 def test_rope_matches_numpy():
     rng = np.random.default_rng(_seed())
     x = rng.standard_normal((2, 5, 3, 16)).astype(np.float32)
@@ -173,14 +185,7 @@ def test_rope_matches_numpy():
     theta = 10000.0
     got = _rope(x, pos, theta)
     assert got.dtype == jnp.float32 and got.shape == x.shape
-    # rope_angles' documented angle error is ~1e-4 rad up to 1e5 positions and grows with the
-    # position, so each output is held to (angle bound) x (norm of its rotated pair)
-    want = _np_rope(x, pos, theta)
-    pair = np.hypot(x[..., :8], x[..., 8:])
-    pair = np.concatenate([pair, pair], -1)
-    for row, rad in ((0, 1.5e-4), (1, 4e-4)):  # positions < 4096 and < 200,000
-        err = np.abs(np.asarray(got[row], np.float64) - want[row])
-        assert np.all(err <= rad * pair[row] + 1e-6), (row, float(np.max(err / pair[row])))
+    _within_angle_bound(got, _np_rope(x, pos, theta), x)
     # large positions stay accurate (a plain f32 pos * freq product would be ~0.1 rad off)
     big = np.array([[1_000_000, 999_999, 123_457, 2**20, 7]], np.int32)
     xb = x[:1]
@@ -188,12 +193,7 @@ def test_rope_matches_numpy():
                                atol=3e-3, rtol=0)
     # partial rotation leaves the tail untouched
     part = _rope(x, pos, theta, 8)
-    want = _np_rope(x[..., :8], pos, theta)
-    pair = np.hypot(x[..., :4], x[..., 4:8])
-    pair = np.concatenate([pair, pair], -1)
-    for row, rad in ((0, 1.5e-4), (1, 4e-4)):
-        err = np.abs(np.asarray(part[row, ..., :8], np.float64) - want[row])
-        assert np.all(err <= rad * pair[row] + 1e-6), (row, float(np.max(err / pair[row])))
+    _within_angle_bound(part[..., :8], _np_rope(x[..., :8], pos, theta), x[..., :8])
     np.testing.assert_array_equal(part[..., 8:], x[..., 8:])
 
 

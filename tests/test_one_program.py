@@ -148,7 +148,7 @@ def test_round_compiler_options_unknown_dropped():
 
 def test_round_compiler_options_numpy_values_and_bad_types():
     """numpy scalars and 0-d arrays are their Python values (XLA rejects np.bool_(True), and
-    its rejection was cached for True as well); a value of another type is refused, naming
+    a cached rejection would drop True as well); a value of another type is refused, naming
     the option."""
     opts = (("xla_cpu_enable_fast_math", np.bool_(False)), ("xla_gpu_autotune_level", np.int64(2)),
             ("xla_gpu_memory_limit_slop_factor", np.array(95)))
