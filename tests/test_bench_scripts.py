@@ -324,3 +324,32 @@ def test_result_paths_in_the_docs_exist():
                  if brace else [name])
         missing += [n for n in names if "." in n and not (ROOT / "benchmarks" / "results" / n).exists()]
     assert not missing, f"docs cite result files that are not in the repo: {sorted(set(missing))}"
+
+
+def test_carry_pieces_split_keep_join(tmp_path):
+    """carry_pieces.sh: a file split into pieces, each kept as a device call would, joins to
+    the same bytes with its sha256 checked; a missing piece or a wrong sha256 fails naming
+    it."""
+    script = ROOT / "benchmarks" / "carry_pieces.sh"
+    env = {**os.environ, "JAXKV_PIECES_DIR": str(tmp_path / "pieces"),
+           "JAXKV_PIECES_KEEP": str(tmp_path / "keep")}
+    data = os.urandom(2 * 1048576 + 12345)
+    (tmp_path / "w.bin").write_bytes(data)
+
+    def sh(*args, ok=True):
+        r = subprocess.run(["bash", str(script), *map(str, args)], env=env, capture_output=True,
+                           text=True)
+        assert (r.returncode == 0) == ok, r.stdout + r.stderr
+        return r.stdout + r.stderr
+
+    assert "3 pieces of at most 1 MiB" in sh("split", tmp_path / "w.bin", 1)
+    sha = (tmp_path / "pieces" / "w.bin" / "sha256").read_text().strip()
+    parts = sorted((tmp_path / "pieces" / "w.bin").glob("p*.d"))
+    assert [p.name for p in parts] == ["p00.d", "p01.d", "p02.d"]
+    for p in (parts[0], parts[2]):
+        sh("keep", p)
+    assert "piece" in sh("join", "w.bin", tmp_path / "out", sha, ok=False)   # p01 missing
+    sh("keep", parts[1])
+    assert "sha256 ok" in sh("join", "w.bin", tmp_path / "out", sha)
+    assert (tmp_path / "out").read_bytes() == data
+    assert "want 00" in sh("join", "w.bin", tmp_path / "out", "00", ok=False)
