@@ -11,7 +11,10 @@ time against transformers. One layer's shapes (1 request, 9 query / 3 KV heads, 
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/probes/cpu_decode_attention.py
 """
-import time, numpy as np, jax, jax.numpy as jnp
+import argparse
+
+argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options: --help
+import time, numpy as np, jax, jax.numpy as jnp  # noqa: E401, E402
 from pallas_kernels.sparse_attention import _heads, _as_f32
 B, Hq, H, D, ps = 1, 9, 3, 64, 16
 Np = 512; L = 30; N = L * Np; R = 2 * H * ps * D; C = 128

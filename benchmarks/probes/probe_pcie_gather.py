@@ -69,15 +69,15 @@ def fit(ns, ts):
 
 
 def main():
-    import cupy as cp
-
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--pages", type=int, default=256)
     ap.add_argument("--page-kib", type=int, default=64)
     ap.add_argument("--host-gib", type=float, default=2.0)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
+    import cupy as cp  # after parsing: --help works without CuPy
+
     rt = cp.cuda.runtime
     stream = cp.cuda.Stream(non_blocking=True)
     M, row = args.pages, args.page_kib * KiB

@@ -4,10 +4,11 @@ Quest and the exact oracle, by the attention mass each one's pages keep. CPU, fl
 The model is frozen. Per layer a small indexer reads the layer's normed hidden state ``h``
 (the input of its q / k / v projections):
 
-    query heads   q_j = h_t W_q[j]  (``--heads`` x ``--dim``),  weights w_j = h_t W_w[j]
-    page key      kbar_p = (mean of h over the page's tokens) W_k      (``--dim``)
+    query heads   q_j = h_t W_q[j]  (heads x dim),  weights w_j = h_t W_w[j]
+    page key      kbar_p = (mean of h over the page's tokens) W_k      (dim)
     page score    s_p = sum_j w_j relu(q_j . kbar_p) / sqrt(dim)
 
+with heads x dim one of ``--shapes`` (e.g. ``4x32``; one indexer is trained per shape),
 one page set shared by the request's KV heads (as the ``indexer`` selector shares it). The key
 is linear in ``h`` so a page's key is the projection of its mean hidden state (the selector's
 ``LayerNorm`` per token is left out here). Training (Adam, ``--steps``) minimizes the KL
