@@ -71,3 +71,19 @@ def write_rows(out_dir: str, name: str, rows: list) -> dict:
     with open(os.path.join(out_dir, name), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     return meta
+
+
+def names_of(known, what: str = "names"):
+    """An argparse ``type`` for a comma-separated list of names out of ``known``: the list, or
+    an argparse error naming the unknown ones and the choices (before anything runs)."""
+    import argparse
+
+    def parse(text: str) -> list:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in names if n not in known]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(
+                (f"unknown {what}: {', '.join(bad)}" if bad else f"{text!r} names no {what}")
+                + f" (choose from {', '.join(sorted(known))})")
+        return names
+    return parse

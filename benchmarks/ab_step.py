@@ -324,7 +324,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--variants", default="default,topk_full_row",
-                    help=f"comma-separated, the first is the baseline; of {sorted(VARIANTS)}")
+                    type=_meta.names_of(VARIANTS, "variants"), help=f"comma-separated, the first is the baseline; of {sorted(VARIANTS)}")
     ap.add_argument("--config", default="b", choices=("b", "c2"))
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     ap.add_argument("--pairs", type=int, default=6)
@@ -351,9 +351,8 @@ def main():
     a = ap.parse_args()
     if a.pairs < 1:
         ap.error(f"--pairs must be >= 1, got {a.pairs}")
-    names = a.variants.split(",")
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown or len(names) < 2 or len(set(names)) != len(names):
+    names = a.variants
+    if len(names) < 2 or len(set(names)) != len(names):
         ap.error(f"--variants needs two or more distinct names of {sorted(VARIANTS)}, got {names}")
     if a.share_kv and a.config != "b":
         ap.error("--share-kv shares the resident cache: config b only")

@@ -103,9 +103,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--shapes", default="8b-b1,qwen-b8", help=f"of {sorted(SHAPES)}")
+    ap.add_argument("--shapes", default="8b-b1,qwen-b8", type=_meta.names_of(SHAPES, "shapes"),
+                    help=f"comma-separated, of {sorted(SHAPES)}")
     a = ap.parse_args()
-    run(a.out, quick=a.quick, shapes=tuple(a.shapes.split(",")))
+    run(a.out, quick=a.quick, shapes=tuple(a.shapes))
 
 
 if __name__ == "__main__":

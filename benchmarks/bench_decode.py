@@ -54,6 +54,34 @@ import decode_lib as lib  # noqa: E402
 
 
 
+def _configs(text: str) -> list:
+    """--configs: the names, each of decode_lib.CONFIG_ORDER or c."""
+    cfgs = [c.strip() for c in text.split(",") if c.strip()]
+    known = set(lib.CONFIG_ORDER) | {"c"}
+    if not cfgs or set(cfgs) - known:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names {sorted(set(cfgs) - known) or 'nothing'}; choose from "
+            f"{', '.join(lib.CONFIG_ORDER)} (c = c1, c2 and c4 by --pools)")
+    return cfgs
+
+
+def _pools(text: str) -> tuple:
+    """--pools: the host tier's pool sizes, each one of a c<N> configuration."""
+    try:
+        pools = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of ints") from None
+    if not pools:  # every case's memory plan sizes the largest pool
+        raise argparse.ArgumentTypeError(f"{text!r} names no pool size; give some of 1,2,4 "
+                                         "(the default)")
+    host_pools = {int(c[1:]) for c in lib.CONFIG_ORDER if c[0] == "c"}
+    if set(pools) - host_pools:
+        raise argparse.ArgumentTypeError(
+            f"{sorted(set(pools) - host_pools)} have no configuration; the host tier's pools "
+            f"are {sorted(host_pools)} (x the working set)")
+    return pools
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="output directory (bench_decode.json, .png)")
@@ -61,8 +89,8 @@ def main(argv=None):
     ap.add_argument("--shape", default="all", choices=("8b", "qwen1.5b", "all"))
     ap.add_argument("--contexts", default="", help="e.g. 128k,1M (default: the priority grid)")
     ap.add_argument("--batches", default="", help="e.g. 1,8")
-    ap.add_argument("--configs", default="a,b,c,d", help="subset of a,b,c,d (c = every --pools)")
-    ap.add_argument("--pools", default="1,2,4", help="pool sizes of (c), in selections")
+    ap.add_argument("--configs", default="a,b,c,d", type=_configs, help="subset of a,b,c,d (c = every --pools)")
+    ap.add_argument("--pools", default="1,2,4", type=_pools, help="pool sizes of (c), in selections")
     ap.add_argument("--prefill", default="", help="prompt lengths for prefill (default 32k,128k; "
                                                    "'none' to skip)")
     ap.add_argument("--selector", default="quest", choices=("quest", "indexer"))
@@ -114,21 +142,7 @@ def main(argv=None):
               f"excluding forced pages {r['excl_forced_mean']:.3f}, chance {r['chance_overlap']:.3f}); "
               f"next-token accuracy {r['next_token_accuracy']:.3f}; {r['seconds']:.0f} s")
         return
-    cfgs = [c.strip() for c in a.configs.split(",") if c.strip()]
-    known = set(lib.CONFIG_ORDER) | {"c"}
-    if not cfgs or set(cfgs) - known:
-        ap.error(f"--configs: {a.configs!r} names {sorted(set(cfgs) - known) or 'nothing'}; "
-                 f"choose from {', '.join(lib.CONFIG_ORDER)} (c = c1, c2 and c4 by --pools)")
-    try:
-        pools = tuple(int(x) for x in a.pools.split(",") if x.strip())
-    except ValueError:
-        ap.error(f"--pools: {a.pools!r} is not a list of ints")
-    if not pools:  # every case's memory plan sizes the largest pool
-        ap.error(f"--pools: {a.pools!r} names no pool size; give some of 1,2,4 (the default)")
-    host_pools = {int(c[1:]) for c in lib.CONFIG_ORDER if c[0] == "c"}
-    if set(pools) - host_pools:
-        ap.error(f"--pools: {sorted(set(pools) - host_pools)} have no configuration; the host "
-                 f"tier's pools are {sorted(host_pools)} (x the working set)")
+    cfgs, pools = a.configs, a.pools
     try:
         contexts = [lib.parse_tokens(x) for x in a.contexts.split(",") if x.strip()] or None
         prefill_arg = [] if a.prefill.strip().lower() == "none" else \

@@ -114,16 +114,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
-    ap.add_argument("--shapes", default="8b,qwen")
+    ap.add_argument("--shapes", default="8b,qwen", type=_meta.names_of(SHAPES, "shapes"))
     ap.add_argument("--lengths", default="32k,128k")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--xla-max", type=_parse_tokens, default=131072,
                     help="longest prompt timed with the XLA reference")
-    ap.add_argument("--variants", default=None, help="comma list of VARIANTS names")
+    ap.add_argument("--variants", default=None, type=_meta.names_of([v[0] for v in VARIANTS],
+                                                                     "variants"),
+                    help="comma list of VARIANTS names")
     a = ap.parse_args()
-    run(a.out, quick=a.quick, shapes=tuple(a.shapes.split(",")),
+    run(a.out, quick=a.quick, shapes=tuple(a.shapes),
         lengths=tuple(a.lengths.split(",")), reps=a.reps, xla_max=a.xla_max,
-        variants=None if a.variants is None else a.variants.split(","))
+        variants=a.variants)
 
 
 if __name__ == "__main__":

@@ -353,3 +353,114 @@ def test_carry_pieces_split_keep_join(tmp_path):
     assert "sha256 ok" in sh("join", "w.bin", tmp_path / "out", sha)
     assert (tmp_path / "out").read_bytes() == data
     assert "want 00" in sh("join", "w.bin", tmp_path / "out", "00", ok=False)
+
+
+class _Parsed(Exception):
+    """Raised in place of returning from ``parse_args``: the command line parsed."""
+
+
+def _parse_only(script: str, argv: list) -> str:
+    """Run ``script``'s ``main()`` with ``argv`` up to its ``parse_args`` and stop there: ""
+    when the command line parses, else argparse's error."""
+    import argparse
+    import contextlib
+    import importlib.util
+    import io
+
+    path = ROOT / script
+    if not path.is_file():
+        return f"no such script {script}"
+    sys.path.insert(0, str(path.parent))  # as `python3 path` does: the script's folder first
+    spec = importlib.util.spec_from_file_location(f"_cmdline_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    real = argparse.ArgumentParser.parse_args
+
+    def parse(self, args=None, namespace=None):
+        raise _Parsed(real(self, args, namespace))
+
+    err, argv0 = io.StringIO(), sys.argv
+    sys.argv, argparse.ArgumentParser.parse_args = [str(path), *argv], parse
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            mod.main()
+    except _Parsed:
+        return ""
+    except SystemExit:
+        return err.getvalue().strip().splitlines()[-1]
+    finally:
+        sys.argv, argparse.ArgumentParser.parse_args = argv0, real
+    return "main() returned without parsing its arguments"
+
+
+def _suite_argvs(tmp_path, stages, env=()):
+    """(exit status, stderr, the command lines gpu_suite.sh runs with $PY) for ``stages``: a
+    stand-in $PY records its arguments instead of running them (``$PY -c`` prints 2, the
+    device count the tp stages read)."""
+    log = tmp_path / "argv.log"
+    py = tmp_path / "py.sh"
+    py.write_text('#!/usr/bin/env bash\nif [ "$1" = -c ]; then case $2 in *device_count*) '
+                  'echo 2 ;; *pytest_timeout*) exit 1 ;; esac; exit 0; fi\n'
+                  f'printf "%s\\0" "$@" >> {log}; echo >> {log}\n')
+    py.chmod(0o755)
+    log.write_text("")
+    r = subprocess.run(["bash", "benchmarks/gpu_suite.sh", str(tmp_path / "suite"), *stages],
+                       cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PY": str(py), "TEST_FILES": "tests/test_bench_scripts.py",
+                            "QUALITY_GGUF": "model.gguf", **dict(env)})
+    argvs = [line.strip("\0").split("\0") for line in log.read_text().splitlines() if line]
+    return r.returncode, r.stderr, argvs
+
+
+def _check_argv(argv, where):
+    """Problems of one Python command line: its script's parser refuses it, or pytest's paths
+    are missing."""
+    if argv[:2] == ["-m", "pytest"]:
+        return [f"{where}: no {p}" for p in argv[2:] if p.startswith("tests")
+                and not (ROOT / p).exists()]
+    err = _parse_only(argv[0], argv[1:])
+    return [f"{where}: {' '.join(argv)}: {err}"] if err else []
+
+
+def test_documented_commands_parse(tmp_path):
+    """Every command of BENCHMARKS.md's Commands section and every gpu_suite.sh stage passes
+    options its script's parser takes (ab_step's --variants of VARIANTS, bench_decode's
+    --configs, ...), names stages gpu_suite.sh has and files that exist. Nothing runs: each
+    script stops at parse_args, gpu_suite.sh runs a stand-in $PY."""
+    import shlex
+    environ, path = dict(os.environ), list(sys.path)
+    problems = []
+    try:
+        suite = (ROOT / "benchmarks" / "gpu_suite.sh").read_text()
+        stages = [s for m in re.finditer(r"^    ([a-z0-9|-]+)\)", suite, re.M)
+                  for s in m.group(1).split("|")]
+        rc, err, argvs = _suite_argvs(tmp_path, stages)
+        assert rc == 0 and len(argvs) > len(stages), err
+        for argv in argvs:
+            problems += _check_argv(argv, "gpu_suite.sh")
+        md = (ROOT / "BENCHMARKS.md").read_text().split("\n## Commands", 1)[1]
+        block = md.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+        for line in block.splitlines():
+            words = shlex.split(re.sub(r"\$\([^)]*\)", "X", line), comments=True)
+            env = []
+            while words and re.match(r"\w+=", words[0]):
+                env.append(words.pop(0).split("=", 1))
+            if not words:
+                continue
+            if words[0] == "bash":
+                # bash SCRIPT OUT stages...; gpu_pair.sh: one quoted list of stages per GPU
+                lists = ([words[3:]] if words[1].endswith("gpu_suite.sh") else
+                         [w.split() for w in words[3:]])
+                for stages in lists:
+                    rc, err, argvs = _suite_argvs(tmp_path, stages, env)
+                    problems += [f"BENCHMARKS.md: {line.strip()}: {err.strip()}"] if rc else []
+                    for argv in argvs:
+                        problems += _check_argv(argv, f"BENCHMARKS.md via {' '.join(words[1:])}")
+            else:
+                assert words[0].startswith("python"), line
+                problems += _check_argv(words[1:], "BENCHMARKS.md")
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        sys.path[:] = path
+    assert not problems, "\n".join(problems)

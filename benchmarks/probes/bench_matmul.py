@@ -211,19 +211,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--shapes", default="qwen1.5b,8b")
+    ap.add_argument("--shapes", default="qwen1.5b,8b", type=_meta.names_of(SHAPES, "shapes"))
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {sorted(VARIANTS)}")
-    ap.add_argument("--layouts", default="io", help="weight layouts: io (the model's, [in, out]) "
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS,
+                    type=_meta.names_of(VARIANTS, "variants"), help=f"of {sorted(VARIANTS)}")
+    ap.add_argument("--layouts", default="io", type=_meta.names_of(("io", "oi"), "layouts"),
+                    help="weight layouts: io (the model's, [in, out]) "
                     "and/or oi ([out, in])")
     ap.add_argument("--l2", action="store_true", help="only the per-projection probe: weights "
                     "from HBM (distinct per layer) vs from L2 (one shared weight), XLA default")
     a = ap.parse_args()
     if a.l2:
         rows = []
-        for shape in a.shapes.split(","):
+        for shape in a.shapes:
             s = QUICK if a.quick else SHAPES[shape]
             for m in [int(b) for b in a.batches.split(",")]:
                 rows += [dict(r, shape=shape) for r in l2_rows(s, m, a.steps, a.reps)]
@@ -233,11 +235,11 @@ def main():
                 "one small tile/slice fusion; tbps_distinct = W bytes / us_distinct"])
         return
     gpu = jax.default_backend() == "gpu"
-    variants = {v: VARIANTS[v] for v in a.variants.split(",")} if gpu else {"xla": {}}
+    variants = {v: VARIANTS[v] for v in a.variants} if gpu else {"xla": {}}
     rows = []
-    for shape in a.shapes.split(","):
+    for shape in a.shapes:
         s = QUICK if a.quick else SHAPES[shape]
-        for layout in a.layouts.split(","):
+        for layout in a.layouts:
             for m in [int(b) for b in a.batches.split(",")]:
                 for name, opts in variants.items():
                     row = measure(s, layout, m, opts, a.steps, a.reps)
