@@ -150,7 +150,7 @@ for s in $STAGES; do
         # RULER cases from benchmarks/quality_data; the GGUF is not in the GPU image: QUALITY_GGUF.
         # A run cut short keeps its finished runs; copy its JSON into OUT and run again (--resume).
         sel=(); [ $s = quality-lag ] && sel=(--runs dense 'quest*-lag')
-        run quality ${QUALITY_LIMIT:-560} $PY benchmarks/bench_quality.py --gguf "${QUALITY_GGUF:?set QUALITY_GGUF=path.gguf}" \
+        run "$s" ${QUALITY_LIMIT:-560} $PY benchmarks/bench_quality.py --gguf "${QUALITY_GGUF:?set QUALITY_GGUF=path.gguf}" \
           --lengths ${QUALITY_LENGTHS:-2048} ${sel[@]+"${sel[@]}"} ${QUALITY_ARGS:-} --tag "${QUALITY_TAG:-ruler_$JAXKV_COMMIT}" \
           --resume --out "$OUT" ;;
     tp) run tp_tests 300 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_parallel.py -o addopts="-ra"
