@@ -928,6 +928,11 @@ def main(argv=None):
                     help="--only-steady: measure every tuning this many times (round robin)")
     args = ap.parse_args(argv)
     cfg = config(args)
+    for opt, given, known in (("--steady-targets", args.steady_targets, [t[0] for t in cfg.targets]),
+                              ("--steady-variants", args.steady_variants, list(_variants(2)))):
+        bad = [n for n in given.split(",") if n and n not in known]
+        if bad:  # an unknown name would measure nothing for it, silently
+            ap.error(f"{opt}: unknown {', '.join(bad)} (choose from {', '.join(known)})")
     rng = np.random.default_rng(args.seed)
     budget = Budget(cfg.budget)
     os.makedirs(args.out, exist_ok=True)

@@ -48,6 +48,13 @@ def test_bench_fetch_steady_quick(tmp_path):
     from bench_fetch import fit_line
     a, b, r2 = fit_line([1, 2, 4], [5.0, 7.0, 11.0])
     assert abs(a - 3) < 1e-9 and abs(b - 2) < 1e-9 and abs(r2 - 1) < 1e-9
+    # an unknown target or tuning name is an error naming it, not a section that measures nothing
+    for opt in ("--steady-targets", "--steady-variants"):
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_fetch.py"), "--quick",
+                            "--only-steady", opt, "nope", "--out", str(tmp_path)], cwd=ROOT,
+                           capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 2 and f"{opt}: unknown nope" in r.stderr
 
 
 def test_source_rows_layouts():
