@@ -16,6 +16,7 @@ per step.
 from __future__ import annotations
 
 import argparse
+import re
 import datetime
 import json
 import os
@@ -53,6 +54,17 @@ def ensure_fn(name):
     return _ensure_fn(method, int(rest[0][1:]) if rest else None)
 
 
+def _variant_names(text: str) -> list:
+    """--variants: lru.ensure's methods, or ``pallas_w<n>`` (the kernel with n warps); an
+    unknown name is an argparse error naming it before anything runs."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if not re.fullmatch(r"auto|dense|sort|pallas(_w[1-9][0-9]*)?", n)]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown variants {bad or text!r} (choose from auto, "
+                                         "dense, sort, pallas, pallas_w<warps>)")
+    return names
+
+
 def time_variant(fn, reqs, prot, L, P, S, reps):
     T = reqs.shape[0]
 
@@ -81,7 +93,8 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--slots-per-request", type=int, default=130,
                     help="pool slots per request and layer (130: the engine's 2x pool)")
-    ap.add_argument("--variants", default="auto,dense,sort,pallas")
+    ap.add_argument("--variants", default="auto,dense,sort,pallas", type=_variant_names,
+                    help="comma-separated: auto, dense, sort, pallas or pallas_w<warps>")
     a = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     L, H, k, Np, Q = (2, 2, 4, 64, 2) if a.quick else (28, 2, 32, 2048, 2)
@@ -90,7 +103,7 @@ def main():
     P, S = B * Np, B * Sp
     reqs, prot = stream(np.random.default_rng(0), T, L, B, H, k, Np, a.overlap, Q)
     rows = []
-    for name in a.variants.split(","):
+    for name in a.variants:
         if (not gpu and "_w" in name) or (name.startswith("pallas")
                                            and max(B * H * k, S, B * Q) > lru.PALLAS_MAX):
             continue

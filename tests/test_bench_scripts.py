@@ -117,6 +117,10 @@ def test_bench_ensure_quick(tmp_path):
     assert all(r["us_per_step"] > 0 for r in rows)
     assert len({(r["hits_per_step"], r["misses_per_step"]) for r in rows}) == 1
     assert out["auto_method"] in ("dense", "sort", "pallas")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ensure.py"), "--quick",
+                        "--variants", "auto,pallas_w4,pallas_x"], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and "unknown variants ['pallas_x']" in r.stderr
 
 
 def _decode_json(path, commit, cases, lag=0):
