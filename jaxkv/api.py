@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +78,14 @@ def _prompt_list(prompts) -> Sequence:
     """``prompts`` (normalized: ``text.normalize``) as a non-empty sequence of requests."""
     if isinstance(prompts, (np.ndarray, jax.Array)) and prompts.ndim == 2:
         prompts = list(np.asarray(prompts))  # a [B, T] array of equal-length prompts
+    # a chat message where a request goes: the error shows a chat's shape (the token-id check
+    # would report an array of shape ())
+    where = ["prompts"] if isinstance(prompts, Mapping) else [
+        f"prompt {i}" for i, p in enumerate(prompts if isinstance(prompts, Sequence) else ())
+        if isinstance(p, Mapping)][:1]
+    if where:
+        raise ValueError(f"{where[0]} is one chat message (a dict): a chat is a list of messages, "
+                         "[{'role': 'user', 'content': ...}], and a batch of chats a list of them")
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError("prompts must be one request (token ids; with a Model from jaxkv.load "
                          "also text or a chat) or a non-empty list of requests")

@@ -74,6 +74,16 @@ def test_bad_chat_messages(model, msg, match):
     jaxkv.text.check_chat([{"role": "user", "content": "hi"}, tool], 0)  # tool calls: no content
 
 
+def test_a_chat_message_is_not_a_request(model):
+    """One message dict given as the prompts or as one request of a batch gets an error
+    showing a chat's shape, not the token-id check's 'shape ()'."""
+    msg = {"role": "user", "content": "hi"}
+    with pytest.raises(ValueError, match=r"^prompts is one chat message \(a dict\): a chat is a list"):
+        _gen(model, msg)
+    with pytest.raises(ValueError, match=r"^prompt 1 is one chat message \(a dict\)"):
+        _gen(model, [[msg], msg])
+
+
 def test_load_arguments():
     """load's device by platform name, and early errors naming a bad path, device or
     compile_cache."""
