@@ -131,15 +131,17 @@ def _read_prompt(args) -> str:
         raise ValueError(f"cannot read prompt file {args.file} as UTF-8 text ({e})") from None
 
 
-# CacheConfig's fields as this command's options: CacheConfig's errors name the fields
+# CacheConfig's fields and generate's arguments as this command's options: the errors of
+# CacheConfig and generate name the fields and arguments
 _OPTION_OF_FIELD = {"mode": "--mode", "selector": "--selector", "page_size": "--page-size",
                     "selected_pages": "--budget", "pool_pages": "--pool-pages",
                     "candidate_pages": "--candidate-pages", "kv_dtype": "--kv-dtype",
-                    "strict": "--strict", "schedule": "--schedule"}
+                    "strict": "--strict", "schedule": "--schedule",
+                    "max_new_tokens": "--max-new-tokens"}
 
 
 def _with_option_names(e: Exception) -> str:
-    """A CacheConfig error with the command-line options of the fields it names."""
+    """A CacheConfig or generate error with the command-line options of the fields it names."""
     msg = str(e)
     named = [f"{field} is {opt}" for field, opt in _OPTION_OF_FIELD.items()
              if re.search(rf"\b{field}\b", msg)]
@@ -262,9 +264,10 @@ def main(argv=None) -> int:
             print(text + e.result.text[0] if not args.chat else e.result.text[0])
         return fail(e, 1)
     except (ValueError, TypeError, RuntimeError) as e:
+        msg = _with_option_names(e)
         if args.json:
-            _print_json(backend, model, text, None, error=str(e))
-        return fail(e, 1)
+            _print_json(backend, model, text, None, error=msg)
+        return fail(msg, 1)
     out = res.text[0]
     s = res.stats
     if args.json:
@@ -281,10 +284,14 @@ def main(argv=None) -> int:
     print(f"prompt {s['prompt_tokens']} tokens, prefill {s['prefill_time_s']:.2f} s; "
           f"{s['generated_tokens']} new tokens, decode {s['decode_tokens_per_s']:.1f} tokens/s "
           f"(compile {s['compile_time_s']:.1f} s, {s['num_compilations']} compilations)")
-    print(f"cache: hit rate {s['hit_rate']:.3f} (hits {s['hits']}, misses {s['misses']}), "
-          f"evictions {s['evictions']}, dropped {s['dropped']}, "
-          f"host->device {s['bytes_host_to_device'] / 2**20:.2f} MiB, "
-          f"device->host {s['bytes_device_to_host'] / 2**20:.2f} MiB")
+    if s["mode"] == "resident":  # no host tier: no lookups (a hit rate of nan) and no copies
+        print("cache: resident, every page on the device (no lookups, nothing moved to or "
+              "from the host)")
+    else:
+        print(f"cache: hit rate {s['hit_rate']:.3f} (hits {s['hits']}, misses {s['misses']}), "
+              f"evictions {s['evictions']}, dropped {s['dropped']}, "
+              f"host->device {s['bytes_host_to_device'] / 2**20:.2f} MiB, "
+              f"device->host {s['bytes_device_to_host'] / 2**20:.2f} MiB")
     print(f"memory: device KV {s['device_kv_bytes'] / 2**20:.1f} MiB, "
           f"host KV {s['host_kv_bytes'] / 2**20:.1f} MiB")
     return 0

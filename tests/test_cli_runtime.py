@@ -120,6 +120,17 @@ def test_json_strict_failure_is_still_one_json_object(capsys):
     assert json.loads(cap.out)["error"] in cap.err
 
 
+def test_generation_errors_name_the_options_and_resident_shows_no_hit_rate(capsys):
+    """An error that generate raises (a pool smaller than a step's pages) names the options
+    of the fields it names; a resident run's cache line says it moved nothing, not 'nan'."""
+    assert cli_main(["Hello", *FAST, "--pool-pages", "2"]) == 1
+    assert "(here selected_pages is --budget, pool_pages is --pool-pages)" in \
+        capsys.readouterr().err
+    assert cli_main(["Hello", *FAST, "--mode", "resident"]) == 0
+    out = capsys.readouterr().out
+    assert "cache: resident, every page on the device" in out and "nan" not in out
+
+
 def test_gpu_warning(monkeypatch):
     monkeypatch.setattr(runtime, "gpu_visible", lambda: True)
     with pytest.warns(RuntimeWarning, match=r"jaxkv\[cuda\]"):
