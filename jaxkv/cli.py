@@ -2,7 +2,8 @@
 
 Loads SmolLM2-135M-Instruct from its GGUF package, or ``--model PATH``: a GGUF file (llama or
 qwen2 architecture), a Hugging Face checkpoint directory (config.json, safetensors,
-tokenizer.json), a cached hub repo id, or an installed asset name (``qwen2.5-coder-0.5b``).
+tokenizer.json), a cached hub repo id, or a model name (``smollm2-135m``, the default;
+an installed asset's, ``qwen2.5-coder-0.5b``).
 Generates with the host tier by default and prints the backend, the text, tokens/s and the
 cache counters (``--json``: one JSON object only, with ``"error"`` when generation fails; a bad
 option fails before the model loads, on stderr with exit status 2). JAX's persistent compilation cache is on
@@ -60,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", metavar="PATH",
                      help="GGUF file, Hugging Face checkpoint directory, cached hub repo id or "
-                          "asset name (default: SmolLM2-135M-Instruct)")
+                          "model name: smollm2-135m or an installed asset's, qwen2.5-coder-0.5b "
+                          "(default: SmolLM2-135M-Instruct)")
     src.add_argument("--gguf", type=Path, help="a GGUF file (the same as --model for a GGUF file)")
     p.add_argument("--mode", choices=["host", "resident"], default="host",
                    help="host: KV cache in host RAM, device pool as LRU cache; resident: all on device")

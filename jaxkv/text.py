@@ -47,8 +47,8 @@ class Model:
 def load(path: str | os.PathLike | None = None, *, dtype: str | None = None, device=None,
          compile_cache: bool | str | os.PathLike | None = None) -> Model:
     """Loads a model for :func:`jaxkv.generate`: a GGUF file, a Hugging Face checkpoint
-    directory, a cached hub repo id or an installed asset name (``jaxkv.models.load``);
-    default: the packaged SmolLM2-135M-Instruct.
+    directory, a cached hub repo id or a model name ("smollm2-135m", or an installed asset's;
+    ``jaxkv.models.load``); default: the packaged SmolLM2-135M-Instruct.
 
     ``compile_cache``: JAX's persistent compilation cache (``jaxkv.runtime``): None = on,
     in ``$JAXKV_COMPILATION_CACHE`` or ``~/.cache/jaxkv/xla`` (``JAXKV_COMPILATION_CACHE=0``

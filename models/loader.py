@@ -14,10 +14,11 @@ def _is_gguf(p: Path) -> bool:
 def resolve_model(path: str | os.PathLike | None) -> tuple[str, Path]:
     """``("gguf", file)`` or ``("hf", checkpoint dir)`` for what ``path`` names: None (the
     packaged SmolLM2-135M GGUF), a GGUF file, a checkpoint directory (or its config.json), a
-    hub cache entry or cached repo id, or an asset name ("qwen2.5-coder-0.5b", see
-    ``jaxkv.models.assets``). Raises FileNotFoundError / ValueError naming the fix."""
+    hub cache entry or cached repo id, or a model name: "smollm2-135m" (the packaged
+    default, as None) or an asset's ("qwen2.5-coder-0.5b", see ``jaxkv.models.assets``).
+    Raises FileNotFoundError / ValueError naming the fix."""
     from . import assets
-    from .gguf_loader import default_model_path
+    from .gguf_loader import DEFAULT_MODEL_NAME, default_model_path
     from .hf_loader import resolve_checkpoint
 
     if path is None:
@@ -29,6 +30,8 @@ def resolve_model(path: str | os.PathLike | None) -> tuple[str, Path]:
         raise ValueError("path is empty: pass a GGUF file, a checkpoint directory, a cached repo "
                          "id or an asset name, or None for the packaged SmolLM2-135M-Instruct")
     p = Path(path).expanduser()
+    if not p.exists() and str(path) == DEFAULT_MODEL_NAME:
+        return "gguf", default_model_path()
     if not p.exists() and str(path) in assets.ASSETS:
         return "gguf", assets.asset_path(str(path))
     if p.is_file():
@@ -46,7 +49,8 @@ def resolve_model(path: str | os.PathLike | None) -> tuple[str, Path]:
             raise
         raise FileNotFoundError(f"model not found: {path} (expected a GGUF file, a Hugging Face "
                                 f"checkpoint directory, a cached repo id or one of "
-                                f"{sorted(assets.ASSETS)}); {e}") from None
+                                f"{[DEFAULT_MODEL_NAME, *sorted(assets.ASSETS)]}, the first "
+                                f"the packaged default); {e}") from None
 
 
 def resolve_device(device):

