@@ -133,17 +133,19 @@ def _read_prompt(args) -> str:
         raise ValueError(f"cannot read prompt file {args.file} as UTF-8 text ({e})") from None
 
 
-# CacheConfig's fields and generate's arguments as this command's options: the errors of
-# CacheConfig and generate name the fields and arguments
+# CacheConfig's and Sampling's fields and generate's arguments as this command's options:
+# their errors name the fields and arguments
 _OPTION_OF_FIELD = {"mode": "--mode", "selector": "--selector", "page_size": "--page-size",
                     "selected_pages": "--budget", "pool_pages": "--pool-pages",
                     "candidate_pages": "--candidate-pages", "kv_dtype": "--kv-dtype",
                     "strict": "--strict", "schedule": "--schedule",
-                    "max_new_tokens": "--max-new-tokens"}
+                    "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
+                    "top_k": "--top-k", "top_p": "--top-p"}
 
 
 def _with_option_names(e: Exception) -> str:
-    """A CacheConfig or generate error with the command-line options of the fields it names."""
+    """A CacheConfig, Sampling or generate error with the command-line options of the fields
+    it names."""
     msg = str(e)
     named = [f"{field} is {opt}" for field, opt in _OPTION_OF_FIELD.items()
              if re.search(rf"\b{field}\b", msg)]
@@ -227,7 +229,7 @@ def main(argv=None) -> int:
         if args.stop is not None and not all(args.stop):
             raise ValueError("--stop: a stop string must not be empty")
     except (ValueError, TypeError) as e:
-        return fail(e)
+        return fail(_with_option_names(e))
     from jaxkv import runtime
     runtime.enable_compilation_cache(False if args.no_compile_cache else args.compile_cache)
     runtime.warn_if_gpu_unused()

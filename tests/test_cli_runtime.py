@@ -129,6 +129,8 @@ def test_generation_errors_name_the_options_and_resident_shows_no_hit_rate(capsy
     assert cli_main(["Hello", *FAST, "--mode", "resident"]) == 0
     out = capsys.readouterr().out
     assert "cache: resident, every page on the device" in out and "nan" not in out
+    assert cli_main(["Hello", *FAST, "--temperature", "-1"]) == 2  # Sampling's errors too
+    assert "(here temperature is --temperature)" in capsys.readouterr().err
 
 
 def test_gpu_warning(monkeypatch):
