@@ -104,6 +104,8 @@ def _write_tokens_pallas(dst, rows, offsets, kv, *, page_size: int, num_warps: i
     ps = int(page_size)
     if D & (D - 1):
         raise ValueError(f"head_dim {D} must be a power of two (Triton blocks)")
+    if M == 0:  # no entry: nothing to write (a grid of 0 programs over [0] blocks cannot lower)
+        return dst
     kv2 = kv_quant.encode_tokens(kv, dst.dtype)
     scales = kv_quant.is_quantized(dst.dtype)
     rows = jnp.asarray(rows, jnp.int32)
@@ -148,6 +150,8 @@ def write_tokens_reference(dst, rows, offsets, kv, *, page_size, **tuning):
     M, _, H, D = kv.shape
     ps = int(page_size)
     dtype = dst.dtype
+    if M == 0:  # no entry (the loop body below cannot index an empty batch)
+        return dst
     kv = kv_quant.encode_tokens(kv, dtype)
     rows = jnp.asarray(rows, jnp.int32)
     offsets = jnp.asarray(offsets, jnp.int32)
@@ -217,6 +221,9 @@ def write_tokens_pair(host, host_rows, pool, pool_rows, offsets, kv, *, page_siz
 def write_pages_pallas(dst, rows, pages, **tuning):
     """Pallas implementation of :func:`write_pages` (the fetch kernel, source = ``pages``)."""
     src_rows = jnp.arange(pages.shape[0], dtype=jnp.int32)
+    if pages.shape[0] == 0:  # no row: nothing to write (a [0, R] source block cannot lower)
+        page_fetch._check(pages.astype(dst.dtype), dst, src_rows, jnp.asarray(rows, jnp.int32))
+        return dst
     return page_fetch.copy_rows_pallas(pages.astype(dst.dtype), dst, src_rows,
                                        jnp.asarray(rows, jnp.int32), **tuning)
 

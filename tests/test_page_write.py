@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from jaxkv.kernels import _common, page_write
+from jaxkv.kernels import _common, kv_quant, page_write
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -297,3 +297,21 @@ def test_rows_past_the_array_write_nothing(rng, impl):
     expect = np.full((n, row), np.nan, np.float32)
     expect[1] = pages[1]
     np.testing.assert_array_equal(as_f32(out), expect)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+@pytest.mark.parametrize("dtype", ["f32", "int8"])
+def test_zero_entries_write_nothing(impl, dtype):
+    """M = 0 entries (no token, no page): the array comes back unchanged, NaN rows included,
+    from both writers and both dtypes (a quantized array encodes its empty batch too)."""
+    H, D, ps, n = 2, 16, 4, 3
+    dt = jnp.int8 if dtype == "int8" else jnp.float32
+    row = kv_quant.row_elems(dt, H, ps, D)
+    dst0 = np.full((n, row), np.nan if dtype == "f32" else 7, np.float32)
+    none = jnp.zeros((0,), jnp.int32)
+    out = page_write.write_tokens(jnp.asarray(dst0, dt), none, none, jnp.zeros((0, 2, H, D)),
+                                  page_size=ps, implementation=impl)
+    np.testing.assert_array_equal(as_f32(out), dst0)
+    out = page_write.write_pages(jnp.asarray(dst0, dt), none, jnp.zeros((0, row), dt),
+                                 implementation=impl)
+    np.testing.assert_array_equal(as_f32(out), dst0)
