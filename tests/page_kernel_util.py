@@ -1,4 +1,5 @@
-"""Shared set-up of the page-transfer kernel tests (test_page_fetch.py, test_page_write.py)."""
+"""Shared set-up of the page-transfer kernel tests (test_page_fetch.py, test_page_write.py)
+and fresh, printed seeds for any kernel test (``fresh_rng``, the ``rng`` fixture)."""
 import os
 
 import jax
@@ -18,11 +19,16 @@ SHAPES = [(h, ps, "bf16" if (ps in (1, 16)) != (h == "3x64") else "f32")
           for h in HEADS for ps in (1, 2, 16, 64)]
 
 
+def fresh_rng():
+    """A generator on a fresh seed, printed (pytest shows it when the test fails)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
 @pytest.fixture
 def rng():
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={seed}")  # shown by pytest when the test fails
-    return np.random.default_rng(seed)
+    return fresh_rng()
 
 
 def host_zeros(shape, dtype=jnp.bfloat16):

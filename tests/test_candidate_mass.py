@@ -6,10 +6,11 @@ import pytest
 import jax.numpy as jnp
 
 from jaxkv.kernels import candidate_mass as cm
+from page_kernel_util import fresh_rng
 
 
 def _rng():
-    return np.random.default_rng(np.random.SeedSequence().entropy)
+    return fresh_rng()  # fresh seed each run, printed (shown when a test fails)
 
 
 def mass_numpy(q, keys, scales, layer, cand, positions):
@@ -67,6 +68,7 @@ def _case(rng, *, L=2, B=3, H=2, G=3, Np=10, ps=4, D=8, C=5, int8=True):
         for h in range(H):
             pick = rng.permutation(n)[:rng.integers(0, min(C, n) + 1)]  # any order, some -1
             cand[b, h, :len(pick)] = pick
+            cand[b, h] = rng.permutation(cand[b, h])  # the -1s anywhere in the row
     return q, keys, scales, cand, positions
 
 

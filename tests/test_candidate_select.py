@@ -11,12 +11,13 @@ import jax.numpy as jnp
 
 from jaxkv.kernels import candidate_select as cs
 from tests.lowering import lower_for_h200
+from page_kernel_util import fresh_rng
 
 IMPLS = ["pallas", "xla"]
 
 
 def _rng():
-    return np.random.default_rng(np.random.SeedSequence().entropy)
+    return fresh_rng()  # fresh seed each run, printed (shown when a test fails)
 
 
 def select_numpy(m, l, cand, seq_lens, *, G, k, page_size, num_pages, num_sink_pages):
