@@ -248,6 +248,27 @@ def test_empty_selection_and_scale():
     check(lse, l64, jnp.float32, seed, "lse")
 
 
+def test_length_zero_request_with_listed_entries():
+    """A request of length 0 (inactive) whose entries still name pool rows and pages (a stale
+    selection): every token is masked, so out = 0, lse = -inf, with NaN in its rows; the
+    other requests are unchanged."""
+    seed = fresh_seed()
+    case, static = make_case(seed, B=2, H=2, G=2, D=32, ps=16, K=4, dtype=jnp.float32)
+    rows = np.asarray(case["block_rows"])
+    mine = np.unique(rows[0][rows[0] >= 0])
+    mine = mine[~np.isin(mine, rows[1])]   # rows of request 0 only: poisoned
+    case["pool"] = case["pool"].at[jnp.asarray(mine, jnp.int32)].set(jnp.nan)
+    case["page_index"] = case["page_index"].at[0].set(jnp.maximum(case["page_index"][0], 0))
+    case["seq_lens"] = case["seq_lens"].at[0].set(0)
+    o64, l64 = dense_f64(case, **static)
+    for impl in ("xla", "pallas", "blocked"):
+        out, lse = sparse_paged_attention(**case, **static, num_splits=2, implementation=impl)
+        assert (np.asarray(out[0]) == 0).all() and np.isneginf(np.asarray(lse[0])).all(), \
+            f"{impl} (seed {seed})"
+        check(out, o64, jnp.float32, seed, f"{impl} out")
+        check(lse, l64, jnp.float32, seed, f"{impl} lse")
+
+
 def test_zero_entries():
     case, static = make_case(fresh_seed(), B=2, H=2, G=2, D=16, ps=16, K=3, dtype=jnp.bfloat16)
     case["block_rows"] = case["block_rows"][:, :, :0]
