@@ -216,6 +216,8 @@ def copy_rows_reference(src, dst, src_rows, dst_rows):
     vectorized gather/scatter when both are device arrays.
     """
     _check(src, dst, src_rows, dst_rows)
+    if src_rows.shape[0] == 0:  # no entry (the loop body below cannot index an empty list)
+        return dst
     Ns, Nd = src.shape[0], dst.shape[0]
     src_rows = jnp.asarray(src_rows, jnp.int32)
     dst_rows = jnp.asarray(dst_rows, jnp.int32)
@@ -276,6 +278,8 @@ def fetch_pages_compact(host_kv, pool, src_rows, dst_rows, **tuning):
     if not _is_host(host_kv):
         return copy_rows_reference(host_kv, pool, src_rows, dst_rows)
     _check(host_kv, pool, src_rows, dst_rows)
+    if src_rows.shape[0] == 0:  # no entry (the loop body below cannot index an empty list)
+        return pool
     Ns, Nd = host_kv.shape[0], pool.shape[0]
     src_rows = jnp.asarray(src_rows, jnp.int32)
     dst_rows = jnp.asarray(dst_rows, jnp.int32)

@@ -116,6 +116,10 @@ def test_fetch_edge_cases(rng):
         for impl in ("pallas", "xla", "compact"):
             got = run_fetch(host, src, dst, 6, jnp.float32, impl)
             np.testing.assert_array_equal(got, expect, err_msg=f"{impl} {src} {dst}")
+    none = np.zeros((0,), np.int32)  # no entry at all: the pool comes back unchanged
+    for impl in ("pallas", "xla", "compact"):
+        np.testing.assert_array_equal(run_fetch(host, none, none, 6, jnp.float32, impl),
+                                      np.full((6, row), np.nan, np.float32), err_msg=impl)
 
 
 def test_fetch_from_device_array(rng):
