@@ -214,11 +214,12 @@ def encode_tokens(kv, dtype):
     """One token's K/V per entry, ``kv`` [M, 2, H, D] (any float dtype), as ``dtype``
     elements [M, token_elems]: the ``2 * H`` head vectors (K heads then V heads), then, when
     quantized, their ``2 * H`` scale bytes in the same order."""
-    M = kv.shape[0]
+    M, _, H, D = kv.shape   # explicit widths: a reshape to -1 fails with no entries
     if not is_quantized(dtype):
-        return kv.astype(dtype).reshape(M, -1)
+        return kv.astype(dtype).reshape(M, 2 * H * D)
     payload, e = quantize(kv, dtype)
-    return jnp.concatenate([payload.reshape(M, -1), exps_as(e, dtype).reshape(M, -1)], axis=1)
+    return jnp.concatenate([payload.reshape(M, 2 * H * D),
+                            exps_as(e, dtype).reshape(M, 2 * H)], axis=1)
 
 
 def token_columns(num_kv_heads: int, page_size: int, head_dim: int, offset, dtype):

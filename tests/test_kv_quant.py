@@ -165,6 +165,8 @@ def test_row_layout_helpers():
             tol = (2.0 ** -ml_dtypes.finfo(dt).nmant if dt in FP8 else 2.0 ** -7 if dt == "int8"
                    else 0.01)
             np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max())
+        empty = kq.encode_tokens(jnp.zeros((0, 2, H, D)), dt)   # no entries: no reshape to -1
+        assert empty.shape == (0, kq.encode_tokens(tok[:1, 0, 0], dt).shape[1])
 
 
 # --------------------------------------------------------------------------------------------
