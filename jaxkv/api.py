@@ -100,7 +100,7 @@ def _validate_prompts(model: ModelConfig, prompts) -> list[list[int]]:
         if arr.size == 0:
             raise ValueError(f"prompt {i} is empty: every request needs at least one token "
                              "(e.g. the BOS id)")
-        out.append([int(t) for t in arr])
+        out.append(arr.tolist())
     return out
 
 

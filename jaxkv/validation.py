@@ -225,9 +225,10 @@ def _plain_int_ids(ids):
 
 
 def check_token_ids(ids, vocab_size: int, what: str) -> np.ndarray:
-    """``ids`` as a 1-D int array of token ids in ``[0, vocab_size)`` (may be empty). A list's
-    items are checked one by one, so the message names a float, bool, nested list or an int
-    numpy cannot hold (2**70) and its index, instead of numpy's conversion error."""
+    """``ids`` as a 1-D int array of token ids in ``[0, vocab_size)`` (may be empty). A list
+    of plain ints (a tokenizer's) is converted at once; any other list item by item, so the
+    message names a float, bool, nested list or an int numpy cannot hold (2**70) and its
+    index, instead of numpy's conversion error."""
     if isinstance(ids, (str, bytes)):
         raise TypeError(f"{what} is text: pass token ids (tokenizer.encode(text))")
 
