@@ -48,7 +48,7 @@ def test_quickstart_notebook_runs(kernel_name):
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert "pass key found: True" in text
     assert "step  1: hit rate 0.00" in text            # per-step counters, empty pool at first
-    assert "reused " in text and "What color is the grass in the text? ->" in text  # kept context
+    assert "reused " in text and "Write the pass key in words. ->" in text  # kept context
     assert "hit_rate" in text and "bytes_host_to_device" in text
     assert any("image/png" in o.get("data", {}) for o in outputs
                if o.get("output_type") == "display_data"), "no plot was produced"
