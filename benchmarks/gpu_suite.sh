@@ -68,7 +68,7 @@ run() {  # name timeout cmd...
 for s in $STAGES; do
   echo "===== $s"
   case $s in
-    env) run env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -c 'import jax; print(jax.__version__, jax.devices())'" ;;
+    env) run env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv && $PY -c 'import jax; print(jax.__version__, jax.devices())'" ;;
     tests) run tests ${TESTS_LIMIT:-560} $PY -m pytest -q -m gpu -p no:cacheprovider tests/ --continue-on-collection-errors $TIMEOUT_ARG -o addopts="-ra" ;;
     tests-files) run tests_files ${TESTS_LIMIT:-300} $PY -m pytest -q -m gpu -p no:cacheprovider ${TEST_FILES:?set TEST_FILES} \
         -o addopts="-ra" --tb=short ;;
@@ -117,7 +117,7 @@ for s in $STAGES; do
         run "$s" 300 $PY benchmarks/bench_decode.py $args --contexts 128k --configs a,b,c --pools 2 \
           --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 260 --timed-rounds 6 \
           --pairs ${PAIRS:-8} --out "$OUT" ;;
-    topo) run topo 60 bash -c "nvidia-smi topo -m; lscpu | grep -i -E 'numa|socket|model name'; \
+    topo) run topo 60 bash -c "nvidia-smi topo -m && { lscpu | grep -i -E 'numa|socket|model name' || true; } && \
         $PY -c 'import sys; sys.path.insert(0, \"benchmarks\"); import _numa, json; print(json.dumps(_numa.gpu_numa()))'" ;;
     capacity) run capacity 300 $PY benchmarks/probes/probe_host_capacity.py --tier-gb 28 --free-gb 16 --out "$OUT"
         # the optimized HLO of each probed program, as one file (the device returns few files)

@@ -3,6 +3,7 @@ import json
 import re
 import os
 import subprocess
+import shutil
 import sys
 from pathlib import Path
 
@@ -414,10 +415,15 @@ def _suite_argvs(tmp_path, stages, env=()):
                   'echo 2 ;; *pytest_timeout*) exit 1 ;; esac; exit 0; fi\n'
                   f'printf "%s\\0" "$@" >> {log}; echo >> {log}\n')
     py.chmod(0o755)
+    smi = tmp_path / "bin" / "nvidia-smi"   # the env / topo stages fail without it
+    smi.parent.mkdir(exist_ok=True)
+    smi.write_text("#!/usr/bin/env bash\necho stand-in\n")
+    smi.chmod(0o755)
     log.write_text("")
     r = subprocess.run(["bash", "benchmarks/gpu_suite.sh", str(tmp_path / "suite"), *stages],
                        cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "PY": str(py), "TEST_FILES": "tests/test_bench_scripts.py",
+                       env={**os.environ, "PATH": f"{smi.parent}:{os.environ['PATH']}",
+                            "PY": str(py), "TEST_FILES": "tests/test_bench_scripts.py",
                             "QUALITY_GGUF": "model.gguf", **dict(env)})
     argvs = [line.strip("\0").split("\0") for line in log.read_text().splitlines() if line]
     return r.returncode, r.stderr, argvs
@@ -475,3 +481,19 @@ def test_documented_commands_parse(tmp_path):
         os.environ.update(environ)
         sys.path[:] = path
     assert not problems, "\n".join(problems)
+
+
+def test_suite_env_fails_without_nvidia_smi(tmp_path):
+    """The env stage is the first check of a GPU call: without nvidia-smi it reports failure
+    instead of printing JAX's devices and exiting 0."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for tool in ("bash", "timeout", "tail", "date", "mkdir", "sed", "tr", "git", "printf"):
+        real = shutil.which(tool)
+        if real:
+            (bin_ / tool).symlink_to(real)
+    r = subprocess.run(["bash", "benchmarks/gpu_suite.sh", str(tmp_path / "suite"), "env"],
+                       cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PATH": str(bin_), "PY": "true"})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "env        rc=127" in r.stdout, r.stdout
