@@ -18,7 +18,8 @@ from jaxkv.models.configs import ModelConfig
 @dataclasses.dataclass(frozen=True, eq=False)
 class Model:
     """A loaded model: ``config`` (ModelConfig), ``params``, ``tokenizer`` (with the chat
-    template of the model's files; None for a bare config) and the ``path`` it came from.
+    template of the model's files; None for a bare config) and the ``path`` it came from (the
+    GGUF file or checkpoint directory read, also for a model name or the packaged default).
 
     ``model.generate(prompts, ...)`` is ``jaxkv.generate(model, prompts, ...)``. It unpacks
     as ``config, params, tokenizer = model``.
@@ -63,7 +64,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | None = None, dev
     runtime.enable_compilation_cache(compile_cache)
     runtime.warn_if_gpu_unused()
     cfg, params, tok = models.load(path, dtype=dtype, device=device)
-    return Model(cfg, params, tok, None if path is None else str(path))
+    return Model(cfg, params, tok, str(models.resolve_model(path)[1]))  # the file or directory read
 
 
 def is_chat(p) -> bool:

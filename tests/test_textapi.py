@@ -36,6 +36,20 @@ def test_load_returns_a_bundle(model):
     assert isinstance(model, jaxkv.Model)
     cfg, params, tok = model
     assert cfg is model.config and tok is model.tokenizer and model.chat_template
+    assert model.path == str(FIXTURE) and repr(model).endswith(f"path={str(FIXTURE)!r})")
+
+
+def test_load_names_the_file_of_a_model_name(monkeypatch):
+    """A model name (or None, the packaged default) loads a file: ``path`` names it."""
+    from jaxkv.models import gguf_loader
+    from jaxkv.models import loader as models_loader
+    seen = []
+    monkeypatch.setattr(models_loader, "load", lambda p, **kw: seen.append(p) or (None, None, None))
+    monkeypatch.setattr(jaxkv.models, "load", models_loader.load)
+    for name in (None, "smollm2-135m"):
+        m = jaxkv.load(name, compile_cache=False)
+        assert m.path == str(gguf_loader.default_model_path())
+    assert seen == [None, "smollm2-135m"]
 
 
 def test_text_round_trip(model):
