@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidate-pages", type=_positive_int, default=None,
                    help="quest_rescore8: pages per KV head Quest hands to the re-ranking "
                         "(default: 8x the budget's pages; 16x kept an exact oracle's retrievals)")
+    p.add_argument("--candidate-block", type=_positive_int, default=1,
+                   help="quest_rescore8: Quest's first stage bounds and picks blocks of this "
+                        "many pages (fewer bounds to read and rank); 1: per page")
     p.add_argument("--max-new-tokens", type=_positive_int, default=48, help="tokens to generate")
     p.add_argument("--budget", type=_positive_int, default=DEFAULT_BUDGET,
                    help="selected tokens per step, layer and KV head (rounded to pages)")
@@ -137,7 +140,8 @@ def _read_prompt(args) -> str:
 # their errors name the fields and arguments
 _OPTION_OF_FIELD = {"mode": "--mode", "selector": "--selector", "page_size": "--page-size",
                     "selected_pages": "--budget", "pool_pages": "--pool-pages",
-                    "candidate_pages": "--candidate-pages", "kv_dtype": "--kv-dtype",
+                    "candidate_pages": "--candidate-pages",
+                    "candidate_block": "--candidate-block", "kv_dtype": "--kv-dtype",
                     "strict": "--strict", "schedule": "--schedule",
                     "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
                     "top_k": "--top-k", "top_p": "--top-p"}
@@ -219,8 +223,8 @@ def main(argv=None) -> int:
         cache = jaxkv.CacheConfig(
             mode=args.mode, selector=args.selector, page_size=args.page_size,
             selected_pages=max(2, -(-budget // args.page_size)), pool_pages=args.pool_pages,
-            candidate_pages=args.candidate_pages, kv_dtype=args.kv_dtype,
-            strict=args.strict, schedule=schedule,
+            candidate_pages=args.candidate_pages, candidate_block=args.candidate_block,
+            kv_dtype=args.kv_dtype, strict=args.strict, schedule=schedule,
             prefill_chunk=max(jaxkv.CacheConfig.prefill_chunk, args.page_size))
     except (ValueError, TypeError) as e:
         return fail(_with_option_names(e))

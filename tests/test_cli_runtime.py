@@ -61,6 +61,25 @@ def test_two_stage_selector_from_the_command_line(capsys):
         assert "(here selector is --selector, candidate_pages is --candidate-pages)" in err
 
 
+def test_candidate_block_from_the_command_line(capsys):
+    """--candidate-block groups quest_rescore8's first stage; one too large for the candidates
+    names the largest that works, and one with a one-stage selector fails before the model
+    loads, each naming the options."""
+    assert cli_main(["Hello", *FAST, "--json", "--selector", "quest_rescore8", "--budget", "8",
+                     "--candidate-block", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["generated_tokens"] >= 1
+    assert cli_main(["Hello", *FAST, "--selector", "quest_rescore8", "--budget", "8",
+                     "--candidate-block", "16"]) == 1   # found when the plan is made
+    err = capsys.readouterr().err
+    assert "the largest candidate_block that divides the candidates and works here is 8" in err
+    assert "candidate_block is --candidate-block" in err
+    assert cli_main(["Hello", "--model", "/no/such/model", "--selector", "quest",
+                     "--candidate-block", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "leave candidate_block=1 (here selector is --selector, candidate_block is " \
+           "--candidate-block)" in err
+
+
 def test_int8_kv_from_the_command_line(capsys):
     """--kv-dtype int8 runs; a dtype the cache cannot store fails naming the option."""
     assert cli_main(["Hello", *FAST, "--json", "--kv-dtype", "int8"]) == 0
