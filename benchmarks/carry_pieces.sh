@@ -10,13 +10,21 @@
 # Each device call: bash benchmarks/carry_pieces.sh keep .devout/pieces/NAME/pNN.d
 #   copies the carried piece to /tmp/jaxkv_pieces/NAME/ (outside the repository).
 # The last call:   bash benchmarks/carry_pieces.sh join NAME OUT SHA256 && <command using OUT>
-# (JAXKV_PIECES_DIR and JAXKV_PIECES_KEEP move the two folders, for tests.)
+# Larger pieces, fewer calls:  bash benchmarks/carry_pieces.sh aside [KEEP ...]
+#   moves the result files (benchmarks/results, ~29 MB of the ~36 MB tracked tree; all but the
+#   KEEP names, e.g. a --dense-from file) to .devout/results_aside before the calls, so split's
+#   default pieces grow (SmolLM2's GGUF: 2 pieces instead of 4); afterwards, before any commit:
+#                  bash benchmarks/carry_pieces.sh back
+# (JAXKV_PIECES_DIR, JAXKV_PIECES_KEEP, JAXKV_RESULTS_DIR and JAXKV_RESULTS_ASIDE move the
+# folders, for tests.)
 #   joins the kept pieces in order into OUT and checks the sha256 (exit 1 on a missing piece
 #   or a mismatch, naming it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KEEP=${JAXKV_PIECES_KEEP:-/tmp/jaxkv_pieces}        # on the device, outside the repository
 PIECES=${JAXKV_PIECES_DIR:-.devout/pieces}          # here, git-ignored
+RESULTS=${JAXKV_RESULTS_DIR:-benchmarks/results}
+ASIDE=${JAXKV_RESULTS_ASIDE:-.devout/results_aside}  # here, git-ignored
 cmd=${1:-}
 case $cmd in
   split)
@@ -25,7 +33,7 @@ case $cmd in
     if [ -n "${3:-}" ]; then
       mib=$3
     else  # 64 MiB per call, less the tracked tree and 4 MiB of margin
-      tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+      tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1 || true)
       mib=$(( (64 * 1048576 - tracked) / 1048576 - 4 ))
       [ "$mib" -ge 1 ] || { echo "carry_pieces.sh: the tracked tree leaves no room" >&2; exit 2; }
     fi
@@ -63,5 +71,35 @@ case $cmd in
     [ "$got" = "$want" ] || { echo "carry_pieces.sh: $out has sha256 $got, want $want (a piece is missing or stale)" >&2; exit 1; }
     echo "joined $out (${#pieces[@]} pieces, sha256 ok)"
     ;;
-  *) echo "usage: carry_pieces.sh split FILE [MIB] | keep DIR | join NAME OUT SHA256" >&2; exit 2 ;;
+  aside)
+    shift
+    if [ -d "$ASIDE" ] && [ -n "$(ls -A "$ASIDE")" ]; then
+      echo "carry_pieces.sh: $ASIDE already holds files: run 'carry_pieces.sh back' first" >&2; exit 1
+    fi
+    mkdir -p "$ASIDE"
+    n=0
+    for f in "$RESULTS"/*; do
+      [ -e "$f" ] || continue
+      keep=0
+      for k in "$@"; do [ "$(basename "$f")" = "$(basename "$k")" ] && keep=1; done
+      [ $keep = 1 ] || { mv "$f" "$ASIDE/"; n=$((n + 1)); }
+    done
+    # du fails on the tracked files moved aside (pipefail): its total counts the others
+    tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1 || true)
+    echo "moved $n result files to $ASIDE; the tracked files left take $(( tracked / 1048576 )) MiB," \
+         "so split's default pieces are $(( (64 * 1048576 - tracked) / 1048576 - 4 )) MiB." \
+         "Run 'carry_pieces.sh back' after the calls, before any commit."
+    ;;
+  back)
+    [ -d "$ASIDE" ] || { echo "carry_pieces.sh: nothing aside ($ASIDE does not exist)"; exit 0; }
+    n=0
+    for f in "$ASIDE"/*; do
+      [ -e "$f" ] || continue
+      [ -e "$RESULTS/$(basename "$f")" ] && { echo "carry_pieces.sh: $RESULTS/$(basename "$f") exists; left $f" >&2; continue; }
+      mv "$f" "$RESULTS/"; n=$((n + 1))
+    done
+    rmdir "$ASIDE" 2>/dev/null || { echo "carry_pieces.sh: $ASIDE still holds files" >&2; exit 1; }
+    echo "moved $n result files back to $RESULTS"
+    ;;
+  *) echo "usage: carry_pieces.sh split FILE [MIB] | keep DIR | join NAME OUT SHA256 | aside [KEEP ...] | back" >&2; exit 2 ;;
 esac

@@ -367,6 +367,41 @@ def test_carry_pieces_split_keep_join(tmp_path):
     assert "want 00" in sh("join", "w.bin", tmp_path / "out", "00", ok=False)
 
 
+def test_carry_pieces_aside_and_back(tmp_path):
+    """carry_pieces.sh aside moves the tracked result files but the kept ones out of the tree
+    (in a scratch repository) and back brings them back; a second aside before back is refused,
+    and back never overwrites."""
+    repo = tmp_path / "repo"
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "carry_pieces.sh", repo / "benchmarks")
+    res, aside = repo / "benchmarks" / "results", repo / ".devout" / "results_aside"
+    for name in ("a.json", "b.md", "keep.json"):
+        (res / name).write_text(name * 1000)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+
+    def sh(*args, ok=True):
+        r = subprocess.run(["bash", str(repo / "benchmarks" / "carry_pieces.sh"), *map(str, args)],
+                           capture_output=True, text=True)
+        assert (r.returncode == 0) == ok, r.stdout + r.stderr
+        return r.stdout + r.stderr
+
+    out = sh("aside", "benchmarks/results/keep.json")
+    assert "moved 2 result files" in out and "pieces are 59 MiB" in out, out
+    assert sorted(p.name for p in res.iterdir()) == ["keep.json"]
+    assert sorted(p.name for p in aside.iterdir()) == ["a.json", "b.md"]
+    assert "already holds files" in sh("aside", ok=False)
+    (res / "a.json").write_text("new")             # a file of the same name made meanwhile
+    assert "left" in sh("back", ok=False)
+    assert (res / "a.json").read_text() == "new" and (aside / "a.json").exists()
+    (res / "a.json").unlink()
+    assert "moved 1 result files back" in sh("back")
+    assert sorted(p.name for p in res.iterdir()) == ["a.json", "b.md", "keep.json"]
+    assert not aside.exists() and "nothing aside" in sh("back")
+
+
 class _Parsed(Exception):
     """Raised in place of returning from ``parse_args``: the command line parsed."""
 
