@@ -3,6 +3,7 @@ directory (or hub cache entry / cached repo id), or the name of an installed ass
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 
@@ -91,7 +92,9 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | None = None, dev
     # the tokenizer first: one the loader cannot read fails before minutes of weights
     if kind == "gguf":
         tok = Tokenizer.from_gguf(p)
-        cfg, params = load_gguf(p, dtype="float32" if dtype is None else dtype)
+        with warnings.catch_warnings():  # the tokenizer has said it: one warning per load
+            warnings.filterwarnings("ignore", message=r".*no tokenizer\.ggml\.eos_token_id: the config")
+            cfg, params = load_gguf(p, dtype="float32" if dtype is None else dtype)
         if device is not None:
             import jax
             params = jax.device_put(params, device)

@@ -693,6 +693,32 @@ def test_no_eos_key_means_no_eos_id(tmp_path, monkeypatch):
     assert got.eos_id is None and api._validate_stop_tokens(got, None) == []
 
 
+def test_load_warns_once_of_a_missing_eos_key(tmp_path, monkeypatch):
+    """models.load of a GGUF without the eos key reads it twice (tokenizer and weights) but
+    warns once."""
+    import warnings
+    from tokenizers import pre_tokenizers
+    from jaxkv import models
+    cfg = _tiny_cfg()
+    toks = sorted(pre_tokenizers.ByteLevel.alphabet())
+    assert len(toks) == cfg.vocab_size
+
+    def tokenizer(w):
+        w.add_string("tokenizer.ggml.model", "gpt2")
+        w.add_string("tokenizer.ggml.pre", "gpt2")
+        w.add_array("tokenizer.ggml.tokens", toks)
+        w.add_array("tokenizer.ggml.token_type", [1] * len(toks))
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_eos_token_id", lambda *a, **k: None)
+    path = _write_gguf(tmp_path / "n.gguf", cfg, _tiny_params(cfg, 0), meta=tokenizer)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got, _, tok = models.load(path)
+    eos = [w for w in seen if "no tokenizer.ggml.eos_token_id" in str(w.message)]
+    assert len(eos) == 1, [str(w.message) for w in seen]
+    assert got.eos_id is None and tok.eos_id is None
+
+
 def test_qwen2_pre_normalizes_nfc(tmp_path):
     tok = Tokenizer.from_gguf(_tokenizer_gguf(tmp_path / "q.gguf", "qwen2"))
     assert tok.encode("e\u0301") == tok.encode("\u00e9")
