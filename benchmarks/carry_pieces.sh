@@ -10,21 +10,20 @@
 # Each device call: bash benchmarks/carry_pieces.sh keep .devout/pieces/NAME/pNN.d
 #   copies the carried piece to /tmp/jaxkv_pieces/NAME/ (outside the repository).
 # The last call:   bash benchmarks/carry_pieces.sh join NAME OUT SHA256 && <command using OUT>
+#   joins the kept pieces in order into OUT and checks the sha256 (exit 1 on a missing piece
+#   or a mismatch, naming it).
 # Larger pieces, fewer calls:  bash benchmarks/carry_pieces.sh aside [KEEP ...]
 #   moves the result files (benchmarks/results, ~29 MB of the ~36 MB tracked tree; all but the
 #   KEEP names, e.g. a --dense-from file) to .devout/results_aside before the calls, so split's
 #   default pieces grow (SmolLM2's GGUF: 2 pieces instead of 4); afterwards, before any commit:
 #                  bash benchmarks/carry_pieces.sh back
-# (JAXKV_PIECES_DIR, JAXKV_PIECES_KEEP, JAXKV_RESULTS_DIR and JAXKV_RESULTS_ASIDE move the
-# folders, for tests.)
-#   joins the kept pieces in order into OUT and checks the sha256 (exit 1 on a missing piece
-#   or a mismatch, naming it).
+# (JAXKV_PIECES_DIR and JAXKV_PIECES_KEEP move the two piece folders, for tests.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KEEP=${JAXKV_PIECES_KEEP:-/tmp/jaxkv_pieces}        # on the device, outside the repository
 PIECES=${JAXKV_PIECES_DIR:-.devout/pieces}          # here, git-ignored
-RESULTS=${JAXKV_RESULTS_DIR:-benchmarks/results}
-ASIDE=${JAXKV_RESULTS_ASIDE:-.devout/results_aside}  # here, git-ignored
+RESULTS=benchmarks/results
+ASIDE=.devout/results_aside                           # here, git-ignored
 cmd=${1:-}
 case $cmd in
   split)
