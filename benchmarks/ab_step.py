@@ -46,8 +46,8 @@ variant is a plan of its own, so nothing is read at trace time.
   instead of the ``candidate_select`` kernel (``Tuning.rescore_select_method``);
   ``rescore_topk_sort``: the first stage by XLA's top-k instead of the full-row kernel;
   ``rescore_sort_select_xla``: both (the two-stage selector before the kernels).
-* ``rescore8_block2`` / ``rescore8_block4``: ``quest_rescore8`` with the first stage's
-  bounds per block of 2 / 4 pages (``CacheConfig.candidate_block``).
+* ``rescore8_block2`` / ``rescore8_block4`` / ``rescore8_block8``: ``quest_rescore8`` with
+  the first stage's bounds per block of 2 / 4 / 8 pages (``CacheConfig.candidate_block``).
 * ``dense4``: Quest with layers 3, 5 and the last two dense
   (``CacheConfig(dense_layers=(3, 5, -2, -1))``).
 
@@ -146,9 +146,10 @@ VARIANTS = {
     "rescore_topk_sort": ({"topk_method": "sort"}, ()),
     "rescore_sort_select_xla": ({"topk_method": "sort", "rescore_select_method": "xla"}, ()),
     "rescore8_select_xla": ({"rescore_select_method": "xla"}, ()),
-    # the first stage's bounds per block of 2 / 4 pages (CacheConfig.candidate_block)
+    # the first stage's bounds per block of 2 / 4 / 8 pages (CacheConfig.candidate_block)
     "rescore8_block2": ({}, ()),
     "rescore8_block4": ({}, ()),
+    "rescore8_block8": ({}, ()),
     # four layers dense (CacheConfig.dense_layers as a set: the layers that leave out the most
     # attention at a budget on Qwen2.5, benchmarks/probes/layer_budget.py)
     "dense4": ({}, ()),
@@ -171,6 +172,7 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_select_xla={"selector": "quest_rescore8"},
                      rescore8_block2={"selector": "quest_rescore8", "candidate_block": 2},
                      rescore8_block4={"selector": "quest_rescore8", "candidate_block": 4},
+                     rescore8_block8={"selector": "quest_rescore8", "candidate_block": 8},
                      dense4={"dense_layers": DENSE4})
 
 
