@@ -16,10 +16,10 @@ per step.
 from __future__ import annotations
 
 import argparse
-import re
 import datetime
 import json
 import os
+import re
 import sys
 
 import jax

@@ -63,8 +63,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | None = None, dev
                         f"{type(compile_cache).__name__}")
     runtime.enable_compilation_cache(compile_cache)
     runtime.warn_if_gpu_unused()
-    cfg, params, tok = models.load(path, dtype=dtype, device=device)
-    return Model(cfg, params, tok, str(models.resolve_model(path)[1]))  # the file or directory read
+    cfg, params, tok, read = models.loader.load_with_path(path, dtype=dtype, device=device)
+    return Model(cfg, params, tok, str(read))
 
 
 def is_chat(p) -> bool:

@@ -73,7 +73,16 @@ def resolve_device(device):
 
 
 def load(path: str | os.PathLike | None = None, *, dtype: str | None = None, device=None):
-    """Loads a model and its tokenizer: ``(ModelConfig, params, Tokenizer)``.
+    """Loads a model and its tokenizer: ``(ModelConfig, params, Tokenizer)``; see
+    :func:`load_with_path`."""
+    return load_with_path(path, dtype=dtype, device=device)[:3]
+
+
+def load_with_path(path: str | os.PathLike | None = None, *, dtype: str | None = None,
+                   device=None):
+    """Loads a model and its tokenizer: ``(ModelConfig, params, Tokenizer, file)``, ``file``
+    the GGUF file or checkpoint directory read (``path`` resolved once: an asset's checksum
+    is checked once).
 
     ``path``: see :func:`resolve_model`. ``dtype``: "float32", "bfloat16" (or a dtype object of
     one: ``np.float32``, ``jnp.bfloat16``) or None (GGUF: float32; checkpoints: their stored
@@ -104,4 +113,4 @@ def load(path: str | os.PathLike | None = None, *, dtype: str | None = None, dev
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(f"{p}: the tokenizer has {tok.vocab_size} tokens, the model's embedding "
                          f"only {cfg.vocab_size}: the files belong to different models")
-    return cfg, params, tok
+    return cfg, params, tok, p

@@ -102,6 +102,7 @@ def test_options_the_model_cannot_serve_fail_before_loading(capsys, monkeypatch,
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
     monkeypatch.setattr(jaxkv.models, "load", no_load)
+    monkeypatch.setattr("jaxkv.models.loader.load_with_path", no_load)
     monkeypatch.setattr("jaxkv.models.hf_loader.load_hf", no_load)
     assert cli_main(["hi", "--model", FIXTURE, "--selector", "indexer"]) == 2
     assert "needs a model with lightning-indexer weights" in capsys.readouterr().err
