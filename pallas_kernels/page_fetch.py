@@ -201,6 +201,8 @@ def copy_rows_pallas(src, dst, src_rows, dst_rows, **tuning):
     dst_rows [M] int32 (-1 = skip). Returns dst with the rows written (aliased).
     """
     _check(src, dst, src_rows, dst_rows)
+    if src_rows.shape[0] == 0:  # no entry: nothing to copy (a grid of 0 programs cannot lower)
+        return dst
     t = resolve_tuning(src_rows.shape[0], src.shape[1], jnp.dtype(src.dtype).itemsize, **tuning)
     return _copy_rows_pallas(src, dst, src_rows, dst_rows, t)
 

@@ -221,9 +221,6 @@ def write_tokens_pair(host, host_rows, pool, pool_rows, offsets, kv, *, page_siz
 def write_pages_pallas(dst, rows, pages, **tuning):
     """Pallas implementation of :func:`write_pages` (the fetch kernel, source = ``pages``)."""
     src_rows = jnp.arange(pages.shape[0], dtype=jnp.int32)
-    if pages.shape[0] == 0:  # no row: nothing to write (a [0, R] source block cannot lower)
-        page_fetch._check(pages.astype(dst.dtype), dst, src_rows, jnp.asarray(rows, jnp.int32))
-        return dst
     return page_fetch.copy_rows_pallas(pages.astype(dst.dtype), dst, src_rows,
                                        jnp.asarray(rows, jnp.int32), **tuning)
 
