@@ -47,7 +47,9 @@ variant is a plan of its own, so nothing is read at trace time.
   ``rescore_topk_sort``: the first stage by XLA's top-k instead of the full-row kernel;
   ``rescore_sort_select_xla``: both (the two-stage selector before the kernels).
 * ``rescore8_block2`` / ``rescore8_block4`` / ``rescore8_block8``: ``quest_rescore8`` with
-  the first stage's bounds per block of 2 / 4 / 8 pages (``CacheConfig.candidate_block``).
+  the first stage's bounds per block of 2 / 4 / 8 pages (``CacheConfig.candidate_block``);
+  ``rescore8_block4_sel512``: blocks of four with the final choice's kernel for up to 512
+  candidates (``Tuning.rescore_select_kernel_max``), which 8B-like B=1 at 1024 tokens has.
 * ``dense4``: Quest with layers 3, 5 and the last two dense
   (``CacheConfig(dense_layers=(3, 5, -2, -1))``).
 
@@ -150,6 +152,9 @@ VARIANTS = {
     "rescore8_block2": ({}, ()),
     "rescore8_block4": ({}, ()),
     "rescore8_block8": ({}, ()),
+    # ... blocks of four with the final choice's kernel up to 512 candidates (8B-like B=1 at
+    # 1024 tokens has 512; Tuning.rescore_select_kernel_max's 256 hands those to XLA)
+    "rescore8_block4_sel512": ({"rescore_select_kernel_max": 512}, ()),
     # four layers dense (CacheConfig.dense_layers as a set: the layers that leave out the most
     # attention at a budget on Qwen2.5, benchmarks/probes/layer_budget.py)
     "dense4": ({}, ()),
@@ -173,6 +178,7 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_block2={"selector": "quest_rescore8", "candidate_block": 2},
                      rescore8_block4={"selector": "quest_rescore8", "candidate_block": 4},
                      rescore8_block8={"selector": "quest_rescore8", "candidate_block": 8},
+                     rescore8_block4_sel512={"selector": "quest_rescore8", "candidate_block": 4},
                      dense4={"dense_layers": DENSE4})
 
 
