@@ -62,6 +62,10 @@ class Tuning:
       rescore_select_kernel_max: candidates per KV head up to which "auto" takes the final
         choice kernel (one program per request and KV head: faster than XLA's top-k and sort
         at 256 candidates, Qwen-like B=8; slower at 1024, 8B-like B=1; docs/decisions.md).
+      materialize_qk: each sparse layer's query and new K/V row pass an
+        ``optimization_barrier`` before the selector and the cache write read them, so XLA
+        computes their projections once instead of fusing a copy of the product into each
+        consumer (the same values; an experiment: docs/decisions.md).
     """
 
     compiler_options: tuple = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)
@@ -73,6 +77,7 @@ class Tuning:
     rescore_method: str = "auto"
     rescore_select_method: str = "auto"
     rescore_select_kernel_max: int = 256
+    materialize_qk: bool = False
 
     def __post_init__(self):
         opts = self.compiler_options
@@ -107,6 +112,9 @@ class Tuning:
             _as_int("ensure_dense_max_elems", self.ensure_dense_max_elems, 0, "Tuning")
         _as_int("ensure_pallas_max", self.ensure_pallas_max, 0, "Tuning")
         _as_int("rescore_select_kernel_max", self.rescore_select_kernel_max, 0, "Tuning")
+        if not isinstance(self.materialize_qk, (bool, np.bool_)):
+            raise ValueError(f"Tuning.materialize_qk must be a bool, got {self.materialize_qk!r}")
+        object.__setattr__(self, "materialize_qk", bool(self.materialize_qk))
 
 
 def _as_int(name: str, v, minimum: int, owner: str = "CacheConfig"):

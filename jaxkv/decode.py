@@ -101,6 +101,8 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         kv, summ, look, dense, sel_in = carry
         q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
         tok_kv = jnp.stack([k1, v1], axis=1).astype(plan.summary_dtype)       # [B, 2, H, D]
+        if plan.cache.tuning.materialize_qk:  # one product each, read by every consumer
+            q1, tok_kv = jax.lax.optimization_barrier((q1, tok_kv))
         st_kv = stored(tok_kv, summ, layer)
         kv = sched.write(plan, kv, layer, logical, offset, st_kv)
         # select

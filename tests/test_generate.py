@@ -222,6 +222,21 @@ def test_gpu_host_equals_resident(selector):
         assert agree > 0.9  # bf16: kernels and references may differ in rounding
 
 
+def test_materialize_qk_gives_the_same_tokens():
+    """``Tuning.materialize_qk`` only changes how XLA fuses the projections: the same tokens
+    with the two-stage selector's first stage at work (blocks of two), host tier and resident."""
+    prompts = [list(RNG.integers(3, CFG.vocab_size, n)) for n in (120, 70)]
+    base = CacheConfig(mode="host", page_size=4, selected_pages=3, candidate_block=2,
+                       max_context=256)
+    plain = _gen(base, prompts)
+    barrier = _gen(dataclasses.replace(base, tuning=Tuning(materialize_qk=True)), prompts)
+    resident = _gen(dataclasses.replace(base, mode="resident", tuning=Tuning(materialize_qk=True)),
+                    prompts)
+    assert barrier.tokens == plain.tokens == resident.tokens
+    with pytest.raises(ValueError, match="materialize_qk must be a bool"):
+        Tuning(materialize_qk="yes")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("changes", [{}, dict(candidate_block=4),
                                      dict(tuning=jaxkv.Tuning(topk_method="radix"))],
