@@ -50,8 +50,10 @@ variant is a plan of its own, so nothing is read at trace time.
   the first stage's bounds per block of 2 / 4 / 8 pages (``CacheConfig.candidate_block``);
   ``rescore8_block4_sel512``: blocks of four with the final choice's kernel for up to 512
   candidates (``Tuning.rescore_select_kernel_max``), which 8B-like B=1 at 1024 tokens has.
-* ``materialize_qk`` / ``rescore8_block4_mqk``: Quest / blocks of four with each layer's query
-  and new K/V row behind an ``optimization_barrier`` (``Tuning.materialize_qk``).
+* ``materialize_qk``: Quest with each layer's query and new K/V row behind an
+  ``optimization_barrier`` (``Tuning.materialize_qk=True``); ``rescore8_no_mqk`` /
+  ``rescore8_block4_no_mqk``: the two-stage selector per page / in blocks of four without it
+  (the default, ``None``, sets it for the two-stage selectors).
 * ``dense4``: Quest with layers 3, 5 and the last two dense
   (``CacheConfig(dense_layers=(3, 5, -2, -1))``).
 
@@ -157,9 +159,11 @@ VARIANTS = {
     # ... blocks of four with the final choice's kernel up to 512 candidates (8B-like B=1 at
     # 1024 tokens has 512; Tuning.rescore_select_kernel_max's 256 hands those to XLA)
     "rescore8_block4_sel512": ({"rescore_select_kernel_max": 512}, ()),
-    # the query and the new K/V row materialized once per layer (Tuning.materialize_qk)
+    # the query and the new K/V row behind a barrier per layer (Tuning.materialize_qk; None,
+    # the default, sets it for the two-stage selectors): Quest with it, the two-stage without
     "materialize_qk": ({"materialize_qk": True}, ()),
-    "rescore8_block4_mqk": ({"materialize_qk": True}, ()),
+    "rescore8_no_mqk": ({"materialize_qk": False}, ()),
+    "rescore8_block4_no_mqk": ({"materialize_qk": False}, ()),
     # four layers dense (CacheConfig.dense_layers as a set: the layers that leave out the most
     # attention at a budget on Qwen2.5, benchmarks/probes/layer_budget.py)
     "dense4": ({}, ()),
@@ -184,7 +188,8 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_block4={"selector": "quest_rescore8", "candidate_block": 4},
                      rescore8_block8={"selector": "quest_rescore8", "candidate_block": 8},
                      rescore8_block4_sel512={"selector": "quest_rescore8", "candidate_block": 4},
-                     rescore8_block4_mqk={"selector": "quest_rescore8", "candidate_block": 4},
+                     rescore8_no_mqk={"selector": "quest_rescore8"},
+                     rescore8_block4_no_mqk={"selector": "quest_rescore8", "candidate_block": 4},
                      dense4={"dense_layers": DENSE4})
 
 

@@ -69,6 +69,9 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
               if batched else ())
 
     rot = kv_quant.hadamard(D) if plan.key_rotation else None
+    materialize_qk = plan.cache.tuning.materialize_qk
+    if materialize_qk is None:
+        materialize_qk = selector.two_stage
 
     def stored(tok_kv, summ, layer):
         """The new token's K/V [B, 2, H, D] as the cache stores them (:func:`stored_kv`)."""
@@ -101,7 +104,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         kv, summ, look, dense, sel_in = carry
         q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]
         tok_kv = jnp.stack([k1, v1], axis=1).astype(plan.summary_dtype)       # [B, 2, H, D]
-        if plan.cache.tuning.materialize_qk:  # one product each, read by every consumer
+        if materialize_qk:  # one product each, read by every consumer
             q1, tok_kv = jax.lax.optimization_barrier((q1, tok_kv))
         st_kv = stored(tok_kv, summ, layer)
         kv = sched.write(plan, kv, layer, logical, offset, st_kv)

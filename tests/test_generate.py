@@ -228,12 +228,14 @@ def test_materialize_qk_gives_the_same_tokens():
     prompts = [list(RNG.integers(3, CFG.vocab_size, n)) for n in (120, 70)]
     base = CacheConfig(mode="host", page_size=4, selected_pages=3, candidate_block=2,
                        max_context=256)
-    plain = _gen(base, prompts)
-    barrier = _gen(dataclasses.replace(base, tuning=Tuning(materialize_qk=True)), prompts)
-    resident = _gen(dataclasses.replace(base, mode="resident", tuning=Tuning(materialize_qk=True)),
-                    prompts)
+    plain = _gen(dataclasses.replace(base, tuning=Tuning(materialize_qk=False)), prompts)
+    barrier = _gen(base, prompts)   # None: on for the two-stage selectors
+    resident = _gen(dataclasses.replace(base, mode="resident"), prompts)
     assert barrier.tokens == plain.tokens == resident.tokens
-    with pytest.raises(ValueError, match="materialize_qk must be a bool"):
+    quest = dataclasses.replace(base, selector="quest", candidate_block=1)
+    assert (_gen(dataclasses.replace(quest, tuning=Tuning(materialize_qk=True)), prompts).tokens
+            == _gen(quest, prompts).tokens)
+    with pytest.raises(ValueError, match="materialize_qk must be None"):
         Tuning(materialize_qk="yes")
 
 
