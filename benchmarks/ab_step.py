@@ -46,8 +46,11 @@ variant is a plan of its own, so nothing is read at trace time.
   instead of the ``candidate_select`` kernel (``Tuning.rescore_select_method``);
   ``rescore_topk_sort``: the first stage by XLA's top-k instead of the full-row kernel;
   ``rescore_sort_select_xla``: both (the two-stage selector before the kernels).
-* ``rescore8_block2`` / ``rescore8_block4`` / ``rescore8_block8``: ``quest_rescore8`` with
-  the first stage's bounds per block of 2 / 4 / 8 pages (``CacheConfig.candidate_block``);
+  These take the selectors' defaults, so since the forty-fifth session their first stage is
+  by blocks of four pages (``CacheConfig.candidate_block=None``) where it was per page.
+* ``rescore8_block1`` / ``rescore8_block2`` / ``rescore8_block4`` / ``rescore8_block8``:
+  ``quest_rescore8`` with the first stage per page / per block of 2 / 4 / 8 pages
+  (``CacheConfig.candidate_block``);
   ``rescore8_block4_sel512``: blocks of four with the final choice's kernel for up to 512
   candidates (``Tuning.rescore_select_kernel_max``), which 8B-like B=1 at 1024 tokens has.
 * ``materialize_qk``: Quest with each layer's query and new K/V row behind an
@@ -153,6 +156,7 @@ VARIANTS = {
     "rescore_sort_select_xla": ({"topk_method": "sort", "rescore_select_method": "xla"}, ()),
     "rescore8_select_xla": ({"rescore_select_method": "xla"}, ()),
     # the first stage's bounds per block of 2 / 4 / 8 pages (CacheConfig.candidate_block)
+    "rescore8_block1": ({}, ()),
     "rescore8_block2": ({}, ()),
     "rescore8_block4": ({}, ()),
     "rescore8_block8": ({}, ()),
@@ -184,6 +188,7 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore_topk_sort={"selector": "quest_rescore"},
                      rescore_sort_select_xla={"selector": "quest_rescore"},
                      rescore8_select_xla={"selector": "quest_rescore8"},
+                     rescore8_block1={"selector": "quest_rescore8", "candidate_block": 1},
                      rescore8_block2={"selector": "quest_rescore8", "candidate_block": 2},
                      rescore8_block4={"selector": "quest_rescore8", "candidate_block": 4},
                      rescore8_block8={"selector": "quest_rescore8", "candidate_block": 8},

@@ -134,9 +134,9 @@ for s in $STAGES; do
         # one shared KV cache: every part fits an H100 as well as an H200
         fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
         case $s in first-stage|first-stage-8b) run fs_8b 300 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
-            --variants default,rescore8,rescore8_block4,rescore8_block8 --tag "block_8b1_$JAXKV_COMMIT" $fs ;; esac
+            --variants default,rescore8_block1,rescore8_block4,rescore8_block8 --tag "block_8b1_$JAXKV_COMMIT" $fs ;; esac
         case $s in first-stage|first-stage-q8) run fs_q8 300 $PY benchmarks/ab_step.py --shape qwen1.5b --batch 8 \
-            --variants default,rescore8,rescore8_block4,rescore8_block8 --tag "block_qwen8_$JAXKV_COMMIT" $fs ;; esac
+            --variants default,rescore8_block1,rescore8_block4,rescore8_block8 --tag "block_qwen8_$JAXKV_COMMIT" $fs ;; esac
         case $s in first-stage|first-stage-1m) run fs_1m 400 $PY benchmarks/ab_step.py --shape qwen1.5b --batch 1 \
             --context 1M --variants default,rescore8,rescore8_topk_radix --tag "radix_qwen1M_$JAXKV_COMMIT" $fs ;; esac
         case $s in first-stage|first-stage-topk) run fs_topk 200 $PY benchmarks/probes/first_stage_topk.py \

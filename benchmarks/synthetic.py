@@ -77,6 +77,7 @@ class _Layout:
     model_dtype: str
     selector: str      # "quest", "indexer" or "dense" (what the summaries hold)
     key_bits: int      # rescoring selectors: precision of their key copy (0: no copy)
+    quest_block: int   # pages per Quest bound (the two-stage selectors' first-stage block)
     index_dim: int
     chunk_pages: int
     center_scale: float
@@ -195,8 +196,14 @@ def _fill_chunk(lay: _Layout, dst, summaries, layer, b, j0, length, key, salienc
         dst = page_write.keep_on_host(dst)
     if lay.selector == "quest":
         kmax, kmin = summaries[:2]
-        summaries = (kmax.at[layer, b, pages].set(out["kmax"], mode="drop"),
-                     kmin.at[layer, b, pages].set(out["kmin"], mode="drop"))
+        r = lay.quest_block
+        if r == 1:
+            summaries = (kmax.at[layer, b, pages].set(out["kmax"], mode="drop"),
+                         kmin.at[layer, b, pages].set(out["kmin"], mode="drop"))
+        else:  # a block's bound over its pages' (initialized -inf / +inf; pages past the
+            # sequence are -inf / +inf themselves), whichever chunk each page comes in
+            summaries = (kmax.at[layer, b, pages // r].max(out["kmax"], mode="drop"),
+                         kmin.at[layer, b, pages // r].min(out["kmin"], mode="drop"))
         if lay.key_bits:  # the key copy [L, B, H, Np, ps, D]: page rows of every head
             keys, scales = summaries_in[2:]
             keys = keys.at[layer, b, :, pages].set(out["keys"].astype(keys.dtype), mode="drop")
@@ -230,6 +237,7 @@ def layout(plan: engine.Plan, synth: Synthetic, chunk_bytes: int) -> _Layout:
         model_dtype=plan.model.dtype, selector=_summary_kind(plan.selector),
         key_bits=getattr(plan.selector, "key_bits", 0) if isinstance(plan.selector,
                                                                      rescore.Rescore) else 0,
+        quest_block=plan.cache.first_stage_block(),
         index_dim=plan.model.indexer_dim, chunk_pages=_chunk_pages(plan, chunk_bytes),
         center_scale=float(synth.center_scale), value_scale=float(synth.value_scale),
         host=plan.cache.mode == "host", implementation=plan.cache.implementation)

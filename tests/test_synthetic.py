@@ -98,10 +98,21 @@ def test_rescore_key_copy_is_the_tiers_keys_quantized():
     from jaxkv.selectors import rescore
     synth = synthetic.Synthetic(salience=0.4)
     q = synthetic.build_state(_plan("resident"), LENGTHS, synth=synth, seed=SEED)
-    plan = _plan("resident", "quest_rescore")
+    plan = _plan("resident", "quest_rescore", candidate_block=1)   # Quest's per-page bounds
     st = synthetic.build_state(plan, LENGTHS, synth=synth, seed=SEED)
     for x, y in zip(q.summaries, st.summaries[:2]):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # blocks of four pages (the default): the bounds of each block's tokens, the same key copy
+    blocks = synthetic.build_state(_plan("resident", "quest_rescore"), LENGTHS, synth=synth,
+                                   seed=SEED)
+    assert blocks.summaries[0].shape[2] == plan.pages_per_seq // 4
+    for x, y in zip(blocks.summaries[2:], st.summaries[2:]):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for i, red in ((0, np.max), (1, np.min)):
+        per_page = np.asarray(st.summaries[i])                         # [L, B, Np, H, D]
+        L_, B_, Np_, H_, D_ = per_page.shape
+        want = red(per_page.reshape(L_, B_, Np_ // 4, 4, H_, D_), axis=3)
+        np.testing.assert_array_equal(np.asarray(blocks.summaries[i]), want)
     keys = _tier(plan, st)[:, :, :, 0].transpose(0, 1, 3, 2, 4, 5)       # [L, B, H, Np, ps, D]
     vals, scale = rescore.quantize(jnp.asarray(keys), 8)
     for b, n in enumerate(LENGTHS):

@@ -97,7 +97,7 @@ class Rescore(Quest):
     def bound_blocks(self, plan) -> tuple[int, int]:
         """Quest's bounds per block of ``CacheConfig.candidate_block`` pages: (blocks per
         sequence, tokens per block)."""
-        r = plan.cache.candidate_block
+        r = plan.cache.first_stage_block()
         return -(-plan.pages_per_seq // r), plan.page_size * r
 
     def candidate_count(self, plan) -> int:
@@ -108,7 +108,7 @@ class Rescore(Quest):
     def _block_pages(self, plan, blocks, seq_lens):
         """The pages of the first stage's blocks [B, H, Cb] (-1 padded): [B, H, Cb * r], -1
         for padding and for pages past the sequence."""
-        r = plan.cache.candidate_block
+        r = plan.cache.first_stage_block()
         if r == 1:
             return blocks
         pages = blocks[..., None] * r + jnp.arange(r, dtype=blocks.dtype)
@@ -140,7 +140,7 @@ class Rescore(Quest):
         down at 4-8x the budget."""
         t = plan.cache.tuning.topk_method
         blocks, block_tokens = self.bound_blocks(plan)
-        C, sink = self.first_stage_blocks(plan, plan.cache.candidate_block)
+        C, sink = self.first_stage_blocks(plan, plan.cache.first_stage_block())
         if t == "auto":
             kernel = dense_select.takes_topk_kernel(blocks, C, plan.cache.implementation)
             t = "pallas" if kernel else "sort"
@@ -156,7 +156,7 @@ class Rescore(Quest):
         """Raise (naming the largest that works) if ``CacheConfig.candidate_block`` leaves
         the first stage too few blocks for the sink blocks and the current one: blocks near
         the candidate count leave one block (candidate_pages 16 in blocks of 16)."""
-        r = plan.cache.candidate_block
+        r = plan.cache.first_stage_block()
         if self.covers_row(plan):   # no first stage: nothing to pick
             return
 
