@@ -10,10 +10,11 @@ selector works with the host tier as well as resident. Its device bytes per toke
 ``num_kv_heads * (head_dim + 4)`` per layer with int8 keys: a quarter of the logical K+V at
 bf16 plus the scales.
 
-With ``CacheConfig.candidate_block`` r > 1 the first stage bounds blocks of r pages
-instead of pages (Quest's summaries and scores over blocks of ``r * page_size`` tokens) and
-picks ``candidate_pages / r`` blocks, whose pages are the candidates: r times fewer bounds
-to read and a top-k over r times fewer entries.
+With blocks of r > 1 pages (``CacheConfig.first_stage_block()``: four by default,
+``candidate_block=1`` for per page) the first stage bounds blocks of r pages instead of pages
+(Quest's summaries and scores over blocks of ``r * page_size`` tokens) and picks
+``candidate_pages / r`` blocks, whose pages are the candidates: r times fewer bounds to read
+and a top-k over r times fewer entries.
 
 Summaries: Quest's ``(kmax, kmin)`` [L, B, Np / r, H, D], then ``keys`` [L, B, H, Np, ps, D]
 (int8 or the KV dtype) and ``scales`` [L, B, H, Np, ps] float32 (ones for the KV dtype):
