@@ -46,8 +46,7 @@ variant is a plan of its own, so nothing is read at trace time.
   instead of the ``candidate_select`` kernel (``Tuning.rescore_select_method``);
   ``rescore_topk_sort``: the first stage by XLA's top-k instead of the full-row kernel;
   ``rescore_sort_select_xla``: both (the two-stage selector before the kernels).
-  These take the selectors' defaults, so since the forty-fifth session their first stage is
-  by blocks of four pages (``CacheConfig.candidate_block=None``) where it was per page.
+  These take the selectors' defaults (the first stage per page).
 * ``rescore8_block1`` / ``rescore8_block2`` / ``rescore8_block4`` / ``rescore8_block8``:
   ``quest_rescore8`` with the first stage per page / per block of 2 / 4 / 8 pages
   (``CacheConfig.candidate_block``);

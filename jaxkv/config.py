@@ -201,11 +201,12 @@ class CacheConfig:
         bound is kept per block of this many pages and picks whole blocks
         (``candidate_pages / candidate_block`` of them), so the first stage reads that many
         times fewer bounds and its top-k ranks that many times fewer entries. 1: per page.
-        ``None``: 4 for the two-stage selectors (fewer where 4 leaves the first stage too few
-        blocks for the sink pages and the current one: ``first_stage_block()``), 1 for the
-        others. Blocks of four measured against per page: the step at 128k, 1024 tokens,
-        1.155x Quest's against 1.419x (8B-like B=1), and at 512 tokens RULER at 8k kept 89% of
-        dense's retrievals against 84% (SmolLM2, 200 cases per task; docs/decisions.md).
+        ``None``: the library's choice (``first_stage_block()``), per page for now. Blocks of
+        four measured against per page: the step at 128k, 1024 tokens, 1.155x Quest's against
+        1.419x (8B-like B=1); RULER at 8k, 512 tokens, 89% of dense's retrievals kept against
+        84% (SmolLM2); but on Qwen2.5-Coder-0.5B at 32k the first stage keeps 0.982 of the page
+        oracle's attention mass against 0.988 per page (CPU probe), so per page stays until
+        RULER there decides (docs/decisions.md).
       pool_pages: device slots per layer in "host" mode. ``None``: enough for the
         worst-case working set of a step (no drops).
       sink_pages / recent_pages: pages pinned in the pool (never evicted); the selectors
@@ -408,22 +409,8 @@ class CacheConfig:
                                  f"got {pc}: set {name}={max(ps, 1 << (pc - 1).bit_length())}")
 
     def first_stage_block(self) -> int:
-        """``candidate_block`` resolved: the value given, else 1 for a selector without a
-        first stage, else the largest of 4, 2, 1 that leaves the first stage at least one block
-        beyond the sink pages' (from the configured candidates: ``candidate_pages``, or the
-        selector's multiple of ``selected_pages``; contexts shorter than the candidates skip
-        the first stage whatever the block)."""
-        if self.candidate_block is not None:
-            return self.candidate_block
-        from jaxkv import selectors
-        cls = selectors.get(self.selector)
-        if not cls.two_stage:
-            return 1
-        n = self.candidate_pages or cls.candidates * self.selected_pages
-        for r in (4, 2):
-            if -(-n // r) >= -(-self.sink_pages // r) + 1:
-                return r
-        return 1
+        """``candidate_block`` resolved: the value given, else per page (1)."""
+        return 1 if self.candidate_block is None else self.candidate_block
 
 
 def _sampling_number(name: str, v, *, integer: bool = False):

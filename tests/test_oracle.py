@@ -387,8 +387,8 @@ def test_rescore_candidate_block_first_stage_numpy(r):
 
 def test_rescore_candidate_block_end_to_end():
     """Blocks of 2 and 4 pages: host tier == resident token for token (prompts of whole pages
-    but not whole blocks); ``candidate_block=None`` is blocks of four here. (A continued
-    context with blocks: test_textapi's host-rescore-block2.)"""
+    but not whole blocks); blocks of one page are the default. (A continued context with
+    blocks: test_textapi's host-rescore-block2.)"""
     kw = dict(selector="quest_rescore", page_size=4, selected_pages=3, candidate_pages=6)
     host = {}
     for r in (2, 4):
@@ -397,10 +397,11 @@ def test_rescore_candidate_block_end_to_end():
         host[r] = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
                                  cache=CacheConfig(mode="host", candidate_block=r, **kw))
         assert host[r].tokens == res.tokens
-    assert CacheConfig(mode="host", **kw).first_stage_block() == 4
+    one = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                         cache=CacheConfig(mode="host", candidate_block=1, **kw))
     base = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
                           cache=CacheConfig(mode="host", **kw))
-    assert base.tokens == host[4].tokens
+    assert base.tokens == one.tokens
 
 
 def test_candidate_block_of_a_kept_context_must_match():
@@ -422,16 +423,10 @@ def test_candidate_block_needs_a_two_stage_selector():
         CacheConfig(candidate_block=0)
 
 
-@pytest.mark.parametrize("kw, want", [(dict(), 4),                       # 512 candidates
-                                      (dict(selector="quest"), 1),      # no first stage
-                                      (dict(selected_pages=2), 4),      # 16 candidates, 4 blocks
-                                      (dict(candidate_pages=4, sink_pages=3, selected_pages=4), 1),
-                                      (dict(candidate_pages=4, sink_pages=2, selected_pages=3), 2),
+@pytest.mark.parametrize("kw, want", [(dict(), 1), (dict(selector="quest"), 1),
                                       (dict(candidate_block=2), 2)])
-def test_candidate_block_none_is_four_where_it_fits(kw, want):
-    """``candidate_block=None`` (the default): blocks of four for the two-stage selectors, the
-    largest of 2 and 1 where four leave the first stage no block beyond the sink pages', 1 for
-    the other selectors; plans without an error either way."""
+def test_candidate_block_none_is_per_page(kw, want):
+    """``candidate_block=None`` (the default) is per page; a value given is kept."""
     from jaxkv.api import make_plan
     cache = CacheConfig(page_size=4, **kw)
     assert cache.candidate_block == kw.get("candidate_block")   # stored as given

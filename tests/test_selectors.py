@@ -1222,8 +1222,8 @@ def test_rescore_first_stage_kernel_lowers_for_gpu(no_interpret, B, Np, H, k):
 
 def test_rescore_first_stage_method():
     """The two-stage selector's first stage: the full-row kernel with the Pallas
-    implementation for rows of up to 4096 entries (pages, or blocks of four pages by
-    default), XLA's top-k otherwise; a tuning's method wins."""
+    implementation for rows of up to 4096 entries (pages, or blocks of pages), XLA's top-k
+    otherwise; a tuning's method wins."""
     from jaxkv import CacheConfig, Tuning, engine
     from jaxkv.models import configs
     cfg = configs.tiny()
@@ -1231,7 +1231,7 @@ def test_rescore_first_stage_method():
                                        ("xla", Tuning(), 256, 1, "sort"),
                                        ("pallas", Tuning(topk_method="sort"), 256, 1, "sort"),
                                        ("pallas", Tuning(), 4 * 8192, 1, "sort"),  # 8192 pages
-                                       ("pallas", Tuning(), 4 * 8192, None, "pallas")):  # 2048 blocks
+                                       ("pallas", Tuning(), 4 * 8192, 4, "pallas")):  # 2048 blocks
         cache = CacheConfig(mode="resident", selector="quest_rescore8", page_size=4,
                             selected_pages=3, implementation=impl, tuning=tuning,
                             max_context=ctx, candidate_block=r)

@@ -98,13 +98,13 @@ def test_rescore_key_copy_is_the_tiers_keys_quantized():
     from jaxkv.selectors import rescore
     synth = synthetic.Synthetic(salience=0.4)
     q = synthetic.build_state(_plan("resident"), LENGTHS, synth=synth, seed=SEED)
-    plan = _plan("resident", "quest_rescore", candidate_block=1)   # Quest's per-page bounds
+    plan = _plan("resident", "quest_rescore")   # Quest's per-page bounds
     st = synthetic.build_state(plan, LENGTHS, synth=synth, seed=SEED)
     for x, y in zip(q.summaries, st.summaries[:2]):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    # blocks of four pages (the default): the bounds of each block's tokens, the same key copy
-    blocks = synthetic.build_state(_plan("resident", "quest_rescore"), LENGTHS, synth=synth,
-                                   seed=SEED)
+    # blocks of four pages: the bounds of each block's tokens, the same key copy
+    blocks = synthetic.build_state(_plan("resident", "quest_rescore", candidate_block=4), LENGTHS,
+                                   synth=synth, seed=SEED)
     assert blocks.summaries[0].shape[2] == plan.pages_per_seq // 4
     for x, y in zip(blocks.summaries[2:], st.summaries[2:]):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -10,8 +10,8 @@ selector works with the host tier as well as resident. Its device bytes per toke
 ``num_kv_heads * (head_dim + 4)`` per layer with int8 keys: a quarter of the logical K+V at
 bf16 plus the scales.
 
-With blocks of r > 1 pages (``CacheConfig.first_stage_block()``: four by default,
-``candidate_block=1`` for per page) the first stage bounds blocks of r pages instead of pages
+With blocks of r > 1 pages (``CacheConfig.candidate_block``; per page by default) the
+first stage bounds blocks of r pages instead of pages
 (Quest's summaries and scores over blocks of ``r * page_size`` tokens) and picks
 ``candidate_pages / r`` blocks, whose pages are the candidates: r times fewer bounds to read
 and a top-k over r times fewer entries.
