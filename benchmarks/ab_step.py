@@ -40,8 +40,9 @@ variant is a plan of its own, so nothing is read at trace time.
   8x the budget, the int8 key copy re-ranks them); ``lagged_rescore8``: with
   ``selection_lag=1``. ``rescore8_xla`` / ``rescore8_pallas``: ``quest_rescore8`` with its
   second stage in XLA / as the Pallas kernel (``Tuning.rescore_method``);
-  ``rescore8_topk_{chunked,cmax,radix}``: the first stage's top-k method
-  (``Tuning.topk_method``; the default is "sort"; chunked and cmax with the kernel); ``rescore_select_xla`` /
+  ``rescore8_topk_{chunked,cmax,radix,sort}``: the first stage's top-k method
+  (``Tuning.topk_method``; "auto" is the full-row kernel up to 4096 pages, XLA's sort
+  above; chunked and cmax with the second stage's kernel); ``rescore_select_xla`` /
   ``rescore8_select_xla``: the final choice after the kernel in XLA (masses, top-k, sort)
   instead of the ``candidate_select`` kernel (``Tuning.rescore_select_method``);
   ``rescore_topk_sort``: the first stage by XLA's top-k instead of the full-row kernel;
@@ -148,6 +149,7 @@ VARIANTS = {
     "rescore8_topk_chunked": ({"rescore_method": "pallas", "topk_method": "chunked"}, ()),
     "rescore8_topk_cmax": ({"rescore_method": "pallas", "topk_method": "pallas_cmax"}, ()),
     "rescore8_topk_radix": ({"topk_method": "radix"}, ()),
+    "rescore8_topk_sort": ({"topk_method": "sort"}, ()),
     # ... and the final choice in XLA (the masses, top-k, sort) instead of one kernel
     # (Tuning.rescore_select_method)
     "rescore_select_xla": ({"rescore_select_method": "xla"}, ()),
@@ -183,6 +185,7 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_topk_chunked={"selector": "quest_rescore8"},
                      rescore8_topk_cmax={"selector": "quest_rescore8"},
                      rescore8_topk_radix={"selector": "quest_rescore8"},
+                     rescore8_topk_sort={"selector": "quest_rescore8"},
                      rescore_select_xla={"selector": "quest_rescore"},
                      rescore_topk_sort={"selector": "quest_rescore"},
                      rescore_sort_select_xla={"selector": "quest_rescore"},

@@ -237,7 +237,7 @@ def layout(plan: engine.Plan, synth: Synthetic, chunk_bytes: int) -> _Layout:
         model_dtype=plan.model.dtype, selector=_summary_kind(plan.selector),
         key_bits=getattr(plan.selector, "key_bits", 0) if isinstance(plan.selector,
                                                                      rescore.Rescore) else 0,
-        quest_block=plan.cache.first_stage_block(),
+        quest_block=plan.cache.candidate_block,
         index_dim=plan.model.indexer_dim, chunk_pages=_chunk_pages(plan, chunk_bytes),
         center_scale=float(synth.center_scale), value_scale=float(synth.value_scale),
         host=plan.cache.mode == "host", implementation=plan.cache.implementation)

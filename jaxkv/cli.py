@@ -75,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidate-pages", type=_positive_int, default=None,
                    help="quest_rescore8: pages per KV head Quest hands to the re-ranking "
                         "(default: 8x the budget's pages; 16x kept an exact oracle's retrievals)")
-    p.add_argument("--candidate-block", type=_positive_int, default=None,
+    p.add_argument("--candidate-block", type=_positive_int, default=1,
                    help="quest_rescore8: Quest's first stage bounds and picks blocks of this "
-                        "many pages (fewer bounds to read and rank); default: per page")
+                        "many pages (fewer bounds to read and rank, fewer retrievals kept); "
+                        "default: 1, per page")
     p.add_argument("--max-new-tokens", type=_positive_int, default=48, help="tokens to generate")
     p.add_argument("--budget", type=_positive_int, default=DEFAULT_BUDGET,
                    help="selected tokens per step, layer and KV head (rounded to pages)")

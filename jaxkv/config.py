@@ -200,13 +200,11 @@ class CacheConfig:
       candidate_block: pages per block of the two-stage selectors' first stage: Quest's
         bound is kept per block of this many pages and picks whole blocks
         (``candidate_pages / candidate_block`` of them), so the first stage reads that many
-        times fewer bounds and its top-k ranks that many times fewer entries. 1: per page.
-        ``None``: the library's choice (``first_stage_block()``), per page for now. Blocks of
-        four measured against per page: the step at 128k, 1024 tokens, 1.155x Quest's against
-        1.419x (8B-like B=1); RULER at 8k, 512 tokens, 89% of dense's retrievals kept against
-        84% (SmolLM2); but on Qwen2.5-Coder-0.5B at 32k the first stage keeps 0.982 of the page
-        oracle's attention mass against 0.988 per page (CPU probe), so per page stays until
-        RULER there decides (docs/decisions.md).
+        times fewer bounds and its top-k ranks that many times fewer entries. 1 (the
+        default): per page. Blocks of four make the step cheaper (128k, 1024 tokens, 8B-like
+        B=1: 1.126x Quest's step against 1.409x per page) but lose retrievals where the
+        first stage chooses: RULER on Qwen2.5-Coder-0.5B at 1024 tokens keeps 87% / 79% of
+        dense's at 16k / 32k against 94% / 88% per page (docs/decisions.md).
       pool_pages: device slots per layer in "host" mode. ``None``: enough for the
         worst-case working set of a step (no drops).
       sink_pages / recent_pages: pages pinned in the pool (never evicted); the selectors
@@ -300,7 +298,7 @@ class CacheConfig:
     page_size: int = 16
     selected_pages: int = 64
     candidate_pages: int | None = None
-    candidate_block: int | None = None
+    candidate_block: int = 1
     pool_pages: int | None = None
     sink_pages: int = 1
     recent_pages: int = 1
@@ -349,14 +347,13 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.candidate_pages is the first stage of a two-stage "
                                  f"selector ({two}); selector={self.selector!r} has none: leave "
                                  "candidate_pages=None")
-        if self.candidate_block is not None:
-            object.__setattr__(self, "candidate_block",
-                               _as_int("candidate_block", self.candidate_block, 1))
-        if (self.candidate_block or 1) > 1 and not selectors.get(self.selector).two_stage:
+        object.__setattr__(self, "candidate_block",
+                           _as_int("candidate_block", self.candidate_block, 1))
+        if self.candidate_block > 1 and not selectors.get(self.selector).two_stage:
             two = [n for n in selectors.names() if selectors.get(n).two_stage]
             raise ValueError(f"CacheConfig.candidate_block groups the first stage of a two-stage "
                              f"selector ({two}); selector={self.selector!r} has none: leave "
-                             "candidate_block=None")
+                             "candidate_block=1")
         if self.selection_lag and not selectors.get(self.selector).scored:
             raise ValueError(f"CacheConfig.selection_lag=1 needs a scored selector (the "
                              f"{self.selector!r} selector reads every page): set selection_lag=0")
@@ -407,10 +404,6 @@ class CacheConfig:
             if pc is not None and (pc & (pc - 1) or pc < ps):
                 raise ValueError(f"CacheConfig.{name} must be a power of two >= page_size ({ps}), "
                                  f"got {pc}: set {name}={max(ps, 1 << (pc - 1).bit_length())}")
-
-    def first_stage_block(self) -> int:
-        """``candidate_block`` resolved: the value given, else per page (1)."""
-        return 1 if self.candidate_block is None else self.candidate_block
 
 
 def _sampling_number(name: str, v, *, integer: bool = False):

@@ -126,7 +126,7 @@ def check_compatible(context: Context, plan: Plan):
     for what, x, y in (("mode", a.cache.mode, b.cache.mode),
                        ("selector", a.cache.selector, b.cache.selector),
                        ("page_size", a.page_size, b.page_size),
-                       ("candidate_block", a.cache.first_stage_block(), b.cache.first_stage_block()),
+                       ("candidate_block", a.cache.candidate_block, b.cache.candidate_block),
                        ("kv_dtype", a.kv_dtype, b.kv_dtype),  # resolved: None is the model's
                        ("kv_key_shift", a.key_shift, b.key_shift),
                        ("kv_key_rotation", a.key_rotation, b.key_rotation),

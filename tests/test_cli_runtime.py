@@ -76,7 +76,7 @@ def test_candidate_block_from_the_command_line(capsys):
     assert cli_main(["Hello", "--model", "/no/such/model", "--selector", "quest",
                      "--candidate-block", "2"]) == 2
     err = capsys.readouterr().err
-    assert "leave candidate_block=None (here selector is --selector, candidate_block is " \
+    assert "leave candidate_block=1 (here selector is --selector, candidate_block is " \
            "--candidate-block)" in err
 
 

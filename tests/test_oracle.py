@@ -421,16 +421,18 @@ def test_candidate_block_needs_a_two_stage_selector():
         CacheConfig(selector="quest", candidate_block=2)
     with pytest.raises(ValueError, match="candidate_block"):
         CacheConfig(candidate_block=0)
+    with pytest.raises(ValueError, match="candidate_block must be an int"):
+        CacheConfig(candidate_block=None)
 
 
 @pytest.mark.parametrize("kw, want", [(dict(), 1), (dict(selector="quest"), 1),
-                                      (dict(candidate_block=2), 2)])
-def test_candidate_block_none_is_per_page(kw, want):
-    """``candidate_block=None`` (the default) is per page; a value given is kept."""
+                                      (dict(candidate_block=2), 2),
+                                      (dict(candidate_block=np.int64(4)), 4)])
+def test_candidate_block_defaults_to_per_page(kw, want):
+    """``candidate_block`` is 1 (per page) unless given; numpy ints become Python ints."""
     from jaxkv.api import make_plan
     cache = CacheConfig(page_size=4, **kw)
-    assert cache.candidate_block == kw.get("candidate_block")   # stored as given
-    assert cache.first_stage_block() == want
+    assert cache.candidate_block == want and type(cache.candidate_block) is int
     make_plan(CFG, cache, [300], 8, 4)
 
 
@@ -457,3 +459,4 @@ def test_candidate_block_too_large_names_the_largest_that_works(kw, r, best):
     make_plan(CFG, cache(best), [100], 8, 4)
     plan = make_plan(CFG, cache(r, max_context=kw["candidate_pages"] * 4), [3], 1, 4)
     assert plan.selector.covers_row(plan)
+

@@ -95,9 +95,10 @@ def test_prefill_layer_lowers_for_h200(params, name, extend):
 
 
 @pytest.mark.parametrize("shape,batch,mode,changes", [
+    ("8b", 1, "host", dict(selector="quest_rescore8")),
     ("8b", 1, "host", dict(selector="quest_rescore8", candidate_block=4)),
     ("qwen1.5b", 8, "host", dict(selector="quest_rescore8")),
-], ids=["8b_b1_block4", "qwen_b8"])
+], ids=["8b_b1", "8b_b1_block4", "qwen_b8"])
 def test_benchmark_round_lowers_at_full_size(shape, batch, mode, changes):
     """The GPU benchmarks' shapes at 128k, 1024 tokens (``benchmarks/ab_step.py``): a 16 GiB
     (8B-like) / 14 GiB (Qwen-like B=8) host tier that exists only as a shape."""

@@ -10,11 +10,11 @@ selector works with the host tier as well as resident. Its device bytes per toke
 ``num_kv_heads * (head_dim + 4)`` per layer with int8 keys: a quarter of the logical K+V at
 bf16 plus the scales.
 
-With blocks of r > 1 pages (``CacheConfig.candidate_block``; per page by default) the
-first stage bounds blocks of r pages instead of pages
-(Quest's summaries and scores over blocks of ``r * page_size`` tokens) and picks
-``candidate_pages / r`` blocks, whose pages are the candidates: r times fewer bounds to read
-and a top-k over r times fewer entries.
+With blocks of r > 1 pages (``CacheConfig.candidate_block``; 1, per page, by default) the
+first stage bounds blocks of r pages instead of pages (Quest's summaries and scores over
+blocks of ``r * page_size`` tokens) and picks ``candidate_pages / r`` blocks, whose pages are
+the candidates: r times fewer bounds to read and a top-k over r times fewer entries, but a
+looser bound, so fewer of the pages the attention needs among the candidates.
 
 Summaries: Quest's ``(kmax, kmin)`` [L, B, Np / r, H, D], then ``keys`` [L, B, H, Np, ps, D]
 (int8 or the KV dtype) and ``scales`` [L, B, H, Np, ps] float32 (ones for the KV dtype):
@@ -98,7 +98,7 @@ class Rescore(Quest):
     def bound_blocks(self, plan) -> tuple[int, int]:
         """Quest's bounds per block of ``CacheConfig.candidate_block`` pages: (blocks per
         sequence, tokens per block)."""
-        r = plan.cache.first_stage_block()
+        r = plan.cache.candidate_block
         return -(-plan.pages_per_seq // r), plan.page_size * r
 
     def candidate_count(self, plan) -> int:
@@ -109,7 +109,7 @@ class Rescore(Quest):
     def _block_pages(self, plan, blocks, seq_lens):
         """The pages of the first stage's blocks [B, H, Cb] (-1 padded): [B, H, Cb * r], -1
         for padding and for pages past the sequence."""
-        r = plan.cache.first_stage_block()
+        r = plan.cache.candidate_block
         if r == 1:
             return blocks
         pages = blocks[..., None] * r + jnp.arange(r, dtype=blocks.dtype)
@@ -141,7 +141,7 @@ class Rescore(Quest):
         down at 4-8x the budget."""
         t = plan.cache.tuning.topk_method
         blocks, block_tokens = self.bound_blocks(plan)
-        C, sink = self.first_stage_blocks(plan, plan.cache.first_stage_block())
+        C, sink = self.first_stage_blocks(plan, plan.cache.candidate_block)
         if t == "auto":
             kernel = dense_select.takes_topk_kernel(blocks, C, plan.cache.implementation)
             t = "pallas" if kernel else "sort"
@@ -157,7 +157,7 @@ class Rescore(Quest):
         """Raise (naming the largest that works) if ``CacheConfig.candidate_block`` leaves
         the first stage too few blocks for the sink blocks and the current one: blocks near
         the candidate count leave one block (candidate_pages 16 in blocks of 16)."""
-        r = plan.cache.first_stage_block()
+        r = plan.cache.candidate_block
         if self.covers_row(plan):   # no first stage: nothing to pick
             return
 
