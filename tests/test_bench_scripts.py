@@ -287,20 +287,27 @@ def test_bench_context_quick(tmp_path):
 
 def test_first_stage_recall_probe_small(tmp_path):
     """probes/first_stage_recall.py on a short prompt: candidates covering every page keep the
-    oracle's mass at every block size; fewer keep at most that."""
+    oracle's mass at every block size, and with the first stage a step early; fewer keep at
+    most that; both stages a step early keep at most the oracle's mass too."""
     rows = {}
     for cand in (4, 2):
         out = tmp_path / f"fsr{cand}.json"
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probes" / "first_stage_recall.py"),
                         "--tokens", "256", "--queries", "8", "--budget", "64", "--candidates",
-                        str(cand), "--blocks", "1", "2", "4", "--layers", "3", "--out", str(out)],
+                        str(cand), "--blocks", "1", "2", "4", "--layers", "3", "--lag", "none",
+                        "first", "all", "--out", str(out)],
                        check=True, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"})
         rows[cand] = json.loads(out.read_text())
     assert rows[4]["tokens"] == 256 and len(rows[4]["layers"]) == 3
     for r in (1, 2, 4):
-        assert abs(rows[4]["mean"][f"kept_r{r}"] - 1) < 1e-6 and rows[4]["mean"][f"hit_r{r}"] == 1
-        assert 0 < rows[2]["mean"][f"kept_r{r}"] <= 1 + 1e-6 and rows[2]["mean"][f"hit_r{r}"] <= 1
+        for lag in ("", "_lagfirst"):
+            mean = rows[4]["mean"]
+            assert abs(mean[f"kept_r{r}{lag}"] - 1) < 1e-6 and mean[f"hit_r{r}{lag}"] == 1
+        for lag in ("", "_lagfirst", "_lagall"):
+            mean = rows[2]["mean"]
+            assert 0 < mean[f"kept_r{r}{lag}"] <= 1 + 1e-6 and mean[f"hit_r{r}{lag}"] <= 1
+        assert 0 < rows[4]["mean"][f"kept_r{r}_lagall"] <= 1 + 1e-6
 
 
 def _docs_text(history=True):

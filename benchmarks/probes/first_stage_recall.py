@@ -18,7 +18,11 @@ query group):
 - ``--groups max``: the first stage scores a block by the largest bound of the KV head's
   query heads instead of their sum (keys ``kept_r{r}_gmax``...), ``union``: half the
   candidates by the sum, half by the max among the rest; ``--recent N``: the blocks of
-  the last N pages forced into the candidates (keys ``..._w{N}``).
+  the last N pages forced into the candidates (keys ``..._w{N}``); ``--lag first``: the first
+  stage a step early (the previous position's query and keys, the query's own page forced;
+  a candidate set the selector could compute off the step's critical path), the second
+  stage on the query; ``--lag all``: both stages a step early, as ``selection_lag=1``
+  (keys ``..._lagfirst`` / ``..._lagall``).
 
     PYTHONPATH=.:benchmarks/probes JAX_PLATFORMS=cpu python benchmarks/probes/first_stage_recall.py \\
         --gguf FILE --tokens 8192 --budget 512 --candidates 8 --blocks 1 2 4 --out OUT.json
@@ -56,11 +60,15 @@ def _quest_scores(q, k, pos, bs, group="sum"):
     return jnp.where(ok[:, None], s, -jnp.inf).T                      # [H, Nb]
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8))
-def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0):
-    """q [Q, Hq, D] at positions t0.., k [T, H, D] -> (kept [Q, H], hit [Q, H]) for blocks of
-    ``r`` pages, ``n_cand`` candidate pages and ``n_pages`` selected; the blocks of the last
-    ``recent`` pages before the query's own forced into the candidates."""
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8, 9))
+def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0, lag="none"):
+    """q [Q + 1, Hq, D] at positions t0 - 1.., k [T, H, D] -> (kept [Q, H], hit [Q, H]) for
+    the queries at t0.. with blocks of ``r`` pages, ``n_cand`` candidate pages and ``n_pages``
+    selected; the blocks of the last ``recent`` pages before the query's own forced into the
+    candidates. ``lag``: "first": the first stage runs a step early (the previous query, the
+    keys up to it, the query's own page forced), the second stage on the query itself;
+    "all": both stages a step early (``selection_lag=1``); "none": both on the query."""
+    qp, q = q[:-1], q[1:]
     Q, Hq, D = q.shape
     T, H, _ = k.shape
     bs = page_size * r
@@ -71,8 +79,9 @@ def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0):
     qpos = t0 + jnp.arange(Q, dtype=jnp.int32)
 
     def one(args):
-        qi, pos = args
+        qi, qprev, pos = args
         mass = oracle.attention_mass(qi[None], keys[None], pos[None], page_size)[0]  # [H, Np]
+        q1, pos1 = (qprev, pos - 1) if lag != "none" else (qi, pos)     # the first stage's
         page = jnp.arange(Np)
         valid = page <= pos // page_size
         forced = (page == 0) | (page == pos // page_size)
@@ -90,19 +99,23 @@ def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0):
             return jnp.zeros((H, Np // r), bool).at[jnp.arange(H)[:, None], cb].set(True)
 
         if group == "union":  # half by the summed bound, half by the largest head's
-            first = top(_quest_scores(qi, kp, pos, bs, "sum"), n_b // 2, False)
-            cand_b = first | top(_quest_scores(qi, kp, pos, bs, "max"), n_b - n_b // 2, first)
+            first = top(_quest_scores(q1, kp, pos1, bs, "sum"), n_b // 2, False)
+            cand_b = first | top(_quest_scores(q1, kp, pos1, bs, "max"), n_b - n_b // 2, first)
         else:
-            cand_b = top(_quest_scores(qi, kp, pos, bs, group), n_b, False)
+            cand_b = top(_quest_scores(q1, kp, pos1, bs, group), n_b, False)
         cand = jnp.repeat(cand_b, r, axis=1) & valid
-        m2 = jnp.where(cand, m, -jnp.inf)
+        if lag == "all":  # the second stage's masses from the previous query too
+            mp = oracle.attention_mass(qprev[None], keys[None], pos1[None], page_size)[0]
+            m2 = jnp.where(cand, jnp.where(forced, jnp.inf, mp), -jnp.inf)
+        else:
+            m2 = jnp.where(cand, m, -jnp.inf)
         top2 = jax.lax.top_k(m2, n_pages)[1]
         sel = jnp.zeros((H, Np), bool).at[jnp.arange(H)[:, None], top2].set(True) & cand
         kept = jnp.sum(jnp.where(sel, mass, 0.0), -1) / jnp.sum(jnp.where(best, mass, 0.0), -1)
         hit = jnp.sum(best & cand, -1) / jnp.sum(best, -1)
         return kept, hit
 
-    return jax.lax.map(one, (q, qpos))
+    return jax.lax.map(one, (q, qp, qpos))
 
 
 def main():
@@ -118,6 +131,9 @@ def main():
                     help="a KV head's query heads' bounds summed (the selector's) or their max")
     ap.add_argument("--recent", type=int, nargs="+", default=[0],
                     help="the last N pages forced into the candidates (keys ..._w{N})")
+    ap.add_argument("--lag", nargs="+", default=["none"], choices=("none", "first", "all"),
+                    help="first: the first stage a step early (the previous query), the "
+                         "second on the query; all: both a step early (keys ..._lag{first,all})")
     ap.add_argument("--layers", type=int, default=None, help="the first N layers only")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -129,9 +145,10 @@ def main():
         T = k.shape[0]
         t0 = T - a.queries
         row = dict(layer=i)
-        for g, r, w in itertools.product(a.groups, a.blocks, a.recent):
-            kept, hit = recall(q[t0:], k, t0, a.page_size, n_pages, n_cand, r, g, w)
-            tag = f"r{r}" + ("" if g == "sum" else f"_g{g}") + (f"_w{w}" if w else "")
+        for g, r, w, lag in itertools.product(a.groups, a.blocks, a.recent, a.lag):
+            kept, hit = recall(q[t0 - 1:], k, t0, a.page_size, n_pages, n_cand, r, g, w, lag)
+            tag = (f"r{r}" + ("" if g == "sum" else f"_g{g}") + (f"_w{w}" if w else "")
+                   + ("" if lag == "none" else f"_lag{lag}"))
             row[f"kept_{tag}"] = float(jnp.mean(kept))
             row[f"kept_min_{tag}"] = float(jnp.min(kept))
             row[f"hit_{tag}"] = float(jnp.mean(hit))
@@ -139,7 +156,7 @@ def main():
         print_row(row)
     report(rows, a.out, model=path, tokens=T, queries=a.queries, page_size=a.page_size,
            budget=a.budget, candidates=n_cand, blocks=a.blocks, groups=a.groups,
-           recent=a.recent)
+           recent=a.recent, lag=a.lag)
 
 
 if __name__ == "__main__":
