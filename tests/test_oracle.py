@@ -460,3 +460,106 @@ def test_candidate_block_too_large_names_the_largest_that_works(kw, r, best):
     plan = make_plan(CFG, cache(r, max_context=kw["candidate_pages"] * 4), [3], 1, 4)
     assert plan.selector.covers_row(plan)
 
+
+
+def test_candidate_lag_numpy():
+    """``candidate_lag=1``: a decode step re-ranks the candidates held from the previous step
+    with its own query (the same second stage), and its first stage, the literal Quest score
+    of its query over the bounds with its token folded in, picks the next step's candidates
+    (the sink and the next token's page forced, ties to the lower page) into the held array
+    of its layer only. The other summaries are the exact selector's. Against numpy, NaN keys
+    past the sequence; one request's next token starts a new page."""
+    rng = _rng()
+    cfg = configs.tiny()
+    L, B, ps, H, D = cfg.num_layers, 3, 4, cfg.num_kv_heads, cfg.head_dim
+    G = cfg.num_heads // H
+    exact = CacheConfig(mode="resident", selector="quest_rescore", page_size=ps,
+                        selected_pages=3, candidate_pages=8)
+    lag = dataclasses.replace(exact, candidate_lag=1)
+    plans = [engine.Plan(model=cfg, cache=c, batch=B, prompt_len=120, max_context=128,
+                         num_stop=1) for c in (exact, lag)]
+    sel = plans[1].selector
+    Np, C = plans[1].pages_per_seq, sel.held_count(plans[1])
+    assert C == 8 and not sel.covers_row(plans[1])
+    positions = np.array([119, 50, 37], np.int32)                      # 119 + 1: a new page
+    tok = rng.normal(size=(L, B, Np * ps, H, D)).astype(np.float32)
+    kv_new = rng.normal(size=(B, 2, H, D)).astype(np.float32)
+    for b, p in enumerate(positions):
+        tok[:, b, p + 1:] = np.nan
+    kmax = np.full((L, B, Np, H, D), -np.inf, np.float32)
+    kmin = np.full((L, B, Np, H, D), np.inf, np.float32)
+    for b, p in enumerate(positions):
+        for pg in range(-(-p // ps)):
+            seg = tok[:, b, pg * ps:min((pg + 1) * ps, p)]
+            kmax[:, b, pg], kmin[:, b, pg] = seg.max(1), seg.min(1)
+    keys = rng.integers(-127, 128, size=(L, B, H, Np, ps, D)).astype(np.int8)
+    scales = (0.01 + rng.random(size=keys.shape[:5])).astype(np.float32)
+    held0 = np.full((L, B, H, C), -1, np.int32)                         # last step's choice
+    for b, p in enumerate(positions):
+        for h in range(H):
+            pick = rng.choice(np.arange(1, p // ps), C - 2, replace=False)
+            held0[:, b, h, :C] = np.concatenate([[0, p // ps], pick])
+    summ = tuple(jnp.asarray(a) for a in (kmax, kmin, keys, scales, held0))
+    q = rng.normal(size=(B, cfg.num_heads, D)).astype(np.float32)
+    layer = 1
+    new, pages = sel.update_select(plans[1], summ, jnp.int32(layer), None, None, jnp.asarray(q),
+                                   jnp.asarray(kv_new), jnp.asarray(positions))
+    ref, _ = sel.update_select(plans[0], summ[:4], jnp.int32(layer), None, None,
+                               jnp.asarray(q), jnp.asarray(kv_new), jnp.asarray(positions))
+    for got, want in zip(new[:4], ref):                                 # the same summaries
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # this step: the held candidates re-ranked with this query
+    want = sel._rescore(plans[1], new, jnp.int32(layer), jnp.asarray(q),
+                        jnp.asarray(held0[layer]), jnp.asarray(positions),
+                        jnp.asarray(positions + 1))
+    np.testing.assert_array_equal(np.asarray(pages), np.asarray(want))
+    # the next step's candidates, in numpy
+    held = np.asarray(new[4])
+    np.testing.assert_array_equal(np.delete(held, layer, 0), np.delete(held0, layer, 0))
+    for b, p in enumerate(positions):
+        t = tok[layer, b].copy()
+        t[p] = kv_new[b, 0]
+        nb, n_next = -(-(p + 1) // ps), -(-(p + 2) // ps)
+        mx = np.stack([t[i * ps:min((i + 1) * ps, p + 1)].max(0) for i in range(nb)])
+        mn = np.stack([t[i * ps:min((i + 1) * ps, p + 1)].min(0) for i in range(nb)])
+        for h in range(H):
+            qg = q[b, h * G:(h + 1) * G].astype(np.float64)
+            score = np.full(n_next, np.inf)
+            score[:nb] = np.maximum(qg[:, None] * mx[None, :, h],
+                                    qg[:, None] * mn[None, :, h]).sum(axis=(0, 2))
+            score[0] = score[n_next - 1] = np.inf                        # sink, next token's
+            best = sorted(range(n_next), key=lambda i: (-score[i], i))[:C]
+            got = held[layer, b, h]
+            assert sorted(got[got >= 0]) == sorted(best), (b, h)
+
+
+def test_candidate_lag_end_to_end():
+    """``candidate_lag=1`` with the first stage choosing (6 of up to 30 pages, per page and in
+    blocks of two): host tier == resident token for token; where the candidates cover the row
+    it changes nothing. Its settings are checked early, and a kept context continues only with
+    the same number of held candidates."""
+    kw = dict(selector="quest_rescore", page_size=4, selected_pages=3, candidate_pages=6)
+    for r in (1, 2):
+        lag = dict(kw, candidate_lag=1, candidate_block=r)
+        res = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                             cache=CacheConfig(mode="resident", **lag))
+        host = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                              cache=CacheConfig(mode="host", **lag))
+        assert host.tokens == res.tokens
+    wide = dict(kw, candidate_pages=16)                # every page of these prompts
+    assert (jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                           cache=CacheConfig(mode="host", candidate_lag=1, **wide)).tokens
+            == jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                              cache=CacheConfig(mode="host", **wide)).tokens)
+    with pytest.raises(ValueError, match="candidate_lag moves the first stage"):
+        CacheConfig(selector="quest", candidate_lag=1)
+    with pytest.raises(ValueError, match="set one of them to 0"):
+        CacheConfig(candidate_lag=1, selection_lag=1)
+    with pytest.raises(ValueError, match="candidate_lag must be 0"):
+        CacheConfig(candidate_lag=2)
+    kept = dict(kw, mode="host", candidate_lag=1, max_context=128)
+    r = jaxkv.generate(CFG, PARAMS, PROMPTS[:1], max_new_tokens=2, stop_tokens=[], keep=True,
+                       cache=CacheConfig(**kept))
+    with pytest.raises(ValueError, match="keeps 6 first-stage candidate pages"):
+        jaxkv.generate(CFG, PARAMS, [[5, 6]], max_new_tokens=2, stop_tokens=[],
+                       context=r.context, cache=CacheConfig(**dict(kept, candidate_pages=8)))
