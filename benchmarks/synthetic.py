@@ -196,14 +196,11 @@ def _fill_chunk(lay: _Layout, dst, summaries, layer, b, j0, length, key, salienc
         dst = page_write.keep_on_host(dst)
     if lay.selector == "quest":
         kmax, kmin = summaries[:2]
+        # a bound per block of r pages, over its pages' (initialized -inf / +inf; pages past
+        # the sequence are -inf / +inf themselves), whichever chunk each page comes in
         r = lay.quest_block
-        if r == 1:
-            summaries = (kmax.at[layer, b, pages].set(out["kmax"], mode="drop"),
-                         kmin.at[layer, b, pages].set(out["kmin"], mode="drop"))
-        else:  # a block's bound over its pages' (initialized -inf / +inf; pages past the
-            # sequence are -inf / +inf themselves), whichever chunk each page comes in
-            summaries = (kmax.at[layer, b, pages // r].max(out["kmax"], mode="drop"),
-                         kmin.at[layer, b, pages // r].min(out["kmin"], mode="drop"))
+        summaries = (kmax.at[layer, b, pages // r].max(out["kmax"], mode="drop"),
+                     kmin.at[layer, b, pages // r].min(out["kmin"], mode="drop"))
         if lay.key_bits:  # the key copy [L, B, H, Np, ps, D]: page rows of every head
             keys, scales = summaries_in[2:4]
             keys = keys.at[layer, b, :, pages].set(out["keys"].astype(keys.dtype), mode="drop")
@@ -300,7 +297,7 @@ def _fresh(plan: engine.Plan, kv, summaries, lengths: np.ndarray, seed: int) -> 
     lagged selection there is no prompt query to select with, so the first step reads the
     forced pages only (:func:`forced_ahead`)."""
     summaries = tuple(summaries)
-    if plan.cache.candidate_lag and len(summaries) > 4:
+    if plan.cache.candidate_lag:
         # no prompt query for the first step's candidates either: the latest pages
         summaries = summaries[:4] + (recent_candidates(plan, lengths, summaries[4].shape[-1]),)
     if plan.lagged:

@@ -318,6 +318,13 @@ def test_gpu_rescore_key_copy_of_3_gib():
     assert three.tokens == one.tokens * 3
 
 
+def _np_bounds(t, n, bs):
+    """Quest's bounds in numpy: (kmax, kmin) of the first ``n`` tokens of ``t`` [..., T, H, D]
+    in blocks of ``bs`` tokens, [..., ceil(n / bs), H, D]."""
+    segs = [t[..., i * bs:min((i + 1) * bs, n), :, :] for i in range(-(-n // bs))]
+    return (np.stack([g.max(-3) for g in segs], -3), np.stack([g.min(-3) for g in segs], -3))
+
+
 @pytest.mark.parametrize("r", [2, 4])
 def test_rescore_candidate_block_first_stage_numpy(r):
     """``candidate_block`` r: Quest's bounds per block of r pages (the new token folded in),
@@ -345,9 +352,8 @@ def test_rescore_candidate_block_first_stage_numpy(r):
     kmax = np.full((L, B, Nb, H, D), -np.inf, np.float32)
     kmin = np.full((L, B, Nb, H, D), np.inf, np.float32)
     for b, p in enumerate(positions):  # the bounds before the new token (at position p)
-        for blk in range(-(-p // bs)):
-            seg = tok[:, b, blk * bs:min((blk + 1) * bs, p)]
-            kmax[:, b, blk], kmin[:, b, blk] = seg.max(1), seg.min(1)
+        n = -(-p // bs)
+        kmax[:, b, :n], kmin[:, b, :n] = _np_bounds(tok[:, b], p, bs)
     keys = np.zeros((L, B, H, Np, ps, D), np.int8)
     scales = np.ones((L, B, H, Np, ps), np.float32)
     summ = tuple(jnp.asarray(a) for a in (kmax, kmin, keys, scales))
@@ -361,8 +367,7 @@ def test_rescore_candidate_block_first_stage_numpy(r):
         t = tok[layer, b].copy()
         t[p] = kv_new[b, 0]
         nb, n_pages = -(-(p + 1) // bs), -(-(p + 1) // ps)
-        mx = np.stack([t[i * bs:min((i + 1) * bs, p + 1)].max(0) for i in range(nb)])
-        mn = np.stack([t[i * bs:min((i + 1) * bs, p + 1)].min(0) for i in range(nb)])
+        mx, mn = _np_bounds(t, p + 1, bs)
         np.testing.assert_array_equal(np.asarray(new[0])[layer, b, :nb], mx)
         np.testing.assert_array_equal(np.asarray(new[1])[layer, b, :nb], mn)
         for h in range(H):
@@ -489,9 +494,8 @@ def test_candidate_lag_numpy():
     kmax = np.full((L, B, Np, H, D), -np.inf, np.float32)
     kmin = np.full((L, B, Np, H, D), np.inf, np.float32)
     for b, p in enumerate(positions):
-        for pg in range(-(-p // ps)):
-            seg = tok[:, b, pg * ps:min((pg + 1) * ps, p)]
-            kmax[:, b, pg], kmin[:, b, pg] = seg.max(1), seg.min(1)
+        n = -(-p // ps)
+        kmax[:, b, :n], kmin[:, b, :n] = _np_bounds(tok[:, b], p, ps)
     keys = rng.integers(-127, 128, size=(L, B, H, Np, ps, D)).astype(np.int8)
     scales = (0.01 + rng.random(size=keys.shape[:5])).astype(np.float32)
     held0 = np.full((L, B, H, C), -1, np.int32)                         # last step's choice
@@ -520,8 +524,7 @@ def test_candidate_lag_numpy():
         t = tok[layer, b].copy()
         t[p] = kv_new[b, 0]
         nb, n_next = -(-(p + 1) // ps), -(-(p + 2) // ps)
-        mx = np.stack([t[i * ps:min((i + 1) * ps, p + 1)].max(0) for i in range(nb)])
-        mn = np.stack([t[i * ps:min((i + 1) * ps, p + 1)].min(0) for i in range(nb)])
+        mx, mn = _np_bounds(t, p + 1, ps)
         for h in range(H):
             qg = q[b, h * G:(h + 1) * G].astype(np.float64)
             score = np.full(n_next, np.inf)
