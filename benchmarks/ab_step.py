@@ -38,8 +38,7 @@ variant is a plan of its own, so nothing is read at trace time.
 * ``dense``: the dense selector (every page; resident config only); ``rescore`` /
   ``rescore8``: the two-stage selectors ``quest_rescore`` / ``quest_rescore8`` (Quest picks 4x /
   8x the budget, the int8 key copy re-ranks them); ``lagged_rescore8``: with
-  ``selection_lag=1``; ``rescore8_clag``: with ``candidate_lag=1`` (the first stage a step
-  ahead, the second exact). ``rescore8_xla`` / ``rescore8_pallas``: ``quest_rescore8`` with its
+  ``selection_lag=1``. ``rescore8_xla`` / ``rescore8_pallas``: ``quest_rescore8`` with its
   second stage in XLA / as the Pallas kernel (``Tuning.rescore_method``);
   ``rescore8_topk_{chunked,cmax,radix,sort}``: the first stage's top-k method
   (``Tuning.topk_method``; "auto" is the full-row kernel up to 4096 pages, XLA's sort
@@ -143,7 +142,6 @@ VARIANTS = {
     "rescore": ({}, ()),
     "rescore8": ({}, ()),
     "lagged_rescore8": ({}, ()),
-    "rescore8_clag": ({}, ()),
     # the second stage's implementation (Tuning.rescore_method) under quest_rescore8
     "rescore8_xla": ({"rescore_method": "xla"}, ()),
     "rescore8_pallas": ({"rescore_method": "pallas"}, ()),
@@ -182,7 +180,6 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore={"selector": "quest_rescore"},
                      rescore8={"selector": "quest_rescore8"},
                      lagged_rescore8={"selector": "quest_rescore8", "selection_lag": 1},
-                     rescore8_clag={"selector": "quest_rescore8", "candidate_lag": 1},
                      rescore8_xla={"selector": "quest_rescore8"},
                      rescore8_pallas={"selector": "quest_rescore8"},
                      rescore8_topk_chunked={"selector": "quest_rescore8"},

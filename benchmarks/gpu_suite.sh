@@ -37,9 +37,6 @@
 #   A/B against Quest and quest_rescore8: blocks of pages (candidate_block; 8B-like B=1 and Qwen-like B=8 at
 #   128k), the radix top-k (Qwen-like B=1 at 1M), then each top-k alone (probes/first_stage_topk.py); ~15 min,
 #   split it over calls by its parts first-stage-8b, first-stage-q8, first-stage-1m, first-stage-topk
-# candidate-lag: the step with the two-stage selector's first stage a step ahead (candidate_lag=1) beside
-#   Quest, exact quest_rescore8 and the whole selection lagged (8B-like B=1 and Qwen-like B=8 at 128k, 1024
-#   tokens, resident, one shared KV cache); ~4 min
 # Every stage writes its log and JSON under OUTDIR; a short summary is printed last.
 set -uo pipefail
 OUT=${1:?usage: gpu_suite.sh OUTDIR [stage ...]}; shift
@@ -144,12 +141,6 @@ for s in $STAGES; do
             --context 1M --variants default,rescore8,rescore8_topk_radix --tag "radix_qwen1M_$JAXKV_COMMIT" $fs ;; esac
         case $s in first-stage|first-stage-topk) run fs_topk 200 $PY benchmarks/probes/first_stage_topk.py \
             --out "$OUT" ;; esac ;;
-    candidate-lag)
-        cl="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
-        run clag_8b 300 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
-            --variants default,rescore8,rescore8_clag,lagged_rescore8 --tag "clag_8b1_$JAXKV_COMMIT" $cl
-        run clag_q8 300 $PY benchmarks/ab_step.py --shape qwen1.5b --batch 8 \
-            --variants default,rescore8,rescore8_clag,lagged_rescore8 --tag "clag_qwen8_$JAXKV_COMMIT" $cl ;;
     ab) flags=${XLA_FLAGS:-}
         [ "${AB_DUMP:-0}" = 1 ] && flags="$flags --xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*decode_round.*"
         XLA_FLAGS=$flags run ab ${AB_LIMIT:-500} $PY benchmarks/ab_step.py --variants ${AB_VARIANTS:-default,topk_full_row} --shape ${AB_SHAPE:-qwen1.5b} \

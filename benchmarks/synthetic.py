@@ -202,10 +202,10 @@ def _fill_chunk(lay: _Layout, dst, summaries, layer, b, j0, length, key, salienc
         summaries = (kmax.at[layer, b, pages // r].max(out["kmax"], mode="drop"),
                      kmin.at[layer, b, pages // r].min(out["kmin"], mode="drop"))
         if lay.key_bits:  # the key copy [L, B, H, Np, ps, D]: page rows of every head
-            keys, scales = summaries_in[2:4]
+            keys, scales = summaries_in[2:]
             keys = keys.at[layer, b, :, pages].set(out["keys"].astype(keys.dtype), mode="drop")
             scales = scales.at[layer, b, :, pages].set(out["scales"], mode="drop")
-            summaries += (keys, scales) + tuple(summaries_in[4:])   # candidate_lag's held
+            summaries += (keys, scales)
     elif lay.selector == "indexer":
         summaries = (summaries[0].at[layer, b, pages].set(out["isum"], mode="drop"),)
     return dst, summaries
@@ -281,25 +281,11 @@ def forced_ahead(plan: engine.Plan, lengths):
     return jnp.broadcast_to(pages[None, :, None, :], (L, B, H, k))
 
 
-def recent_candidates(plan: engine.Plan, lengths, n: int):
-    """``CacheConfig.candidate_lag`` without a prompt query: the first step's candidates are
-    the ``n`` latest pages up to the one of position ``lengths`` [B]. Returns [L, B, H, n]
-    int32, -1 padded."""
-    L, H = plan.model.num_layers, plan.model.num_kv_heads
-    cur = (jnp.asarray(lengths, jnp.int32) // plan.page_size)[:, None]
-    pages = cur - jnp.arange(n, dtype=jnp.int32)[None, :]
-    pages = jnp.where((pages >= 0) & (pages < plan.pages_per_seq), pages, INVALID)
-    return jnp.broadcast_to(pages[None, :, None, :], (L, plan.batch, H, n))
-
-
 def _fresh(plan: engine.Plan, kv, summaries, lengths: np.ndarray, seed: int) -> engine.DecodeState:
     """The state to decode from; ``summaries`` the selector's own (no lagged ``ahead``): with
     lagged selection there is no prompt query to select with, so the first step reads the
     forced pages only (:func:`forced_ahead`)."""
     summaries = tuple(summaries)
-    if plan.cache.candidate_lag:
-        # no prompt query for the first step's candidates either: the latest pages
-        summaries = summaries[:4] + (recent_candidates(plan, lengths, summaries[4].shape[-1]),)
     if plan.lagged:
         summaries += (forced_ahead(plan, lengths),)
     rng = np.random.default_rng([seed, 7])

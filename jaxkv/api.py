@@ -743,7 +743,7 @@ def _generate(model, params, prompts, *, max_new_tokens, sampling, cache, stop_t
         "truncated_requests": reasons.count("capacity"),
         **_memory_stats(plan, state, n_dev),
         "page_size": plan.page_size, "selected_pages": plan.k,
-        "selection_lag": cache.selection_lag, "candidate_lag": cache.candidate_lag,
+        "selection_lag": cache.selection_lag,
         "pool_pages": plan.pool_pages if cache.mode == "host" else plan.spec.num_logical_pages,
         "max_context": plan.max_context, "prompt_bucket": plan.prompt_len,
         "compile_time_s": compiles["time_s"], "num_compilations": compiles["count"],

@@ -290,17 +290,6 @@ class CacheConfig:
         changes which pages are read (about 1 in 9 on real text: docs/decisions.md), never
         the pages the sinks / current page rule forces. Every selector that scores pages
         (the two-stage ones, Quest, the indexer, the oracle); "dense" refuses it.
-      candidate_lag: the two-stage selectors' first stage one step ahead. 0 (default): each
-        step's candidates come from that step's query. 1: from the previous token's query
-        (the prompt's last token for the first step) and the summaries up to it, the step's
-        own page always a candidate, while the second stage re-ranks them with the step's
-        own query: the first stage (Quest's bounds and a top-k over every page) leaves the
-        path between a layer's query and its attention, the final choice stays exact. An
-        approximation of the candidates only (CPU probe, the attention mass kept over the
-        page oracle's: SmolLM2 at 8k, 512 tokens, 0.9991 against 0.9994 with exact
-        candidates and 0.976 with ``selection_lag=1``; Qwen2.5-Coder-0.5B at 16k, 1024
-        tokens, 0.980 / 0.982 / 0.957; its GPU step and RULER figures are not measured yet:
-        docs/decisions.md). Needs a two-stage selector and ``selection_lag=0``.
       tuning: :class:`Tuning`, performance settings that never change results.
     """
 
@@ -327,7 +316,6 @@ class CacheConfig:
     unroll_layers: bool | None = None
     dense_layers: int | tuple[int, ...] = 0
     selection_lag: int = 0
-    candidate_lag: int = 0
     tuning: Tuning = Tuning()
 
     def __post_init__(self):
@@ -366,18 +354,6 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.candidate_block groups the first stage of a two-stage "
                              f"selector ({two}); selector={self.selector!r} has none: leave "
                              "candidate_block=1")
-        object.__setattr__(self, "candidate_lag", _as_int("candidate_lag", self.candidate_lag, 0))
-        if self.candidate_lag > 1:
-            raise ValueError(f"CacheConfig.candidate_lag must be 0 (candidates from the step's "
-                             f"query) or 1 (from the previous token's), got {self.candidate_lag}")
-        if self.candidate_lag and not selectors.get(self.selector).two_stage:
-            two = [n for n in selectors.names() if selectors.get(n).two_stage]
-            raise ValueError(f"CacheConfig.candidate_lag moves the first stage of a two-stage "
-                             f"selector ({two}); selector={self.selector!r} has none: leave "
-                             "candidate_lag=0")
-        if self.candidate_lag and self.selection_lag:
-            raise ValueError("CacheConfig.candidate_lag=1 lags the first stage only, "
-                             "selection_lag=1 the whole selection: set one of them to 0")
         if self.selection_lag and not selectors.get(self.selector).scored:
             raise ValueError(f"CacheConfig.selection_lag=1 needs a scored selector (the "
                              f"{self.selector!r} selector reads every page): set selection_lag=0")

@@ -131,19 +131,13 @@ def check_compatible(context: Context, plan: Plan):
                        ("kv_key_shift", a.key_shift, b.key_shift),
                        ("kv_key_rotation", a.key_rotation, b.key_rotation),
                        ("dense_layers", a.dense_set, b.dense_set),
-                       ("selection_lag", a.lagged, b.lagged),
-                       ("candidate_lag", a.cache.candidate_lag, b.cache.candidate_lag)):
+                       ("selection_lag", a.lagged, b.lagged)):
         if x != y:
             note = " (None resolves to the model's dtype)" if what == "kv_dtype" else ""
             raise ValueError(f"the context was built with CacheConfig {what}={x!r}, this call "
                              f"uses {y!r}{note}: continue a context with the same cache settings")
     if a.model != b.model:
         raise ValueError("the context belongs to another model: continue it with the same model")
-    if a.cache.candidate_lag and a.selector.held_count(a) != b.selector.held_count(b):
-        raise ValueError(f"the context keeps {a.selector.held_count(a)} first-stage candidate "
-                         f"pages per layer between steps (CacheConfig.candidate_lag=1), this "
-                         f"call needs {b.selector.held_count(b)}: continue it with the same "
-                         "selected_pages and candidate_pages")
 
 
 def keep(plan: Plan, state, tokens: list[list[int]], messages: list, prefill_tokens_per_s: float,

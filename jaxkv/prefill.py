@@ -94,36 +94,18 @@ def prefill_layer(plan: Plan, layer_params, layer, x, lengths, kv, summaries, de
             dense.pool, drows, pages.reshape(B * n, -1), implementation=impl))
     selector = plan.selector
     own = selector.fill(plan, own, layer, lp, h, k, positions, lengths)
-    own = _prime(plan, own, layer, lp, h, q, lengths - 1, lengths)
     if plan.lagged:  # the first decode step's pages, chosen with the prompt's last query
         ahead = _first_step_pages(plan, own, ahead, layer, lp, h, q, lengths - 1, lengths)
     return x, kv, selectors.join(own, shift, ahead), dense
-
-
-def _last_query(h, q, last):
-    """(h_last [B, 1, d], q_last [B, Hq, D]): the rows at index ``last`` [B] of h [B, T, d] /
-    q [B, T, Hq, D]."""
-    last = jnp.maximum(last, 0)
-    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)
-    q_last = jnp.take_along_axis(q, last[:, None, None, None], axis=1)[:, 0]
-    return h_last, q_last
-
-
-def _prime(plan: Plan, own, layer, lp, h, q, last, seq_lens):
-    """The selector's :meth:`~jaxkv.selectors.base.Selector.prime` with the query at index
-    ``last`` [B] for sequences of ``seq_lens`` [B] tokens (the two-stage selectors'
-    ``candidate_lag``: the first decode step's candidates); nothing to do otherwise."""
-    if not plan.cache.candidate_lag:
-        return own
-    h_last, q_last = _last_query(h, q, last)
-    return tuple(plan.selector.prime(plan, tuple(own), layer, lp, h_last, q_last, seq_lens))
 
 
 def _first_step_pages(plan: Plan, own, ahead, layer, lp, h, q, last, seq_lens):
     """Lagged selection: ``ahead`` with layer ``layer``'s pages for the first decode step,
     chosen with the query at index ``last`` [B] of h [B, T, d] / q [B, T, Hq, D] for
     sequences of ``seq_lens`` [B] tokens."""
-    h_last, q_last = _last_query(h, q, last)
+    last = jnp.maximum(last, 0)
+    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)                 # [B, 1, d]
+    q_last = jnp.take_along_axis(q, last[:, None, None, None], axis=1)[:, 0]      # [B, Hq, D]
     pages = plan.selector.first_pages(plan, own, layer, lp, h_last, q_last, seq_lens)
     return ahead.at[layer].set(pages)
 
@@ -196,7 +178,6 @@ def extend_layer(plan: Plan, layer_params, layer, x, start, count, kv, summaries
         own = jax.lax.cond(plan.is_dense(layer), tuple, fold_all, tuple(own))
     else:
         own = fold_all(own)
-    own = _prime(plan, own, layer, lp, h, q, count - 1, start + count)
     if plan.lagged:  # the first decode step's pages, chosen with the last appended query
         ahead = _first_step_pages(plan, own, ahead, layer, lp, h, q, count - 1, start + count)
     return x, kv, selectors.join(own, shift, ahead), dense

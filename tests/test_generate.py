@@ -241,14 +241,12 @@ def test_materialize_qk_gives_the_same_tokens():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("changes", [{}, dict(candidate_block=4),
-                                     dict(tuning=jaxkv.Tuning(topk_method="radix")),
-                                     dict(candidate_lag=1)],
-                         ids=["per-page", "block4", "radix", "candidate-lag"])
+                                     dict(tuning=jaxkv.Tuning(topk_method="radix"))],
+                         ids=["per-page", "block4", "radix"])
 def test_gpu_two_stage_host_equals_resident(changes):
     """The default two-stage selector with its first stage at work (contexts past its 48
-    candidate pages): per page, per block of 4 pages, with the radix top-k, and with the first
-    stage a step ahead. The host tier with a small pool gives the resident cache's tokens on
-    the GPU's kernels."""
+    candidate pages): per page, per block of 4 pages, and with the radix top-k. The host tier
+    with a small pool gives the resident cache's tokens on the GPU's kernels."""
     cfg = configs.tiny(dtype="bfloat16", head_dim=64, num_heads=8, num_kv_heads=2, num_layers=3,
                        max_position=4096)
     params = llama.init_params(cfg, seed=0)

@@ -34,7 +34,6 @@ ROUNDS = {
     "resident_rescore8_block2": dict(mode="resident", selector="quest_rescore8",
                                      candidate_block=2),
     "host_rescore8_block4": dict(mode="host", selector="quest_rescore8", candidate_block=4),
-    "host_rescore8_clag": dict(mode="host", selector="quest_rescore8", candidate_lag=1),
     "host_rescore8_radix": dict(mode="host", selector="quest_rescore8",
                                 tuning=Tuning(topk_method="radix")),
     "host_rescore8_topk_pallas": dict(mode="host", selector="quest_rescore8",
@@ -98,9 +97,8 @@ def test_prefill_layer_lowers_for_h200(params, name, extend):
 @pytest.mark.parametrize("shape,batch,mode,changes", [
     ("8b", 1, "host", dict(selector="quest_rescore8")),
     ("8b", 1, "host", dict(selector="quest_rescore8", candidate_block=4)),
-    ("8b", 1, "host", dict(selector="quest_rescore8", candidate_lag=1)),
     ("qwen1.5b", 8, "host", dict(selector="quest_rescore8")),
-], ids=["8b_b1", "8b_b1_block4", "8b_b1_clag", "qwen_b8"])
+], ids=["8b_b1", "8b_b1_block4", "qwen_b8"])
 def test_benchmark_round_lowers_at_full_size(shape, batch, mode, changes):
     """The GPU benchmarks' shapes at 128k, 1024 tokens (``benchmarks/ab_step.py``): a 16 GiB
     (8B-like) / 14 GiB (Qwen-like B=8) host tier that exists only as a shape."""

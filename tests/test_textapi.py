@@ -392,17 +392,16 @@ def test_forks_are_isolated(model):
     assert len(sel.tokens) == 2
 
 
-@pytest.mark.parametrize("block, lag", [(1, 0), (2, 0), (1, 1)])
-def test_continued_context_through_the_first_stage(model, block, lag):
+@pytest.mark.parametrize("block", [1, 2])
+def test_continued_context_through_the_first_stage(model, block):
     """The two-stage selector with a first stage that chooses (8 of 32 pages, in blocks of
-    ``block`` pages; with ``candidate_lag`` a step ahead, its candidates held between steps):
-    a context kept after its prompt alone continues like the conversation sent as one prompt,
-    tokens and every cache and summary array. (A context with decoded tokens differs from one
-    prompt when the selection is sparse: decode steps attend to the selected pages, a prompt
-    to every token.)"""
+    ``block`` pages): a context kept after its prompt alone continues like the conversation
+    sent as one prompt, tokens and every cache and summary array. (A context with decoded
+    tokens differs from one prompt when the selection is sparse: decode steps attend to the
+    selected pages, a prompt to every token.)"""
     cache = CacheConfig(mode="host", selector="quest_rescore", page_size=4, selected_pages=3,
                         candidate_pages=8, candidate_block=block, round_steps=8,
-                        max_context=128, candidate_lag=lag)
+                        max_context=128)
     cfg, params, tok = model
     p1 = tok.encode("A long shared document about cats and their habits.")
     p2 = tok.encode(" Question: what about dogs?", add_bos=False)

@@ -69,13 +69,6 @@ class Selector:
 
         return jax.lax.fori_loop(0, positions.shape[1], one, tuple(summaries))
 
-    def prime(self, plan, summaries: tuple, layer, layer_params, h_last, q_last,
-              lengths) -> tuple:
-        """After a prompt (``fill``) or appended tokens (``fold``): per-request state the first
-        decode step reads that only the last query gives (h_last [B, 1, d], q_last [B, Hq, D];
-        ``lengths`` [B] tokens in the cache). The summaries unchanged here."""
-        return summaries
-
     def first_pages(self, plan, summaries: tuple, layer, layer_params, h_last, q_last,
                     lengths):
         """Lagged selection's first pages: what the prompt's last query selects for the

@@ -82,18 +82,8 @@ class Rescore(Quest):
         layers = alloc_rows(m.num_layers, math.prod(per_layer) * m.head_dim,
                             jnp.dtype(dt).itemsize)
         shape = (layers,) + per_layer
-        held = ()
-        if plan.cache.candidate_lag:  # the next step's candidates per layer (-1: none yet)
-            held = (jnp.full((m.num_layers, plan.batch, m.num_kv_heads,
-                              self.held_count(plan)), -1, jnp.int32),)
         return super().init(plan) + (jnp.zeros(shape + (m.head_dim,), dt),
-                                     jnp.zeros(shape, jnp.float32)) + held
-
-    def held_count(self, plan) -> int:
-        """Candidate pages the first stage hands over per request, layer and KV head (its
-        blocks times their pages): the width of ``CacheConfig.candidate_lag``'s held array."""
-        r = plan.cache.candidate_block
-        return self.first_stage_blocks(plan, r)[0] * r
+                                     jnp.zeros(shape, jnp.float32))
 
     def fill(self, plan, summaries, layer, layer_params, h, k, positions, lengths):
         qsumm = super().fill(plan, summaries[:2], layer, layer_params, h, k, positions, lengths)
@@ -103,7 +93,7 @@ class Rescore(Quest):
         vals, scale = quantize(kt, self.key_bits)
         keys = summaries[2].at[layer, :, :, :T // ps].set(vals.astype(summaries[2].dtype))
         scales = summaries[3].at[layer, :, :, :T // ps].set(scale)
-        return qsumm + (keys, scales) + tuple(summaries[4:])
+        return qsumm + (keys, scales)
 
     def bound_blocks(self, plan) -> tuple[int, int]:
         """Quest's bounds per block of ``CacheConfig.candidate_block`` pages: (blocks per
@@ -207,48 +197,26 @@ class Rescore(Quest):
     def update_select(self, plan, summaries, layer, layer_params, h, q, kv_new, positions, *,
                       ahead=False):
         seq_lens = jnp.maximum(positions + 1 + int(ahead), 1)
-        held = tuple(summaries[4:])
         if self.covers_row(plan):
             # the summaries stay current: a kept context may continue under a longer row
             kmax, kmin = quest_kernels.quest_update(summaries[0], summaries[1], layer, kv_new,
                                                     positions,
                                                     page_size=self.bound_blocks(plan)[1])
             cand = self._every_page(plan, seq_lens, summaries[2].shape[2])
-        elif held:
-            # candidate_lag: re-rank the candidates the previous step chose for this one, and
-            # choose the next step's with this query (its own page forced) for the next step
-            cand = held[0][layer]
-            kmax, kmin, nxt = quest_kernels.quest_update_select(
-                q, summaries[0], summaries[1], layer, seq_lens + 1, kv_new, positions,
-                **self._first_stage_kw(plan))
-            held = (held[0].at[layer].set(self._block_pages(plan, nxt, seq_lens + 1)),)
         else:
             kmax, kmin, cand = quest_kernels.quest_update_select(
                 q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
                 **self._first_stage_kw(plan))
             cand = self._block_pages(plan, cand, seq_lens)
         k_new = kv_new if kv_new.ndim == 3 else kv_new[:, 0]                # [B, H, D]
-        summ = (kmax, kmin) + self._store_keys(plan, summaries, layer, k_new, positions) + held
+        summ = (kmax, kmin) + self._store_keys(plan, summaries, layer, k_new, positions)
         if plan.k >= plan.pages_per_seq:  # the budget holds every page: nothing to re-rank
             return summ, cand
         return summ, self._rescore(plan, summ, layer, q, cand, positions, seq_lens)
 
     def fold(self, plan, summaries, layer, layer_params, h, q, kv_new, positions):
         qsumm = super().fold(plan, summaries[:2], layer, layer_params, h, q, kv_new, positions)
-        return (qsumm + self._store_keys(plan, summaries, layer, kv_new[:, :, 0], positions)
-                + tuple(summaries[4:]))
-
-    def prime(self, plan, summaries, layer, layer_params, h_last, q_last, lengths):
-        """``candidate_lag``: the first decode step's candidates (position ``lengths``), from
-        the prompt's last query ``q_last`` [B, Hq, D] and the summaries of ``lengths`` [B]
-        tokens, into the held array; otherwise the summaries as they are."""
-        if not summaries[4:] or self.covers_row(plan):
-            return summaries
-        lengths = jnp.asarray(lengths, jnp.int32)
-        cand = quest_kernels.quest_select(q_last, summaries[0], summaries[1], layer,
-                                          lengths + 1, **self._first_stage_kw(plan))
-        held = summaries[4].at[layer].set(self._block_pages(plan, cand, lengths + 1))
-        return tuple(summaries[:4]) + (held,) + tuple(summaries[5:])
+        return qsumm + self._store_keys(plan, summaries, layer, kv_new[:, :, 0], positions)
 
     def _store_keys(self, plan, summaries, layer, k, positions):
         """(keys, scales): the key copy with k [B, ..., H, D] quantized and stored at
