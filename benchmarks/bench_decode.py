@@ -93,7 +93,9 @@ def main(argv=None):
     ap.add_argument("--pools", default="1,2,4", type=_pools, help="pool sizes of (c), in selections")
     ap.add_argument("--prefill", default="", help="prompt lengths for prefill (default 32k,128k; "
                                                    "'none' to skip)")
-    ap.add_argument("--selector", default="quest", choices=("quest", "indexer"))
+    ap.add_argument("--selector", default="quest", choices=lib.SELECTORS,
+                    help="the sparse configurations' selector (quest_rescore8: the library's "
+                         "default, CacheConfig(); run it with --selected-tokens 1024)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--selected-tokens", type=int, default=2048)
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later points are skipped")

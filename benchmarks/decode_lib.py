@@ -56,7 +56,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxkv import cache as kvcache  # noqa: E402
-from jaxkv import compile_stats, engine, parallel  # noqa: E402
+from jaxkv import compile_stats, engine, parallel, selectors  # noqa: E402
 from jaxkv.config import CacheConfig, Sampling  # noqa: E402
 from jaxkv.spec import INVALID  # noqa: E402
 from jaxkv.models import configs, llama  # noqa: E402
@@ -80,6 +80,10 @@ GRID = [("8b", 1, 131072), ("qwen1.5b", 1, 1048576), ("8b", 8, 32768), ("qwen1.5
         ("8b", 8, 131072), ("qwen1.5b", 1, 32768), ("qwen1.5b", 8, 32768)]
 QUICK_GRID = [("tiny", 1, 96), ("tiny", 2, 48)]
 CONFIG_ORDER = ("b", "a", "c2", "c1", "c4", "d")
+# the sparse configurations' selectors (``--selector``): Quest, the trained-indexer form, and
+# the two-stage selectors (Quest's first stage and a key copy: the library's default is
+# quest_rescore8)
+SELECTORS = ("quest", "indexer", "quest_rescore", "quest_rescore8")
 
 
 def model_config(shape: str):
@@ -554,8 +558,12 @@ def feasibility(cfg, B, ctx, st: Settings, host_limit, dev_limit, params_bytes):
     kv_dt = st.kv_dtype or cfg.dtype
     spec_page = kv_quant.row_elems(kv_dt, cfg.num_kv_heads, ps, cfg.head_dim) * jnp.dtype(kv_dt).itemsize
     tier = cfg.num_layers * B * Np * spec_page
-    if st.selector == "quest":
+    sel = selectors.get(st.selector)
+    if isinstance(sel, selectors.quest.Quest):   # Quest's bounds, and a two-stage key copy
         summ = 2 * cfg.num_layers * B * Np * cfg.num_kv_heads * cfg.head_dim * item
+        if sel.two_stage:
+            key_item = 1 if sel.key_bits == 8 else item
+            summ += cfg.num_layers * B * cfg.num_kv_heads * Np * ps * (cfg.head_dim * key_item + 4)
     elif st.selector == "indexer":
         summ = cfg.num_layers * B * Np * cfg.indexer_dim * 4
     else:
@@ -622,7 +630,9 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
 
     # --- calibrate the synthetic keys to the target overlap --------------------------------
     t0 = time.perf_counter()
-    sim_kw = dict(model=cfg, page_size=ps, num_pages=ctx // ps, k=k, selector=st.selector,
+    # the two-stage selectors' synthetic keys are calibrated as Quest's (their first stage)
+    sim_kw = dict(model=cfg, page_size=ps, num_pages=ctx // ps, k=k,
+                  selector="indexer" if st.selector == "indexer" else "quest",
                   sink_pages=base.sink_pages, steps=16, seed=st.seed,
                   implementation=st.implementation)
     sal, sim = synthetic.calibrate_salience(target, **sim_kw)

@@ -18,7 +18,8 @@
 # abc-8b, abc-qwen: the issue-6 headline ratios (128k; a, b, c2 in one run; 8B-like B=1, Qwen-like B=8;
 #   then b and c2 re-measured alternately $PAIRS times (default 8): the target is the median pair ratio)
 #   abc-8b-lag, abc-qwen-lag: the same with CacheConfig(selection_lag=1) for b and c2;
-#   abc-qwen-b16, abc-qwen-b16-lag: Qwen-like at B=16
+#   abc-qwen-b16, abc-qwen-b16-lag: Qwen-like at B=16; abc-8b-default, abc-qwen-default: the
+#   selection CacheConfig() makes (quest_rescore8, 1024 tokens in 16-token pages) instead of Quest's 2048 in 64
 # quality: RULER retrieval (bench_quality.py; $QUALITY_GGUF, $QUALITY_LENGTHS (default 2048),
 #   $QUALITY_ARGS, $QUALITY_TAG); quality-lag: only dense and the lagged Quest runs
 # tp-b8: only the tensor-parallel 8B-like B=8 128k part of tp
@@ -105,7 +106,8 @@ for s in $STAGES; do
         XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$lim run "$s" 570 $PY benchmarks/bench_decode.py $args \
           --configs ${GRID_CONFIGS:-a,b,c,d} --pools ${GRID_POOLS:-1,2,4} \
           --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 530 --tag "${s}_$JAXKV_COMMIT" --out "$OUT" ;;
-    abc-8b|abc-qwen|abc-8b-lag|abc-qwen-lag|abc-qwen-b16|abc-qwen-b16-lag)
+    abc-8b|abc-qwen|abc-8b-lag|abc-qwen-lag|abc-qwen-b16|abc-qwen-b16-lag|abc-8b-default|abc-qwen-default)
+        ps=64
         case $s in
           abc-8b) args="--shape 8b --batches 1 --tag 8b_128k_b1_abc_$JAXKV_COMMIT" ;;
           abc-qwen) args="--shape qwen1.5b --batches 8 --tag qwen_128k_b8_abc_$JAXKV_COMMIT" ;;
@@ -113,9 +115,15 @@ for s in $STAGES; do
           abc-qwen-lag) args="--shape qwen1.5b --batches 8 --selection-lag 1 --tag qwen_128k_b8_abc_lag_$JAXKV_COMMIT" ;;
           abc-qwen-b16) args="--shape qwen1.5b --batches 16 --tag qwen_128k_b16_abc_$JAXKV_COMMIT" ;;
           abc-qwen-b16-lag) args="--shape qwen1.5b --batches 16 --selection-lag 1 --tag qwen_128k_b16_abc_lag_$JAXKV_COMMIT" ;;
+          abc-8b-default|abc-qwen-default)  # CacheConfig()'s selection: quest_rescore8, 64 pages of 16 tokens
+            ps=16; sel="--selector quest_rescore8 --selected-tokens 1024"
+            case $s in
+              abc-8b-default) args="--shape 8b --batches 1 $sel --tag 8b_128k_b1_abc_default_$JAXKV_COMMIT" ;;
+              *) args="--shape qwen1.5b --batches 8 $sel --tag qwen_128k_b8_abc_default_$JAXKV_COMMIT" ;;
+            esac ;;
         esac
         run "$s" 300 $PY benchmarks/bench_decode.py $args --contexts 128k --configs a,b,c --pools 2 \
-          --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 260 --timed-rounds 6 \
+          --page-size $ps --prefill none --probe-steps 0 --no-plot --budget 260 --timed-rounds 6 \
           --pairs ${PAIRS:-8} --out "$OUT" ;;
     topo) run topo 60 bash -c "nvidia-smi topo -m && { lscpu | grep -i -E 'numa|socket|model name' || true; } && \
         $PY -c 'import sys; sys.path.insert(0, \"benchmarks\"); import _numa, json; print(json.dumps(_numa.gpu_numa()))'" ;;

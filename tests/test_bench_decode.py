@@ -26,6 +26,24 @@ def test_command_line_quick(tmp_path):
     assert [r["config"] for c in res["cases"] for r in c["results"]] == ["b"]
 
 
+def test_two_stage_selector(tmp_path):
+    """--selector quest_rescore8 (the library's default selector): the sparse configurations
+    run it, and the memory plan counts its int8 key copy beside Quest's bounds."""
+    st = decode_lib.Settings(selector="quest_rescore8", configs=("b",), probe_steps=0)
+    res = decode_lib.run(str(tmp_path), quick=True, batches=[1], settings=st, prefill=(),
+                         plot=False, overlap_target=0.7)
+    case = res["cases"][0]
+    assert case["selector"] == "quest_rescore8" and case["results"][0]["tokens_per_s"] > 0
+    cfg = decode_lib.model_config("8b")
+    st = decode_lib.Settings()
+    plans = {s: decode_lib.feasibility(cfg, 1, 131072, decode_lib.dataclasses.replace(
+        st, selector=s), float("inf"), float("inf"), 0) for s in ("quest", "quest_rescore8")}
+    Np = -(-(131072 + st.room) // st.page_size)
+    copy = cfg.num_layers * cfg.num_kv_heads * Np * st.page_size * (cfg.head_dim + 4)
+    assert (plans["quest_rescore8"]["summaries_bytes"]
+            == plans["quest"]["summaries_bytes"] + copy)
+
+
 def test_failed_configuration_keeps_the_finished_ones(tmp_path, monkeypatch):
     real = decode_lib.run_decode
     calls = []
