@@ -7,19 +7,23 @@ a prompt of ``context - new_tokens`` tokens of real text (Paul Graham's essays f
 context runs ``jaxkv.generate`` (greedy, no stop tokens) in three configurations:
 
   dense     selector "dense", resident KV cache (the exact model)
-  resident  selector "quest", resident KV cache
-  host      selector "quest", host tier (pinned host KV, device pool of the default size)
+  resident  the sparse selector (``--selector``, default the library's: quest_rescore8),
+            resident KV cache
+  host      the same selector, host tier (pinned host KV, device pool of the default size)
 
 Each configuration runs ``--repeats`` times on the same prompt and the last run is reported
 (the first compiles). Reported per configuration: decode tokens/s, prefill seconds, hit rate,
 host->device bytes per decode step, fetched pages per step, device / host KV bytes; per
 context: whether the host tier's tokens equal the resident cache's (they must: same
-selector, same math) and how many leading tokens quest shares with dense decoding.
+selector, same math) and how many leading tokens the sparse selector shares with dense
+decoding.
 
 GPU (the lead's H200 run), Qwen2.5-Coder-0.5B at 8k/16k/32k:
 
     python benchmarks/bench_real_model.py --gguf /path/Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf \
         --contexts 8k,16k,32k --out results/real_model
+
+The figures of 44bf059 in BENCHMARKS.md are Quest's: ``--selector quest --selected-tokens 2048``.
 
 CPU smoke test: ``--quick`` (256/512-token contexts, 8 new tokens, 512 selected tokens).
 Writes ``<out>/bench_real_model[_<tag>].json`` after every configuration.
@@ -42,9 +46,12 @@ from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jaxkv import selectors  # noqa: E402
+from jaxkv.config import CacheConfig  # noqa: E402
 from jaxkv.runtime import json_safe  # noqa: E402
 
 CONFIGS = ("dense", "resident", "host")
+DEFAULT = CacheConfig()   # the selector and budget generate() uses unless told otherwise
 
 
 def _tokens(text: str) -> int:
@@ -97,7 +104,7 @@ def run_config(cfg, params, ids, name: str, args) -> dict:
         cache = jaxkv.CacheConfig(mode="resident", selector="dense", page_size=ps)
     else:
         cache = jaxkv.CacheConfig(mode="resident" if name == "resident" else "host",
-                                  selector="quest", page_size=ps, selected_pages=k,
+                                  selector=args.selector, page_size=ps, selected_pages=k,
                                   pool_pages=args.pool_pages if name == "host" else None)
     res = None
     for _ in range(args.repeats):
@@ -152,8 +159,12 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default=None,
                     help="prompt + new tokens, e.g. 8k,16k,32k (the default; --quick: 256,512)")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--selected-tokens", type=int, default=2048,
-                    help="quest: tokens selected per step, layer and KV head")
+    ap.add_argument("--selector", default=DEFAULT.selector,
+                    choices=[n for n in selectors.names() if n not in ("dense", "oracle")],
+                    help="the sparse configurations' selector (default: CacheConfig()'s)")
+    ap.add_argument("--selected-tokens", type=int,
+                    default=DEFAULT.selected_pages * DEFAULT.page_size,
+                    help="tokens selected per step, layer and KV head (default: CacheConfig()'s)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--pool-pages", type=int, default=None, help="host tier pool (default: engine's)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="subset of " + ",".join(CONFIGS))

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxkv.config import CacheConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -192,8 +194,9 @@ no recompilation within a bucket: True
 
 
 def test_bench_real_model_quick(tmp_path):
-    """bench_real_model --quick on the tiny qwen2 checkpoint: every configuration runs, the
-    host tier's tokens equal the resident cache's."""
+    """bench_real_model --quick on the tiny qwen2 checkpoint: every configuration runs (the
+    sparse ones with the library's default selector), the host tier's tokens equal the
+    resident cache's."""
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_real_model.py"), "--quick",
                     "--model", str(ROOT / "tests" / "fixtures" / "hf_qwen2"), "--contexts", "256",
                     "--out", str(tmp_path)], check=True, cwd=ROOT,
@@ -201,6 +204,7 @@ def test_bench_real_model_quick(tmp_path):
     doc = json.loads((tmp_path / "bench_real_model.json").read_text(),
                      parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
     assert [r["config"] for r in doc["rows"]] == ["dense", "resident", "host"]
+    assert [r["selector"] for r in doc["rows"]] == ["dense"] + [CacheConfig().selector] * 2
     assert doc["rows"][0]["hit_rate"] is None  # dense: no lookups
     assert [c["host_equals_resident"] for c in doc["checks"]] == [True]
     host = doc["rows"][2]
