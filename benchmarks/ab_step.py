@@ -40,7 +40,7 @@ variant is a plan of its own, so nothing is read at trace time.
   8x the budget, the int8 key copy re-ranks them); ``lagged_rescore8``: with
   ``selection_lag=1``. ``rescore8_xla`` / ``rescore8_pallas``: ``quest_rescore8`` with its
   second stage in XLA / as the Pallas kernel (``Tuning.rescore_method``);
-  ``rescore8_topk_{chunked,cmax,radix,sort}``: the first stage's top-k method
+  ``rescore8_topk_{chunked,cmax,radix,sort,pallas}``: the first stage's top-k method
   (``Tuning.topk_method``; "auto" is the full-row kernel up to 4096 pages, XLA's sort
   above; chunked and cmax with the second stage's kernel); ``rescore_select_xla`` /
   ``rescore8_select_xla``: the final choice after the kernel in XLA (masses, top-k, sort)
@@ -150,6 +150,7 @@ VARIANTS = {
     "rescore8_topk_cmax": ({"rescore_method": "pallas", "topk_method": "pallas_cmax"}, ()),
     "rescore8_topk_radix": ({"topk_method": "radix"}, ()),
     "rescore8_topk_sort": ({"topk_method": "sort"}, ()),
+    "rescore8_topk_pallas": ({"topk_method": "pallas"}, ()),
     # ... and the final choice in XLA (the masses, top-k, sort) instead of one kernel
     # (Tuning.rescore_select_method)
     "rescore_select_xla": ({"rescore_select_method": "xla"}, ()),
@@ -186,6 +187,7 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_topk_cmax={"selector": "quest_rescore8"},
                      rescore8_topk_radix={"selector": "quest_rescore8"},
                      rescore8_topk_sort={"selector": "quest_rescore8"},
+                     rescore8_topk_pallas={"selector": "quest_rescore8"},
                      rescore_select_xla={"selector": "quest_rescore"},
                      rescore_topk_sort={"selector": "quest_rescore"},
                      rescore_sort_select_xla={"selector": "quest_rescore"},
@@ -244,7 +246,7 @@ def _setup(a):
         return "tiny", 2, 256, st, bd.configs.tiny(), Tuning(topk_cmax_min_pages=1)
     shape, ctx = a.shape, bd.parse_tokens(a.context)
     B = a.batch or (8 if shape == "qwen1.5b" else 1)
-    st = bd.Settings(page_size=64 if shape == "qwen1.5b" else 16)
+    st = bd.Settings(page_size=a.page_size or (64 if shape == "qwen1.5b" else 16))
     if a.budget_tokens:
         st = dataclasses.replace(st, selected_tokens=a.budget_tokens)
     return shape, B, ctx, st, bd.model_config(shape), Tuning()
@@ -358,6 +360,9 @@ def main():
                     help="requests (default 8 for qwen1.5b, 1 for 8b)")
     ap.add_argument("--shape", default="qwen1.5b", choices=("qwen1.5b", "8b"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="tokens per page (default: 64 for qwen1.5b, 16 for 8b; CacheConfig()'s "
+                         "is 16)")
     ap.add_argument("--context", default="128k",
                     help="tokens per request, e.g. 128k or 1M")
     ap.add_argument("--budget-tokens", type=int, default=None,
