@@ -35,7 +35,8 @@ class Tuning:
         with a warning; the CPU backend accepts and ignores this one.
       topk_method: top-k of the scored selectors (Quest, indexer, the oracle, the two-stage
         selectors' first stage, where "auto" is the full-row Pallas top-k for rows of up to
-        4096 pages with the Pallas implementation, else XLA's "sort"): "auto" or one of
+        4096 pages with the Pallas implementation (and see ``first_stage_kernel_min_rows``),
+        else XLA's "sort"): "auto" or one of
         ``jaxkv.kernels.dense_select.TOPK_METHODS``.
       topk_cmax_min_pages: with "auto" and the Pallas implementation, rows of at least this
         many pages take the chunk-maxima top-k ("pallas_cmax": the scores kernel writes chunk
@@ -53,6 +54,12 @@ class Tuning:
         "auto" (``CacheConfig.implementation``'s choice: the kernel on the GPU, the blocked
         formulation elsewhere) | "pallas" | "xla" (the reference; the same masses to
         rounding; ``jaxkv.kernels.candidate_mass``).
+      first_stage_kernel_min_rows: with "auto" and the Pallas implementation, the two-stage
+        selectors' first stage also takes the full-row top-k kernel for rows of 4097-16384
+        pages when a layer has at least this many rows (requests x KV heads): one program
+        per row, so fewer rows leave the GPU idle (Qwen-like B=8 at 128k in 16-token pages,
+        16 rows: the step 10% shorter; 8B-like B=1, 8 rows: a tie; docs/decisions.md).
+        None: never.
       rescore_select_method: the two-stage selectors' final choice after the Pallas second
         stage: "auto" (the kernel with the Pallas implementation for at most
         ``rescore_select_kernel_max`` candidates, else XLA) | "pallas" (one kernel from the
@@ -78,6 +85,7 @@ class Tuning:
     ensure_dense_max_elems: int | None = None
     ensure_pallas_max: int = 128
     rescore_method: str = "auto"
+    first_stage_kernel_min_rows: int | None = 16
     rescore_select_method: str = "auto"
     rescore_select_kernel_max: int = 256
     materialize_qk: bool | None = None
@@ -111,6 +119,8 @@ class Tuning:
                              f"got {self.rescore_select_method!r}")
         if self.topk_cmax_min_pages is not None:
             _as_int("topk_cmax_min_pages", self.topk_cmax_min_pages, 1, "Tuning")
+        if self.first_stage_kernel_min_rows is not None:
+            _as_int("first_stage_kernel_min_rows", self.first_stage_kernel_min_rows, 1, "Tuning")
         if self.ensure_dense_max_elems is not None:
             _as_int("ensure_dense_max_elems", self.ensure_dense_max_elems, 0, "Tuning")
         _as_int("ensure_pallas_max", self.ensure_pallas_max, 0, "Tuning")

@@ -133,6 +133,25 @@ def test_rescore_with_the_pallas_second_stage_host_equals_resident():
     assert host.tokens == res.tokens == xla.tokens
 
 
+def test_first_stage_kernel_rule():
+    """The first stage's "auto" top-k: the full-row kernel up to 4096 pages (Pallas), and up
+    to 16384 pages only with at least ``Tuning.first_stage_kernel_min_rows`` rows; XLA's sort
+    otherwise, and always off the Pallas implementation; None turns the wide rule off."""
+    from jaxkv.selectors.rescore import first_stage_takes_kernel as takes
+    t = jaxkv.Tuning()
+    assert takes(t, "pallas", 2048, 128, 2)                   # select_top_pages' own rule
+    assert takes(t, "pallas", 8212, 512, 16)                  # Qwen-like B=8, 16-token pages
+    assert takes(t, "pallas", 16384, 512, 16)                 # the same padded row
+    assert not takes(t, "pallas", 8212, 512, 8)               # 8B-like B=1: a tie, XLA's
+    assert not takes(t, "pallas", 16385, 512, 32)             # not measured past 16384
+    assert not takes(t, "xla", 8192, 512, 16)
+    assert not takes(jaxkv.Tuning(first_stage_kernel_min_rows=None), "pallas", 8192, 512, 64)
+    assert takes(jaxkv.Tuning(first_stage_kernel_min_rows=8), "pallas", 8192, 512, 8)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="first_stage_kernel_min_rows"):
+            jaxkv.Tuning(first_stage_kernel_min_rows=bad)
+
+
 def test_rescore_final_choice_method():
     """After the Pallas second stage, "auto" takes the final-choice kernel for at most
     ``Tuning.rescore_select_kernel_max`` candidates and XLA above; a named method wins."""

@@ -1089,7 +1089,7 @@ def test_gpu_quest_in_loop_traced_layer():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,H,N,k", [(8, 2, 2048, 256), (1, 8, 8192, 1024)])
+@pytest.mark.parametrize("B,H,N,k", [(8, 2, 2048, 256), (1, 8, 8192, 1024), (8, 2, 8212, 512)])
 def test_gpu_pallas_topk_large_k(B, H, N, k):
     """The full-row kernel's single stage (a two-stage selector's first stage) on the GPU:
     == the rule, ties included, NaN past the sequence."""
@@ -1222,8 +1222,9 @@ def test_rescore_first_stage_kernel_lowers_for_gpu(no_interpret, B, Np, H, k):
 
 def test_rescore_first_stage_method():
     """The two-stage selector's first stage: the full-row kernel with the Pallas
-    implementation for rows of up to 4096 entries (pages, or blocks of pages), XLA's top-k
-    otherwise; a tuning's method wins."""
+    implementation for rows of up to 4096 entries (pages, or blocks of pages), and of 8192
+    with 16 rows or more (requests x KV heads), XLA's top-k otherwise; a tuning's method
+    wins."""
     from jaxkv import CacheConfig, Tuning, engine
     from jaxkv.models import configs
     cfg = configs.tiny()
@@ -1238,6 +1239,12 @@ def test_rescore_first_stage_method():
         plan = engine.Plan(model=cfg, cache=cache, batch=1, prompt_len=200, max_context=ctx,
                            num_stop=1)
         assert plan.selector._first_stage_kw(plan)["topk_method"] == want, (impl, tuning, ctx)
+    cache = CacheConfig(mode="resident", selector="quest_rescore8", page_size=4,
+                        selected_pages=3, implementation="pallas", max_context=4 * 8192)
+    for batch, want in ((16 // cfg.num_kv_heads, "pallas"), (8 // cfg.num_kv_heads, "sort")):
+        plan = engine.Plan(model=cfg, cache=cache, batch=batch, prompt_len=200,
+                           max_context=4 * 8192, num_stop=1)
+        assert plan.selector._first_stage_kw(plan)["topk_method"] == want, batch
 
 
 def test_wide_first_stage_falls_back_from_the_topk_kernel():

@@ -35,6 +35,7 @@ from jaxkv.kernels import candidate_mass as mass_kernels
 from jaxkv.kernels import candidate_select as select_kernels
 from jaxkv.kernels import dense_select
 from jaxkv.kernels import quest as quest_kernels
+from jaxkv.kernels import topk as topk_kernels
 from jaxkv.kernels.candidate_select import top_candidates
 from jaxkv.selectors.base import register
 from jaxkv.selectors.quest import Quest, _select_kw
@@ -50,6 +51,29 @@ def quantize(k, bits: int):
     scale = jnp.max(jnp.abs(kf), axis=-1) / 127.0
     q = jnp.round(kf / jnp.where(scale > 0, scale, 1.0)[..., None])
     return jnp.clip(q, -127, 127).astype(jnp.int8), scale
+
+
+# The widest rows the first stage's full-row kernel was measured on past
+# ``dense_select.PALLAS_TOPK_MAX_COLUMNS`` (``Tuning.first_stage_kernel_min_rows``): the
+# kernel pads a row to a power of two, and 128k tokens in 16-token pages plus the decode
+# room (8212 pages) pad to this.
+FIRST_STAGE_KERNEL_MAX_PAGES = 16384
+
+
+def first_stage_takes_kernel(tuning, implementation, pages: int, picks: int, rows: int) -> bool:
+    """Whether the first stage's "auto" top-k runs the full-row Pallas kernel for ``rows``
+    rows (requests x KV heads) of ``pages`` pages and ``picks`` candidates: where
+    ``select_top_pages``' "auto" takes it (up to 4096 pages), and past that, up to
+    ``FIRST_STAGE_KERNEL_MAX_PAGES``, for at least ``Tuning.first_stage_kernel_min_rows``
+    rows, which fill the GPU's programs (one per row): Qwen-like B=8, 16 rows of 8212 pages,
+    512 picks, the step 1.643x Quest's against 1.825x with XLA's sort; on 8 rows (8B-like
+    B=1) the two tie (docs/decisions.md)."""
+    if dense_select.takes_topk_kernel(pages, picks, implementation):
+        return True
+    least = tuning.first_stage_kernel_min_rows
+    return (least is not None and rows >= least and pages <= FIRST_STAGE_KERNEL_MAX_PAGES
+            and _common.implementation_name(implementation) == "pallas"
+            and topk_kernels.fits_full_row(pages, picks))
 
 
 def final_choice_method(tuning, implementation, candidates: int):
@@ -133,17 +157,18 @@ class Rescore(Quest):
 
     def _first_stage_kw(self, plan) -> dict:
         """Quest's selection of the candidates, unordered (the second stage re-ranks them).
-        "auto": the full-row Pallas top-k where ``select_top_pages``' "auto" takes it (the
-        Pallas implementation, rows of at most 4096 pages; for these k a single stage of
-        2-bit radix passes: the step 7.7% faster than with XLA's top-k at Qwen-like B=8,
-        2048 pages; at 8192 pages XLA's is as fast; docs/decisions.md), else XLA's top-k
-        ("sort", no ascending sort). The chunk-maxima kernel is built for budgets and slows
+        "auto": the full-row Pallas top-k where :func:`first_stage_takes_kernel` says so
+        (the Pallas implementation, rows of at most 4096 pages, or of 16384 when there are
+        enough rows; for these k a single stage of 2-bit radix passes: the step 7.7% faster
+        than with XLA's top-k at Qwen-like B=8, 2048 pages; docs/decisions.md), else XLA's
+        top-k ("sort", no ascending sort). The chunk-maxima kernel is built for budgets and slows
         down at 4-8x the budget."""
         t = plan.cache.tuning.topk_method
         blocks, block_tokens = self.bound_blocks(plan)
         C, sink = self.first_stage_blocks(plan, plan.cache.candidate_block)
         if t == "auto":
-            kernel = dense_select.takes_topk_kernel(blocks, C, plan.cache.implementation)
+            kernel = first_stage_takes_kernel(plan.cache.tuning, plan.cache.implementation,
+                                              blocks, C, plan.batch * plan.model.num_kv_heads)
             t = "pallas" if kernel else "sort"
         return dict(_select_kw(plan), k=C, page_size=block_tokens, topk_method=t,
                     num_sink_pages=sink, ordered=False)
