@@ -1089,7 +1089,8 @@ def test_gpu_quest_in_loop_traced_layer():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,H,N,k", [(8, 2, 2048, 256), (1, 8, 8192, 1024), (8, 2, 8212, 512)])
+@pytest.mark.parametrize("B,H,N,k", [(8, 2, 2048, 256), (1, 8, 8192, 1024),
+                                     (8, 2, 8212, 512)])
 def test_gpu_pallas_topk_large_k(B, H, N, k):
     """The full-row kernel's single stage (a two-stage selector's first stage) on the GPU:
     == the rule, ties included, NaN past the sequence."""
