@@ -41,8 +41,9 @@ variant is a plan of its own, so nothing is read at trace time.
   ``selection_lag=1``. ``rescore8_xla`` / ``rescore8_pallas``: ``quest_rescore8`` with its
   second stage in XLA / as the Pallas kernel (``Tuning.rescore_method``);
   ``rescore8_topk_{chunked,cmax,radix,sort,pallas}``: the first stage's top-k method
-  (``Tuning.topk_method``; "auto" is the full-row kernel up to 4096 pages, XLA's sort
-  above; chunked and cmax with the second stage's kernel); ``rescore_select_xla`` /
+  (``Tuning.topk_method``; "auto" is the full-row kernel up to 4096 pages, and up to 16384
+  with ``Tuning.first_stage_kernel_min_rows`` rows, XLA's sort otherwise; chunked and cmax
+  with the second stage's kernel); ``rescore_select_xla`` /
   ``rescore8_select_xla``: the final choice after the kernel in XLA (masses, top-k, sort)
   instead of the ``candidate_select`` kernel (``Tuning.rescore_select_method``);
   ``rescore_topk_sort``: the first stage by XLA's top-k instead of the full-row kernel;
