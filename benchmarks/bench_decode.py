@@ -133,12 +133,15 @@ def main(argv=None):
         ap.error(f"--pairs must be >= 0 (0: no pairs), got {a.pairs}")
     numa = _numa.bind_to_gpu() if a.bind_numa else _numa.gpu_numa()
     if a.measure_overlap:
-        r = lib.measure_overlap(page_size=a.page_size, selected_tokens=a.selected_tokens)
+        r = lib.measure_overlap(page_size=a.page_size, selected_tokens=a.selected_tokens,
+                                selector=a.selector)
         r.update(device=lib._device_str(),
                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                  commit=lib._commit(), jax_version=jax.__version__)
         os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, lib.OVERLAP_FILE), "w") as f:
+        # each selector's overlap in its own file (Quest's: OVERLAP_FILE), the calibration
+        # target of that selector's runs
+        with open(os.path.join(a.out, lib.overlap_file(a.selector)), "w") as f:
             json.dump(r, f, indent=1)
         print(f"real-text overlap {r['mean']:.3f} (union over heads {r['union_mean']:.3f}, "
               f"excluding forced pages {r['excl_forced_mean']:.3f}, chance {r['chance_overlap']:.3f}); "

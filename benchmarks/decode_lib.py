@@ -279,11 +279,13 @@ def haystack_tokens(tokenizer, n: int) -> list[int]:
 
 def measure_overlap(cfg=None, params=None, tokens=None, *, context: int = 8192, steps: int = 64,
                     page_size: int = 16, selected_tokens: int = 2048, sink_pages: int = 1,
-                    prefill_chunk: int = 1024, implementation: str | None = None) -> dict:
-    """Step-to-step overlap of Quest selections on real text.
+                    prefill_chunk: int = 1024, implementation: str | None = None,
+                    selector: str = "quest") -> dict:
+    """Step-to-step overlap of ``selector``'s selections on real text (Quest's is the
+    synthetic contexts' calibration target).
 
     Default: SmolLM2-135M (jaxkv.models.gguf_loader, float32) on the first ``context`` tokens of the
-    haystack essays: prefill of ``context - steps`` tokens (resident, quest, ``page_size``,
+    haystack essays: prefill of ``context - steps`` tokens (resident, ``selector``, ``page_size``,
     ``selected_tokens // page_size`` pages per KV head), then ``steps`` teacher-forced decode
     steps (the next real tokens), recording every layer's selection
     (``synthetic.trace_selections``). ``cfg, params, tokens`` (a 1-D list of >= ``context``
@@ -306,7 +308,7 @@ def measure_overlap(cfg=None, params=None, tokens=None, *, context: int = 8192, 
     prompt_len = min(_pow2_floor(2 * n_prompt - 1), context)
     prompt_len = -(-prompt_len // page_size) * page_size
     k = max(sink_pages + 1, selected_tokens // page_size)
-    cache = CacheConfig(mode="resident", selector="quest", page_size=page_size, selected_pages=k,
+    cache = CacheConfig(mode="resident", selector=selector, page_size=page_size, selected_pages=k,
                         sink_pages=sink_pages, prefill_chunk=min(prefill_chunk, prompt_len),
                         implementation=implementation)
     plan = engine.Plan(model=cfg, cache=cache, batch=1, prompt_len=prompt_len,
@@ -331,7 +333,7 @@ def measure_overlap(cfg=None, params=None, tokens=None, *, context: int = 8192, 
     stats.update(
         source=source, model=cfg.name, context=context, prompt_tokens=n_prompt, steps=steps,
         page_size=page_size, selected_pages=k, selected_tokens=k * page_size,
-        sink_pages=sink_pages, selector="quest",
+        sink_pages=sink_pages, selector=selector,
         chance_overlap=float(np.mean(np.minimum(k, n_valid) / n_valid)),
         next_token_accuracy=float(np.mean(greedy[0, :-1] == tokens[n_prompt + 1:context])),
         seconds=time.perf_counter() - t0,
@@ -339,6 +341,12 @@ def measure_overlap(cfg=None, params=None, tokens=None, *, context: int = 8192, 
                    "|S_t & S_(t-1)| / |S_t| (S = selected pages); union_mean: the same for the "
                    "union over the heads of a layer (what the LRU sees)")
     return stats
+
+
+def overlap_file(selector: str = "quest") -> str:
+    """The file of ``selector``'s real-text overlap (``bench_decode.py --measure-overlap``):
+    Quest's is ``OVERLAP_FILE``, another selector's carries its name."""
+    return OVERLAP_FILE if selector == "quest" else OVERLAP_FILE.replace(".json", f"_{selector}.json")
 
 
 def load_overlap(path: Path) -> dict | None:
@@ -630,9 +638,9 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
 
     # --- calibrate the synthetic keys to the target overlap --------------------------------
     t0 = time.perf_counter()
-    # the two-stage selectors' synthetic keys are calibrated as Quest's (their first stage)
-    sim_kw = dict(model=cfg, page_size=ps, num_pages=ctx // ps, k=k,
-                  selector="indexer" if st.selector == "indexer" else "quest",
+    # each selector's own simulation: a two-stage selector's exact second stage persists
+    # less than Quest's bound at the same salience (synthetic.simulate_overlap)
+    sim_kw = dict(model=cfg, page_size=ps, num_pages=ctx // ps, k=k, selector=st.selector,
                   sink_pages=base.sink_pages, steps=16, seed=st.seed,
                   implementation=st.implementation)
     sal, sim = synthetic.calibrate_salience(target, **sim_kw)
@@ -985,13 +993,19 @@ def run(out_dir, *, quick=False, shapes=("8b", "qwen1.5b"), contexts=None, batch
         target, src = float(overlap_target), "command line"
         real = None
     else:
-        real = load_overlap(Path(out_dir) / OVERLAP_FILE) or load_overlap(RESULTS / OVERLAP_FILE)
-        if real is not None:
-            target, src = float(real["mean"]), f"{OVERLAP_FILE} ({real.get('source', '?')})"
+        # the selector's own real-text overlap where measured, else Quest's
+        name = next((f for f in dict.fromkeys((overlap_file(st.selector), OVERLAP_FILE))
+                     if load_overlap(Path(out_dir) / f) or load_overlap(RESULTS / f)), None)
+        real = name and (load_overlap(Path(out_dir) / name) or load_overlap(RESULTS / name))
+        if real:
+            target, src = float(real["mean"]), f"{name} ({real.get('source', '?')})"
         else:
             target, src = DEFAULT_OVERLAP, "default (no real-text measurement found)"
     print(f"target selection overlap {target:.3f} from {src}", flush=True)
     notes = []
+    if real and name != overlap_file(st.selector) and not quick:
+        notes.append(f"no real-text overlap of {st.selector} ({overlap_file(st.selector)}): "
+                     f"its synthetic keys are calibrated to Quest's")
     if real is not None and (real.get("page_size"), real.get("selected_tokens")) != \
             (st.page_size, st.k * st.page_size) and not quick:
         notes.append(f"real-text overlap measured at page size {real.get('page_size')}, "

@@ -39,7 +39,9 @@ from jaxkv.selectors import rescore
 from jaxkv.spec import INVALID
 from jaxkv.models import llama
 from jaxkv.kernels import kv_quant, page_write, quest
+from jaxkv.kernels import candidate_mass as mass_kernels
 from jaxkv.kernels import indexer as indexer_ops
+from jaxkv.kernels.candidate_select import top_candidates
 from jaxkv.kernels.sparse_attention import sparse_paged_attention
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # K/V bytes generated and written per fill call
@@ -561,10 +563,13 @@ def selection_overlap(pages, *, num_sink_pages: int = 0) -> dict:
 @functools.partial(jax.jit, static_argnames=("selector", "heads", "group", "head_dim", "page_size",
                                              "num_pages", "k", "sink_pages", "dtype",
                                              "index_heads", "index_dim", "steps",
-                                             "center_scale", "implementation"))
+                                             "center_scale", "implementation", "candidates"))
 def _simulate(salience, key, *, selector, heads, group, head_dim, page_size, num_pages, k,
-              sink_pages, dtype, index_heads, index_dim, steps, center_scale, implementation):
-    """Selections [steps, 1, 1, H, k] for iid N(0, 1) queries over one layer's synthetic pages."""
+              sink_pages, dtype, index_heads, index_dim, steps, center_scale, implementation,
+              candidates=0):
+    """Selections [steps, 1, 1, H, k] for iid N(0, 1) queries over one layer's synthetic pages.
+    ``selector``: "quest", "indexer", or "two_stage" (Quest's ``candidates`` pages re-ranked
+    by their attention mass from the int8 key copy, as ``quest_rescore*`` does)."""
     H, D, ps = heads, head_dim, page_size
     dt = jnp.dtype(dtype)
     chunk = min(num_pages, 2048)
@@ -574,9 +579,12 @@ def _simulate(salience, key, *, selector, heads, group, head_dim, page_size, num
     def summarize(c):
         def one(p):
             pk = _page_key(key, 0, 0, p)
-            if selector == "quest":
-                return _quest_summary(_page_keys(pk, salience, H=H, D=D, ps=ps,
-                                                 center_scale=center_scale), valid, dt)
+            if selector in ("quest", "two_stage"):
+                keys = _page_keys(pk, salience, H=H, D=D, ps=ps, center_scale=center_scale)
+                summ = _quest_summary(keys, valid, dt)
+                if selector == "two_stage":  # + the key copy's page rows [H, ps, D]
+                    summ += rescore.quantize(keys.astype(dt), 8)
+                return summ
             return (_index_summary(_page_index_keys(pk, salience, dI=index_dim, ps=ps), valid, dt),)
         return jax.vmap(one)(c * chunk + jnp.arange(chunk, dtype=jnp.int32))
 
@@ -585,12 +593,25 @@ def _simulate(salience, key, *, selector, heads, group, head_dim, page_size, num
     seq = jnp.full((1,), num_pages * ps, jnp.int32)
     qkey = _combine(_U32(0x51ED270B), key)
 
+    if selector == "two_stage":  # the key copy as the selector holds it: [L, B, H, Np, ps, D]
+        keys, scales = (jnp.moveaxis(a, 3, 2) for a in summ[2:])
+        summ = summ[:2]
+
     def select(t):
         kq = _combine(qkey, t)
         if selector == "quest":
             q = _normal(kq, 7, (1, H * group, D)).astype(dt)
             return quest.quest_select(q, summ[0], summ[1], 0, seq, k=k, page_size=ps,
                                       num_sink_pages=sink_pages, implementation=implementation)
+        if selector == "two_stage":
+            q = _normal(kq, 7, (1, H * group, D)).astype(dt)
+            cand = quest.quest_select(q, summ[0], summ[1], 0, seq, k=candidates, page_size=ps,
+                                      num_sink_pages=sink_pages, implementation=implementation,
+                                      ordered=False)
+            mass = mass_kernels.candidate_mass(q, keys, scales, 0, cand, seq - 1,
+                                               implementation=implementation)
+            return top_candidates(mass, cand, seq, k=k, page_size=ps, num_pages=num_pages,
+                                  num_sink_pages=sink_pages)
         qi = _normal(kq, 8, (1, index_heads, index_dim)).astype(dt)
         w = _normal(kq, 9, (1, index_heads)) * index_heads ** -0.5
         pages = indexer_ops.indexer_select(qi, w, summ[0], 0, seq, k=k, page_size=ps,
@@ -609,18 +630,36 @@ def simulate_overlap(salience: float, *, model, page_size: int, num_pages: int, 
     One layer and request of ``num_pages`` full pages drawn like :func:`build_state` does
     (``model``: a ModelConfig, for heads, group size, head dim and indexer shape), and
     ``steps`` independent ``N(0, 1)`` queries (indexer weights ``N(0, 1/H_I)``), selected with
-    the real selector (``k`` pages). Returns the mean of :func:`selection_overlap`.
+    the real selector (``k`` pages): Quest, the indexer, or a two-stage selector's ops (Quest's
+    first stage, the second stage's masses from the int8 key copy, the final choice). Exact
+    masses persist less than Quest's bound under independent queries, so a two-stage
+    selector needs a larger salience for the same overlap. Returns the mean of
+    :func:`selection_overlap`.
     """
-    if selector not in ("quest", "indexer"):
-        raise ValueError(f"simulate_overlap: selector must be 'quest' or 'indexer', got {selector!r}")
-    pages = _simulate(jnp.float32(salience), np.uint32(seed % 2**32), selector=selector,
+    kind = _simulated_kind(selector)
+    cands = 0
+    if kind == "two_stage":  # the selector's first-stage count (its 4x / 8x of k, at most Np)
+        cands = min(selectors.get(selector).candidates * int(k), int(num_pages))
+    pages = _simulate(jnp.float32(salience), np.uint32(seed % 2**32), selector=kind,
                       heads=model.num_kv_heads, group=model.group_size, head_dim=model.head_dim,
                       page_size=page_size, num_pages=int(num_pages), k=int(min(k, num_pages)),
                       sink_pages=sink_pages, dtype=dtype or model.dtype,
                       index_heads=model.indexer_heads, index_dim=model.indexer_dim,
                       steps=int(steps), center_scale=float(center_scale),
-                      implementation=implementation)
+                      implementation=implementation, candidates=cands)
     return selection_overlap(np.asarray(pages))["mean"]
+
+
+def _simulated_kind(selector: str) -> str:
+    """What :func:`simulate_overlap` runs for a selector name: "quest", "indexer" or
+    "two_stage" (``quest_rescore`` / ``quest_rescore8``)."""
+    if selector in ("quest", "indexer"):
+        return selector
+    if selector in selectors.names() and getattr(selectors.get(selector), "two_stage", False):
+        return "two_stage"
+    raise ValueError(f"simulate_overlap: selector must be 'quest', 'indexer' or a two-stage "
+                     f"selector ({[n for n in selectors.names() if selectors.get(n).two_stage]}), "
+                     f"got {selector!r}")
 
 
 def calibrate_salience(target: float, *, lo: float = 1e-4, hi: float = 10.0, iters: int = 14,

@@ -284,6 +284,24 @@ def test_salience_sets_the_overlap_and_calibrates():
     assert abs(synthetic.simulate_overlap(sal, **kw) - got) < 1e-9     # deterministic
 
 
+def test_two_stage_simulation_needs_more_salience():
+    """A two-stage selector's simulated overlap (Quest's candidates re-ranked by their
+    attention mass from the int8 key copy) grows with the salience too, but more slowly than
+    Quest's: independent queries move exact masses more than Quest's bound. At the salience
+    that gives Quest a high overlap it is lower; the calibration reaches a target with a
+    larger salience. An unknown selector is refused by name."""
+    kw = dict(model=CFG, page_size=PS, num_pages=64, k=8, steps=12, seed=0)  # fixed: a statistical calibration
+    two = dict(kw, selector="quest_rescore")                                # 4 x 8 of 64 pages
+    lo, hi = (synthetic.simulate_overlap(s, **two) for s in (1e-4, 5.0))
+    assert 0 <= lo < 0.5 < 0.9 < hi <= 1
+    sal_q, _ = synthetic.calibrate_salience(0.8, **kw)
+    assert synthetic.simulate_overlap(sal_q, **two) < synthetic.simulate_overlap(sal_q, **kw)
+    sal_r, got = synthetic.calibrate_salience(0.8, **two)
+    assert abs(got - 0.8) < 0.08 and sal_r > sal_q
+    with pytest.raises(ValueError, match="two-stage selector"):
+        synthetic.simulate_overlap(1.0, **dict(kw, selector="oracle"))
+
+
 def test_measure_overlap_on_tiny_model():
     toks = np.random.default_rng(SEED).integers(3, CFG.vocab_size, 64)
     r = decode_lib.measure_overlap(CFG, PARAMS, toks, context=64, steps=6, page_size=PS,
@@ -292,6 +310,10 @@ def test_measure_overlap_on_tiny_model():
     assert r["excl_forced_mean"] == 1.0 and r["mean"] > 0.95
     assert r["prompt_tokens"] == 58 and len(r["per_layer"]) == CFG.num_layers
     assert r["chance_overlap"] == 1.0 and 0 <= r["next_token_accuracy"] <= 1
+    two = decode_lib.measure_overlap(CFG, PARAMS, toks, context=64, steps=6, page_size=PS,
+                                     selected_tokens=16, selector="quest_rescore8")
+    assert two["selector"] == "quest_rescore8" and 0 < two["mean"] <= 1
+    assert decode_lib.overlap_file("quest_rescore8") == "selection_overlap_quest_rescore8.json"
 
 
 def test_bench_decode_quick_smoke(tmp_path):
