@@ -397,6 +397,9 @@ def main():
     shape, B, ctx, st, cfg, base_tuning = _setup(a)
     ps, k = st.page_size, st.k
     params = bd.llama.init_params(cfg, st.seed) if a.quick else bd.get_params(shape, st.seed)
+    # one fill for every variant, calibrated to Quest's real-text overlap: with --config c2
+    # a two-stage variant's pool hits are lower than on real text (bench_decode.py calibrates
+    # each selector to its own; BENCHMARKS.md)
     real = bd.load_overlap(bd.RESULTS / bd.OVERLAP_FILE)
     target = float(real["mean"]) if real else bd.DEFAULT_OVERLAP
     sal, sim = synthetic.calibrate_salience(target, model=cfg, page_size=ps, num_pages=ctx // ps,
