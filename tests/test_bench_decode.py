@@ -1,6 +1,7 @@
 """The decode benchmark off the GPU (benchmarks/decode_lib.py and its command line
 bench_decode.py): the quick run, and what its JSON keeps when a configuration fails part-way
 through a point (the figures already measured stay)."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -36,8 +37,9 @@ def test_two_stage_selector(tmp_path):
     assert case["selector"] == "quest_rescore8" and case["results"][0]["tokens_per_s"] > 0
     cfg = decode_lib.model_config("8b")
     st = decode_lib.Settings()
-    plans = {s: decode_lib.feasibility(cfg, 1, 131072, decode_lib.dataclasses.replace(
-        st, selector=s), float("inf"), float("inf"), 0) for s in ("quest", "quest_rescore8")}
+    plans = {s: decode_lib.feasibility(cfg, 1, 131072, dataclasses.replace(st, selector=s),
+                                       float("inf"), float("inf"), 0)
+             for s in ("quest", "quest_rescore8")}
     Np = -(-(131072 + st.room) // st.page_size)
     copy = cfg.num_layers * cfg.num_kv_heads * Np * st.page_size * (cfg.head_dim + 4)
     assert (plans["quest_rescore8"]["summaries_bytes"]
