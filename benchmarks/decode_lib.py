@@ -80,10 +80,10 @@ GRID = [("8b", 1, 131072), ("qwen1.5b", 1, 1048576), ("8b", 8, 32768), ("qwen1.5
         ("8b", 8, 131072), ("qwen1.5b", 1, 32768), ("qwen1.5b", 8, 32768)]
 QUICK_GRID = [("tiny", 1, 96), ("tiny", 2, 48)]
 CONFIG_ORDER = ("b", "a", "c2", "c1", "c4", "d")
-# the sparse configurations' selectors (``--selector``): Quest, the trained-indexer form, and
-# the two-stage selectors (Quest's first stage and a key copy: the library's default is
-# quest_rescore8)
-SELECTORS = ("quest", "indexer", "quest_rescore", "quest_rescore8")
+# the sparse configurations' selectors (``--selector``): every registered one the synthetic
+# contexts fill (Quest, the indexer, the two-stage selectors; the library's default is
+# quest_rescore8), not "dense" (config a) or "oracle" (resident-only measurement)
+SELECTORS = tuple(n for n in selectors.names() if n not in ("dense", "oracle"))
 
 
 def model_config(shape: str):
@@ -994,9 +994,11 @@ def run(out_dir, *, quick=False, shapes=("8b", "qwen1.5b"), contexts=None, batch
         real = None
     else:
         # the selector's own real-text overlap where measured, else Quest's
-        name = next((f for f in dict.fromkeys((overlap_file(st.selector), OVERLAP_FILE))
-                     if load_overlap(Path(out_dir) / f) or load_overlap(RESULTS / f)), None)
-        real = name and (load_overlap(Path(out_dir) / name) or load_overlap(RESULTS / name))
+        real = name = None
+        for name in dict.fromkeys((overlap_file(st.selector), OVERLAP_FILE)):
+            real = load_overlap(Path(out_dir) / name) or load_overlap(RESULTS / name)
+            if real:
+                break
         if real:
             target, src = float(real["mean"]), f"{name} ({real.get('source', '?')})"
         else:

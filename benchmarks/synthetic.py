@@ -563,13 +563,15 @@ def selection_overlap(pages, *, num_sink_pages: int = 0) -> dict:
 @functools.partial(jax.jit, static_argnames=("selector", "heads", "group", "head_dim", "page_size",
                                              "num_pages", "k", "sink_pages", "dtype",
                                              "index_heads", "index_dim", "steps",
-                                             "center_scale", "implementation", "candidates"))
+                                             "center_scale", "implementation", "candidates",
+                                             "key_bits"))
 def _simulate(salience, key, *, selector, heads, group, head_dim, page_size, num_pages, k,
               sink_pages, dtype, index_heads, index_dim, steps, center_scale, implementation,
-              candidates=0):
+              candidates=0, key_bits=8):
     """Selections [steps, 1, 1, H, k] for iid N(0, 1) queries over one layer's synthetic pages.
     ``selector``: "quest", "indexer", or "two_stage" (Quest's ``candidates`` pages re-ranked
-    by their attention mass from the int8 key copy, as ``quest_rescore*`` does)."""
+    by their attention mass from the key copy, int8 for ``key_bits`` 8, as ``quest_rescore*``
+    does)."""
     H, D, ps = heads, head_dim, page_size
     dt = jnp.dtype(dtype)
     chunk = min(num_pages, 2048)
@@ -583,7 +585,7 @@ def _simulate(salience, key, *, selector, heads, group, head_dim, page_size, num
                 keys = _page_keys(pk, salience, H=H, D=D, ps=ps, center_scale=center_scale)
                 summ = _quest_summary(keys, valid, dt)
                 if selector == "two_stage":  # + the key copy's page rows [H, ps, D]
-                    summ += rescore.quantize(keys.astype(dt), 8)
+                    summ += rescore.quantize(keys.astype(dt), key_bits)
                 return summ
             return (_index_summary(_page_index_keys(pk, salience, dI=index_dim, ps=ps), valid, dt),)
         return jax.vmap(one)(c * chunk + jnp.arange(chunk, dtype=jnp.int32))
@@ -631,22 +633,23 @@ def simulate_overlap(salience: float, *, model, page_size: int, num_pages: int, 
     (``model``: a ModelConfig, for heads, group size, head dim and indexer shape), and
     ``steps`` independent ``N(0, 1)`` queries (indexer weights ``N(0, 1/H_I)``), selected with
     the real selector (``k`` pages): Quest, the indexer, or a two-stage selector's ops (Quest's
-    first stage, the second stage's masses from the int8 key copy, the final choice). Exact
+    first stage, the second stage's masses from its key copy, the final choice). Exact
     masses persist less than Quest's bound under independent queries, so a two-stage
     selector needs a larger salience for the same overlap. Returns the mean of
     :func:`selection_overlap`.
     """
     kind = _simulated_kind(selector)
-    cands = 0
+    cands, bits = 0, 8
     if kind == "two_stage":  # the selector's first-stage count (its 4x / 8x of k, at most Np)
-        cands = min(selectors.get(selector).candidates * int(k), int(num_pages))
+        two = selectors.get(selector)
+        cands, bits = min(two.candidates * int(k), int(num_pages)), two.key_bits
     pages = _simulate(jnp.float32(salience), np.uint32(seed % 2**32), selector=kind,
                       heads=model.num_kv_heads, group=model.group_size, head_dim=model.head_dim,
                       page_size=page_size, num_pages=int(num_pages), k=int(min(k, num_pages)),
                       sink_pages=sink_pages, dtype=dtype or model.dtype,
                       index_heads=model.indexer_heads, index_dim=model.indexer_dim,
                       steps=int(steps), center_scale=float(center_scale),
-                      implementation=implementation, candidates=cands)
+                      implementation=implementation, candidates=cands, key_bits=bits)
     return selection_overlap(np.asarray(pages))["mean"]
 
 
