@@ -833,6 +833,11 @@ def markdown(out: dict) -> str:
              "`-lag`: pages chosen with the previous token's queries (`selection_lag=1`); "
              "`-resident`: every page on device.", "",
              ]
+    specs = out.get("specs") or {}
+    if specs:  # a named run's settings override the header's (its page size too)
+        lines[-1:-1] = ["Named runs: " + "; ".join(
+            f"`{n}` = " + ", ".join(f"{k}={v}" for k, v in sorted(kv.items()))
+            for n, kv in sorted(specs.items())) + "."]
     for title, cell in (("RULER score (100 x mean per-case string_match_all)", score),
                         ("Share of dense retrievals kept (cases dense gets fully right that the "
                          "run also gets fully right)", kept)):

@@ -333,6 +333,10 @@ def test_markdown_and_summarize(tmp_path):
     assert "| vt | 2048 | - | 50% (1/2) |" in md
     assert "| 2048 | quest256 | 3 | 66.7 | 50% (1/2) | - | - | 10 | 0.40 | 0.500 | 1 | 0 | 1.0 |" in md
     assert "| 2048 | quest256 | 50.0% (1/2) | 1 | 1 | +0 | 1 |" in md   # paired with dense
+    assert "Named runs" not in md
+    # a named run's settings are listed: its page size can differ from the header's
+    named = bench_quality.markdown(dict(a, specs={"p64": dict(page_size=64, selected_pages=16)}))
+    assert "Named runs: `p64` = page_size=64, selected_pages=16." in named
     (tmp_path / "a.json").write_text(json.dumps(a))
     b = dict(base, commit="c2", runs=[run("dense", "resident", [1.0], length=4096),
                                       run("quest256", "host", [0.0], 256, length=4096)])
