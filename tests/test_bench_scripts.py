@@ -312,6 +312,11 @@ def test_first_stage_recall_probe_small(tmp_path):
             mean = rows[2]["mean"]
             assert 0 < mean[f"kept_r{r}{lag}"] <= 1 + 1e-6 and mean[f"hit_r{r}{lag}"] <= 1
         assert 0 < rows[4]["mean"][f"kept_r{r}_lagall"] <= 1 + 1e-6
+    # the shares of all the attention: the oracle's at most 1, a covering first stage's equal
+    for cand in (4, 2):
+        mean = rows[cand]["mean"]
+        assert 0 < mean["share_r1"] <= mean["oracle_share"] + 1e-6 <= 1 + 2e-6
+    assert abs(rows[4]["mean"]["share_r1"] - rows[4]["mean"]["oracle_share"]) < 1e-6
 
 
 def _docs_text(history=True):

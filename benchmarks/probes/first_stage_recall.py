@@ -14,7 +14,9 @@ query group):
   block's keys (up to the query), and the second stage the ``budget / page_size`` candidate
   pages of most mass (an exact second stage: the selector's int8 key copy is close to it);
 - ``kept``: the two-stage selection's mass over the oracle's (1 = the oracle's pages' mass);
-  ``hit``: the share of the oracle's pages among the candidates;
+  ``hit``: the share of the oracle's pages among the candidates; ``share`` / ``oracle_share``:
+  the two-stage selection's / the oracle's mass over all of the attention (comparable across
+  page sizes, where ``kept`` is not);
 - ``--groups max``: the first stage scores a block by the largest bound of the KV head's
   query heads instead of their sum (keys ``kept_r{r}_gmax``...), ``union``: half the
   candidates by the sum, half by the max among the rest; ``--recent N``: the blocks of
@@ -62,7 +64,8 @@ def _quest_scores(q, k, pos, bs, group="sum"):
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8, 9))
 def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0, lag="none"):
-    """q [Q + 1, Hq, D] at positions t0 - 1.., k [T, H, D] -> (kept [Q, H], hit [Q, H]) for
+    """q [Q + 1, Hq, D] at positions t0 - 1.., k [T, H, D] -> (kept, hit, share, oracle_share),
+    each [Q, H], for
     the queries at t0.. with blocks of ``r`` pages, ``n_cand`` candidate pages and ``n_pages``
     selected; the blocks of the last ``recent`` pages before the query's own forced into the
     candidates. ``lag``: "first": the first stage runs a step early (the previous query, the
@@ -111,9 +114,12 @@ def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0, lag="
             m2 = jnp.where(cand, m, -jnp.inf)
         top2 = jax.lax.top_k(m2, n_pages)[1]
         sel = jnp.zeros((H, Np), bool).at[jnp.arange(H)[:, None], top2].set(True) & cand
+        total = jnp.sum(jnp.where(valid, mass, 0.0), -1)
         kept = jnp.sum(jnp.where(sel, mass, 0.0), -1) / jnp.sum(jnp.where(best, mass, 0.0), -1)
         hit = jnp.sum(best & cand, -1) / jnp.sum(best, -1)
-        return kept, hit
+        share = jnp.sum(jnp.where(sel, mass, 0.0), -1) / total       # of all the attention
+        oracle_share = jnp.sum(jnp.where(best, mass, 0.0), -1) / total
+        return kept, hit, share, oracle_share
 
     return jax.lax.map(one, (q, qp, qpos))
 
@@ -146,12 +152,15 @@ def main():
         t0 = T - a.queries
         row = dict(layer=i)
         for g, r, w, lag in itertools.product(a.groups, a.blocks, a.recent, a.lag):
-            kept, hit = recall(q[t0 - 1:], k, t0, a.page_size, n_pages, n_cand, r, g, w, lag)
+            kept, hit, share, oracle_share = recall(q[t0 - 1:], k, t0, a.page_size, n_pages,
+                                                    n_cand, r, g, w, lag)
             tag = (f"r{r}" + ("" if g == "sum" else f"_g{g}") + (f"_w{w}" if w else "")
                    + ("" if lag == "none" else f"_lag{lag}"))
             row[f"kept_{tag}"] = float(jnp.mean(kept))
             row[f"kept_min_{tag}"] = float(jnp.min(kept))
             row[f"hit_{tag}"] = float(jnp.mean(hit))
+            row[f"share_{tag}"] = float(jnp.mean(share))
+            row["oracle_share"] = float(jnp.mean(oracle_share))
         rows.append(row)
         print_row(row)
     report(rows, a.out, model=path, tokens=T, queries=a.queries, page_size=a.page_size,
