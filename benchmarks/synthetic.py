@@ -658,7 +658,7 @@ def _simulated_kind(selector: str) -> str:
     "two_stage" (``quest_rescore`` / ``quest_rescore8``)."""
     if selector in ("quest", "indexer"):
         return selector
-    if selector in selectors.names() and getattr(selectors.get(selector), "two_stage", False):
+    if selector in selectors.names() and selectors.get(selector).two_stage:
         return "two_stage"
     raise ValueError(f"simulate_overlap: selector must be 'quest', 'indexer' or a two-stage "
                      f"selector ({[n for n in selectors.names() if selectors.get(n).two_stage]}), "
