@@ -58,8 +58,6 @@ variant is a plan of its own, so nothing is read at trace time.
   ``optimization_barrier`` (``Tuning.materialize_qk=True``); ``rescore8_no_mqk`` /
   ``rescore8_block4_no_mqk``: the two-stage selector per page / in blocks of four without it
   (the default, ``None``, sets it for the two-stage selectors).
-* ``rope_swap`` / ``rescore8_rope_swap``: Quest / ``quest_rescore8`` with the decode step's
-  RoPE as one elementwise expression (``Tuning(rope_form="swap")``).
 * ``dense4``: Quest with layers 3, 5 and the last two dense
   (``CacheConfig(dense_layers=(3, 5, -2, -1))``).
 
@@ -173,9 +171,6 @@ VARIANTS = {
     "materialize_qk": ({"materialize_qk": True}, ()),
     "rescore8_no_mqk": ({"materialize_qk": False}, ()),
     "rescore8_block4_no_mqk": ({"materialize_qk": False}, ()),
-    # RoPE as one elementwise expression instead of a concatenate (Tuning.rope_form)
-    "rope_swap": ({"rope_form": "swap"}, ()),
-    "rescore8_rope_swap": ({"rope_form": "swap"}, ()),
     # four layers dense (CacheConfig.dense_layers as a set: the layers that leave out the most
     # attention at a budget on Qwen2.5, benchmarks/probes/layer_budget.py)
     "dense4": ({}, ()),
@@ -205,7 +200,6 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_block4_sel512={"selector": "quest_rescore8", "candidate_block": 4},
                      rescore8_no_mqk={"selector": "quest_rescore8"},
                      rescore8_block4_no_mqk={"selector": "quest_rescore8", "candidate_block": 4},
-                     rescore8_rope_swap={"selector": "quest_rescore8"},
                      dense4={"dense_layers": DENSE4})
 
 

@@ -76,9 +76,6 @@ class Tuning:
         and second stage add consumers (Qwen-like B=8, 128k, blocks of four: 189 -> 139
         GEMM kernels per step, the step 5-6% shorter; Quest's step unchanged:
         docs/decisions.md).
-      rope_form: how the decode step's RoPE is written for XLA (``models.llama.ROPE_FORMS``;
-        the same products): "concat" joins the rotated halves with a concatenate, "swap"
-        writes the rotation as one elementwise expression over each head's two halves.
     """
 
     compiler_options: tuple = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)
@@ -92,7 +89,6 @@ class Tuning:
     rescore_select_method: str = "auto"
     rescore_select_kernel_max: int = 256
     materialize_qk: bool | None = None
-    rope_form: str = "concat"
 
     def __post_init__(self):
         opts = self.compiler_options
@@ -118,9 +114,6 @@ class Tuning:
         if self.rescore_method not in ("auto", "pallas", "xla"):
             raise ValueError("Tuning.rescore_method must be 'auto', 'pallas' or 'xla', "
                              f"got {self.rescore_method!r}")
-        if self.rope_form not in ("concat", "swap"):
-            raise ValueError("Tuning.rope_form must be 'concat' or 'swap', "
-                             f"got {self.rope_form!r}")
         if self.rescore_select_method not in ("auto", "pallas", "xla"):
             raise ValueError("Tuning.rescore_select_method must be 'auto', 'pallas' or 'xla', "
                              f"got {self.rescore_select_method!r}")

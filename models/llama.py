@@ -111,11 +111,8 @@ def rope_angles(positions, rot_dim: int, theta: float, scaling: RopeScaling | No
     return a * jnp.asarray(big, jnp.float32) + b * jnp.asarray(inv, jnp.float32)
 
 
-ROPE_FORMS = ("concat", "swap")
-
-
 def apply_rope(x, positions, theta: float, rot_dim: int | None = None,
-               scaling: RopeScaling | None = None, *, form: str = "concat"):
+               scaling: RopeScaling | None = None):
     """Half-split (NeoX) RoPE on the first `rot_dim` (default all) features of each head.
 
     x [B, T, N, Dx] (any float dtype), positions [B, T] int32 -> [B, T, N, Dx] float32.
@@ -123,16 +120,11 @@ def apply_rope(x, positions, theta: float, rot_dim: int | None = None,
     (frequencies scaled by `scaling`, a `RopeScaling`, when given):
     `out[j] = x[j] cos - x[j+r] sin`, `out[j+r] = x[j+r] cos + x[j] sin` (HF `rotate_half`);
     cos and sin are multiplied by `scaling.attention_factor` (yarn; 1 otherwise).
-    `form` (one of ROPE_FORMS) is how XLA is handed the same products: "concat" joins the two
-    halves with a concatenate; "swap" (whole-head rotations) views each head as [2, r] and adds
-    the halves' swap times (-sin, sin), an elementwise expression with no concatenate.
     """
     dx = x.shape[-1]
     rot = dx if rot_dim is None else int(rot_dim)
     if rot % 2 or not 0 < rot <= dx:
         raise ValueError(f"apply_rope: rot_dim must be even and in (0, {dx}], got {rot}")
-    if form not in ROPE_FORMS:
-        raise ValueError(f"apply_rope: form must be one of {ROPE_FORMS}, got {form!r}")
     half = rot // 2
     ang = rope_angles(positions, rot, theta, scaling)[:, :, None, :]  # [B, T, 1, half]
     cos, sin = jnp.cos(ang), jnp.sin(ang)
@@ -141,11 +133,6 @@ def apply_rope(x, positions, theta: float, rot_dim: int | None = None,
     if _common.backend() != "gpu":  # XLA:CPU fuses cos / sin into the rotation and
         cos, sin = jax.lax.optimization_barrier((cos, sin))  # evaluates them once per head
     xf = x.astype(jnp.float32)
-    if form == "swap" and rot == dx:
-        xh = xf.reshape(*x.shape[:-1], 2, half)
-        sign = jnp.asarray([-1.0, 1.0], jnp.float32)[:, None]
-        out = xh * cos[..., None, :] + xh[..., ::-1, :] * (sign * sin[..., None, :])
-        return out.reshape(x.shape)
     x1, x2 = xf[..., :half], xf[..., half:rot]
     out = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
     if rot < dx:
@@ -332,16 +319,14 @@ def embed(params: Params, cfg: ModelConfig, tokens) -> jax.Array:
     return jnp.take(params["embed"], tokens, axis=0, mode="clip").astype(_dtype(cfg))
 
 
-def attention_inputs(layer_params: Params, cfg: ModelConfig, x, positions, *,
-                     rope_form: str = "concat"):
+def attention_inputs(layer_params: Params, cfg: ModelConfig, x, positions):
     """Pre-attention RMSNorm, q/k/v projections and RoPE for one layer.
 
     layer_params: one layer's dict, params["layers"][i]; x [B, T, d];
     positions [B, T] int32 (may differ per request).
     Returns (h [B, T, d], q [B, T, Hq, D], k [B, T, H, D], v [B, T, H, D]), all cfg.dtype;
     h is the normed x, q and k have RoPE (scaled by cfg.rope_scaling) applied at `positions`;
-    with cfg.qkv_bias the q/k/v biases (qwen2) are added before RoPE; `rope_form`: see
-    `apply_rope`.
+    with cfg.qkv_bias the q/k/v biases (qwen2) are added before RoPE.
     """
     dt = _dtype(cfg)
     B, T, _ = x.shape
@@ -353,8 +338,8 @@ def attention_inputs(layer_params: Params, cfg: ModelConfig, x, positions, *,
     q = qkv[..., :qd].reshape(B, T, Hq, D)
     k = qkv[..., qd:qd + kvd].reshape(B, T, H, D)
     v = qkv[..., qd + kvd:].reshape(B, T, H, D)
-    q = apply_rope(q, positions, cfg.rope_theta, scaling=cfg.rope_scaling, form=rope_form)
-    k = apply_rope(k, positions, cfg.rope_theta, scaling=cfg.rope_scaling, form=rope_form)
+    q = apply_rope(q, positions, cfg.rope_theta, scaling=cfg.rope_scaling)
+    k = apply_rope(k, positions, cfg.rope_theta, scaling=cfg.rope_scaling)
     return h, q.astype(dt), k.astype(dt), v.astype(dt)
 
 
@@ -448,7 +433,7 @@ def rolled_weights(mode: str | None = None) -> str:
 
 def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn, carry, *,
                start: int = 0, stop: int | None = None, unroll: int = 1, axis_name=None,
-               weights: str | None = None, rope_form: str = "concat"):
+               weights: str | None = None):
     """Layers ``[start, stop)`` (static) of the model: x [B, T, d] -> (x, carry).
 
     ``params["layers"]`` is the per-layer tuple (then ``unroll >= stop - start`` runs a Python
@@ -457,8 +442,7 @@ def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn,
     stacks them (a copy, see ``stack_layer_tree``), "switch" passes each matrix as a
     :class:`LayerWeight` and stacks only the vectors (norm weights, biases)) or already
     stacked (a dict of [L, ...] arrays: always a `lax.scan`). `attend` gets the global layer
-    index (int32). ``axis_name``: tensor-parallel mesh axis (see :func:`layer_output`);
-    ``rope_form``: see :func:`apply_rope`.
+    index (int32). ``axis_name``: tensor-parallel mesh axis (see :func:`layer_output`).
     """
     stop = cfg.num_layers if stop is None else stop
     if stop <= start:
@@ -467,7 +451,7 @@ def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn,
     def body(c, xs):
         x, ac = c
         layer, lp = xs
-        h, q, k, v = attention_inputs(lp, cfg, x, positions, rope_form=rope_form)
+        h, q, k, v = attention_inputs(lp, cfg, x, positions)
         attn, ac = attend(layer, lp, h, q, k, v, ac)
         return (layer_output(lp, cfg, x, attn, axis_name=axis_name), ac), None
 

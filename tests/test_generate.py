@@ -239,16 +239,6 @@ def test_materialize_qk_gives_the_same_tokens():
         Tuning(materialize_qk="yes")
 
 
-def test_rope_form_gives_the_same_tokens():
-    """``Tuning.rope_form`` only changes how the decode step's RoPE is written for XLA."""
-    prompts = [list(RNG.integers(3, CFG.vocab_size, n)) for n in (90, 40)]
-    base = CacheConfig(mode="host", page_size=4, selected_pages=3, max_context=256)
-    swap = _gen(dataclasses.replace(base, tuning=Tuning(rope_form="swap")), prompts)
-    assert swap.tokens == _gen(base, prompts).tokens
-    with pytest.raises(ValueError, match="rope_form must be"):
-        Tuning(rope_form="fused")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("changes", [{}, dict(candidate_block=4),
                                      dict(tuning=jaxkv.Tuning(topk_method="radix"))],

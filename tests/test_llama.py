@@ -9,7 +9,7 @@ import pytest
 
 from jaxkv.models import configs
 from jaxkv.models import llama
-from jaxkv.models.configs import ModelConfig, RopeScaling, get_config, tiny, with_indexer
+from jaxkv.models.configs import ModelConfig, get_config, tiny, with_indexer
 
 _fwd = jax.jit(llama.forward, static_argnums=(1, 4))
 _rope = jax.jit(llama.apply_rope, static_argnums=(2, 3))
@@ -195,24 +195,6 @@ def test_rope_matches_numpy():
     part = _rope(x, pos, theta, 8)
     _within_angle_bound(part[..., :8], _np_rope(x[..., :8], pos, theta), x[..., :8])
     np.testing.assert_array_equal(part[..., 8:], x[..., 8:])
-
-
-def test_rope_forms_agree():
-    """The "swap" form (no concatenate) gives the "concat" form's values to float32 rounding,
-    also with yarn's attention factor; partial rotations take the concatenate."""
-    rng = np.random.default_rng(_seed())
-    x = rng.standard_normal((2, 3, 4, 32)).astype(np.float32)
-    pos = rng.integers(0, 300_000, (2, 3)).astype(np.int32)
-    yarn = RopeScaling(kind="yarn", factor=4.0, original_max_position=4096)
-    for scaling in (None, yarn):
-        rope = jax.jit(llama.apply_rope, static_argnames=("theta", "rot_dim", "scaling", "form"))
-        a = rope(x, pos, theta=1e6, scaling=scaling, form="concat")
-        b = rope(x, pos, theta=1e6, scaling=scaling, form="swap")
-        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
-    part = rope(x, pos, theta=1e4, rot_dim=8, form="swap")
-    np.testing.assert_array_equal(part, rope(x, pos, theta=1e4, rot_dim=8, form="concat"))
-    with pytest.raises(ValueError, match="form must be one of"):
-        llama.apply_rope(x, pos, 1e4, form="fused")
 
 
 def test_rope_relative_position():
