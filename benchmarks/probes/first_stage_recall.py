@@ -28,7 +28,7 @@ query group):
 
 The masses rank first stages and page sizes within one model; they are not a forecast of
 RULER's retrievals: RULER lost 0.8 points to 64-token pages on SmolLM2 and 6.4 on Qwen2.5,
-where ``share`` fell by about as much on both (docs/decisions.md has that and two more cases).
+where ``share`` fell by 3.5 and 2.5 points (docs/decisions.md has that and two more cases).
 
     PYTHONPATH=.:benchmarks/probes JAX_PLATFORMS=cpu python benchmarks/probes/first_stage_recall.py \\
         --gguf FILE --tokens 8192 --budget 512 --candidates 8 --blocks 1 2 4 --out OUT.json
