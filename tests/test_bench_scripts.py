@@ -319,6 +319,29 @@ def test_first_stage_recall_probe_small(tmp_path):
     assert abs(rows[4]["mean"]["share_r1"] - rows[4]["mean"]["oracle_share"]) < 1e-6
 
 
+def test_needle_recall_probe_small(tmp_path):
+    """probes/needle_recall.py on a quick RULER case: a budget that covers the prompt keeps all
+    of the needle's attention and all of the attention; a smaller one keeps at most that."""
+    out = {}
+    for budget in (512, 64):
+        path = tmp_path / f"nr{budget}.json"
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probes" / "needle_recall.py"),
+                        "--data", str(ROOT / "benchmarks" / "quality_data"), "--set", "quick",
+                        "--length", "512", "--case", "niah_single_1/0", "--page-sizes", "16", "32",
+                        "--budget", str(budget), "--out", str(path)],
+                       check=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu",
+                                                  "PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks' / 'probes'}"})
+        out[budget] = json.loads(path.read_text())
+    row = out[512]["layers"][0]
+    assert row["layer"] == "niah_single_1/0" and row["needle_tokens"] > 0
+    assert row["needle_attention"] > 0
+    for ps in (16, 32):
+        assert abs(row[f"needle_kept_p{ps}"] - 1) < 1e-5 and abs(row[f"share_p{ps}"] - 1) < 1e-5
+        small = out[64]["layers"][0]
+        assert 0 < small[f"share_p{ps}"] < 1
+        assert 0 <= small[f"needle_kept_p{ps}"] <= 1 + 1e-6
+
+
 def _docs_text(history=True):
     """The docs' text; ``history=False`` leaves out docs/benchmark-log.md, whose old entries
     name files deleted since."""

@@ -24,12 +24,19 @@ def layer_qkv(path, tokens: int, layers: int | None = None):
     ``layers`` layers; default all)."""
     cfg, params = gguf_loader.load_gguf(path, dtype="float32")
     ids = decode_lib.haystack_tokens(load_tokenizer(path), tokens)
+    yield from model_qkv(cfg, params, ids, layers)
+
+
+def model_qkv(cfg, params, ids, layers: int | None = None, dense_max: int = 8192):
+    """Yields (layer, q [T, Hq, D], k [T, H, D], v [T, H, D]) of a prefill of the token ids
+    ``ids`` through a loaded model (its first ``layers`` layers; default all); the attention
+    from [T, T] scores up to ``dense_max`` tokens, from key blocks above."""
     x = llama.embed(params, cfg, jnp.asarray([ids], jnp.int32))
     pos = jnp.arange(len(ids), dtype=jnp.int32)[None]
     valid = jnp.ones(pos.shape, bool)
     for i, lp in enumerate(params["layers"][:layers]):
         _, q, k, v = llama.attention_inputs(lp, cfg, x, pos)
-        if len(ids) <= 8192:
+        if len(ids) <= dense_max:
             attn, _ = llama.dense_attend(i, lp, None, q, k, v, None)
         else:  # no [T, T] scores: key blocks with an online softmax
             attn = extend_attention(q, k, v, pos, valid).astype(q.dtype)
