@@ -32,6 +32,7 @@ import numpy as np
 
 from _probe import model_qkv, print_row, report
 from jaxkv.models import gguf_loader
+from jaxkv.selectors.oracle import attention_mass
 from jaxkv.models.tokenizer import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,13 +41,10 @@ from bench_quality import load_cases  # noqa: E402  (benchmarks/)
 
 def token_mass(q, k, qpos):
     """Attention of the queries at ``qpos`` [Q] on every key: q [T, Hq, D], k [T, H, D] ->
-    [Q, H, T] float32, summed over each KV head's query group (causal)."""
-    T, H, D = k.shape
-    G = q.shape[1] // H
-    qg = q[qpos].reshape(len(qpos), H, G, D)
-    s = jnp.einsum("qhgd,thd->qhgt", qg, k) * D ** -0.5
-    s = jnp.where(jnp.arange(T)[None, None, None] <= qpos[:, None, None, None], s, -jnp.inf)
-    return jnp.sum(jax.nn.softmax(s, axis=-1), axis=2)
+    [Q, H, T] float32, summed over each KV head's query group (causal): the oracle
+    selector's page mass with one-token pages."""
+    keys = k[None, :, None]                                               # [1, T, 1, H, D]
+    return jax.vmap(lambda qi, p: attention_mass(qi[None], keys, p[None], 1)[0])(q[qpos], qpos)
 
 
 def kept_by_pages(mass, needle, qpos, page_size: int, n_pages: int):
