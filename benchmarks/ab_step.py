@@ -166,6 +166,11 @@ VARIANTS = {
     # ... blocks of four with the final choice's kernel up to 512 candidates (8B-like B=1 at
     # 1024 tokens has 512; Tuning.rescore_select_kernel_max's 256 hands those to XLA)
     "rescore8_block4_sel512": ({"rescore_select_kernel_max": 512}, ()),
+    # the final choice's kernel for 512 candidates per page (CacheConfig()'s 16-token pages)
+    "rescore8_sel512": ({"rescore_select_kernel_max": 512}, ()),
+    # RoPE's cos / sin once per step for every layer (Tuning.rope_once)
+    "rope_once": ({"rope_once": True}, ()),
+    "rescore8_rope_once": ({"rope_once": True}, ()),
     # the query and the new K/V row behind a barrier per layer (Tuning.materialize_qk; None,
     # the default, sets it for the two-stage selectors): Quest with it, the two-stage without
     "materialize_qk": ({"materialize_qk": True}, ()),
@@ -198,6 +203,8 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_block4={"selector": "quest_rescore8", "candidate_block": 4},
                      rescore8_block8={"selector": "quest_rescore8", "candidate_block": 8},
                      rescore8_block4_sel512={"selector": "quest_rescore8", "candidate_block": 4},
+                     rescore8_sel512={"selector": "quest_rescore8"},
+                     rescore8_rope_once={"selector": "quest_rescore8"},
                      rescore8_no_mqk={"selector": "quest_rescore8"},
                      rescore8_block4_no_mqk={"selector": "quest_rescore8", "candidate_block": 4},
                      dense4={"dense_layers": DENSE4})

@@ -76,6 +76,8 @@ class Tuning:
         and second stage add consumers (Qwen-like B=8, 128k, blocks of four: 189 -> 139
         GEMM kernels per step, the step 5-6% shorter; Quest's step unchanged:
         docs/decisions.md).
+      rope_once: the decode step computes RoPE's cos / sin once (behind a barrier) and every
+        layer reads them, instead of each layer computing its own (the same values).
     """
 
     compiler_options: tuple = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)
@@ -89,6 +91,7 @@ class Tuning:
     rescore_select_method: str = "auto"
     rescore_select_kernel_max: int = 256
     materialize_qk: bool | None = None
+    rope_once: bool = False
 
     def __post_init__(self):
         opts = self.compiler_options
@@ -130,6 +133,9 @@ class Tuning:
                 raise ValueError("Tuning.materialize_qk must be None (the selector's choice) or "
                                  f"a bool, got {self.materialize_qk!r}")
             object.__setattr__(self, "materialize_qk", bool(self.materialize_qk))
+        if not isinstance(self.rope_once, (bool, np.bool_)):
+            raise ValueError(f"Tuning.rope_once must be a bool, got {self.rope_once!r}")
+        object.__setattr__(self, "rope_once", bool(self.rope_once))
 
 
 def _as_int(name: str, v, minimum: int, owner: str = "CacheConfig"):

@@ -111,8 +111,24 @@ def rope_angles(positions, rot_dim: int, theta: float, scaling: RopeScaling | No
     return a * jnp.asarray(big, jnp.float32) + b * jnp.asarray(inv, jnp.float32)
 
 
+def rope_tables(positions, rot_dim: int, theta: float, scaling: RopeScaling | None = None):
+    """cos and sin of the rotation angles (:func:`rope_angles`) at positions [B, T]:
+    ([B, T, 1, rot_dim // 2] float32) * 2, multiplied by ``scaling.attention_factor`` (yarn)."""
+    ang = rope_angles(positions, rot_dim, theta, scaling)[:, :, None, :]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    if scaling is not None and scaling.attention_factor != 1.0:
+        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+    return cos, sin
+
+
+def model_rope_tables(cfg: ModelConfig, positions):
+    """The RoPE tables of the model's attention heads at positions [B, T] (one pair for every
+    layer: :func:`attention_inputs` takes them as ``rope``)."""
+    return rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
 def apply_rope(x, positions, theta: float, rot_dim: int | None = None,
-               scaling: RopeScaling | None = None):
+               scaling: RopeScaling | None = None, *, tables=None):
     """Half-split (NeoX) RoPE on the first `rot_dim` (default all) features of each head.
 
     x [B, T, N, Dx] (any float dtype), positions [B, T] int32 -> [B, T, N, Dx] float32.
@@ -120,18 +136,20 @@ def apply_rope(x, positions, theta: float, rot_dim: int | None = None,
     (frequencies scaled by `scaling`, a `RopeScaling`, when given):
     `out[j] = x[j] cos - x[j+r] sin`, `out[j+r] = x[j+r] cos + x[j] sin` (HF `rotate_half`);
     cos and sin are multiplied by `scaling.attention_factor` (yarn; 1 otherwise).
+    ``tables``: (cos, sin) from :func:`rope_tables` at these positions, computed once for
+    several calls (then ``theta`` and ``scaling`` are unused).
     """
     dx = x.shape[-1]
     rot = dx if rot_dim is None else int(rot_dim)
     if rot % 2 or not 0 < rot <= dx:
         raise ValueError(f"apply_rope: rot_dim must be even and in (0, {dx}], got {rot}")
     half = rot // 2
-    ang = rope_angles(positions, rot, theta, scaling)[:, :, None, :]  # [B, T, 1, half]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
-    if scaling is not None and scaling.attention_factor != 1.0:
-        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
-    if _common.backend() != "gpu":  # XLA:CPU fuses cos / sin into the rotation and
-        cos, sin = jax.lax.optimization_barrier((cos, sin))  # evaluates them once per head
+    if tables is None:
+        cos, sin = rope_tables(positions, rot, theta, scaling)             # [B, T, 1, half]
+        if _common.backend() != "gpu":  # XLA:CPU fuses cos / sin into the rotation and
+            cos, sin = jax.lax.optimization_barrier((cos, sin))  # evaluates them once per head
+    else:
+        cos, sin = tables
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., :half], xf[..., half:rot]
     out = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
@@ -319,11 +337,12 @@ def embed(params: Params, cfg: ModelConfig, tokens) -> jax.Array:
     return jnp.take(params["embed"], tokens, axis=0, mode="clip").astype(_dtype(cfg))
 
 
-def attention_inputs(layer_params: Params, cfg: ModelConfig, x, positions):
+def attention_inputs(layer_params: Params, cfg: ModelConfig, x, positions, *, rope=None):
     """Pre-attention RMSNorm, q/k/v projections and RoPE for one layer.
 
     layer_params: one layer's dict, params["layers"][i]; x [B, T, d];
-    positions [B, T] int32 (may differ per request).
+    positions [B, T] int32 (may differ per request); ``rope``: the tables
+    :func:`model_rope_tables` gives at ``positions`` (None: computed here).
     Returns (h [B, T, d], q [B, T, Hq, D], k [B, T, H, D], v [B, T, H, D]), all cfg.dtype;
     h is the normed x, q and k have RoPE (scaled by cfg.rope_scaling) applied at `positions`;
     with cfg.qkv_bias the q/k/v biases (qwen2) are added before RoPE.
@@ -338,8 +357,8 @@ def attention_inputs(layer_params: Params, cfg: ModelConfig, x, positions):
     q = qkv[..., :qd].reshape(B, T, Hq, D)
     k = qkv[..., qd:qd + kvd].reshape(B, T, H, D)
     v = qkv[..., qd + kvd:].reshape(B, T, H, D)
-    q = apply_rope(q, positions, cfg.rope_theta, scaling=cfg.rope_scaling)
-    k = apply_rope(k, positions, cfg.rope_theta, scaling=cfg.rope_scaling)
+    q = apply_rope(q, positions, cfg.rope_theta, scaling=cfg.rope_scaling, tables=rope)
+    k = apply_rope(k, positions, cfg.rope_theta, scaling=cfg.rope_scaling, tables=rope)
     return h, q.astype(dt), k.astype(dt), v.astype(dt)
 
 
@@ -433,7 +452,7 @@ def rolled_weights(mode: str | None = None) -> str:
 
 def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn, carry, *,
                start: int = 0, stop: int | None = None, unroll: int = 1, axis_name=None,
-               weights: str | None = None):
+               weights: str | None = None, rope=None):
     """Layers ``[start, stop)`` (static) of the model: x [B, T, d] -> (x, carry).
 
     ``params["layers"]`` is the per-layer tuple (then ``unroll >= stop - start`` runs a Python
@@ -443,6 +462,8 @@ def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn,
     :class:`LayerWeight` and stacks only the vectors (norm weights, biases)) or already
     stacked (a dict of [L, ...] arrays: always a `lax.scan`). `attend` gets the global layer
     index (int32). ``axis_name``: tensor-parallel mesh axis (see :func:`layer_output`).
+    ``rope``: the RoPE tables at ``positions`` (:func:`model_rope_tables`) for every layer;
+    None: each layer computes its own.
     """
     stop = cfg.num_layers if stop is None else stop
     if stop <= start:
@@ -451,7 +472,7 @@ def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn,
     def body(c, xs):
         x, ac = c
         layer, lp = xs
-        h, q, k, v = attention_inputs(lp, cfg, x, positions)
+        h, q, k, v = attention_inputs(lp, cfg, x, positions, rope=rope)
         attn, ac = attend(layer, lp, h, q, k, v, ac)
         return (layer_output(lp, cfg, x, attn, axis_name=axis_name), ac), None
 

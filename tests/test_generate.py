@@ -239,6 +239,19 @@ def test_materialize_qk_gives_the_same_tokens():
         Tuning(materialize_qk="yes")
 
 
+def test_rope_once_gives_the_same_tokens():
+    """``Tuning.rope_once`` computes the same cos / sin once per step instead of per layer:
+    the same tokens, resident and host tier."""
+    prompts = [list(RNG.integers(3, CFG.vocab_size, n)) for n in (120, 70)]
+    base = CacheConfig(mode="host", page_size=4, selected_pages=3, max_context=256)
+    once = dataclasses.replace(base, tuning=Tuning(rope_once=True))
+    ref = _gen(base, prompts).tokens
+    assert _gen(once, prompts).tokens == ref
+    assert _gen(dataclasses.replace(once, mode="resident"), prompts).tokens == ref
+    with pytest.raises(ValueError, match="rope_once must be a bool"):
+        Tuning(rope_once=1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("changes", [{}, dict(candidate_block=4),
                                      dict(tuning=jaxkv.Tuning(topk_method="radix"))],

@@ -197,6 +197,24 @@ def test_rope_matches_numpy():
     np.testing.assert_array_equal(part[..., 8:], x[..., 8:])
 
 
+def test_attention_inputs_with_shared_rope_tables():
+    """The tables computed once (``model_rope_tables``) give each layer the same q and k as
+    computing them per call, yarn's attention factor included."""
+    scaled = dataclasses.replace(configs.tiny(), rope_scaling=configs.RopeScaling(
+        "yarn", factor=4.0, original_max_position=64))
+    for cfg in (configs.tiny(), scaled):
+        params = llama.init_params(cfg, seed=_seed() % 1000)
+        rng = np.random.default_rng(_seed())
+        x = jnp.asarray(rng.standard_normal((2, 3, cfg.d_model)), cfg.dtype)
+        pos = jnp.asarray(rng.integers(0, 5000, (2, 3)), jnp.int32)
+        tables = llama.model_rope_tables(cfg, pos)
+        for lp in params["layers"][:2]:
+            want = llama.attention_inputs(lp, cfg, x, pos)
+            got = llama.attention_inputs(lp, cfg, x, pos, rope=tables)
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_rope_relative_position():
     """q(m) . k(n) depends only on m - n."""
     rng = np.random.default_rng(_seed())
