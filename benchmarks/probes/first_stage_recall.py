@@ -46,11 +46,12 @@ from jaxkv.models import gguf_loader
 from jaxkv.selectors import oracle
 
 
-def _quest_scores(q, k, pos, bs, group="sum"):
+def _quest_scores(q, k, pos, bs, group="sum", dims=0):
     """Quest's bound per block of ``bs`` tokens for one query: q [Hq, D] at position ``pos``,
     k [T, H, D] (T a multiple of bs). ``group``: the bounds of a KV head's query heads summed
-    (the selector's score) or their largest ("max"). Returns [H, T / bs], -inf on blocks past
-    ``pos``."""
+    (the selector's score) or their largest ("max"). ``dims`` > 0: the bound over the
+    ``dims`` channels of each KV head where its query group's |q| sums largest only (the
+    summaries a first stage would read). Returns [H, T / bs], -inf on blocks past ``pos``."""
     T, H, D = k.shape
     G = q.shape[0] // H
     valid = (jnp.arange(T) <= pos)[:, None, None]
@@ -61,20 +62,26 @@ def _quest_scores(q, k, pos, bs, group="sum"):
     ok = jnp.isfinite(mx[:, 0, 0])
     mx, mn = jnp.where(ok[:, None, None], mx, 0.0), jnp.where(ok[:, None, None], mn, 0.0)
     qg = q.reshape(H, G, D)
-    s = jnp.maximum(qg[None] * mx[:, :, None], qg[None] * mn[:, :, None]).sum(axis=3)
+    per = jnp.maximum(qg[None] * mx[:, :, None], qg[None] * mn[:, :, None])  # [Nb, H, G, D]
+    if dims:
+        keep = jax.lax.top_k(jnp.abs(qg).sum(axis=1), dims)[1]                # [H, dims]
+        mask = jnp.zeros((H, D), per.dtype).at[jnp.arange(H)[:, None], keep].set(1.0)
+        per = per * mask[None, :, None, :]
+    s = per.sum(axis=3)
     s = s.sum(axis=2) if group == "sum" else s.max(axis=2)             # [Nb, H]
     return jnp.where(ok[:, None], s, -jnp.inf).T                      # [H, Nb]
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8, 9))
-def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0, lag="none"):
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8, 9, 10))
+def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0, lag="none", dims=0):
     """q [Q + 1, Hq, D] at positions t0 - 1.., k [T, H, D] -> (kept, hit, share, oracle_share),
     each [Q, H], for
     the queries at t0.. with blocks of ``r`` pages, ``n_cand`` candidate pages and ``n_pages``
     selected; the blocks of the last ``recent`` pages before the query's own forced into the
     candidates. ``lag``: "first": the first stage runs a step early (the previous query, the
     keys up to it, the query's own page forced), the second stage on the query itself;
-    "all": both stages a step early (``selection_lag=1``); "none": both on the query."""
+    "all": both stages a step early (``selection_lag=1``); "none": both on the query.
+    ``dims``: the first stage's bound over that many channels (:func:`_quest_scores`)."""
     qp, q = q[:-1], q[1:]
     Q, Hq, D = q.shape
     T, H, _ = k.shape
@@ -106,10 +113,11 @@ def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0, lag="
             return jnp.zeros((H, Np // r), bool).at[jnp.arange(H)[:, None], cb].set(True)
 
         if group == "union":  # half by the summed bound, half by the largest head's
-            first = top(_quest_scores(q1, kp, pos1, bs, "sum"), n_b // 2, False)
-            cand_b = first | top(_quest_scores(q1, kp, pos1, bs, "max"), n_b - n_b // 2, first)
+            first = top(_quest_scores(q1, kp, pos1, bs, "sum", dims), n_b // 2, False)
+            cand_b = first | top(_quest_scores(q1, kp, pos1, bs, "max", dims), n_b - n_b // 2,
+                                 first)
         else:
-            cand_b = top(_quest_scores(q1, kp, pos1, bs, group), n_b, False)
+            cand_b = top(_quest_scores(q1, kp, pos1, bs, group, dims), n_b, False)
         cand = jnp.repeat(cand_b, r, axis=1) & valid
         if lag == "all":  # the second stage's masses from the previous query too
             mp = oracle.attention_mass(qprev[None], keys[None], pos1[None], page_size)[0]
@@ -142,6 +150,9 @@ def main():
     ap.add_argument("--lag", nargs="+", default=["none"], choices=("none", "first", "all"),
                     help="first: the first stage a step early (the previous query), the "
                          "second on the query; all: both a step early (keys ..._lag{first,all})")
+    ap.add_argument("--dims", type=int, nargs="+", default=[0],
+                    help="the first stage's bound over the N channels of largest |q| per KV "
+                         "head (0: all; keys ..._d{N})")
     ap.add_argument("--layers", type=int, default=None, help="the first N layers only")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -153,11 +164,11 @@ def main():
         T = k.shape[0]
         t0 = T - a.queries
         row = dict(layer=i)
-        for g, r, w, lag in itertools.product(a.groups, a.blocks, a.recent, a.lag):
+        for g, r, w, lag, nd in itertools.product(a.groups, a.blocks, a.recent, a.lag, a.dims):
             kept, hit, share, oracle_share = recall(q[t0 - 1:], k, t0, a.page_size, n_pages,
-                                                    n_cand, r, g, w, lag)
+                                                    n_cand, r, g, w, lag, nd)
             tag = (f"r{r}" + ("" if g == "sum" else f"_g{g}") + (f"_w{w}" if w else "")
-                   + ("" if lag == "none" else f"_lag{lag}"))
+                   + ("" if lag == "none" else f"_lag{lag}") + (f"_d{nd}" if nd else ""))
             row[f"kept_{tag}"] = float(jnp.mean(kept))
             row[f"kept_min_{tag}"] = float(jnp.min(kept))
             row[f"hit_{tag}"] = float(jnp.mean(hit))
@@ -167,7 +178,7 @@ def main():
         print_row(row)
     report(rows, a.out, model=path, tokens=T, queries=a.queries, page_size=a.page_size,
            budget=a.budget, candidates=n_cand, blocks=a.blocks, groups=a.groups,
-           recent=a.recent, lag=a.lag)
+           recent=a.recent, lag=a.lag, dims=a.dims)
 
 
 if __name__ == "__main__":
