@@ -78,6 +78,10 @@ class Tuning:
         docs/decisions.md).
       rope_once: the decode step computes RoPE's cos / sin once (behind a barrier) and every
         layer reads them, instead of each layer computing its own (the same values).
+      rope_joint: the decode step rotates q and k as one array (one rotation fusion per
+        layer instead of two; the same values).
+      step_counters: the resident decode step adds its tokens-written counter once per step
+        instead of once per layer (the same counts).
     """
 
     compiler_options: tuple = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)
@@ -92,6 +96,8 @@ class Tuning:
     rescore_select_kernel_max: int = 256
     materialize_qk: bool | None = None
     rope_once: bool = False
+    rope_joint: bool = False
+    step_counters: bool = False
 
     def __post_init__(self):
         opts = self.compiler_options
@@ -133,9 +139,11 @@ class Tuning:
                 raise ValueError("Tuning.materialize_qk must be None (the selector's choice) or "
                                  f"a bool, got {self.materialize_qk!r}")
             object.__setattr__(self, "materialize_qk", bool(self.materialize_qk))
-        if not isinstance(self.rope_once, (bool, np.bool_)):
-            raise ValueError(f"Tuning.rope_once must be a bool, got {self.rope_once!r}")
-        object.__setattr__(self, "rope_once", bool(self.rope_once))
+        for name in ("rope_once", "rope_joint", "step_counters"):
+            v = getattr(self, name)
+            if not isinstance(v, (bool, np.bool_)):
+                raise ValueError(f"Tuning.{name} must be a bool, got {v!r}")
+            object.__setattr__(self, name, bool(v))
 
 
 def _as_int(name: str, v, minimum: int, owner: str = "CacheConfig"):

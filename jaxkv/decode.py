@@ -145,7 +145,8 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     for start, stop, is_dense in plan.layer_runs:
         x, carry = llama.run_layers(params, cfg, x, tpos, attend_dense if is_dense else attend,
                                     carry, start=start, stop=stop, unroll=plan.layer_unroll,
-                                    axis_name=plan.axis_name, rope=rope)
+                                    axis_name=plan.axis_name, rope=rope,
+                                    rope_joint=plan.cache.tuning.rope_joint)
     kv, summ, look, dense, sel_in = carry
     if batched:
         lpos = jnp.where(jnp.asarray(plan.sparse_mask)[:, None], positions[None, :],
