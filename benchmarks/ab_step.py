@@ -168,16 +168,6 @@ VARIANTS = {
     "rescore8_block4_sel512": ({"rescore_select_kernel_max": 512}, ()),
     # the final choice's kernel for 512 candidates per page (CacheConfig()'s 16-token pages)
     "rescore8_sel512": ({"rescore_select_kernel_max": 512}, ()),
-    # RoPE's cos / sin once per step for every layer (Tuning.rope_once)
-    "rope_once": ({"rope_once": True}, ()),
-    "rescore8_rope_once": ({"rope_once": True}, ()),
-    # fewer glue kernels per layer: q and k rotated as one array (Tuning.rope_joint), the
-    # resident step's tokens-written counter once per step (Tuning.step_counters), and all
-    # three together
-    "rope_joint": ({"rope_joint": True}, ()),
-    "step_counters": ({"step_counters": True}, ()),
-    "glue3": ({"rope_once": True, "rope_joint": True, "step_counters": True}, ()),
-    "rescore8_glue3": ({"rope_once": True, "rope_joint": True, "step_counters": True}, ()),
     # the query and the new K/V row behind a barrier per layer (Tuning.materialize_qk; None,
     # the default, sets it for the two-stage selectors): Quest with it, the two-stage without
     "materialize_qk": ({"materialize_qk": True}, ()),
@@ -211,8 +201,6 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_block8={"selector": "quest_rescore8", "candidate_block": 8},
                      rescore8_block4_sel512={"selector": "quest_rescore8", "candidate_block": 4},
                      rescore8_sel512={"selector": "quest_rescore8"},
-                     rescore8_rope_once={"selector": "quest_rescore8"},
-                     rescore8_glue3={"selector": "quest_rescore8"},
                      rescore8_no_mqk={"selector": "quest_rescore8"},
                      rescore8_block4_no_mqk={"selector": "quest_rescore8", "candidate_block": 4},
                      dense4={"dense_layers": DENSE4})

@@ -256,15 +256,12 @@ def init_resident(spec: CacheSpec, *, device=None, poison: bool = False,
 
 
 def write_resident(spec: CacheSpec, cache: ResidentCache, layer, logical_pages, offsets, kv, *,
-                   implementation=None, count: bool = True) -> ResidentCache:
-    """Resident counterpart of :func:`write_through` (same arguments); ``count=False`` leaves
-    ``counters.tokens_written`` to the caller."""
+                   implementation=None) -> ResidentCache:
+    """Resident counterpart of :func:`write_through` (same arguments)."""
     layer = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), logical_pages.shape)
     rows = _global_rows(logical_pages, layer, spec.num_logical_pages)
     pool = page_write.write_tokens(cache.pool, rows, offsets, kv, page_size=spec.page_size,
                                    implementation=implementation)
-    if not count:
-        return dataclasses.replace(cache, pool=pool)
     written = jnp.sum(logical_pages >= 0).astype(jnp.int32)
     counters = dataclasses.replace(cache.counters,
                                    tokens_written=cache.counters.tokens_written + written)

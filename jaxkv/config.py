@@ -76,12 +76,6 @@ class Tuning:
         and second stage add consumers (Qwen-like B=8, 128k, blocks of four: 189 -> 139
         GEMM kernels per step, the step 5-6% shorter; Quest's step unchanged:
         docs/decisions.md).
-      rope_once: the decode step computes RoPE's cos / sin once (behind a barrier) and every
-        layer reads them, instead of each layer computing its own (the same values).
-      rope_joint: the decode step rotates q and k as one array (one rotation fusion per
-        layer instead of two; the same values).
-      step_counters: the resident decode step adds its tokens-written counter once per step
-        instead of once per layer (the same counts).
     """
 
     compiler_options: tuple = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)
@@ -95,9 +89,6 @@ class Tuning:
     rescore_select_method: str = "auto"
     rescore_select_kernel_max: int = 256
     materialize_qk: bool | None = None
-    rope_once: bool = False
-    rope_joint: bool = False
-    step_counters: bool = False
 
     def __post_init__(self):
         opts = self.compiler_options
@@ -139,11 +130,6 @@ class Tuning:
                 raise ValueError("Tuning.materialize_qk must be None (the selector's choice) or "
                                  f"a bool, got {self.materialize_qk!r}")
             object.__setattr__(self, "materialize_qk", bool(self.materialize_qk))
-        for name in ("rope_once", "rope_joint", "step_counters"):
-            v = getattr(self, name)
-            if not isinstance(v, (bool, np.bool_)):
-                raise ValueError(f"Tuning.{name} must be a bool, got {v!r}")
-            object.__setattr__(self, name, bool(v))
 
 
 def _as_int(name: str, v, minimum: int, owner: str = "CacheConfig"):

@@ -139,14 +139,13 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
     x = llama.embed(params, cfg, st.last_token[:, None])
     tpos = jnp.maximum(pos, 0)[:, None]
     carry = (kv0, st.summaries, st.lookahead, st.dense, sel_in)
-    rope = None
-    if plan.cache.tuning.rope_once:  # one cos / sin kernel per step, read by every layer
-        rope = jax.lax.optimization_barrier(llama.model_rope_tables(cfg, tpos))
+    # RoPE's cos / sin once per step for every layer: XLA would otherwise emit one cos / sin
+    # kernel per layer (Qwen-like B=8: 27 kernels, the step 1.5% longer; docs/decisions.md)
+    rope = jax.lax.optimization_barrier(llama.model_rope_tables(cfg, tpos))
     for start, stop, is_dense in plan.layer_runs:
         x, carry = llama.run_layers(params, cfg, x, tpos, attend_dense if is_dense else attend,
                                     carry, start=start, stop=stop, unroll=plan.layer_unroll,
-                                    axis_name=plan.axis_name, rope=rope,
-                                    rope_joint=plan.cache.tuning.rope_joint)
+                                    axis_name=plan.axis_name, rope=rope)
     kv, summ, look, dense, sel_in = carry
     if batched:
         lpos = jnp.where(jnp.asarray(plan.sparse_mask)[:, None], positions[None, :],

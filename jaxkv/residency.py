@@ -277,8 +277,7 @@ class Resident(Schedule):
 
     def write(self, plan, kv, layer, logical, offset, tok_kv):
         return kvcache.write_resident(plan.spec, kv, layer, logical, offset, tok_kv,
-                                      implementation=plan.cache.implementation,
-                                      count=not plan.cache.tuning.step_counters)
+                                      implementation=plan.cache.implementation)
 
     def write_dense(self, plan, kv, dense, layer, logical, offset, tok_kv):
         kv = self.write(plan, kv, layer, logical, offset, tok_kv)
@@ -288,14 +287,6 @@ class Resident(Schedule):
         sel = _logical_selection(plan, pages, b_idx)
         P = plan.spec.num_logical_pages
         return kv, jnp.where(sel >= 0, layer * P + sel, INVALID), {}, look
-
-    def end(self, plan, kv, look, active, before, pool_only):
-        if not plan.cache.tuning.step_counters:
-            return kv
-        c = kv.counters  # every layer wrote one token per active request
-        written = plan.spec.num_layers * jnp.sum(active).astype(jnp.int32)
-        return dataclasses.replace(
-            kv, counters=dataclasses.replace(c, tokens_written=c.tokens_written + written))
 
     def tick(self, kv):
         return kv

@@ -337,14 +337,12 @@ def embed(params: Params, cfg: ModelConfig, tokens) -> jax.Array:
     return jnp.take(params["embed"], tokens, axis=0, mode="clip").astype(_dtype(cfg))
 
 
-def attention_inputs(layer_params: Params, cfg: ModelConfig, x, positions, *, rope=None,
-                     rope_joint: bool = False):
+def attention_inputs(layer_params: Params, cfg: ModelConfig, x, positions, *, rope=None):
     """Pre-attention RMSNorm, q/k/v projections and RoPE for one layer.
 
     layer_params: one layer's dict, params["layers"][i]; x [B, T, d];
     positions [B, T] int32 (may differ per request); ``rope``: the tables
-    :func:`model_rope_tables` gives at ``positions`` (None: computed here); ``rope_joint``:
-    q and k rotated as one [B, T, Hq + H, D] array (the same values).
+    :func:`model_rope_tables` gives at ``positions`` (None: computed here).
     Returns (h [B, T, d], q [B, T, Hq, D], k [B, T, H, D], v [B, T, H, D]), all cfg.dtype;
     h is the normed x, q and k have RoPE (scaled by cfg.rope_scaling) applied at `positions`;
     with cfg.qkv_bias the q/k/v biases (qwen2) are added before RoPE.
@@ -356,16 +354,11 @@ def attention_inputs(layer_params: Params, cfg: ModelConfig, x, positions, *, ro
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps).astype(dt)
     qkv = _proj(h, lp["wqkv"], lp.get("bqkv"))
     qd, kvd = cfg.q_dim, cfg.kv_dim
+    q = qkv[..., :qd].reshape(B, T, Hq, D)
+    k = qkv[..., qd:qd + kvd].reshape(B, T, H, D)
     v = qkv[..., qd + kvd:].reshape(B, T, H, D)
-    if rope_joint:
-        qk = apply_rope(qkv[..., :qd + kvd].reshape(B, T, Hq + H, D), positions,
-                        cfg.rope_theta, scaling=cfg.rope_scaling, tables=rope)
-        q, k = qk[:, :, :Hq], qk[:, :, Hq:]
-    else:
-        q = qkv[..., :qd].reshape(B, T, Hq, D)
-        k = qkv[..., qd:qd + kvd].reshape(B, T, H, D)
-        q = apply_rope(q, positions, cfg.rope_theta, scaling=cfg.rope_scaling, tables=rope)
-        k = apply_rope(k, positions, cfg.rope_theta, scaling=cfg.rope_scaling, tables=rope)
+    q = apply_rope(q, positions, cfg.rope_theta, scaling=cfg.rope_scaling, tables=rope)
+    k = apply_rope(k, positions, cfg.rope_theta, scaling=cfg.rope_scaling, tables=rope)
     return h, q.astype(dt), k.astype(dt), v.astype(dt)
 
 
@@ -459,7 +452,7 @@ def rolled_weights(mode: str | None = None) -> str:
 
 def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn, carry, *,
                start: int = 0, stop: int | None = None, unroll: int = 1, axis_name=None,
-               weights: str | None = None, rope=None, rope_joint: bool = False):
+               weights: str | None = None, rope=None):
     """Layers ``[start, stop)`` (static) of the model: x [B, T, d] -> (x, carry).
 
     ``params["layers"]`` is the per-layer tuple (then ``unroll >= stop - start`` runs a Python
@@ -470,7 +463,7 @@ def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn,
     stacked (a dict of [L, ...] arrays: always a `lax.scan`). `attend` gets the global layer
     index (int32). ``axis_name``: tensor-parallel mesh axis (see :func:`layer_output`).
     ``rope``: the RoPE tables at ``positions`` (:func:`model_rope_tables`) for every layer;
-    None: each layer computes its own. ``rope_joint``: see :func:`attention_inputs`.
+    None: each layer computes its own.
     """
     stop = cfg.num_layers if stop is None else stop
     if stop <= start:
@@ -479,7 +472,7 @@ def run_layers(params: Params, cfg: ModelConfig, x, positions, attend: AttendFn,
     def body(c, xs):
         x, ac = c
         layer, lp = xs
-        h, q, k, v = attention_inputs(lp, cfg, x, positions, rope=rope, rope_joint=rope_joint)
+        h, q, k, v = attention_inputs(lp, cfg, x, positions, rope=rope)
         attn, ac = attend(layer, lp, h, q, k, v, ac)
         return (layer_output(lp, cfg, x, attn, axis_name=axis_name), ac), None
 

@@ -6,7 +6,9 @@ counted by a fused compare-and-sum instead of a scatter) and the Pallas radix-se
 with its default chunking and single-stage (``chunk=1``), at the 128k decode shapes of
 ``ab_step.py``: Qwen-like B=8 (2 KV heads, 2048 pages of 64 tokens; 8x / 16x of a 1024-token
 budget) and 8B-like B=1 (8 KV heads, 8192 pages of 16 tokens; 8x / 16x), and Qwen-like B=1
-at 1M tokens (2 KV heads, 16384 pages of 64 tokens; 8x / 16x). Also the final choice kernel
+at 1M tokens (2 KV heads, 16384 pages of 64 tokens; 8x / 16x), and `CacheConfig()`'s Qwen-like
+B=8 (8212 pages of 16 tokens, 512 candidates); the full-row kernel with 32 warps, and the
+top-k in 2 / 4 / 8 pieces per row (``_segmented``). Also the final choice kernel
 (``candidate_select``) against its XLA form.
 
 Each variant runs chained in one jitted loop (``_meta.time_chained``, 8 calls per iteration),
@@ -38,6 +40,7 @@ from jaxkv.kernels import topk  # noqa: E402
 
 # name -> (B, H, N, ps, k of the budget, candidate counts, G)
 SHAPES = {"qwen_b8": (8, 2, 2048, 64, 16, (128, 256), 6),
+          "qwen_b8_p16": (8, 2, 8212, 16, 64, (512,), 6),
           "8b_b1": (1, 8, 8192, 16, 64, (512, 1024), 4),
           "qwen_b1_1m": (1, 2, 16384, 64, 16, (128, 256), 6)}
 QUICK = {"tiny": (2, 2, 64, 16, 4, (16, 32), 3)}
@@ -54,6 +57,43 @@ def _radix_first_stage(scores, seq_lens, *, k, num_pages, page_size, num_sink_pa
     x = jnp.where(forced, jnp.inf, jnp.where(valid, scores.astype(jnp.float32), -jnp.inf))
     v, i = ds._topk_radix(x.reshape(-1, x.shape[-1]), k, **radix_kw)
     return jnp.where(v == -jnp.inf, -1, i).reshape(scores.shape[:-1] + (k,))
+
+
+def _segmented(scores, seq_lens, *, k, num_pages, page_size, num_sink_pages, segments,
+               merge="pallas"):
+    """The first stage's top-k in ``segments`` pieces per row: each piece's top k + 1 by the
+    full-row kernel (``B * H * segments`` programs instead of ``B * H``), then the top k of
+    the pieces' picks (``merge``: "pallas", the kernel again over the picks' values with a
+    forced dummy last slot; "xla": ``lax.top_k``). Every page of a row's top k is in its
+    piece's top k, so the union holds the row's top k (ties: lowest page, as the kernel)."""
+    B, H, N = scores.shape
+    S = segments
+    Ns = -(-N // S)
+    n_valid = ds.num_valid_pages(seq_lens, page_size, num_pages)[:, None, None]
+    pages = lax.broadcasted_iota(jnp.int32, (B, H, Ns * S), 2)
+    x = jnp.pad(scores.astype(jnp.float32), ((0, 0), (0, 0), (0, Ns * S - N)))
+    valid = pages < n_valid
+    forced = valid & ((pages < num_sink_pages) | (pages == n_valid - 1))
+    v = jnp.where(forced, jnp.inf, jnp.where(valid, x, -jnp.inf))
+    local = topk.select_top_pages_pallas(v.reshape(B, H * S, Ns),
+                                         jnp.full((B,), Ns * page_size, jnp.int32),
+                                         num_pages=Ns, k=k + 1, page_size=page_size,
+                                         num_sink_pages=0)                 # [B, H*S, k+1]
+    ids = (local.reshape(B, H, S, k + 1)
+           + (jnp.arange(S, dtype=jnp.int32) * Ns)[None, None, :, None]).reshape(B, H, -1)
+    vals = jnp.take_along_axis(v, jnp.maximum(ids, 0), axis=2)
+    vals = jnp.where(ids >= 0, vals, -jnp.inf)
+    if merge == "xla":
+        tv, ti = lax.top_k(vals, k)
+        out = jnp.take_along_axis(ids, ti, axis=2)
+        return jnp.where(tv == -jnp.inf, -1, out)
+    M = vals.shape[2] + 1                          # + a dummy last slot (forced by the kernel)
+    vals = jnp.concatenate([vals, jnp.full((B, H, 1), jnp.inf)], axis=2)
+    slot = topk.select_top_pages_pallas(vals, jnp.full((B,), M, jnp.int32), num_pages=M,
+                                        k=k + 1, page_size=1, num_sink_pages=0)[..., :k]
+    picked = jnp.take_along_axis(vals, jnp.maximum(slot, 0), axis=2)
+    out = jnp.take_along_axis(ids, jnp.maximum(slot, 0), axis=2)
+    return jnp.where((slot >= 0) & (picked != -jnp.inf), out, -1)
 
 
 def _measure(row: dict, result, fn, args, ref, timing: dict) -> dict:
@@ -77,11 +117,13 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     a = ap.parse_args()
     rows = []
     timing = dict(iters=2, unroll=2, reps=a.reps) if a.quick else dict(iters=16, unroll=8,
                                                                          reps=a.reps)
-    for name, (B, H, N, ps, kb, cands, G) in (QUICK if a.quick else SHAPES).items():
+    shapes = QUICK if a.quick else {n: SHAPES[n] for n in a.shapes}
+    for name, (B, H, N, ps, kb, cands, G) in shapes.items():
         rng = np.random.default_rng(0)
         scores = jnp.asarray(rng.normal(size=(B, H, N)), jnp.float32)
         lens = jnp.full((B,), N * ps - 5, jnp.int32)
@@ -103,7 +145,14 @@ def main():
                                                   radix_bits=4, **kw),
                 "pallas_c1_r2": functools.partial(topk.select_top_pages_pallas, k=C, chunk=1,
                                                   radix_bits=2, **kw),
+                "pallas_c1_r2_w32": functools.partial(topk.select_top_pages_pallas, k=C,
+                                                      chunk=1, radix_bits=2, num_warps=32,
+                                                      **kw),
             }
+            for S in (s for s in (2, 4, 8) if -(-N // s) > C):  # a piece holds k + 1
+                for merge in ("pallas", "xla"):
+                    variants[f"seg{S}_{merge}"] = functools.partial(
+                        _segmented, k=C, segments=S, merge=merge, **kw)
             ref = np.sort(np.asarray(variants["sort"](scores, lens)), axis=-1)
             for vname, fn in variants.items():
                 rows.append(_measure(
