@@ -166,7 +166,7 @@ VARIANTS = {
     # ... blocks of four with the final choice's kernel up to 512 candidates (8B-like B=1 at
     # 1024 tokens has 512; Tuning.rescore_select_kernel_max's 256 hands those to XLA)
     "rescore8_block4_sel512": ({"rescore_select_kernel_max": 512}, ()),
-    # the final choice's kernel for 512 candidates per page (CacheConfig()'s 16-token pages)
+    # ... and at 512 candidates (CacheConfig()'s 1024 tokens in 16-token pages)
     "rescore8_sel512": ({"rescore_select_kernel_max": 512}, ()),
     # the query and the new K/V row behind a barrier per layer (Tuning.materialize_qk; None,
     # the default, sets it for the two-stage selectors): Quest with it, the two-stage without

@@ -137,7 +137,7 @@ def apply_rope(x, positions, theta: float, rot_dim: int | None = None,
     `out[j] = x[j] cos - x[j+r] sin`, `out[j+r] = x[j+r] cos + x[j] sin` (HF `rotate_half`);
     cos and sin are multiplied by `scaling.attention_factor` (yarn; 1 otherwise).
     ``tables``: (cos, sin) from :func:`rope_tables` at these positions, computed once for
-    several calls (then ``theta`` and ``scaling`` are unused).
+    several calls (then ``positions``, ``theta`` and ``scaling`` are unused).
     """
     dx = x.shape[-1]
     rot = dx if rot_dim is None else int(rot_dim)
