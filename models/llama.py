@@ -150,6 +150,10 @@ def apply_rope(x, positions, theta: float, rot_dim: int | None = None,
             cos, sin = jax.lax.optimization_barrier((cos, sin))  # evaluates them once per head
     else:
         cos, sin = tables
+        if cos.shape[-1] != half or sin.shape != cos.shape:
+            raise ValueError(f"apply_rope: tables must be (cos, sin) of [..., {half}] for "
+                             f"rot_dim {rot}, got {cos.shape} and {sin.shape} "
+                             "(rope_tables(positions, rot_dim, ...))")
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., :half], xf[..., half:rot]
     out = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
@@ -357,6 +361,10 @@ def attention_inputs(layer_params: Params, cfg: ModelConfig, x, positions, *, ro
     q = qkv[..., :qd].reshape(B, T, Hq, D)
     k = qkv[..., qd:qd + kvd].reshape(B, T, H, D)
     v = qkv[..., qd + kvd:].reshape(B, T, H, D)
+    if rope is None:  # one pair of tables for q and k
+        rope = model_rope_tables(cfg, positions)
+        if _common.backend() != "gpu":  # XLA:CPU would fuse them into each rotation
+            rope = jax.lax.optimization_barrier(rope)
     q = apply_rope(q, positions, cfg.rope_theta, scaling=cfg.rope_scaling, tables=rope)
     k = apply_rope(k, positions, cfg.rope_theta, scaling=cfg.rope_scaling, tables=rope)
     return h, q.astype(dt), k.astype(dt), v.astype(dt)

@@ -213,6 +213,8 @@ def test_attention_inputs_with_shared_rope_tables():
             got = llama.attention_inputs(lp, cfg, x, pos, rope=tables)
             for a, b in zip(got, want):
                 np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(ValueError, match="tables must be"):
+        llama.apply_rope(jnp.zeros((1, 1, 2, 2 * cfg.head_dim)), pos[:1, :1], 1e4, tables=tables)
 
 
 def test_rope_relative_position():
