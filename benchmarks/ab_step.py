@@ -54,6 +54,9 @@ variant is a plan of its own, so nothing is read at trace time.
   (``CacheConfig.candidate_block``);
   ``rescore8_block4_sel512``: blocks of four with the final choice's kernel for up to 512
   candidates (``Tuning.rescore_select_kernel_max``), which 8B-like B=1 at 1024 tokens has.
+* ``rescore8_pieces4`` / ``rescore8_pieces8`` / ``rescore8_pieces16``: ``quest_rescore8``
+  with the first stage's top-k per strided piece of a row, 4 / 8 / 16 pieces
+  (``CacheConfig.candidate_pieces``).
 * ``materialize_qk``: Quest with each layer's query and new K/V row behind an
   ``optimization_barrier`` (``Tuning.materialize_qk=True``); ``rescore8_no_mqk`` /
   ``rescore8_block4_no_mqk``: the two-stage selector per page / in blocks of four without it
@@ -163,6 +166,10 @@ VARIANTS = {
     "rescore8_block2": ({}, ()),
     "rescore8_block4": ({}, ()),
     "rescore8_block8": ({}, ()),
+    # the first stage's top-k per strided piece of a row (CacheConfig.candidate_pieces)
+    "rescore8_pieces4": ({}, ()),
+    "rescore8_pieces8": ({}, ()),
+    "rescore8_pieces16": ({}, ()),
     # ... blocks of four with the final choice's kernel up to 512 candidates (8B-like B=1 at
     # 1024 tokens has 512; Tuning.rescore_select_kernel_max's 256 hands those to XLA)
     "rescore8_block4_sel512": ({"rescore_select_kernel_max": 512}, ()),
@@ -200,6 +207,8 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_block4={"selector": "quest_rescore8", "candidate_block": 4},
                      rescore8_block8={"selector": "quest_rescore8", "candidate_block": 8},
                      rescore8_block4_sel512={"selector": "quest_rescore8", "candidate_block": 4},
+                     **{f"rescore8_pieces{n}": {"selector": "quest_rescore8",
+                                                "candidate_pieces": n} for n in (4, 8, 16)},
                      rescore8_sel512={"selector": "quest_rescore8"},
                      rescore8_no_mqk={"selector": "quest_rescore8"},
                      rescore8_block4_no_mqk={"selector": "quest_rescore8", "candidate_block": 4},

@@ -219,6 +219,14 @@ class CacheConfig:
         B=1: 1.126x Quest's step against 1.409x per page) but lose retrievals where the
         first stage chooses: RULER on Qwen2.5-Coder-0.5B at 1024 tokens keeps 87% / 79% of
         dense's at 16k / 32k against 94% / 88% per page (docs/decisions.md).
+      candidate_pieces: the two-stage selectors' first stage in this many strided pieces of
+        each row (page ``p`` in piece ``p % candidate_pieces``): the top ``candidate_pages /
+        candidate_pieces`` of each piece are the candidates, instead of the row's top
+        ``candidate_pages``. The top-k then runs one program per piece instead of one per
+        row (a request's KV head), which fills the GPU on long rows; the candidates differ
+        from the row's top ones only where a piece holds more than its share of them, and the
+        second stage re-ranks them. 1 (the default): the row's top. Must divide the
+        candidates.
       pool_pages: device slots per layer in "host" mode. ``None``: enough for the
         worst-case working set of a step (no drops).
       sink_pages / recent_pages: pages pinned in the pool (never evicted); the selectors
@@ -313,6 +321,7 @@ class CacheConfig:
     selected_pages: int = 64
     candidate_pages: int | None = None
     candidate_block: int = 1
+    candidate_pieces: int = 1
     pool_pages: int | None = None
     sink_pages: int = 1
     recent_pages: int = 1
@@ -361,13 +370,13 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.candidate_pages is the first stage of a two-stage "
                                  f"selector ({two}); selector={self.selector!r} has none: leave "
                                  "candidate_pages=None")
-        object.__setattr__(self, "candidate_block",
-                           _as_int("candidate_block", self.candidate_block, 1))
-        if self.candidate_block > 1 and not selectors.get(self.selector).two_stage:
-            two = [n for n in selectors.names() if selectors.get(n).two_stage]
-            raise ValueError(f"CacheConfig.candidate_block groups the first stage of a two-stage "
-                             f"selector ({two}); selector={self.selector!r} has none: leave "
-                             "candidate_block=1")
+        for name, what in (("candidate_block", "groups"), ("candidate_pieces", "splits")):
+            object.__setattr__(self, name, _as_int(name, getattr(self, name), 1))
+            if getattr(self, name) > 1 and not selectors.get(self.selector).two_stage:
+                two = [n for n in selectors.names() if selectors.get(n).two_stage]
+                raise ValueError(f"CacheConfig.{name} {what} the first stage of a two-stage "
+                                 f"selector ({two}); selector={self.selector!r} has none: "
+                                 f"leave {name}=1")
         if self.selection_lag and not selectors.get(self.selector).scored:
             raise ValueError(f"CacheConfig.selection_lag=1 needs a scored selector (the "
                              f"{self.selector!r} selector reads every page): set selection_lag=0")

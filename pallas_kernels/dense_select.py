@@ -236,11 +236,74 @@ def _topk_indices(x: jax.Array, k: int, method: str) -> tuple[jax.Array, jax.Arr
     return jnp.concatenate(vals, axis=-1), jnp.concatenate(idxs, axis=-1)
 
 
+def strided_pieces(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, page_size: int,
+                   num_sink_pages: int, pieces: int) -> jax.Array:
+    """[B, H, N] scores masked as the selection rule masks them (forced pages ``+inf``, pages
+    past the sequence, padding and columns ``>= num_pages`` ``-inf``, NaN ``-inf``), viewed as
+    ``pieces`` strided pieces per row: f32 [B, H, pieces, ceil(N / pieces)], piece ``p``
+    holding pages ``p, p + pieces, p + 2 * pieces, ...`` (``-inf`` past the row)."""
+    B, H, n = scores.shape
+    S = pieces
+    ns = -(-n // S)
+    n_valid = num_valid_pages(seq_lens, page_size, num_pages)[:, None, None]
+    pages = lax.broadcasted_iota(jnp.int32, (B, H, ns * S), 2)
+    x = jnp.pad(scores.astype(jnp.float32), ((0, 0), (0, 0), (0, ns * S - n)),
+                constant_values=-jnp.inf)
+    valid = pages < n_valid
+    forced = valid & ((pages < num_sink_pages) | (pages == n_valid - 1))
+    x = jnp.where(forced, jnp.inf, jnp.where(valid & (x == x), x, -jnp.inf))
+    return x.reshape(B, H, ns, S).swapaxes(2, 3)
+
+
+def check_pieces(k: int, pieces: int, num_sink_pages: int) -> None:
+    """Raise unless ``k`` top pages split over ``pieces`` pieces: ``pieces`` divides ``k`` and
+    a piece's share holds its forced pages (the sinks it strides over and the current page)."""
+    if pieces < 1 or k % pieces:
+        raise ValueError(f"pieces={pieces} must divide k={k}")
+    if k // pieces < -(-num_sink_pages // pieces) + 1:
+        raise ValueError(f"k / pieces = {k // pieces} picks per piece cannot hold a piece's "
+                         f"{-(-num_sink_pages // pieces)} sink page(s) and the current page: "
+                         "use fewer pieces")
+
+
+def _select_pieces(scores, seq_lens, *, num_pages, k, page_size, num_sink_pages, pieces,
+                   method, implementation):
+    """``select_top_pages(pieces=)``: the top ``k / pieces`` of each strided piece
+    (``strided_pieces``), unordered, ``-1`` where a piece runs out of pages of the sequence.
+    "pallas" (or "auto" where the kernel takes a piece): the full-row kernel over [B, H *
+    pieces, N / pieces] rows, one program per piece; its forced last page falls one column
+    past the piece (``num_pages`` of N / pieces + 1), and the masked view forces the row's own.
+    Otherwise XLA's ``lax.top_k``."""
+    B, H, _ = scores.shape
+    S, kp = pieces, k // pieces
+    v = strided_pieces(scores, seq_lens, num_pages=num_pages, page_size=page_size,
+                       num_sink_pages=num_sink_pages, pieces=S)               # [B, H, S, ns]
+    if v.shape[-1] < kp:  # pieces shorter than their share: never-selected columns
+        v = jnp.pad(v, ((0, 0),) * 3 + ((0, kp - v.shape[-1]),), constant_values=-jnp.inf)
+    ns = v.shape[-1]
+    if method == "auto":
+        method = "pallas" if takes_topk_kernel(ns, kp, implementation) else "sort"
+    if method == "pallas":
+        local = topk.select_top_pages_pallas(
+            v.reshape(B, H * S, ns), jnp.full((B,), (ns + 1) * page_size, jnp.int32),
+            num_pages=ns + 1, k=kp, page_size=page_size, num_sink_pages=0).reshape(B, H, S, kp)
+        vals = jnp.take_along_axis(v, jnp.maximum(local, 0), axis=3)
+    elif method in ("sort", "chunked", "rounds", "radix"):
+        vals, local = _topk_indices(v.reshape(-1, ns), kp, method)
+        vals, local = vals.reshape(B, H, S, kp), local.reshape(B, H, S, kp)
+    else:
+        raise ValueError(f"top-k method {method!r} does not take pieces: use 'auto', 'pallas' "
+                         "or an XLA method")
+    ids = local.astype(jnp.int32) * S + jnp.arange(S, dtype=jnp.int32)[:, None]
+    return jnp.where((local >= 0) & (vals != -jnp.inf), ids, INVALID).reshape(B, H, k)
+
+
 @functools.partial(jax.jit, static_argnames=("num_pages", "k", "page_size", "num_sink_pages",
-                                             "method", "implementation", "ordered"))
+                                             "method", "implementation", "ordered", "pieces"))
 def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, k: int,
                      page_size: int, num_sink_pages: int, method: str = "auto",
-                     implementation: str | None = None, ordered: bool = True) -> jax.Array:
+                     implementation: str | None = None, ordered: bool = True,
+                     pieces: int = 1) -> jax.Array:
     """Top-``k`` pages per row of ``scores`` under the selector convention (module docstring).
 
     scores: [B, N] or [B, H, N] float, column ``p`` = page ``p``; columns ``>= num_pages``
@@ -253,11 +316,26 @@ def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, 
     implementation: "pallas" | "xla" | None: whether "auto" may use the kernel.
     ordered: False lets the XLA methods skip the ascending sort: the same pages, in the
     top-k's order with the ``-1`` padding last (a candidate list that is re-ranked anyway).
+    pieces: > 1 takes a candidate set instead of the row's top k: the top ``k / pieces`` of
+    each of ``pieces`` strided pieces of a row (page ``p`` in piece ``p % pieces``), one
+    kernel program per piece instead of per row; ``ordered=False`` only, ``-1`` anywhere in a
+    row; ``scores`` [B, H, N]. The forced pages stay in and a sequence of at most ``k`` pages
+    still gets all of them; otherwise it differs from the row's top k where a piece holds more
+    than its share of it (the two-stage selectors' first stage, whose second stage re-ranks:
+    ``CacheConfig.candidate_pieces``).
     """
     if k < num_sink_pages + 1:
         raise ValueError(f"k={k} must be >= num_sink_pages + 1 = {num_sink_pages + 1}")
     if method not in TOPK_METHODS:
         raise ValueError(f"unknown top-k method {method!r}; choose one of {TOPK_METHODS}")
+    if pieces != 1:
+        check_pieces(k, pieces, num_sink_pages)
+        if ordered or scores.ndim != 3:
+            raise ValueError("pieces > 1 gives an unordered candidate set of [B, H, N] scores: "
+                             "pass ordered=False and per-head scores")
+        return _select_pieces(scores, seq_lens, num_pages=num_pages, k=k, page_size=page_size,
+                              num_sink_pages=num_sink_pages, pieces=pieces, method=method,
+                              implementation=implementation)
     if method == "auto" and takes_topk_kernel(scores.shape[-1], k, implementation):
         method = "pallas"
     if method == "pallas":

@@ -325,7 +325,7 @@ def quest_update_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, k_new, posit
 
 def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, page_size,
                         num_sink_pages, implementation=None, topk_method="auto",
-                        cmax_min_pages=ds.CMAX_MIN_PAGES, ordered=True):
+                        cmax_min_pages=ds.CMAX_MIN_PAGES, ordered=True, pieces=1):
     """One decode step of Quest for one layer: :func:`quest_update` then :func:`quest_select`.
 
     q [B, Hq, D]; kmax, kmin [L, B, Np, H, D]; layer int32 scalar; seq_lens [B] int32 (tokens
@@ -335,11 +335,16 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
     scores kernel (op ``quest_update_scores_cmax``: one launch; summaries updated in place when
     they are donated or loop-carried); the XLA top-k methods take the same kernel's scores
     when the implementation is "pallas". ``topk_method`` / ``cmax_min_pages``: as in
-    :func:`quest_select`; ``ordered``: as in ``dense_select.select_top_pages``."""
+    :func:`quest_select`; ``ordered`` / ``pieces``: as in ``dense_select.select_top_pages``
+    (pieces > 1: a candidate set, the top k / pieces of each strided piece of a row)."""
     np_ = kmax.shape[2]
-    method = ds.resolve_topk_method(np_, implementation, topk_method, cmax_min_pages, k)
+    method = ds.resolve_topk_method(np_, implementation, topk_method,
+                                    cmax_min_pages if pieces == 1 else None, k)
+    if pieces != 1 and method == "pallas_cmax":
+        raise ValueError("the chunk-maxima top-k takes no pieces: use topk_method 'auto', "
+                         "'pallas' or an XLA method")
     pallas = _common.implementation_name(implementation) == "pallas"
-    if method == "auto" and ds.takes_topk_kernel(np_, k, implementation):
+    if method == "auto" and pieces == 1 and ds.takes_topk_kernel(np_, k, implementation):
         method = "pallas"
     if method == "pallas_cmax" or pallas:
         # the update and the scores in one launch; the full-row and XLA top-k leave the chunk
@@ -352,7 +357,7 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
             pages = topk.select_top_pages_pallas(scores, seq_lens, chunk=chunk, chunk_max=cmax,
                                                  num_pages=np_, k=k, page_size=page_size,
                                                  num_sink_pages=num_sink_pages)
-        elif method == "pallas":
+        elif method == "pallas" and pieces == 1:
             pages = topk.select_top_pages_pallas(scores, seq_lens, num_pages=np_, k=k,
                                                  page_size=page_size,
                                                  num_sink_pages=num_sink_pages)
@@ -360,7 +365,7 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
             pages = ds.select_top_pages(scores, seq_lens, num_pages=np_, k=k,
                                         page_size=page_size, num_sink_pages=num_sink_pages,
                                         method=method, implementation=implementation,
-                                        ordered=ordered)
+                                        ordered=ordered, pieces=pieces)
         return kmax, kmin, pages
     kmax, kmin = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size)
     if not pallas:
@@ -370,16 +375,17 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
         kmax, kmin = lax.optimization_barrier((kmax, kmin))
     pages = quest_select(q, kmax, kmin, layer, seq_lens, k=k, page_size=page_size,
                          num_sink_pages=num_sink_pages, implementation=implementation,
-                         topk_method=method, cmax_min_pages=cmax_min_pages, ordered=ordered)
+                         topk_method=method, cmax_min_pages=cmax_min_pages, ordered=ordered,
+                         pieces=pieces)
     return kmax, kmin, pages
 
 
 @functools.partial(jax.jit, static_argnames=("k", "page_size", "num_sink_pages",
                                              "implementation", "topk_method", "cmax_min_pages",
-                                             "ordered"))
+                                             "ordered", "pieces"))
 def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages,
                  implementation=None, topk_method="auto", cmax_min_pages=ds.CMAX_MIN_PAGES,
-                 ordered=True):
+                 ordered=True, pieces=1):
     """Quest top-``k`` pages per KV head.
 
     q: [B, Hq, D] (post-RoPE query); kmax, kmin: [L, B, Np, H, D] (whole, all layers);
@@ -391,11 +397,16 @@ def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages
     reference) and the Pallas top-k kernel reads only those and the chosen chunks. "auto"
     takes it for rows of ``>= cmax_min_pages`` pages when the implementation is "pallas" (None:
     never; ``dense_select.resolve_topk_method``), else ``select_top_pages``'s auto.
+    ``ordered`` / ``pieces``: as in ``dense_select.select_top_pages``.
     """
     np_ = kmax.shape[2]
     layer = jnp.asarray(layer, jnp.int32)
     sel_kw = dict(num_pages=np_, k=k, page_size=page_size, num_sink_pages=num_sink_pages)
-    topk_method = ds.resolve_topk_method(np_, implementation, topk_method, cmax_min_pages, k)
+    topk_method = ds.resolve_topk_method(np_, implementation, topk_method,
+                                         cmax_min_pages if pieces == 1 else None, k)
+    if pieces != 1 and topk_method == "pallas_cmax":
+        raise ValueError("the chunk-maxima top-k takes no pieces: use topk_method 'auto', "
+                         "'pallas' or an XLA method")
     if topk_method == "pallas_cmax":
         chunk = topk.default_cmax_chunk(np_, k)
         scores, cmax = quest_scores_with_chunk_max(q, kmax, kmin, layer, seq_lens,
@@ -406,7 +417,8 @@ def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages
     scores = _common.resolve(OP, implementation)(q, kmax, kmin, layer, seq_lens,
                                                  page_size=page_size)
     return select_top_pages(scores, seq_lens, method=topk_method,
-                            implementation=implementation, ordered=ordered, **sel_kw)
+                            implementation=implementation, ordered=ordered, pieces=pieces,
+                            **sel_kw)
 
 
 def quest_update(kmax, kmin, layer, k_new, positions, *, page_size):

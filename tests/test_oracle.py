@@ -344,19 +344,21 @@ def _np_bounds(t, n, bs):
     return (np.stack([g.max(-3) for g in segs], -3), np.stack([g.min(-3) for g in segs], -3))
 
 
-@pytest.mark.parametrize("r", [2, 4])
-def test_rescore_candidate_block_first_stage_numpy(r):
+@pytest.mark.parametrize("r,pieces", [(2, 1), (4, 1), (1, 4), (2, 2)])
+def test_rescore_candidate_block_first_stage_numpy(r, pieces):
     """``candidate_block`` r: Quest's bounds per block of r pages (the new token folded in),
     the first stage picks whole blocks by the literal Quest score (sink blocks and the
     current one forced, ties to the lower block), their pages past the sequence dropped; the
-    second stage re-ranks exactly those pages. Against numpy, NaN keys past the sequence."""
+    second stage re-ranks exactly those pages. ``candidate_pieces``: the blocks' top per
+    strided piece (block i in piece i % pieces). Against numpy, NaN keys past the sequence."""
     from jaxkv.kernels import quest as quest_kernels
     rng = _rng()
     cfg = configs.tiny()
     L, B, ps, H, D = cfg.num_layers, 3, 4, cfg.num_kv_heads, cfg.head_dim
     G = cfg.num_heads // H
     cache = CacheConfig(mode="resident", selector="quest_rescore", page_size=ps,
-                        selected_pages=3, candidate_pages=8, candidate_block=r)
+                        selected_pages=3, candidate_pages=8, candidate_block=r,
+                        candidate_pieces=pieces)
     plan = engine.Plan(model=cfg, cache=cache, batch=B, prompt_len=120, max_context=128,
                        num_stop=1)
     sel = plan.selector
@@ -394,7 +396,8 @@ def test_rescore_candidate_block_first_stage_numpy(r):
             score = np.maximum(qg[:, None] * mx[None, :, h], qg[:, None] * mn[None, :, h])
             score = score.sum(axis=(0, 2))                                # [nb]
             score[0] = score[nb - 1] = np.inf                             # sink, current
-            best = sorted(range(nb), key=lambda i: (-score[i], i))[:Cb]
+            best = [i for p in range(pieces) for i in sorted(
+                range(p, nb, pieces), key=lambda i: (-score[i], i))[:Cb // pieces]]
             pg = [i * r + j for i in best for j in range(r) if i * r + j < n_pages]
             cand[b, h, :len(pg)] = pg
     seq_lens = jnp.asarray(positions + 1)
@@ -426,6 +429,29 @@ def test_rescore_candidate_block_end_to_end():
     base = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
                           cache=CacheConfig(mode="host", **kw))
     assert base.tokens == one.tokens
+
+
+def test_rescore_candidate_pieces_end_to_end():
+    """The first stage in 2 and 3 strided pieces: host tier == resident token for token."""
+    kw = dict(selector="quest_rescore", page_size=4, selected_pages=3, candidate_pages=6)
+    for pieces in (2, 3):
+        res = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                             cache=CacheConfig(mode="resident", candidate_pieces=pieces, **kw))
+        host = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                              cache=CacheConfig(mode="host", candidate_pieces=pieces, **kw))
+        assert host.tokens == res.tokens
+
+
+def test_candidate_pieces_errors():
+    """Pieces need a two-stage selector and must split the candidates: the error names the
+    field and a count that works."""
+    with pytest.raises(ValueError, match="leave candidate_pieces=1"):
+        CacheConfig(selector="quest", candidate_pieces=2)
+    with pytest.raises(ValueError, match=r"candidate_pieces \(4\).*candidate_pieces=3 works"):
+        jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=2, stop_tokens=[],
+                       cache=CacheConfig(mode="resident", selector="quest_rescore", page_size=4,
+                                         selected_pages=3, candidate_pages=6,
+                                         candidate_pieces=4))
 
 
 def test_candidate_block_of_a_kept_context_must_match():

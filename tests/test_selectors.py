@@ -1256,3 +1256,88 @@ def test_wide_first_stage_falls_back_from_the_topk_kernel():
     assert topk.fits(8192, 128) and topk.fits(2048, 256) and not topk.fits(8192, 1024)
     assert dense_select.resolve_topk_method(8192, "pallas", "auto", 2048, k=128) == "pallas_cmax"
     assert dense_select.resolve_topk_method(8192, "pallas", "auto", 2048, k=1024) == "auto"
+
+
+def _pieces_reference(scores, seq_lens, *, num_pages, k, page_size, num_sink_pages, pieces):
+    """``select_top_pages(pieces=)`` in numpy: per row, the pages of the sequence split into
+    strided pieces (page p in piece p % pieces), each piece's forced pages (sinks, the current
+    page) first, then its others by descending score (NaN as -inf, ties to the lower page),
+    the first k / pieces of each; a page whose score is -inf (NaN) is left out, as the
+    unordered XLA top-k leaves it. Returns a list of page sets per (b, h)."""
+    B, H, _ = scores.shape
+    nv = _n_valid(seq_lens, page_size, num_pages)
+    out = {}
+    for b in range(B):
+        for h in range(H):
+            got = set()
+            for p in range(pieces):
+                pages = list(range(p, int(nv[b]), pieces))
+                forced = [i for i in pages if i < num_sink_pages or i == nv[b] - 1]
+                s = np.nan_to_num(scores[b, h].astype(np.float64), nan=-np.inf)
+                rest = sorted((i for i in pages if i not in forced), key=lambda i: (-s[i], i))
+                got |= {i for i in (forced + rest)[:k // pieces]
+                        if i in forced or s[i] != -np.inf}
+            out[b, h] = got
+    return out
+
+
+@pytest.mark.parametrize("method,impl", [("pallas", None), ("sort", None), ("auto", "pallas"),
+                                         ("auto", "xla"), ("chunked", None)])
+@pytest.mark.parametrize("B,H,Np,pad,ps,k,S,sinks", [
+    (2, 2, 64, 0, 16, 16, 4, 1),      # whole pieces
+    (3, 2, 100, 3, 8, 24, 8, 2),      # a ragged last piece, padding columns, two sinks
+    (1, 3, 37, 0, 4, 12, 4, 1),
+    (2, 1, 30, 0, 4, 24, 8, 3),       # pieces shorter than their share (30 / 8 < 3)
+])
+def test_select_top_pages_pieces_matches_numpy(method, impl, B, H, Np, pad, ps, k, S, sinks):
+    """``pieces``: the top k / pieces of each strided piece (fresh seeds, NaN garbage past each
+    sequence and one NaN inside, short and empty sequences), every method, against numpy."""
+    rng = np.random.default_rng(abs(hash((B, H, Np, S, method))) % 2**31)
+    scores = rng.normal(size=(B, H, Np + pad)).astype(np.float32)
+    seq_lens = np.array([Np * ps - 3] + [int(rng.integers(0, Np * ps)) for _ in range(B - 2)]
+                        + ([0] if B > 1 else []), np.int32)
+    nv = _n_valid(seq_lens, ps, Np)
+    scores[np.broadcast_to((np.arange(Np + pad)[None] >= nv[:, None])[:, None], scores.shape)] \
+        = np.nan
+    scores[0, 0, min(5, Np - 2)] = np.nan
+    got = np.asarray(ds.select_top_pages(jnp.asarray(scores), jnp.asarray(seq_lens),
+                                         num_pages=Np, k=k, page_size=ps, num_sink_pages=sinks,
+                                         method=method, implementation=impl, ordered=False,
+                                         pieces=S))
+    assert got.shape == (B, H, k)
+    want = _pieces_reference(scores, seq_lens, num_pages=Np, k=k, page_size=ps,
+                             num_sink_pages=sinks, pieces=S)
+    for (b, h), pages in want.items():
+        row = got[b, h][got[b, h] >= 0]
+        assert len(set(row.tolist())) == len(row)                       # no duplicates
+        assert set(row.tolist()) == pages, (b, h)
+        if nv[b] <= k:                         # a short row: all of it but its NaN pages
+            nan = set(np.flatnonzero(np.isnan(scores[b, h, :nv[b]])).tolist())
+            assert pages == set(range(int(nv[b]))) - nan
+
+
+def test_select_top_pages_pieces_rejects_bad_arguments():
+    x, lens = jnp.zeros((1, 2, 64)), jnp.array([256])
+    kw = dict(num_pages=64, page_size=4, num_sink_pages=1, ordered=False)
+    with pytest.raises(ValueError, match="must divide k=12"):
+        ds.select_top_pages(x, lens, k=12, pieces=8, **kw)
+    with pytest.raises(ValueError, match="cannot hold"):
+        ds.select_top_pages(x, lens, k=8, pieces=8, **dict(kw, num_sink_pages=2))
+    with pytest.raises(ValueError, match="ordered=False"):
+        ds.select_top_pages(x, lens, k=8, pieces=4, **dict(kw, ordered=True))
+    with pytest.raises(ValueError, match="takes no pieces"):
+        quest.quest_select(jnp.zeros((1, 2, 8)), jnp.zeros((1, 1, 64, 2, 8)),
+                           jnp.zeros((1, 1, 64, 2, 8)), 0, lens, k=8, page_size=4,
+                           num_sink_pages=1, topk_method="pallas_cmax", ordered=False, pieces=4)
+
+
+@pytest.mark.parametrize("shape,k,pieces", [((8, 2, 8212), 512, 8), ((1, 8, 8192), 512, 16)])
+def test_pallas_topk_pieces_lowers_for_gpu(no_interpret, shape, k, pieces):
+    """The 128k first stages in pieces (Qwen-like B=8 in 16-token pages, 8B-like B=1) lower
+    to one Triton kernel, one program per piece, for the H200."""
+    txt = lower_for_h200(functools.partial(ds.select_top_pages, num_pages=shape[-1], k=k,
+                                           page_size=16, num_sink_pages=1, method="pallas",
+                                           ordered=False, pieces=pieces),
+                         S(shape, jnp.float32), S((shape[0],), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1
+    assert f"grid_x = {shape[0] * shape[1] * pieces} : i32" in txt

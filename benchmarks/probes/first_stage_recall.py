@@ -24,7 +24,10 @@ query group):
   stage a step early (the previous position's query and keys, the query's own page forced;
   a candidate set the selector could compute off the step's critical path), the second
   stage on the query; ``--lag all``: both stages a step early, as ``selection_lag=1``
-  (keys ``..._lagfirst`` / ``..._lagall``).
+  (keys ``..._lagfirst`` / ``..._lagall``); ``--pieces S``: the first stage's top-k in S
+  pieces of each row, each piece keeping ``candidates / S`` blocks (no merge: a cheaper
+  top-k, S programs per row), the pieces strided (block b in piece b mod S) or contiguous
+  (``--piece-order``; keys ``..._s{S}`` / ``..._sc{S}``).
 
 The masses rank first stages and page sizes within one model; they are not a forecast of
 RULER's retrievals: RULER lost 0.8 points to 64-token pages on SmolLM2 and 6.4 on Qwen2.5,
@@ -72,8 +75,27 @@ def _quest_scores(q, k, pos, bs, group="sum", dims=0):
     return jnp.where(ok[:, None], s, -jnp.inf).T                      # [H, Nb]
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8, 9, 10))
-def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0, lag="none", dims=0):
+def _pieces_top(s, n, pieces, order):
+    """The indices of the top ``n`` of [H, N] scores taken as the top ``n / pieces`` of each of
+    ``pieces`` pieces of a row (block b in piece b mod pieces for "strided", piece b // ceil(N /
+    pieces) for "contiguous"): [H, n] (padding never picked while a piece has enough blocks)."""
+    H, N = s.shape
+    P = pieces
+    Ns = -(-N // P)
+    x = jnp.pad(s, ((0, 0), (0, Ns * P - N)), constant_values=-jnp.inf)
+    if order == "strided":
+        x = x.reshape(H, Ns, P).transpose(0, 2, 1)                       # [H, P, Ns]
+    else:
+        x = x.reshape(H, P, Ns)
+    i = jax.lax.top_k(x, n // P)[1]                                      # [H, P, n / P]
+    p = jnp.arange(P)[None, :, None]
+    idx = i * P + p if order == "strided" else p * Ns + i
+    return jnp.minimum(idx, N - 1).reshape(H, -1)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8, 9, 10, 11, 12))
+def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0, lag="none", dims=0,
+           pieces=1, order="strided"):
     """q [Q + 1, Hq, D] at positions t0 - 1.., k [T, H, D] -> (kept, hit, share, oracle_share),
     each [Q, H], for
     the queries at t0.. with blocks of ``r`` pages, ``n_cand`` candidate pages and ``n_pages``
@@ -81,7 +103,8 @@ def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0, lag="
     candidates. ``lag``: "first": the first stage runs a step early (the previous query, the
     keys up to it, the query's own page forced), the second stage on the query itself;
     "all": both stages a step early (``selection_lag=1``); "none": both on the query.
-    ``dims``: the first stage's bound over that many channels (:func:`_quest_scores`)."""
+    ``dims``: the first stage's bound over that many channels (:func:`_quest_scores`).
+    ``pieces``: the first stage's top-k per piece of the row (:func:`_pieces_top`)."""
     qp, q = q[:-1], q[1:]
     Q, Hq, D = q.shape
     T, H, _ = k.shape
@@ -109,7 +132,10 @@ def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0, lag="
 
         def top(s, n, taken):
             s = jnp.where(taken, -jnp.inf, jnp.where(forced_b, jnp.inf, s))
-            cb = jax.lax.top_k(s, n)[1]
+            if pieces > 1:
+                cb = _pieces_top(s, n, pieces, order)
+            else:
+                cb = jax.lax.top_k(s, n)[1]
             return jnp.zeros((H, Np // r), bool).at[jnp.arange(H)[:, None], cb].set(True)
 
         if group == "union":  # half by the summed bound, half by the largest head's
@@ -153,6 +179,10 @@ def main():
     ap.add_argument("--dims", type=int, nargs="+", default=[0],
                     help="the first stage's bound over the N channels of largest |q| per KV "
                          "head (0: all; keys ..._d{N})")
+    ap.add_argument("--pieces", type=int, nargs="+", default=[1],
+                    help="the first stage's top-k per piece: S pieces of a row, candidates / S "
+                         "each (keys ..._s{S} strided, ..._sc{S} contiguous)")
+    ap.add_argument("--piece-order", default="strided", choices=("strided", "contiguous"))
     ap.add_argument("--layers", type=int, default=None, help="the first N layers only")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -164,11 +194,14 @@ def main():
         T = k.shape[0]
         t0 = T - a.queries
         row = dict(layer=i)
-        for g, r, w, lag, nd in itertools.product(a.groups, a.blocks, a.recent, a.lag, a.dims):
+        for g, r, w, lag, nd, ps in itertools.product(a.groups, a.blocks, a.recent, a.lag,
+                                                      a.dims, a.pieces):
             kept, hit, share, oracle_share = recall(q[t0 - 1:], k, t0, a.page_size, n_pages,
-                                                    n_cand, r, g, w, lag, nd)
+                                                    n_cand, r, g, w, lag, nd, ps, a.piece_order)
             tag = (f"r{r}" + ("" if g == "sum" else f"_g{g}") + (f"_w{w}" if w else "")
-                   + ("" if lag == "none" else f"_lag{lag}") + (f"_d{nd}" if nd else ""))
+                   + ("" if lag == "none" else f"_lag{lag}") + (f"_d{nd}" if nd else "")
+                   + ("" if ps == 1 else
+                      f"_s{ps}" if a.piece_order == "strided" else f"_sc{ps}"))
             row[f"kept_{tag}"] = float(jnp.mean(kept))
             row[f"kept_min_{tag}"] = float(jnp.min(kept))
             row[f"hit_{tag}"] = float(jnp.mean(hit))
@@ -178,7 +211,8 @@ def main():
         print_row(row)
     report(rows, a.out, model=path, tokens=T, queries=a.queries, page_size=a.page_size,
            budget=a.budget, candidates=n_cand, blocks=a.blocks, groups=a.groups,
-           recent=a.recent, lag=a.lag, dims=a.dims)
+           recent=a.recent, lag=a.lag, dims=a.dims, pieces=a.pieces,
+           piece_order=a.piece_order)
 
 
 if __name__ == "__main__":

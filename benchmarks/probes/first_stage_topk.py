@@ -8,8 +8,11 @@ with its default chunking and single-stage (``chunk=1``), at the 128k decode sha
 budget) and 8B-like B=1 (8 KV heads, 8192 pages of 16 tokens; 8x / 16x), and Qwen-like B=1
 at 1M tokens (2 KV heads, 16384 pages of 64 tokens; 8x / 16x), and `CacheConfig()`'s Qwen-like
 B=8 (8212 pages of 16 tokens, 512 candidates); the full-row kernel with 32 warps, and the
-top-k in 2 / 4 / 8 pieces per row (``_segmented``). Also the final choice kernel
-(``candidate_select``) against its XLA form.
+top-k in 2 / 4 / 8 pieces per row (``_segmented``), and the first stage as the top C / S of
+each of S strided pieces of a row, not merged (``pieces{S}``: ``select_top_pages(pieces=S)``,
+``CacheConfig.candidate_pieces``; not the row's top C, a cheaper candidate set; ``recall``
+is the share of the row's top C it holds). Also the final choice
+kernel (``candidate_select``) against its XLA form.
 
 Each variant runs chained in one jitted loop (``_meta.time_chained``, 8 calls per iteration),
 so the figure is device time per call, launches included. The pages each variant picks are
@@ -154,6 +157,19 @@ def main():
                     variants[f"seg{S}_{merge}"] = functools.partial(
                         _segmented, k=C, segments=S, merge=merge, **kw)
             ref = np.sort(np.asarray(variants["sort"](scores, lens)), axis=-1)
+            for S in (s for s in (4, 8, 16, 32)
+                      if C % s == 0 and C // s >= 2 and -(-N // s) > C // s):
+                kw_s = dict(k=C, pieces=S, ordered=False, **kw)
+                fn = functools.partial(ds.select_top_pages, method="pallas", **kw_s)
+                ref_s = np.sort(np.asarray(ds.select_top_pages(scores, lens, method="sort",
+                                                               **kw_s)), axis=-1)
+                got = np.asarray(jax.jit(fn)(scores, lens))
+                recall = float(np.mean([len(np.intersect1d(g, r)) / C for g, r in
+                                        zip(got.reshape(-1, C), ref.reshape(-1, C))]))
+                row = dict(shape=name, op="first_stage", variant=f"pieces{S}", B=B, H=H, N=N,
+                           C=C, recall=recall)
+                rows.append(_measure(row, lambda *x, fn=fn: np.sort(
+                    np.asarray(jax.jit(fn)(*x)), axis=-1), fn, (scores, lens), ref_s, timing))
             for vname, fn in variants.items():
                 rows.append(_measure(
                     dict(shape=name, op="first_stage", variant=vname, B=B, H=H, N=N, C=C),
@@ -184,8 +200,9 @@ def main():
     print(f"{'shape':8} {'op':13} {'C':>5} {'variant':13} {'us':>8} same")
     for r in rows:
         us = f"{r['us']:8.2f}" if "us" in r else "   ERROR " + r.get("error", "")[:60]
+        rec = f" recall {r['recall']:.3f}" if "recall" in r else ""
         print(f"{r['shape']:8} {r['op']:13} {r['C']:5d} {r['variant']:13} {us} "
-              f"{r.get('same_pages')}")
+              f"{r.get('same_pages')}{rec}")
 
 
 if __name__ == "__main__":

@@ -166,12 +166,14 @@ class Rescore(Quest):
         t = plan.cache.tuning.topk_method
         blocks, block_tokens = self.bound_blocks(plan)
         C, sink = self.first_stage_blocks(plan, plan.cache.candidate_block)
-        if t == "auto":
+        S = plan.cache.candidate_pieces
+        if t == "auto":  # with pieces: rows of a piece's pages, a program per piece
             kernel = first_stage_takes_kernel(plan.cache.tuning, plan.cache.implementation,
-                                              blocks, C, plan.batch * plan.model.num_kv_heads)
+                                              -(-blocks // S), C // S,
+                                              plan.batch * plan.model.num_kv_heads * S)
             t = "pallas" if kernel else "sort"
         return dict(_select_kw(plan), k=C, page_size=block_tokens, topk_method=t,
-                    num_sink_pages=sink, ordered=False)
+                    num_sink_pages=sink, ordered=False, pieces=S)
 
     def first_stage_blocks(self, plan, r: int) -> tuple[int, int]:
         """(blocks the first stage picks, of them the sink pages' blocks) with blocks of r
@@ -185,6 +187,16 @@ class Rescore(Quest):
         r = plan.cache.candidate_block
         if self.covers_row(plan):   # no first stage: nothing to pick
             return
+        S = plan.cache.candidate_pieces
+        if S > 1:
+            C, sink = self.first_stage_blocks(plan, r)
+            try:
+                dense_select.check_pieces(C, S, sink)
+            except ValueError as e:
+                ok = [x for x in range(1, S) if C % x == 0 and C // x >= -(-sink // x) + 1]
+                raise ValueError(
+                    f"CacheConfig.candidate_pieces ({S}) does not split the first stage's {C} "
+                    f"candidate(s): {e}; candidate_pieces={max(ok)} works here") from None
 
         def fits(x):
             blocks, sink = self.first_stage_blocks(plan, x)
