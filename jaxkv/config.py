@@ -225,8 +225,9 @@ class CacheConfig:
         ``candidate_pages``. The top-k then runs one program per piece instead of one per
         row (a request's KV head), which fills the GPU on long rows; the candidates differ
         from the row's top ones only where a piece holds more than its share of them, and the
-        second stage re-ranks them. 1 (the default): the row's top. Must divide the
-        candidates.
+        second stage re-ranks them. 1 (the default): the row's top. ``None``: pieces of
+        ``rescore.PIECE_SHARE`` (64) candidates each, as many as divide the candidates
+        (8 for 512). Must divide the candidates.
       pool_pages: device slots per layer in "host" mode. ``None``: enough for the
         worst-case working set of a step (no drops).
       sink_pages / recent_pages: pages pinned in the pool (never evicted); the selectors
@@ -321,7 +322,7 @@ class CacheConfig:
     selected_pages: int = 64
     candidate_pages: int | None = None
     candidate_block: int = 1
-    candidate_pieces: int = 1
+    candidate_pieces: int | None = 1
     pool_pages: int | None = None
     sink_pages: int = 1
     recent_pages: int = 1
@@ -371,6 +372,8 @@ class CacheConfig:
                                  f"selector ({two}); selector={self.selector!r} has none: leave "
                                  "candidate_pages=None")
         for name, what in (("candidate_block", "groups"), ("candidate_pieces", "splits")):
+            if name == "candidate_pieces" and self.candidate_pieces is None:
+                continue  # the selector's choice (``Rescore.first_stage_pieces``)
             object.__setattr__(self, name, _as_int(name, getattr(self, name), 1))
             if getattr(self, name) > 1 and not selectors.get(self.selector).two_stage:
                 two = [n for n in selectors.names() if selectors.get(n).two_stage]

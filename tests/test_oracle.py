@@ -454,6 +454,20 @@ def test_candidate_pieces_errors():
                                          candidate_pieces=4))
 
 
+@pytest.mark.parametrize("cands,block,want", [(512, 1, 8), (1024, 1, 16), (128, 1, 2),
+                                               (96, 1, 1), (192, 1, 2), (512, 4, 2)])
+def test_candidate_pieces_none_takes_shares_of_64(cands, block, want):
+    """``candidate_pieces=None``: the most pieces (powers of two) that divide the first
+    stage's picks (candidates / block) and leave each 64 of them."""
+    cache = CacheConfig(mode="resident", selector="quest_rescore8", page_size=16,
+                        selected_pages=8, candidate_pages=cands, candidate_block=block,
+                        candidate_pieces=None)
+    plan = engine.Plan(model=configs.tiny(), cache=cache, batch=1, prompt_len=100,
+                       max_context=65536, num_stop=1)
+    assert plan.selector.first_stage_pieces(plan) == want
+    plan.selector.check_plan(plan)
+
+
 def test_candidate_block_of_a_kept_context_must_match():
     """A context's first-stage summaries are per block: continuing it with another block size
     is an early error naming the field."""

@@ -76,6 +76,11 @@ def first_stage_takes_kernel(tuning, implementation, pages: int, picks: int, row
             and topk_kernels.fits_full_row(pages, picks))
 
 
+# Candidates per piece of ``CacheConfig(candidate_pieces=None)``: the first stage's top-k in
+# as many strided pieces of a row as leave each piece this many of the candidates.
+PIECE_SHARE = 64
+
+
 def final_choice_method(tuning, implementation, candidates: int):
     """The final choice's implementation after the Pallas second stage:
     ``Tuning.rescore_select_method``, whose "auto" takes the kernel (the implementation's
@@ -166,7 +171,7 @@ class Rescore(Quest):
         t = plan.cache.tuning.topk_method
         blocks, block_tokens = self.bound_blocks(plan)
         C, sink = self.first_stage_blocks(plan, plan.cache.candidate_block)
-        S = plan.cache.candidate_pieces
+        S = self.first_stage_pieces(plan)
         if t == "auto":  # with pieces: rows of a piece's pages, a program per piece
             kernel = first_stage_takes_kernel(plan.cache.tuning, plan.cache.implementation,
                                               -(-blocks // S), C // S,
@@ -174,6 +179,18 @@ class Rescore(Quest):
             t = "pallas" if kernel else "sort"
         return dict(_select_kw(plan), k=C, page_size=block_tokens, topk_method=t,
                     num_sink_pages=sink, ordered=False, pieces=S)
+
+    def first_stage_pieces(self, plan) -> int:
+        """``CacheConfig.candidate_pieces``, or for ``None`` the most pieces (a power of two)
+        that divide the first stage's candidates and leave each ``PIECE_SHARE`` of them."""
+        S = plan.cache.candidate_pieces
+        if S is not None:
+            return S
+        C, _ = self.first_stage_blocks(plan, plan.cache.candidate_block)
+        S = 1
+        while C % (2 * S) == 0 and C // (2 * S) >= PIECE_SHARE:
+            S *= 2
+        return S
 
     def first_stage_blocks(self, plan, r: int) -> tuple[int, int]:
         """(blocks the first stage picks, of them the sink pages' blocks) with blocks of r
@@ -187,7 +204,7 @@ class Rescore(Quest):
         r = plan.cache.candidate_block
         if self.covers_row(plan):   # no first stage: nothing to pick
             return
-        S = plan.cache.candidate_pieces
+        S = self.first_stage_pieces(plan)
         if S > 1:
             C, sink = self.first_stage_blocks(plan, r)
             try:
