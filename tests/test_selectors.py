@@ -1108,6 +1108,28 @@ def test_gpu_pallas_topk_large_k(B, H, N, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("B,H,N,k,S", [(8, 2, 8212, 512, 8), (8, 2, 8212, 512, 16),
+                                       (1, 8, 8192, 512, 8), (2, 8, 2048, 128, 4)])
+def test_gpu_select_top_pages_pieces(B, H, N, k, S):
+    """The first stage in strided pieces (``pieces``) with the kernel on the GPU at the 128k
+    shapes: == the numpy rule, ties (small integers) and NaN past the sequence included."""
+    rng = _rng()
+    ps = 16
+    seq_lens = rng.integers(N * ps // 8, N * ps, size=B).astype(np.int32)
+    seq_lens[0] = N * ps
+    kw = dict(num_pages=N, k=k, page_size=ps, num_sink_pages=1)
+    nv = _n_valid(seq_lens, ps, N)
+    junk = np.broadcast_to((np.arange(N)[None] >= nv[:, None])[:, None], (B, H, N))
+    tied = np.where(junk, np.nan, rng.integers(-50, 50, size=(B, H, N)).astype(np.float32))
+    got = np.asarray(ds.select_top_pages(jnp.asarray(tied), jnp.asarray(seq_lens),
+                                         method="pallas", ordered=False, pieces=S, **kw))
+    want = _pieces_reference(tied, seq_lens, pieces=S, **kw)
+    for (b, h), pages in want.items():
+        row = got[b, h][got[b, h] >= 0]
+        assert len(row) == len(pages) and set(row.tolist()) == pages, (b, h)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("B,H,N", [(1, 8, 2048), (8, 8, 2048), (1, 8, 16384), (8, 8, 16384)])
 def test_gpu_pallas_topk(B, H, N):
     """Real kernel at decode sizes: == "sort" on distinct scores, == the rule with ties."""
