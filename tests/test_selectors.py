@@ -1285,7 +1285,7 @@ def _pieces_reference(scores, seq_lens, *, num_pages, k, page_size, num_sink_pag
     strided pieces (page p in piece p % pieces), each piece's forced pages (sinks, the current
     page) first, then its others by descending score (NaN as -inf, ties to the lower page),
     the first k / pieces of each; a page whose score is -inf (NaN) is left out, as the
-    unordered XLA top-k leaves it. Returns a list of page sets per (b, h)."""
+    unordered XLA top-k leaves it. Returns {(b, h): the set of pages}."""
     B, H, _ = scores.shape
     nv = _n_valid(seq_lens, page_size, num_pages)
     out = {}
