@@ -1088,20 +1088,28 @@ def test_gpu_quest_in_loop_traced_layer():
                         num_pages=Np, scores=ref, tol=1e-2)
 
 
+def _tied_rows(B, H, N, ps, shortest):
+    """A first stage's inputs at decode sizes: (seq_lens [B], the first a full row, the others
+    from ``shortest`` of it up; scores [B, H, N] of small integers (ties), NaN past each
+    sequence)."""
+    rng = _rng()
+    seq_lens = rng.integers(int(N * ps * shortest), N * ps, size=B).astype(np.int32)
+    seq_lens[0] = N * ps
+    nv = _n_valid(seq_lens, ps, N)
+    junk = np.broadcast_to((np.arange(N)[None] >= nv[:, None])[:, None], (B, H, N))
+    tied = np.where(junk, np.nan, rng.integers(-50, 50, size=(B, H, N)).astype(np.float32))
+    return seq_lens, tied
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,H,N,k", [(8, 2, 2048, 256), (1, 8, 8192, 1024),
                                      (8, 2, 8212, 512)])
 def test_gpu_pallas_topk_large_k(B, H, N, k):
     """The full-row kernel's single stage (a two-stage selector's first stage) on the GPU:
     == the rule, ties included, NaN past the sequence."""
-    rng = _rng()
     ps = 64
-    seq_lens = rng.integers(N * ps // 2, N * ps, size=B).astype(np.int32)
-    seq_lens[0] = N * ps
+    seq_lens, tied = _tied_rows(B, H, N, ps, 1 / 2)
     kw = dict(num_pages=N, k=k, page_size=ps, num_sink_pages=1)
-    nv = _n_valid(seq_lens, ps, N)
-    junk = np.broadcast_to((np.arange(N)[None] >= nv[:, None])[:, None], (B, H, N))
-    tied = np.where(junk, np.nan, rng.integers(-50, 50, size=(B, H, N)).astype(np.float32))
     got = np.asarray(ds.select_top_pages(jnp.asarray(tied), jnp.asarray(seq_lens),
                                          method="pallas", **kw))
     np.testing.assert_array_equal(got, select_rule_numpy(tied, seq_lens, **kw))
@@ -1113,14 +1121,9 @@ def test_gpu_pallas_topk_large_k(B, H, N, k):
 def test_gpu_select_top_pages_pieces(B, H, N, k, S):
     """The first stage in strided pieces (``pieces``) with the kernel on the GPU at the 128k
     shapes: == the numpy rule, ties (small integers) and NaN past the sequence included."""
-    rng = _rng()
     ps = 16
-    seq_lens = rng.integers(N * ps // 8, N * ps, size=B).astype(np.int32)
-    seq_lens[0] = N * ps
+    seq_lens, tied = _tied_rows(B, H, N, ps, 1 / 8)
     kw = dict(num_pages=N, k=k, page_size=ps, num_sink_pages=1)
-    nv = _n_valid(seq_lens, ps, N)
-    junk = np.broadcast_to((np.arange(N)[None] >= nv[:, None])[:, None], (B, H, N))
-    tied = np.where(junk, np.nan, rng.integers(-50, 50, size=(B, H, N)).astype(np.float32))
     got = np.asarray(ds.select_top_pages(jnp.asarray(tied), jnp.asarray(seq_lens),
                                          method="pallas", ordered=False, pieces=S, **kw))
     want = _pieces_reference(tied, seq_lens, pieces=S, **kw)
