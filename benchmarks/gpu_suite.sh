@@ -34,9 +34,10 @@
 # steady: per-step slopes of the fetch loop, XLA's DMA and bulk device_put (bench_fetch --only-steady)
 # ab: same-process A/B of decode-step variants (ab_step.py; $AB_VARIANTS, $AB_SHAPE, $AB_CONFIG b|c2,
 #   $AB_PAIRS; AB_DUMP=1 also returns the optimized HLO of every compiled round as ab_hlo.tgz)
-# pieces: the first stage's top-k in strided pieces (CacheConfig.candidate_pieces): the GPU test, the
+# pieces: the first stage's top-k in strided pieces (CacheConfig.candidate_pieces): the
 #   step at Qwen-like B=8 (16-token pages) and 8B-like B=1 against quest_rescore8 and Quest (ab_step,
-#   shared KV, 1024 tokens), then the top-k alone (probes/first_stage_topk.py); about 5 min, one call
+#   shared KV, 1024 tokens), the top-k alone (probes/first_stage_topk.py), the GPU test; up to 14 min:
+#   split it over calls by its parts pieces-q8, pieces-topk, pieces-8b, pieces-test
 # first-stage: issue 27's cheaper first stages at the default budget (1024 tokens, 8x candidates), same-process
 #   A/B against Quest and quest_rescore8: blocks of pages (candidate_block; 8B-like B=1 and Qwen-like B=8 at
 #   128k), the radix top-k (Qwen-like B=1 at 1M), then each top-k alone (probes/first_stage_topk.py); ~15 min,
@@ -141,19 +142,19 @@ for s in $STAGES; do
     launch) run launch 120 $PY benchmarks/probes/bench_launch.py --out "$OUT" ;;
     locality) run locality 200 $PY benchmarks/bench_fetch.py --only-locality --out "$OUT" ;;
     steady) run steady 300 $PY benchmarks/bench_fetch.py --only-steady --budget-s 240 --out "$OUT" ;;
-    pieces)
-        # the first stage in strided pieces (CacheConfig.candidate_pieces): its GPU test, the
-        # step against the row's top-k (one shared KV cache: fits an H100), the top-k alone
+    pieces|pieces-q8|pieces-8b|pieces-topk|pieces-test)
+        # the first stage in strided pieces (CacheConfig.candidate_pieces): the step against the
+        # row's top-k (one shared KV cache: fits an H100), the top-k alone, its GPU test
         fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
-        run pieces_test 150 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_selectors.py \
-            -k pieces -o addopts="-ra"
-        run pieces_q8 300 $PY benchmarks/ab_step.py --shape qwen1.5b --batch 8 --page-size 16 \
-            --variants default,rescore8,rescore8_pieces8,rescore8_pieces16 \
-            --tag "pieces_qwen8_p16_$JAXKV_COMMIT" $fs
-        run pieces_8b 240 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
-            --variants default,rescore8,rescore8_pieces8,rescore8_pieces16 --tag "pieces_8b1_$JAXKV_COMMIT" $fs
-        run pieces_topk 150 $PY benchmarks/probes/first_stage_topk.py --shapes qwen_b8_p16 8b_b1 \
-            --out "$OUT" ;;
+        case $s in pieces|pieces-q8) run pieces_q8 300 $PY benchmarks/ab_step.py --shape qwen1.5b \
+            --batch 8 --page-size 16 --variants default,rescore8,rescore8_pieces8,rescore8_pieces16 \
+            --tag "pieces_qwen8_p16_$JAXKV_COMMIT" $fs ;; esac
+        case $s in pieces|pieces-topk) run pieces_topk 150 $PY benchmarks/probes/first_stage_topk.py \
+            --shapes qwen_b8_p16 8b_b1 --out "$OUT" ;; esac
+        case $s in pieces|pieces-8b) run pieces_8b 240 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
+            --variants default,rescore8,rescore8_pieces8,rescore8_pieces16 --tag "pieces_8b1_$JAXKV_COMMIT" $fs ;; esac
+        case $s in pieces|pieces-test) run pieces_test 150 $PY -m pytest -q -m gpu -p no:cacheprovider \
+            tests/test_selectors.py -k pieces -o addopts="-ra" ;; esac ;;
     first-stage|first-stage-8b|first-stage-q8|first-stage-1m|first-stage-topk)
         # one shared KV cache: every part fits an H100 as well as an H200
         fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
