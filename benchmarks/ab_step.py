@@ -48,15 +48,18 @@ variant is a plan of its own, so nothing is read at trace time.
   instead of the ``candidate_select`` kernel (``Tuning.rescore_select_method``);
   ``rescore_topk_sort``: the first stage by XLA's top-k instead of the full-row kernel;
   ``rescore_sort_select_xla``: both (the two-stage selector before the kernels).
-  These take the selectors' defaults (the first stage per page).
+  These take the selectors' defaults (the first stage per page, in pieces of 64 candidates),
+  but the ``*topk*`` and ``rescore_sort_select_xla`` variants rank the whole row
+  (``candidate_pieces=1``): their methods are the row's top-k.
 * ``rescore8_block1`` / ``rescore8_block2`` / ``rescore8_block4`` / ``rescore8_block8``:
   ``quest_rescore8`` with the first stage per page / per block of 2 / 4 / 8 pages
   (``CacheConfig.candidate_block``);
   ``rescore8_block4_sel512``: blocks of four with the final choice's kernel for up to 512
   candidates (``Tuning.rescore_select_kernel_max``), which 8B-like B=1 at 1024 tokens has.
-* ``rescore8_pieces4`` / ``rescore8_pieces8`` / ``rescore8_pieces16``: ``quest_rescore8``
-  with the first stage's top-k per strided piece of a row, 4 / 8 / 16 pieces
-  (``CacheConfig.candidate_pieces``).
+* ``rescore8_pieces1`` / ``rescore8_pieces4`` / ``rescore8_pieces8`` / ``rescore8_pieces16``:
+  ``quest_rescore8`` with the first stage's top-k over the whole row / per strided piece of a
+  row, 4 / 8 / 16 pieces (``CacheConfig.candidate_pieces``; the default's ``None`` gives 8 at
+  512 candidates).
 * ``materialize_qk``: Quest with each layer's query and new K/V row behind an
   ``optimization_barrier`` (``Tuning.materialize_qk=True``); ``rescore8_no_mqk`` /
   ``rescore8_block4_no_mqk``: the two-stage selector per page / in blocks of four without it
@@ -167,6 +170,7 @@ VARIANTS = {
     "rescore8_block4": ({}, ()),
     "rescore8_block8": ({}, ()),
     # the first stage's top-k per strided piece of a row (CacheConfig.candidate_pieces)
+    "rescore8_pieces1": ({}, ()),
     "rescore8_pieces4": ({}, ()),
     "rescore8_pieces8": ({}, ()),
     "rescore8_pieces16": ({}, ()),
@@ -193,14 +197,14 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      lagged_rescore8={"selector": "quest_rescore8", "selection_lag": 1},
                      rescore8_xla={"selector": "quest_rescore8"},
                      rescore8_pallas={"selector": "quest_rescore8"},
-                     rescore8_topk_chunked={"selector": "quest_rescore8"},
-                     rescore8_topk_cmax={"selector": "quest_rescore8"},
-                     rescore8_topk_radix={"selector": "quest_rescore8"},
-                     rescore8_topk_sort={"selector": "quest_rescore8"},
-                     rescore8_topk_pallas={"selector": "quest_rescore8"},
+                     rescore8_topk_chunked={"selector": "quest_rescore8", "candidate_pieces": 1},
+                     rescore8_topk_cmax={"selector": "quest_rescore8", "candidate_pieces": 1},
+                     rescore8_topk_radix={"selector": "quest_rescore8", "candidate_pieces": 1},
+                     rescore8_topk_sort={"selector": "quest_rescore8", "candidate_pieces": 1},
+                     rescore8_topk_pallas={"selector": "quest_rescore8", "candidate_pieces": 1},
                      rescore_select_xla={"selector": "quest_rescore"},
-                     rescore_topk_sort={"selector": "quest_rescore"},
-                     rescore_sort_select_xla={"selector": "quest_rescore"},
+                     rescore_topk_sort={"selector": "quest_rescore", "candidate_pieces": 1},
+                     rescore_sort_select_xla={"selector": "quest_rescore", "candidate_pieces": 1},
                      rescore8_select_xla={"selector": "quest_rescore8"},
                      rescore8_block1={"selector": "quest_rescore8", "candidate_block": 1},
                      rescore8_block2={"selector": "quest_rescore8", "candidate_block": 2},
@@ -208,7 +212,7 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_block8={"selector": "quest_rescore8", "candidate_block": 8},
                      rescore8_block4_sel512={"selector": "quest_rescore8", "candidate_block": 4},
                      **{f"rescore8_pieces{n}": {"selector": "quest_rescore8",
-                                                "candidate_pieces": n} for n in (4, 8, 16)},
+                                                "candidate_pieces": n} for n in (1, 4, 8, 16)},
                      rescore8_sel512={"selector": "quest_rescore8"},
                      rescore8_no_mqk={"selector": "quest_rescore8"},
                      rescore8_block4_no_mqk={"selector": "quest_rescore8", "candidate_block": 4},

@@ -147,12 +147,12 @@ for s in $STAGES; do
         # row's top-k (one shared KV cache: fits an H100), the top-k alone, its GPU test
         fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
         case $s in pieces|pieces-q8) run pieces_q8 300 $PY benchmarks/ab_step.py --shape qwen1.5b \
-            --batch 8 --page-size 16 --variants default,rescore8,rescore8_pieces8,rescore8_pieces16 \
+            --batch 8 --page-size 16 --variants default,rescore8_pieces1,rescore8_pieces8,rescore8_pieces16 \
             --tag "pieces_qwen8_p16_$JAXKV_COMMIT" $fs ;; esac
         case $s in pieces|pieces-topk) run pieces_topk 150 $PY benchmarks/probes/first_stage_topk.py \
             --shapes qwen_b8_p16 8b_b1 --out "$OUT" ;; esac
         case $s in pieces|pieces-8b) run pieces_8b 240 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
-            --variants default,rescore8,rescore8_pieces8,rescore8_pieces16 --tag "pieces_8b1_$JAXKV_COMMIT" $fs ;; esac
+            --variants default,rescore8_pieces1,rescore8_pieces8,rescore8_pieces16 --tag "pieces_8b1_$JAXKV_COMMIT" $fs ;; esac
         case $s in pieces|pieces-test) run pieces_test 150 $PY -m pytest -q -m gpu -p no:cacheprovider \
             tests/test_selectors.py -k pieces -o addopts="-ra" ;; esac ;;
     first-stage|first-stage-8b|first-stage-q8|first-stage-1m|first-stage-topk)

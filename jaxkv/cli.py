@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quest_rescore8: Quest's first stage bounds and picks blocks of this "
                         "many pages (fewer bounds to read and rank, fewer retrievals kept); "
                         "default: 1, per page")
+    p.add_argument("--candidate-pieces", type=_positive_int, default=None,
+                   help="quest_rescore8: the first stage's top-k in this many strided pieces "
+                        "of each row, the top candidates / pieces of each (one top-k program "
+                        "per piece); default: pieces of 64 candidates (8 for 512); 1: the "
+                        "row's top")
     p.add_argument("--max-new-tokens", type=_positive_int, default=48, help="tokens to generate")
     p.add_argument("--budget", type=_positive_int, default=DEFAULT_BUDGET,
                    help="selected tokens per step, layer and KV head (rounded to pages)")
@@ -142,7 +147,8 @@ def _read_prompt(args) -> str:
 _OPTION_OF_FIELD = {"mode": "--mode", "selector": "--selector", "page_size": "--page-size",
                     "selected_pages": "--budget", "pool_pages": "--pool-pages",
                     "candidate_pages": "--candidate-pages",
-                    "candidate_block": "--candidate-block", "kv_dtype": "--kv-dtype",
+                    "candidate_block": "--candidate-block",
+                    "candidate_pieces": "--candidate-pieces", "kv_dtype": "--kv-dtype",
                     "strict": "--strict", "schedule": "--schedule",
                     "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
                     "top_k": "--top-k", "top_p": "--top-p"}
@@ -225,7 +231,8 @@ def main(argv=None) -> int:
             mode=args.mode, selector=args.selector, page_size=args.page_size,
             selected_pages=max(2, -(-budget // args.page_size)), pool_pages=args.pool_pages,
             candidate_pages=args.candidate_pages, candidate_block=args.candidate_block,
-            kv_dtype=args.kv_dtype, strict=args.strict, schedule=schedule,
+            candidate_pieces=args.candidate_pieces, kv_dtype=args.kv_dtype,
+            strict=args.strict, schedule=schedule,
             prefill_chunk=max(jaxkv.CacheConfig.prefill_chunk, args.page_size))
     except (ValueError, TypeError) as e:
         return fail(_with_option_names(e))

@@ -80,6 +80,19 @@ def test_candidate_block_from_the_command_line(capsys):
            "--candidate-block)" in err
 
 
+def test_candidate_pieces_from_the_command_line(capsys):
+    """--candidate-pieces splits quest_rescore8's first stage; a count that does not divide
+    the candidates fails when the plan is made, naming the option and a count that works."""
+    assert cli_main(["Hello", *FAST, "--json", "--selector", "quest_rescore8", "--budget", "8",
+                     "--candidate-pieces", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["generated_tokens"] >= 1
+    assert cli_main(["Hello", *FAST, "--selector", "quest_rescore8", "--budget", "8",
+                     "--candidate-pieces", "3"]) == 1
+    err = capsys.readouterr().err
+    assert "candidate_pieces (3) does not split the first stage's 16 candidate(s)" in err
+    assert "candidate_pieces=2 works here (here candidate_pieces is --candidate-pieces)" in err
+
+
 def test_int8_kv_from_the_command_line(capsys):
     """--kv-dtype int8 runs; a dtype the cache cannot store fails naming the option."""
     assert cli_main(["Hello", *FAST, "--json", "--kv-dtype", "int8"]) == 0
