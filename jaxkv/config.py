@@ -69,6 +69,9 @@ class Tuning:
       rescore_select_kernel_max: candidates per KV head up to which "auto" takes the final
         choice kernel (one program per request and KV head: faster than XLA's top-k and sort
         at 256 candidates, Qwen-like B=8; slower at 1024, 8B-like B=1; docs/decisions.md).
+      rescore_select_warps: the final choice kernel's warps per program. ``None``: 4 below
+        1024 candidates, 8 from 1024. Alone at 512 candidates (Qwen-like B=8, 16 rows, one
+        H100) 8 warps take 14.7 us against 4's 17.9 (``probes/first_stage_topk.py``).
       materialize_qk: each sparse layer's query and new K/V row pass an
         ``optimization_barrier`` before the selector and the cache write read them, so XLA
         computes their projections once instead of fusing a copy of the product into each
@@ -88,6 +91,7 @@ class Tuning:
     first_stage_kernel_min_rows: int | None = 16
     rescore_select_method: str = "auto"
     rescore_select_kernel_max: int = 256
+    rescore_select_warps: int | None = None
     materialize_qk: bool | None = None
 
     def __post_init__(self):
@@ -125,6 +129,12 @@ class Tuning:
             _as_int("ensure_dense_max_elems", self.ensure_dense_max_elems, 0, "Tuning")
         _as_int("ensure_pallas_max", self.ensure_pallas_max, 0, "Tuning")
         _as_int("rescore_select_kernel_max", self.rescore_select_kernel_max, 0, "Tuning")
+        if self.rescore_select_warps is not None:
+            w = _as_int("rescore_select_warps", self.rescore_select_warps, 1, "Tuning")
+            if w & (w - 1):
+                raise ValueError("Tuning.rescore_select_warps must be None or a power of two "
+                                 f"(Triton's warps per program), got {w}")
+            object.__setattr__(self, "rescore_select_warps", w)
         if self.materialize_qk is not None:
             if not isinstance(self.materialize_qk, (bool, np.bool_)):
                 raise ValueError("Tuning.materialize_qk must be None (the selector's choice) or "

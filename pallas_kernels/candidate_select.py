@@ -169,9 +169,11 @@ def candidate_select_pallas(m, l, cand, seq_lens, *, G: int, k: int, page_size: 
 
 
 def candidate_select(m, l, cand, seq_lens, *, G: int, k: int, page_size: int, num_pages: int,
-                     num_sink_pages: int, implementation=None):
+                     num_sink_pages: int, implementation=None, num_warps: int | None = None):
     """The final choice (module docstring); ``implementation`` picks the kernel or the
-    reference (``_common.resolve``)."""
-    return _common.resolve(OP, implementation)(
-        m, l, cand, seq_lens, G=G, k=k, page_size=page_size, num_pages=num_pages,
-        num_sink_pages=num_sink_pages)
+    reference (``_common.resolve``); ``num_warps`` tunes the kernel (the reference ignores
+    it)."""
+    fn = _common.resolve(OP, implementation)
+    kw = dict(num_warps=num_warps) if fn is candidate_select_pallas else {}
+    return fn(m, l, cand, seq_lens, G=G, k=k, page_size=page_size, num_pages=num_pages,
+              num_sink_pages=num_sink_pages, **kw)

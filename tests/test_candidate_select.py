@@ -169,6 +169,27 @@ def test_candidate_select_lowers_for_gpu(no_interpret, B, H, C, k):
     assert "stablehlo.sort" not in txt and "top_k" not in txt and "scatter" not in txt
 
 
+def test_candidate_select_warps_reach_the_kernel(no_interpret):
+    """``num_warps`` (``Tuning.rescore_select_warps``) sets the kernel's warps per program;
+    ``None`` keeps 4 below 1024 candidates; the reference takes the argument and ignores it."""
+    S = jax.ShapeDtypeStruct
+    B, H, C = 8, 2, 512
+    stat = S((B, H, C, 8), jnp.float32)
+    for w, want in ((None, "num_warps = 4"), (8, "num_warps = 8")):
+        fn = functools.partial(cs.candidate_select, G=7, k=64, page_size=16, num_pages=8212,
+                               num_sink_pages=1, implementation="pallas", num_warps=w)
+        txt = lower_for_h200(fn, stat, stat, S((B, H, C), jnp.int32), S((B,), jnp.int32))
+        assert want in txt
+    rng = _rng()
+    m = rng.normal(size=(1, 1, 8, 2)).astype(np.float32)
+    cand = np.arange(8, dtype=np.int32)[None, None]
+    kw = dict(G=2, k=2, page_size=4, num_pages=8, num_sink_pages=1)
+    lens = np.array([32], np.int32)
+    np.testing.assert_array_equal(
+        cs.candidate_select(m, np.ones_like(m), cand, lens, implementation="xla", num_warps=8, **kw),
+        cs.candidate_select(m, np.ones_like(m), cand, lens, implementation="xla", **kw))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,H,C,G,k", [(8, 2, 256, 7, 16), (1, 8, 1024, 4, 64), (4, 3, 96, 3, 10)])
 def test_gpu_candidate_select_kernel(B, H, C, G, k):

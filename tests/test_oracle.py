@@ -167,6 +167,10 @@ def test_rescore_final_choice_method():
         jaxkv.Tuning(rescore_select_method="sort")
     with pytest.raises(ValueError, match="rescore_select_kernel_max"):
         jaxkv.Tuning(rescore_select_kernel_max=-1)
+    assert jaxkv.Tuning(rescore_select_warps=np.int64(8)).rescore_select_warps == 8
+    for bad in (0, 3, 2.0, True):
+        with pytest.raises(ValueError, match="rescore_select_warps"):
+            jaxkv.Tuning(rescore_select_warps=bad)
 
 
 def test_rescore_candidate_pages_sets_the_first_stage():

@@ -243,7 +243,8 @@ class Rescore(Quest):
             m, l = mass_kernels.page_stats_pallas(q, keys, scales, layer, cand, positions)
             final = final_choice_method(tuning, impl, cand.shape[-1])
             return select_kernels.candidate_select(
-                m, l, cand, seq_lens, G=q.shape[1] // keys.shape[2], implementation=final, **pick)
+                m, l, cand, seq_lens, G=q.shape[1] // keys.shape[2], implementation=final,
+                num_warps=tuning.rescore_select_warps, **pick)
         mass = mass_kernels.candidate_mass(q, keys, scales, layer, cand, positions,
                                            implementation=stage2, in_order=self.covers_row(plan))
         return top_candidates(mass, cand, seq_lens, **pick)
