@@ -237,7 +237,8 @@ class CacheConfig:
         from the row's top ones only where a piece holds more than its share of them, and the
         second stage re-ranks them. ``None`` (the default): pieces of
         ``rescore.PIECE_SHARE`` (64) candidates each, as many as divide the candidates
-        (8 for 512, 1 up to 127); 1: the row's top. Must divide the candidates. At 128k and
+        (8 for 512, 1 up to 127; 1 with ``Tuning.topk_method="pallas_cmax"``, which ranks
+        whole rows); 1: the row's top. Must divide the candidates. At 128k and
         1024 tokens the default's 8 pieces make the step 1.16x Quest's at 8B-like B=1 and
         1.32x at Qwen-like B=8, against 1.40x / 1.67x for the row's top, and RULER on
         Qwen2.5-Coder-0.5B keeps the same retrievals (docs/decisions.md).

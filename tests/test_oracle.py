@@ -456,6 +456,12 @@ def test_candidate_pieces_errors():
                        cache=CacheConfig(mode="resident", selector="quest_rescore", page_size=4,
                                          selected_pages=3, candidate_pages=6,
                                          candidate_pieces=4))
+    with pytest.raises(ValueError, match="pallas_cmax' ranks whole rows.*candidate_pieces=2"):
+        jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=2, stop_tokens=[],
+                       cache=CacheConfig(mode="resident", selector="quest_rescore", page_size=4,
+                                         selected_pages=3, candidate_pages=6,
+                                         candidate_pieces=2,
+                                         tuning=jaxkv.Tuning(topk_method="pallas_cmax")))
 
 
 @pytest.mark.parametrize("cands,block,want", [(512, 1, 8), (1024, 1, 16), (128, 1, 2),
@@ -469,6 +475,11 @@ def test_candidate_pieces_none_takes_shares_of_64(cands, block, want):
     plan = engine.Plan(model=configs.tiny(), cache=cache, batch=1, prompt_len=100,
                        max_context=65536, num_stop=1)
     assert plan.selector.first_stage_pieces(plan) == want
+    plan.selector.check_plan(plan)
+    # the chunk-maxima top-k ranks whole rows: None leaves them whole
+    cmax = dataclasses.replace(cache, tuning=jaxkv.Tuning(topk_method="pallas_cmax"))
+    plan = dataclasses.replace(plan, cache=cmax)
+    assert plan.selector.first_stage_pieces(plan) == 1
     plan.selector.check_plan(plan)
 
 

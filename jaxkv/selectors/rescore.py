@@ -182,10 +182,13 @@ class Rescore(Quest):
 
     def first_stage_pieces(self, plan) -> int:
         """``CacheConfig.candidate_pieces``, or for ``None`` the most pieces (a power of two)
-        that divide the first stage's candidates and leave each ``PIECE_SHARE`` of them."""
+        that divide the first stage's candidates and leave each ``PIECE_SHARE`` of them; one
+        with ``Tuning.topk_method="pallas_cmax"``, which ranks whole rows."""
         S = plan.cache.candidate_pieces
         if S is not None:
             return S
+        if plan.cache.tuning.topk_method == "pallas_cmax":
+            return 1
         C, _ = self.first_stage_blocks(plan, plan.cache.candidate_block)
         S = 1
         while C % (2 * S) == 0 and C // (2 * S) >= PIECE_SHARE:
@@ -205,6 +208,11 @@ class Rescore(Quest):
         if self.covers_row(plan):   # no first stage: nothing to pick
             return
         S = self.first_stage_pieces(plan)
+        if S > 1 and plan.cache.tuning.topk_method == "pallas_cmax":
+            raise ValueError(
+                f"Tuning.topk_method='pallas_cmax' ranks whole rows, but "
+                f"CacheConfig.candidate_pieces={S} splits the first stage's rows: set "
+                f"candidate_pieces=1 (or None) or another topk_method")
         if S > 1:
             C, sink = self.first_stage_blocks(plan, r)
             try:
