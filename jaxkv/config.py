@@ -226,7 +226,8 @@ class CacheConfig:
         (``candidate_pages / candidate_block`` of them), so the first stage reads that many
         times fewer bounds and its top-k ranks that many times fewer entries. 1 (the
         default): per page. Blocks of four make the step cheaper (128k, 1024 tokens, 8B-like
-        B=1: 1.126x Quest's step against 1.409x per page) but lose retrievals where the
+        B=1: 1.126x Quest's step against 1.409x per page with the row's top-k, 5c24972; the
+        default's pieces bring per page to 1.160x, 64fdc58) but lose retrievals where the
         first stage chooses: RULER on Qwen2.5-Coder-0.5B at 1024 tokens keeps 87% / 79% of
         dense's at 16k / 32k against 94% / 88% per page (docs/decisions.md).
       candidate_pieces: the two-stage selectors' first stage in this many strided pieces of
