@@ -345,7 +345,8 @@ def lower_only(a, names):
     """``--lower-only``: each variant's decode round lowered for an abstract H200 on this
     machine (:mod:`jaxkv.lowering`; shapes only, nothing allocated or compiled), to find the
     variants that fail the Pallas -> Triton lowering before a GPU session spends time on
-    them. Prints one line per variant (with what its state and the weights would take);
+    them. Prints one line per variant (the Pallas kernels a round calls, counted along the
+    call graph, and what its state and the weights would take);
     exits 1 if any failed."""
     from jaxkv import lowering
     failed = []
@@ -359,7 +360,7 @@ def lower_only(a, names):
                 state = engine.abstract_state(plan, [ctx] * B)
                 text = lowering.lower_round(plan, params, state)
             mem = validation.nbytes_by_space(state)
-            print(f"  {name:24s} lowered: {text.count(lowering.TRITON_CALL)} Triton calls "
+            print(f"  {name:24s} lowered: {lowering.count_calls(text)} Triton calls per round "
                   f"({time.perf_counter() - t0:.1f} s); state {mem['device'] / 2**30:.1f} GiB "
                   f"device, {mem['host'] / 2**30:.1f} GiB host; weights "
                   f"{validation.nbytes_by_space(params)['device'] / 2**30:.1f} GiB", flush=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import warnings
 
 import jax
@@ -42,6 +43,36 @@ def _mesh(device_kind: str, num_cores: int):
     from jax.sharding import AbstractDevice, AbstractMesh
     return AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
         device_kind=device_kind, num_cores=num_cores, platform="gpu"))
+
+
+_SYMBOL = r'"[^"]+"|[\w.$-]+'  # an MLIR symbol name, quoted where it has other characters
+
+
+def count_calls(text: str, marker: str = TRITON_CALL) -> int:
+    """How many ``marker`` calls (Pallas kernels by default) one run of the lowered module's
+    entry makes along its static call graph: a function's own occurrences plus those of the
+    functions it calls, once per call. A jitted function called with the same shapes (a
+    layer's top-k) lowers once as a private function with a call per use, so counting the
+    text would count it once. Loop bodies count once, as in the text."""
+    bodies = {}
+    for chunk in re.split(r"(?=\bfunc\.func )", text)[1:]:
+        m = re.match(r"func\.func (?:public |private )?@(" + _SYMBOL + ")", chunk)
+        if m:
+            bodies[m.group(1)] = chunk
+    memo: dict[str, int] = {}
+
+    def total(name: str) -> int:
+        if name not in memo:
+            memo[name] = 0  # a recursive call counts nothing more
+            body = bodies[name]
+            memo[name] = body.count(marker) + sum(
+                total(c) for c in re.findall(r"call @(" + _SYMBOL + ")", body) if c in bodies)
+        return memo[name]
+
+    if not bodies:
+        return text.count(marker)
+    entry = "main" if "main" in bodies else next(iter(bodies))
+    return total(entry)
 
 
 def lower(fn, *args, device_kind: str = "NVIDIA H200", num_cores: int = 132) -> str:

@@ -94,6 +94,18 @@ def test_prefill_layer_lowers_for_h200(params, name, extend):
     assert TRITON in txt
 
 
+def test_count_calls_follows_the_call_graph():
+    """A jitted function used three times lowers once, as a private function (its symbol
+    quoted) with three calls: ``count_calls`` counts its operations three times."""
+    import jax.numpy as jnp
+    inner = jax.jit(lambda x: jnp.sin(x))
+    txt = lowering.lower(lambda x: inner(inner(inner(x))) + jnp.sin(x),
+                         jax.ShapeDtypeStruct((4,), jnp.float32))
+    assert txt.count("stablehlo.sine") == 2
+    assert lowering.count_calls(txt, "stablehlo.sine") == 4
+    assert lowering.count_calls("no functions: stablehlo.sine", "stablehlo.sine") == 1
+
+
 @pytest.mark.parametrize("shape,batch,mode,changes,kernels", [
     ("8b", 1, "host", dict(selector="quest_rescore8"), 3),
     ("8b", 1, "host", dict(selector="quest_rescore8", candidate_block=4), 3),
@@ -104,8 +116,9 @@ def test_benchmark_round_lowers_at_full_size(shape, batch, mode, changes, kernel
     """The GPU benchmarks' shapes at 128k, 1024 tokens (``benchmarks/ab_step.py``): a 16 GiB
     (8B-like) / 14 GiB (Qwen-like B=8) host tier that exists only as a shape. Per layer at
     least the scores, second stage and attention kernels, and at Qwen-like B=8 the first
-    stage's full-row top-k too (16 rows of 2048 pages; of 8192 in CacheConfig()'s 16-token
-    pages)."""
+    stage's top-k kernel too (16 rows of 2048 pages in 2 pieces; of 8212 in 8 pieces in
+    CacheConfig()'s 16-token pages), counted along the call graph (``count_calls``: a
+    jitted function lowers once and is called per layer)."""
     import decode_lib as bd
     ctx = 131072
     with lowering.gpu_target():
@@ -120,7 +133,9 @@ def test_benchmark_round_lowers_at_full_size(shape, batch, mode, changes, kernel
         assert state.kv.host_kv.shape == plan.spec.host_shape
         txt = lowering.lower_round(plan, jax.eval_shape(lambda: llama.init_params(cfg, 0)),
                                    state)
-    assert txt.count(TRITON) >= kernels * cfg.num_layers
+    assert lowering.count_calls(txt) >= kernels * cfg.num_layers
+    if shape == "qwen1.5b":
+        assert lowering.count_calls(txt, 'name = "select_top_pages"') == cfg.num_layers
 
 
 @pytest.mark.parametrize("mode", ["host", "resident"])
