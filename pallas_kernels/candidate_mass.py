@@ -201,10 +201,18 @@ def _kernel(layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref
 
 def kernel_takes(keys) -> bool:
     """Whether the Pallas kernel takes this key copy [L, B, H, Np, ps, D]: int8 or bfloat16
-    keys, ``ps`` and ``D`` powers of two of at least 16 (the tensor cores' smallest block)."""
+    keys, ``ps`` a power of two and ``D`` a power of two of at least 16 (the tensor cores'
+    smallest block; a program's tile holds at least 16 tokens, ``min_block_c``)."""
     ps, D = keys.shape[-2:]
-    return (keys.dtype in (jnp.int8, jnp.bfloat16) and ps >= 16 and D >= 16
+    return (keys.dtype in (jnp.int8, jnp.bfloat16) and D >= 16
             and not ps & (ps - 1) and not D & (D - 1))
+
+
+def min_block_c(ps: int) -> int:
+    """The fewest candidates a program takes with ``ps``-token pages: its tile of
+    ``block_c * ps`` tokens is the dot's column block, at least 16 (the tensor cores'
+    smallest); candidates past ``C`` in the last program are masked."""
+    return max(1, 16 // ps)
 
 
 def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int | None = None,
@@ -218,14 +226,15 @@ def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int |
     _check(q, keys, scales, cand, positions)
     _, B, H, Np, ps, D = keys.shape
     if not kernel_takes(keys):
-        raise ValueError(f"the candidate_mass kernel takes int8 / bfloat16 keys with page size "
-                         f"and head dim powers of two >= 16, got {keys.dtype} {keys.shape}")
+        raise ValueError(f"the candidate_mass kernel takes int8 / bfloat16 keys with a page size "
+                         f"a power of two and a head dim a power of two >= 16, got "
+                         f"{keys.dtype} {keys.shape}")
     G = q.shape[1] // H
     G_pad = max(16, _common.next_pow2(G))  # the dot's row block
     C = cand.shape[2]
     if block_c is None:
         block_c = max(1, 128 // ps)
-    block_c = max(1, min(block_c, _common.next_pow2(C)))
+    block_c = max(min_block_c(ps), min(block_c, _common.next_pow2(C)))
     if block_c & (block_c - 1):
         raise ValueError(f"block_c {block_c} must be a power of two (the tile's tokens)")
     n_prog = pl.cdiv(C, block_c)

@@ -107,20 +107,23 @@ def test_candidate_mass_matches_numpy_with_poison(int8):
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
-def test_candidate_mass_kernel_matches_numpy_with_poison(dtype):
-    """The Pallas kernel (interpret mode off the GPU) at page shapes it takes: 16-token pages,
-    head dim 32, 6 query heads per KV head (padded to the dot's 16 rows), candidates in any
-    order with -1s, a request before its first token; NaN wherever it must not read."""
+@pytest.mark.parametrize("ps, block_c", [(16, 2), (8, None), (8, 1), (4, 2)])
+def test_candidate_mass_kernel_matches_numpy_with_poison(dtype, ps, block_c):
+    """The Pallas kernel (interpret mode off the GPU): head dim 32, 6 query heads per KV head
+    (padded to the dot's 16 rows), candidates in any order with -1s, a request before its
+    first token; NaN wherever it must not read. Pages of 16 tokens, and pages under 16 whose
+    programs take at least 16 tokens of candidates (a ``block_c`` below that is raised;
+    candidates past ``C`` in the last program are masked)."""
     rng = _rng()
-    q, keys, scales, cand, positions = _case(rng, L=2, B=3, H=2, G=6, Np=7, ps=16, D=32, C=5)
+    q, keys, scales, cand, positions = _case(rng, L=2, B=3, H=2, G=6, Np=7, ps=ps, D=32, C=5)
     if dtype == "bfloat16":  # the KV-dtype copy: keys themselves, scales one
         keys = (keys.astype(np.float32) * scales[..., None]).astype(jnp.bfloat16)
         scales = np.ones_like(scales)
     want = mass_numpy(q, np.asarray(keys, np.float32), scales, 1, cand, positions)
-    keys, scales = _poison(np.asarray(keys), scales, cand, positions, 1, 16)
+    keys, scales = _poison(np.asarray(keys), scales, cand, positions, 1, ps)
     got = np.asarray(cm.candidate_mass_pallas(
         jnp.asarray(q), jnp.asarray(keys), jnp.asarray(scales), jnp.int32(1), jnp.asarray(cand),
-        jnp.asarray(positions), block_c=2))
+        jnp.asarray(positions), block_c=block_c))
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
 
 
@@ -198,25 +201,30 @@ def test_candidate_mass_default_off_the_gpu_is_the_blocked_form():
 
 
 def test_candidate_mass_kernel_takes_the_reference_for_other_shapes():
-    """Pages under 16 tokens (the tensor cores' smallest block) or float32 keys: the
+    """A head dim under 16 (the tensor cores' smallest block) or float32 keys: the
     reference's result."""
     rng = _rng()
-    q, keys, scales, cand, positions = _case(rng)  # ps 4, D 8
-    args = (jnp.asarray(q), jnp.asarray(keys), jnp.asarray(scales), jnp.int32(0),
-            jnp.asarray(cand), jnp.asarray(positions))
-    np.testing.assert_array_equal(np.asarray(cm.candidate_mass_pallas(*args)),
-                                  np.asarray(cm.candidate_mass_reference(*args)))
+    for int8 in (True, False):  # head dim 8; float32 keys
+        q, keys, scales, cand, positions = _case(rng, ps=16, D=8 if int8 else 32, int8=int8)
+        assert not cm.kernel_takes(jnp.asarray(keys))
+        args = (jnp.asarray(q), jnp.asarray(keys), jnp.asarray(scales), jnp.int32(0),
+                jnp.asarray(cand), jnp.asarray(positions))
+        np.testing.assert_array_equal(np.asarray(cm.candidate_mass_pallas(*args)),
+                                      np.asarray(cm.candidate_mass_reference(*args)))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["qwen_b8", "8b_b1"])
+@pytest.mark.parametrize("shape", ["qwen_b8", "qwen_b8_p8", "8b_b1"])
 def test_gpu_candidate_mass_kernel_at_decode_shapes(shape):
     """The kernel on the GPU against the reference at the two 128k decode shapes' second stage
     (pages shortened to keep the test small): Qwen-like B=8 (64-token pages, 12 / 2 heads,
-    8x 32 candidates), 8B-like B=1 (16-token pages, 32 / 8 heads, 8x 128 candidates)."""
+    8x 32 candidates; 8-token pages, 8x 128 candidates, 16 per program), 8B-like B=1 (16-token
+    pages, 32 / 8 heads, 8x 128 candidates)."""
     rng = _rng()
     if shape == "qwen_b8":
         L, B, H, G, Np, ps, D, C = 3, 8, 2, 6, 512, 64, 128, 256
+    elif shape == "qwen_b8_p8":
+        L, B, H, G, Np, ps, D, C = 3, 8, 2, 6, 2048, 8, 128, 1024
     else:
         L, B, H, G, Np, ps, D, C = 3, 1, 8, 4, 2048, 16, 128, 1024
     q = rng.normal(size=(B, H * G, D)).astype(np.float32)
