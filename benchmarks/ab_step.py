@@ -54,10 +54,8 @@ variant is a plan of its own, so nothing is read at trace time.
 * ``rescore8_block1`` / ``rescore8_block2`` / ``rescore8_block4`` / ``rescore8_block8``:
   ``quest_rescore8`` with the first stage per page / per block of 2 / 4 / 8 pages
   (``CacheConfig.candidate_block``);
-  ``rescore8_block4_sel512``: blocks of four with the final choice's kernel for up to 512
-  candidates (``Tuning.rescore_select_kernel_max``), which 8B-like B=1 at 1024 tokens has;
-  ``rescore8_sel512`` / ``rescore8_sel512_w8``: per page with that kernel at 512 candidates,
-  with its default 4 / with 8 warps per program (``Tuning.rescore_select_warps``).
+  ``rescore8_select_w4``: the final choice's kernel with 4 warps per program instead of the
+  default's 8 at ``CacheConfig()``'s 512 candidates (``Tuning.rescore_select_warps``).
 * ``rescore8_pieces1`` / ``rescore8_pieces4`` / ``rescore8_pieces8`` / ``rescore8_pieces16``:
   ``quest_rescore8`` with the first stage's top-k over the whole row / per strided piece of a
   row, 4 / 8 / 16 pieces (``CacheConfig.candidate_pieces``; the default's ``None`` gives 8 at
@@ -176,13 +174,9 @@ VARIANTS = {
     "rescore8_pieces4": ({}, ()),
     "rescore8_pieces8": ({}, ()),
     "rescore8_pieces16": ({}, ()),
-    # ... blocks of four with the final choice's kernel up to 512 candidates (8B-like B=1 at
-    # 1024 tokens has 512; Tuning.rescore_select_kernel_max's 256 hands those to XLA)
-    "rescore8_block4_sel512": ({"rescore_select_kernel_max": 512}, ()),
-    # ... and at 512 candidates (CacheConfig()'s 1024 tokens in 16-token pages)
-    "rescore8_sel512": ({"rescore_select_kernel_max": 512}, ()),
-    # ... with 8 warps per program (Tuning.rescore_select_warps; 4 below 1024 candidates)
-    "rescore8_sel512_w8": ({"rescore_select_kernel_max": 512, "rescore_select_warps": 8}, ()),
+    # the final choice's kernel with 4 warps per program (the default from 512 candidates: 8;
+    # Tuning.rescore_select_warps)
+    "rescore8_select_w4": ({"rescore_select_warps": 4}, ()),
     # the query and the new K/V row behind a barrier per layer (Tuning.materialize_qk; None,
     # the default, sets it for the two-stage selectors): Quest with it, the two-stage without
     "materialize_qk": ({"materialize_qk": True}, ()),
@@ -214,11 +208,9 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_block2={"selector": "quest_rescore8", "candidate_block": 2},
                      rescore8_block4={"selector": "quest_rescore8", "candidate_block": 4},
                      rescore8_block8={"selector": "quest_rescore8", "candidate_block": 8},
-                     rescore8_block4_sel512={"selector": "quest_rescore8", "candidate_block": 4},
                      **{f"rescore8_pieces{n}": {"selector": "quest_rescore8",
                                                 "candidate_pieces": n} for n in (1, 4, 8, 16)},
-                     rescore8_sel512={"selector": "quest_rescore8"},
-                     rescore8_sel512_w8={"selector": "quest_rescore8"},
+                     rescore8_select_w4={"selector": "quest_rescore8"},
                      rescore8_no_mqk={"selector": "quest_rescore8"},
                      rescore8_block4_no_mqk={"selector": "quest_rescore8", "candidate_block": 4},
                      dense4={"dense_layers": DENSE4})

@@ -942,10 +942,14 @@ def _limits(st: Settings):
     return host, dev
 
 
+DENSE_TARGET_8B_B1 = 1.8  # issue 32: near the physical ceiling of ~1.85x at 128k
+
+
 def targets(cases) -> dict:
     """The decode targets as ratios from this run (None where a point is missing): host tier
-    with a 2x pool >= 0.95 of resident sparse and >= 5x dense resident at 128k, a 1M-token
-    pool <= 10% of the logical KV, no recompilation within a bucket."""
+    with a 2x pool >= 0.95 of resident sparse and >= 5x dense resident at 128k (>= 1.8x for
+    the 8B-like shape at B=1, where the weights dominate the step: ``DENSE_TARGET_8B_B1``), a
+    1M-token pool <= 10% of the logical KV, no recompilation within a bucket."""
     out = {"host2x_vs_resident_sparse_128k": [], "host_vs_dense_resident_128k": [],
            "million_token_pool_fraction": [], "no_recompilation_within_bucket": None}
     checks = []
@@ -964,7 +968,9 @@ def targets(cases) -> dict:
             if best is not None and "a" in r:
                 out["host_vs_dense_resident_128k"].append(
                     dict(case=tag, config=best["config"],
-                         ratio=best["tokens_per_s"] / r["a"]["tokens_per_s"], target=5.0))
+                         ratio=best["tokens_per_s"] / r["a"]["tokens_per_s"],
+                         target=DENSE_TARGET_8B_B1 if (c["shape"], c["batch"]) == ("8b", 1)
+                         else 5.0))
         if c["context"] >= 1 << 20:
             for x in r.values():
                 if x["mode"] == "host":
@@ -1184,7 +1190,7 @@ def table(res: dict):
         print(f"target host(2x pool)/resident sparse at 128k, {r['case']}: {r['ratio']:.3f} "
               f"({how}) (>= 0.95)")
     for r in t["host_vs_dense_resident_128k"]:
-        print(f"target host({r['config']})/dense resident at 128k, {r['case']}: {r['ratio']:.2f} (>= 5)")
+        print(f"target host({r['config']})/dense resident at 128k, {r['case']}: {r['ratio']:.2f} (>= {r['target']:g})")
     for r in t["million_token_pool_fraction"]:
         print(f"target 1M tokens, {r['case']} {r['config']}: pool {100 * r['pool_fraction']:.2f}% "
               f"of the logical KV (<= 10%), {r['tokens_per_s']:.1f} tok/s")

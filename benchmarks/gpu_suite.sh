@@ -38,8 +38,8 @@
 #   step at Qwen-like B=8 (16-token pages) and 8B-like B=1 against quest_rescore8 and Quest (ab_step,
 #   shared KV, 1024 tokens), the top-k alone (probes/first_stage_topk.py), the GPU test; up to 14 min:
 #   split it over calls by its parts pieces-q8, pieces-topk, pieces-8b, pieces-test
-# final-choice: the final choice's kernel at the default's 512 candidates, 4 and 8 warps
-#   (Tuning.rescore_select_kernel_max=512, rescore_select_warps=8), against its XLA form
+# final-choice: the final choice at the default's 512 candidates: its kernel with 8 warps (the
+#   default), with 4 (Tuning.rescore_select_warps=4), and its XLA form (rescore_select_method)
 #   (ab_step, Qwen-like B=8 in 16-token pages and 8B-like B=1, shared KV); about 7 min
 # first-stage: issue 27's cheaper first stages at the default budget (1024 tokens, 8x candidates), same-process
 #   A/B against Quest and quest_rescore8: blocks of pages (candidate_block; 8B-like B=1 and Qwen-like B=8 at
@@ -159,14 +159,14 @@ for s in $STAGES; do
         case $s in pieces|pieces-test) run pieces_test 150 $PY -m pytest -q -m gpu -p no:cacheprovider \
             tests/test_selectors.py -k pieces -o addopts="-ra" ;; esac ;;
     final-choice)
-        # the final choice's kernel at 512 candidates (CacheConfig()'s 1024 tokens in 16-token
-        # pages) with 4 and 8 warps, against the XLA form the default takes there
+        # the final choice at 512 candidates (CacheConfig()'s 1024 tokens in 16-token pages):
+        # the kernel with 8 warps (the default) and 4, and XLA's form
         fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
         run fc_q8 300 $PY benchmarks/ab_step.py --shape qwen1.5b --batch 8 --page-size 16 \
-            --variants default,rescore8,rescore8_sel512,rescore8_sel512_w8 \
+            --variants default,rescore8,rescore8_select_xla,rescore8_select_w4 \
             --tag "final_choice_qwen8_p16_$JAXKV_COMMIT" $fs
         run fc_8b 240 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
-            --variants default,rescore8,rescore8_sel512,rescore8_sel512_w8 \
+            --variants default,rescore8,rescore8_select_xla,rescore8_select_w4 \
             --tag "final_choice_8b1_$JAXKV_COMMIT" $fs ;;
     first-stage|first-stage-8b|first-stage-q8|first-stage-1m|first-stage-topk)
         # one shared KV cache: every part fits an H100 as well as an H200

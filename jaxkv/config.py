@@ -68,10 +68,13 @@ class Tuning:
         (``jaxkv.kernels.candidate_select``).
       rescore_select_kernel_max: candidates per KV head up to which "auto" takes the final
         choice kernel (one program per request and KV head: faster than XLA's top-k and sort
-        at 256 candidates, Qwen-like B=8; slower at 1024, 8B-like B=1; docs/decisions.md).
+        at 256 and, with 8 warps, 512 candidates, Qwen-like B=8 and 8B-like B=1; slower at
+        1024, 8B-like B=1; docs/decisions.md).
       rescore_select_warps: the final choice kernel's warps per program. ``None``: 4 below
-        1024 candidates, 8 from 1024. Alone at 512 candidates (Qwen-like B=8, 16 rows, one
-        H100) 8 warps take 14.7 us against 4's 17.9 (``probes/first_stage_topk.py``).
+        512 candidates, 8 from 512 (``jaxkv.kernels.candidate_select.default_warps``). At
+        ``CacheConfig()``'s 512 candidates (128k, one H100) the step with 8 warps is 1.220x
+        Quest's against 1.375x with 4 and 1.342x with XLA's form (Qwen-like B=8), 1.133x
+        against 1.230x and 1.177x (8B-like B=1).
       materialize_qk: each sparse layer's query and new K/V row pass an
         ``optimization_barrier`` before the selector and the cache write read them, so XLA
         computes their projections once instead of fusing a copy of the product into each
@@ -90,7 +93,7 @@ class Tuning:
     rescore_method: str = "auto"
     first_stage_kernel_min_rows: int | None = 16
     rescore_select_method: str = "auto"
-    rescore_select_kernel_max: int = 256
+    rescore_select_kernel_max: int = 512
     rescore_select_warps: int | None = None
     materialize_qk: bool | None = None
 

@@ -128,12 +128,20 @@ def _kernel(lens_ref, cand_ref, m_ref, l_ref, out_ref, *, G, C, k, page_size, nu
     out_ref[...] = jnp.where(out == _BIG, INVALID, out)
 
 
+def default_warps(candidates: int) -> int:
+    """The kernel's warps per program for a row of ``candidates`` (padded to a power of two):
+    4 below 512, 8 from 512 (at 512 candidates, Qwen-like B=8 and 8B-like B=1 at 128k on an
+    H100, 8 warps take 9% / 4% off the decode step that 4 warps' kernel and XLA's form
+    leave; docs/decisions.md)."""
+    return 4 if candidates < 512 else 8
+
+
 @register(OP, "pallas")
 def candidate_select_pallas(m, l, cand, seq_lens, *, G: int, k: int, page_size: int,
                             num_pages: int, num_sink_pages: int, radix_bits: int = 4,
                             num_warps: int | None = None, interpret: bool | None = None):
     """The Pallas kernel (module docstring). Grid (B, H); ``radix_bits`` (1, 2 or 4) per pass
-    of the radix search; ``num_warps`` default 4, 8 from 1024 candidates."""
+    of the radix search; ``num_warps`` default 4, 8 from 512 candidates (``default_warps``)."""
     _check(m, l, cand, seq_lens, G, k)
     B, H, Cs, Gs = m.shape
     C = cand.shape[2]
@@ -161,7 +169,7 @@ def candidate_select_pallas(m, l, cand, seq_lens, *, G: int, k: int, page_size: 
                   pl.BlockSpec((None, None, Cp), lambda b, h: (b, h, 0)), stat_spec, stat_spec],
         out_specs=pl.BlockSpec((None, None, kp), lambda b, h: (b, h, 0)),
         compiler_params=plgpu.CompilerParams(
-            num_warps=num_warps or (4 if Cp < 1024 else 8), num_stages=1),
+            num_warps=num_warps or default_warps(Cp), num_stages=1),
         interpret=_common.interpret_mode() if interpret is None else interpret,
         name="candidate_select",
     )(lens, cand, m, l)

@@ -171,15 +171,17 @@ def test_candidate_select_lowers_for_gpu(no_interpret, B, H, C, k):
 
 def test_candidate_select_warps_reach_the_kernel(no_interpret):
     """``num_warps`` (``Tuning.rescore_select_warps``) sets the kernel's warps per program;
-    ``None`` keeps 4 below 1024 candidates; the reference takes the argument and ignores it."""
+    ``None`` takes 4 below 512 candidates and 8 from 512; the reference takes the argument and
+    ignores it."""
     S = jax.ShapeDtypeStruct
-    B, H, C = 8, 2, 512
-    stat = S((B, H, C, 8), jnp.float32)
-    for w, want in ((None, "num_warps = 4"), (8, "num_warps = 8")):
+    B, H = 8, 2
+    for C, w, want in ((512, None, "num_warps = 8"), (256, None, "num_warps = 4"),
+                       (512, 4, "num_warps = 4"), (256, 8, "num_warps = 8")):
+        stat = S((B, H, C, 8), jnp.float32)
         fn = functools.partial(cs.candidate_select, G=7, k=64, page_size=16, num_pages=8212,
                                num_sink_pages=1, implementation="pallas", num_warps=w)
         txt = lower_for_h200(fn, stat, stat, S((B, H, C), jnp.int32), S((B,), jnp.int32))
-        assert want in txt
+        assert want in txt, (C, w)
     rng = _rng()
     m = rng.normal(size=(1, 1, 8, 2)).astype(np.float32)
     cand = np.arange(8, dtype=np.int32)[None, None]

@@ -157,7 +157,7 @@ def test_rescore_final_choice_method():
     ``Tuning.rescore_select_kernel_max`` candidates and XLA above; a named method wins."""
     from jaxkv.selectors.rescore import final_choice_method
     t = jaxkv.Tuning()
-    assert final_choice_method(t, "pallas", 256) == "pallas"
+    assert final_choice_method(t, "pallas", 512) == "pallas"
     assert final_choice_method(t, "pallas", 1024) == "xla"
     assert final_choice_method(t, None, 16) is None  # the implementation's own choice
     assert final_choice_method(jaxkv.Tuning(rescore_select_kernel_max=2048), "pallas",
