@@ -20,6 +20,7 @@
 #   abc-8b-lag, abc-qwen-lag: the same with CacheConfig(selection_lag=1) for b and c2;
 #   abc-qwen-b16, abc-qwen-b16-lag: Qwen-like at B=16; abc-8b-default, abc-qwen-default: the
 #   selection CacheConfig() makes (quest_rescore8, 1024 tokens in 16-token pages) instead of Quest's 2048 in 64
+#   abc-qwen-p8: that selection in 8-token pages (page_size=8, 128 pages), Qwen-like B=8
 # quality: RULER retrieval (bench_quality.py; $QUALITY_GGUF, $QUALITY_LENGTHS (default 2048),
 #   $QUALITY_ARGS, $QUALITY_TAG); quality-lag: only dense and the lagged Quest runs
 # tp-b8: only the tensor-parallel 8B-like B=8 128k part of tp
@@ -38,6 +39,9 @@
 #   step at Qwen-like B=8 (16-token pages) and 8B-like B=1 against quest_rescore8 and Quest (ab_step,
 #   shared KV, 1024 tokens), the top-k alone (probes/first_stage_topk.py), the GPU test; up to 14 min:
 #   split it over calls by its parts pieces-q8, pieces-topk, pieces-8b, pieces-test
+# pages8: CacheConfig()'s 1024 tokens in 8-token pages, per page and with the first stage by
+#   blocks of two pages, against Quest, and the 16-token default in a second process (ab_step,
+#   shared KV); parts pages8-q8 (Qwen-like B=8) and pages8-8b (8B-like B=1), ~7 min each
 # final-choice: the final choice at the default's 512 candidates: its kernel with 8 warps (the
 #   default), with 4 (Tuning.rescore_select_warps=4), and its XLA form (rescore_select_method)
 #   (ab_step, Qwen-like B=8 in 16-token pages and 8B-like B=1, shared KV); about 7 min
@@ -113,7 +117,7 @@ for s in $STAGES; do
         XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=$lim run "$s" 570 $PY benchmarks/bench_decode.py $args \
           --configs ${GRID_CONFIGS:-a,b,c,d} --pools ${GRID_POOLS:-1,2,4} \
           --page-size 64 --prefill none --probe-steps 0 --no-plot --budget 530 --tag "${s}_$JAXKV_COMMIT" --out "$OUT" ;;
-    abc-8b|abc-qwen|abc-8b-lag|abc-qwen-lag|abc-qwen-b16|abc-qwen-b16-lag|abc-8b-default|abc-qwen-default)
+    abc-8b|abc-qwen|abc-8b-lag|abc-qwen-lag|abc-qwen-b16|abc-qwen-b16-lag|abc-8b-default|abc-qwen-default|abc-qwen-p8)
         ps=64
         case $s in
           abc-8b) args="--shape 8b --batches 1 --tag 8b_128k_b1_abc_$JAXKV_COMMIT" ;;
@@ -126,6 +130,7 @@ for s in $STAGES; do
             ps=16; sel="--selector quest_rescore8 --selected-tokens 1024"
             case $s in
               abc-8b-default) args="--shape 8b --batches 1 $sel --tag 8b_128k_b1_abc_default_$JAXKV_COMMIT" ;;
+              abc-qwen-p8) ps=8; args="--shape qwen1.5b --batches 8 $sel --tag qwen_128k_b8_abc_p8_$JAXKV_COMMIT" ;;
               *) args="--shape qwen1.5b --batches 8 $sel --tag qwen_128k_b8_abc_default_$JAXKV_COMMIT" ;;
             esac ;;
         esac
@@ -158,6 +163,22 @@ for s in $STAGES; do
             --variants default,rescore8_pieces1,rescore8_pieces8,rescore8_pieces16 --tag "pieces_8b1_$JAXKV_COMMIT" $fs ;; esac
         case $s in pieces|pieces-test) run pieces_test 150 $PY -m pytest -q -m gpu -p no:cacheprovider \
             tests/test_selectors.py -k pieces -o addopts="-ra" ;; esac ;;
+    pages8|pages8-q8|pages8-8b)
+        # CacheConfig()'s 1024 tokens in 8-token pages (selected_pages=128; 1024 candidates):
+        # per page and with the first stage per block of two pages (the bounds of 16-token
+        # pages), against Quest in 8-token pages; then the 16-token default and its Quest in a
+        # second process of the same call (ab_step shares one page size per process)
+        fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-2} --share-kv --out $OUT"
+        case $s in pages8|pages8-q8)
+          run p8_q8 240 $PY benchmarks/ab_step.py --shape qwen1.5b --batch 8 --page-size 8 \
+            --variants default,rescore8,rescore8_block2 --tag "p8_qwen8_$JAXKV_COMMIT" $fs
+          run p16_q8 180 $PY benchmarks/ab_step.py --shape qwen1.5b --batch 8 --page-size 16 \
+            --variants default,rescore8 --tag "p16_qwen8_$JAXKV_COMMIT" $fs ;; esac
+        case $s in pages8|pages8-8b)
+          run p8_8b 240 $PY benchmarks/ab_step.py --shape 8b --batch 1 --page-size 8 \
+            --variants default,rescore8,rescore8_block2 --tag "p8_8b1_$JAXKV_COMMIT" $fs
+          run p16_8b 180 $PY benchmarks/ab_step.py --shape 8b --batch 1 --page-size 16 \
+            --variants default,rescore8 --tag "p16_8b1_$JAXKV_COMMIT" $fs ;; esac ;;
     final-choice)
         # the final choice at 512 candidates (CacheConfig()'s 1024 tokens in 16-token pages):
         # the kernel with 8 warps (the default) and 4, and XLA's form
