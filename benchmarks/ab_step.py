@@ -55,7 +55,10 @@ variant is a plan of its own, so nothing is read at trace time.
   ``quest_rescore8`` with the first stage per page / per block of 2 / 4 / 8 pages
   (``CacheConfig.candidate_block``);
   ``rescore8_select_w4``: the final choice's kernel with 4 warps per program instead of the
-  default's 8 at ``CacheConfig()``'s 512 candidates (``Tuning.rescore_select_warps``).
+  default's 8 at ``CacheConfig()``'s 512 candidates (``Tuning.rescore_select_warps``);
+  ``rescore8_sel1024`` / ``rescore8_block2_sel1024``: that kernel up to 1024 candidates
+  (``Tuning.rescore_select_kernel_max``; 1024 tokens in 8-token pages have 1024), per page /
+  with the first stage by blocks of two pages.
 * ``rescore8_pieces1`` / ``rescore8_pieces4`` / ``rescore8_pieces8`` / ``rescore8_pieces16``:
   ``quest_rescore8`` with the first stage's top-k over the whole row / per strided piece of a
   row, 4 / 8 / 16 pieces (``CacheConfig.candidate_pieces``; the default's ``None`` gives 8 at
@@ -177,6 +180,10 @@ VARIANTS = {
     # the final choice's kernel with 4 warps per program (the default from 512 candidates: 8;
     # Tuning.rescore_select_warps)
     "rescore8_select_w4": ({"rescore_select_warps": 4}, ()),
+    # ... the kernel up to 1024 candidates (8-token pages at 1024 tokens have 1024), per page
+    # and with the first stage by blocks of two pages
+    "rescore8_sel1024": ({"rescore_select_kernel_max": 1024}, ()),
+    "rescore8_block2_sel1024": ({"rescore_select_kernel_max": 1024}, ()),
     # the query and the new K/V row behind a barrier per layer (Tuning.materialize_qk; None,
     # the default, sets it for the two-stage selectors): Quest with it, the two-stage without
     "materialize_qk": ({"materialize_qk": True}, ()),
@@ -211,6 +218,8 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      **{f"rescore8_pieces{n}": {"selector": "quest_rescore8",
                                                 "candidate_pieces": n} for n in (1, 4, 8, 16)},
                      rescore8_select_w4={"selector": "quest_rescore8"},
+                     rescore8_sel1024={"selector": "quest_rescore8"},
+                     rescore8_block2_sel1024={"selector": "quest_rescore8", "candidate_block": 2},
                      rescore8_no_mqk={"selector": "quest_rescore8"},
                      rescore8_block4_no_mqk={"selector": "quest_rescore8", "candidate_block": 4},
                      dense4={"dense_layers": DENSE4})

@@ -166,17 +166,18 @@ for s in $STAGES; do
     pages8|pages8-q8|pages8-8b)
         # CacheConfig()'s 1024 tokens in 8-token pages (selected_pages=128; 1024 candidates):
         # per page and with the first stage per block of two pages (the bounds of 16-token
-        # pages), against Quest in 8-token pages; then the 16-token default and its Quest in a
+        # pages), the latter also with the final choice's kernel at its 1024 candidates,
+        # against Quest in 8-token pages; then the 16-token default and its Quest in a
         # second process of the same call (ab_step shares one page size per process)
         fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-2} --share-kv --out $OUT"
         case $s in pages8|pages8-q8)
           run p8_q8 240 $PY benchmarks/ab_step.py --shape qwen1.5b --batch 8 --page-size 8 \
-            --variants default,rescore8,rescore8_block2 --tag "p8_qwen8_$JAXKV_COMMIT" $fs
+            --variants default,rescore8,rescore8_block2,rescore8_block2_sel1024 --tag "p8_qwen8_$JAXKV_COMMIT" $fs
           run p16_q8 180 $PY benchmarks/ab_step.py --shape qwen1.5b --batch 8 --page-size 16 \
             --variants default,rescore8 --tag "p16_qwen8_$JAXKV_COMMIT" $fs ;; esac
         case $s in pages8|pages8-8b)
           run p8_8b 240 $PY benchmarks/ab_step.py --shape 8b --batch 1 --page-size 8 \
-            --variants default,rescore8,rescore8_block2 --tag "p8_8b1_$JAXKV_COMMIT" $fs
+            --variants default,rescore8,rescore8_block2,rescore8_block2_sel1024 --tag "p8_8b1_$JAXKV_COMMIT" $fs
           run p16_8b 180 $PY benchmarks/ab_step.py --shape 8b --batch 1 --page-size 16 \
             --variants default,rescore8 --tag "p16_8b1_$JAXKV_COMMIT" $fs ;; esac ;;
     final-choice)
