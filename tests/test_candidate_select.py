@@ -193,9 +193,11 @@ def test_candidate_select_warps_reach_the_kernel(no_interpret):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,H,C,G,k", [(8, 2, 256, 7, 16), (1, 8, 1024, 4, 64), (4, 3, 96, 3, 10)])
+@pytest.mark.parametrize("B,H,C,G,k", [(8, 2, 256, 7, 16), (8, 2, 512, 7, 64), (1, 8, 1024, 4, 64),
+                                       (4, 3, 96, 3, 10)])
 def test_gpu_candidate_select_kernel(B, H, C, G, k):
-    """The kernel on the GPU against numpy at decode shapes, NaN padding included."""
+    """The kernel on the GPU against numpy at decode shapes, NaN padding included; 512
+    candidates: ``CacheConfig()``'s at Qwen-like B=8 (8 warps by default)."""
     rng = _rng()
     Np, ps = 2048, 64
     seq_lens = rng.integers(Np * ps // 2, Np * ps, size=B).astype(np.int32)
