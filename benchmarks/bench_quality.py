@@ -59,12 +59,16 @@ whose settings, pool cap, run specs and cases must be this command's;
 ``--dense-from`` pairs the runs with an earlier file's dense runs instead of running dense,
 for the same model, dtype, page size and cases: dense decoding is deterministic).
 ``--summarize OUT.json A.json B.json ...`` merges result files of several commands into one
-table.
+table. ``--compare A.json:RUN B.json:RUN`` pairs two runs case by case (each file's own dense
+run decides which cases count: those both files' dense runs get fully right) and prints, per
+length and over all, what each keeps, what B loses and gains against A, the sign test's p and
+the tasks of the cases that differ.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import datetime
 import fnmatch
 import hashlib
@@ -949,6 +953,92 @@ def summarize(out_json, inputs) -> dict:
     return out
 
 
+COMPARE_KEYS = tuple(k for k in STORED_KEYS if k != "page_size")  # a run may set its own
+
+
+def _run_at(d: dict, name: str, length: int, source: str) -> dict:
+    for r in d["runs"]:
+        if r["name"] == name and r["length"] == length:
+            return r
+    have = sorted({r["name"] for r in d["runs"] if r["length"] == length})
+    raise SystemExit(f"--compare: {source} has no run {name!r} at {length} tokens "
+                     f"(its runs there: {', '.join(have) or 'none'})")
+
+
+def compare(a_ref: str, b_ref: str) -> list[dict]:
+    """Case by case, run B against run A (``FILE.json:RUN`` each), per length both files have
+    and over all of them: of the cases both files' dense runs get fully right, how many A and
+    B get fully right, B's losses and gains against A, the sign test's p and the tasks of the
+    cases that differ. Files of other settings (``COMPARE_KEYS``) are an error."""
+    files = []
+    for ref in (a_ref, b_ref):
+        path, sep, name = ref.rpartition(":")
+        if not sep or not path or not name:
+            raise SystemExit(f"--compare takes FILE.json:RUN, got {ref!r}")
+        if not Path(path).is_file():
+            raise SystemExit(f"--compare: no file {path}")
+        files.append((json.loads(Path(path).read_text()), name, path))
+    (a, an, ap_), (b, bn, bp) = files
+    diff = _setting_diff(a, b, COMPARE_KEYS, (f"in {ap_}", f"in {bp}"))
+    if diff:
+        raise SystemExit(f"--compare: the files differ in {'; '.join(diff)}")
+    for d, name, src in files:
+        if not any(r["name"] == name for r in d["runs"]):
+            have = sorted({r["name"] for r in d["runs"]})
+            raise SystemExit(f"--compare: {src} has no run {name!r} (its runs: {', '.join(have)})")
+    lengths = sorted({r["length"] for r in a["runs"] if r["name"] == an}
+                     & {r["length"] for r in b["runs"] if r["name"] == bn})
+    if not lengths:
+        raise SystemExit(f"--compare: no length has both {a_ref} and {b_ref}")
+    rows, total = [], None
+    for length in lengths:
+        right = []
+        for d, name, src in ((a, an, ap_), (b, bn, bp)):
+            dense = _run_at(d, "dense", length, src)
+            ok = {(q["task"], q["index"]) for q in dense["requests"] if q["score"] >= 1.0}
+            got = {(q["task"], q["index"]): q["score"] >= 1.0
+                   for q in _run_at(d, name, length, src)["requests"]}
+            right.append((ok, got))
+        cases = sorted(right[0][0] & right[1][0] & set(right[0][1]) & set(right[1][1]))
+        ka = [c for c in cases if right[0][1][c]]
+        kb = [c for c in cases if right[1][1][c]]
+        lost = sorted(set(ka) - set(kb))
+        gained = sorted(set(kb) - set(ka))
+        row = dict(length=length, of=len(cases), kept_a=len(ka), kept_b=len(kb),
+                   lost=len(lost), gained=len(gained),
+                   lost_tasks=dict(collections.Counter(t for t, _ in lost)),
+                   gained_tasks=dict(collections.Counter(t for t, _ in gained)))
+        rows.append(row)
+        if total is None:
+            total = dict(row, length="all", lost_tasks=collections.Counter(),
+                         gained_tasks=collections.Counter())
+            for k in ("of", "kept_a", "kept_b", "lost", "gained"):
+                total[k] = 0
+        for k in ("of", "kept_a", "kept_b", "lost", "gained"):
+            total[k] += row[k]
+        total["lost_tasks"].update(row["lost_tasks"])
+        total["gained_tasks"].update(row["gained_tasks"])
+    total["lost_tasks"], total["gained_tasks"] = dict(total["lost_tasks"]), dict(total["gained_tasks"])
+    rows.append(total)
+    for r in rows:
+        r["p"] = sign_test_p(r["lost"], r["gained"])
+    return rows
+
+
+def compare_markdown(rows: list[dict], a_ref: str, b_ref: str) -> str:
+    pct = lambda k, n: f"{100 * k / n:.1f}% ({k}/{n})" if n else "-"  # noqa: E731
+    tasks = lambda c: ", ".join(f"{t} {n}" for t, n in sorted(c.items())) or "-"  # noqa: E731
+    lines = [f"A = `{a_ref}`, B = `{b_ref}`; the cases both files' dense runs get fully right.",
+             "", "| length | A kept | B kept | B lost | B gained | p | lost by task | gained by task |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        name = "**all**" if r["length"] == "all" else r["length"]
+        lines.append(f"| {name} | {pct(r['kept_a'], r['of'])} | {pct(r['kept_b'], r['of'])} | "
+                     f"{r['lost']} | {r['gained']} | {r['p']:.2g} | {tasks(r['lost_tasks'])} | "
+                     f"{tasks(r['gained_tasks'])} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -956,6 +1046,8 @@ def main(argv=None):
     ap.add_argument("--prepare", metavar="DIR", help="generate the cases into DIR and exit")
     ap.add_argument("--summarize", nargs="+", metavar=("OUT.json", "IN.json"),
                     help="merge result files into OUT.json (+ .md) and exit")
+    ap.add_argument("--compare", nargs=2, metavar=("A.json:RUN", "B.json:RUN"),
+                    help="pair run B with run A case by case, print the table and exit")
     ap.add_argument("--data", help=f"prepared cases (default {DEFAULT_DATA} if present, else "
                                    "built live: needs the tokenizer and the RULER package)")
     ap.add_argument("--gguf", "--model", dest="gguf",
@@ -1018,8 +1110,11 @@ def main(argv=None):
             ap.error("--summarize OUT.json IN.json [IN.json ...]")
         print(markdown(summarize(a.summarize[0], a.summarize[1:])))
         return
+    if a.compare:
+        print(compare_markdown(compare(*a.compare), *a.compare), end="")
+        return
     if not a.out:
-        ap.error("--out is required (or --prepare DIR, or --summarize)")
+        ap.error("--out is required (or --prepare DIR, --summarize or --compare)")
     try:
         extra = dict(parse_spec(s) for s in a.spec)
     except ValueError as e:

@@ -412,3 +412,46 @@ def test_end_to_end_dense_and_quest_host_equals_resident(gguf_path, decoder, tmp
                                  stops=decoder.stop_ids(model.eos_id), texts="diff",
                                  on_run=diff.append, dense_record=stored)
         assert ("text" in diff[0]["requests"][0]) == kept
+
+
+def test_compare_pairs_two_runs_case_by_case(tmp_path, capsys):
+    """``--compare A.json:RUN B.json:RUN``: of the cases both files' dense runs get fully right,
+    what each run keeps, B's losses and gains against A with their tasks and the sign test;
+    per length and over all; a run or file that is not there, or files of other settings, are
+    errors naming them."""
+    base = dict(model="m", device="gpu", commit="c", jax_version="0", date="d", dtype="bf16",
+                page_size=16, score="s", generator="g", seed=42, template="chat")
+
+    def run(name, scores, length=2048, tasks=("vt", "vt", "niah_single_1", "niah_single_1")):
+        return dict(length=length, name=name, requests=[_req(t, i, s) for i, (t, s) in
+                                                        enumerate(zip(tasks, scores))])
+
+    a = dict(base, runs=[run("dense", [1, 1, 1, 0]), run("x", [1, 0, 1, 1]),
+                         run("dense", [1, 1], 4096, ("vt", "vt")), run("x", [1, 1], 4096, ("vt", "vt"))])
+    # B's own dense misses case 2: it does not count; B's run "y" is in 8-token pages
+    b = dict(base, page_size=16, runs=[run("dense", [1, 1, 0, 1]), run("y", [0, 1, 1, 1]),
+                                       run("dense", [1, 1], 4096, ("vt", "vt")),
+                                       run("y", [0, 1], 4096, ("vt", "vt"))])
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    A, B = f"{tmp_path / 'a.json'}:x", f"{tmp_path / 'b.json'}:y"
+    rows = bench_quality.compare(A, B)
+    assert [(r["length"], r["of"], r["kept_a"], r["kept_b"], r["lost"], r["gained"])
+            for r in rows] == [(2048, 2, 1, 1, 1, 1), (4096, 2, 2, 1, 1, 0), ("all", 4, 3, 2, 2, 1)]
+    assert rows[0]["lost_tasks"] == {"vt": 1} and rows[0]["gained_tasks"] == {"vt": 1}
+    assert rows[-1]["lost_tasks"] == {"vt": 2} and rows[-1]["p"] == pytest.approx(1.0)
+    bench_quality.main(["--compare", A, B])
+    out = capsys.readouterr().out
+    assert "| **all** | 75.0% (3/4) | 50.0% (2/4) | 2 | 1 | 1 | vt 2 | vt 1 |" in out
+    with pytest.raises(SystemExit, match=r"b.json has no run 'z' \(its runs: dense, y\)"):
+        bench_quality.compare(A, f"{tmp_path / 'b.json'}:z")
+    (tmp_path / "d.json").write_text(json.dumps(dict(b, runs=b["runs"][1:])))  # no dense at 2k
+    with pytest.raises(SystemExit, match="has no run 'dense' at 2048 tokens .*its runs there: y"):
+        bench_quality.compare(A, f"{tmp_path / 'd.json'}:y")
+    with pytest.raises(SystemExit, match="takes FILE.json:RUN"):
+        bench_quality.compare(A, str(tmp_path / "b.json"))
+    with pytest.raises(SystemExit, match="no file"):
+        bench_quality.compare(A, f"{tmp_path / 'c.json'}:y")
+    (tmp_path / "c.json").write_text(json.dumps(dict(b, dtype="float32")))
+    with pytest.raises(SystemExit, match="dtype 'bf16' in .*a.json, 'float32' in .*c.json"):
+        bench_quality.compare(A, f"{tmp_path / 'c.json'}:y")
