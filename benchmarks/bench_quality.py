@@ -990,7 +990,8 @@ def compare(a_ref: str, b_ref: str) -> list[dict]:
                      & {r["length"] for r in b["runs"] if r["name"] == bn})
     if not lengths:
         raise SystemExit(f"--compare: no length has both {a_ref} and {b_ref}")
-    rows, total = [], None
+    counts = ("of", "kept_a", "kept_b", "lost", "gained")
+    rows = []
     for length in lengths:
         right = []
         for d, name, src in ((a, an, ap_), (b, bn, bp)):
@@ -999,29 +1000,20 @@ def compare(a_ref: str, b_ref: str) -> list[dict]:
             got = {(q["task"], q["index"]): q["score"] >= 1.0
                    for q in _run_at(d, name, length, src)["requests"]}
             right.append((ok, got))
-        cases = sorted(right[0][0] & right[1][0] & set(right[0][1]) & set(right[1][1]))
-        ka = [c for c in cases if right[0][1][c]]
-        kb = [c for c in cases if right[1][1][c]]
-        lost = sorted(set(ka) - set(kb))
-        gained = sorted(set(kb) - set(ka))
-        row = dict(length=length, of=len(cases), kept_a=len(ka), kept_b=len(kb),
-                   lost=len(lost), gained=len(gained),
-                   lost_tasks=dict(collections.Counter(t for t, _ in lost)),
-                   gained_tasks=dict(collections.Counter(t for t, _ in gained)))
-        rows.append(row)
-        if total is None:
-            total = dict(row, length="all", lost_tasks=collections.Counter(),
-                         gained_tasks=collections.Counter())
-            for k in ("of", "kept_a", "kept_b", "lost", "gained"):
-                total[k] = 0
-        for k in ("of", "kept_a", "kept_b", "lost", "gained"):
-            total[k] += row[k]
-        total["lost_tasks"].update(row["lost_tasks"])
-        total["gained_tasks"].update(row["gained_tasks"])
-    total["lost_tasks"], total["gained_tasks"] = dict(total["lost_tasks"]), dict(total["gained_tasks"])
+        cases = right[0][0] & right[1][0] & set(right[0][1]) & set(right[1][1])
+        ka = {c for c in cases if right[0][1][c]}
+        kb = {c for c in cases if right[1][1][c]}
+        rows.append(dict(length=length, of=len(cases), kept_a=len(ka), kept_b=len(kb),
+                         lost=len(ka - kb), gained=len(kb - ka),
+                         lost_tasks=collections.Counter(t for t, _ in ka - kb),
+                         gained_tasks=collections.Counter(t for t, _ in kb - ka)))
+    total = dict(length="all", **{k: sum(r[k] for r in rows) for k in counts},
+                 lost_tasks=sum((r["lost_tasks"] for r in rows), collections.Counter()),
+                 gained_tasks=sum((r["gained_tasks"] for r in rows), collections.Counter()))
     rows.append(total)
     for r in rows:
         r["p"] = sign_test_p(r["lost"], r["gained"])
+        r["lost_tasks"], r["gained_tasks"] = dict(r["lost_tasks"]), dict(r["gained_tasks"])
     return rows
 
 
