@@ -3,7 +3,9 @@ or ``--gguf FILE``; float32, one request), prefill tokens/s at 512 / 2k / 8k pro
 and decode tokens/s, resident (dense selector) and host tier (Quest, 256 tokens: 16 pages of 16); ``--modes ...
 default``: ``CacheConfig()`` as a call without ``cache=`` gets it (the two-stage selector at
 1024 tokens, host tier); ``default-xla``: the same with the second stage's XLA reference
-(``Tuning(rescore_method="xla")``) in place of the CPU's blocked formulation.
+(``Tuning(rescore_method="xla")``) in place of the CPU's blocked formulation; ``default-p8`` /
+``default-p8b2``: the default's 1024 tokens in 8-token pages (``page_size=8,
+selected_pages=128``), the second with the first stage by blocks of two (``candidate_block=2``).
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/bench_cpu.py --out DIR \\
         [--lengths 512 2048 8192] [--new 32] [--reps 2] [--torch-python /path/to/python]
@@ -153,7 +155,11 @@ def run_jaxkv(args, cfg, params) -> list[dict]:
              "default": {},
              # the default with the second stage's XLA reference instead of the CPU's blocked
              # formulation (an A/B of the two in one process: --modes default default-xla)
-             "default-xla": dict(tuning=jaxkv.Tuning(rescore_method="xla"))}
+             "default-xla": dict(tuning=jaxkv.Tuning(rescore_method="xla")),
+             # the default's 1024 tokens in 8-token pages, per page and with the first stage
+             # by blocks of two (the page-size question of docs/decisions.md)
+             "default-p8": dict(page_size=8, selected_pages=128),
+             "default-p8b2": dict(page_size=8, selected_pages=128, candidate_block=2)}
     rows = []
     for n in args.lengths:
         n = min(n, cfg.max_position - args.new)  # 8k: the prompt leaves room for the new tokens
@@ -234,7 +240,8 @@ def main():
     ap.add_argument("--tag", help="suffix of the output names (bench_cpu_TAG.json / .md)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--modes", nargs="+", default=["resident", "host"],
-                    choices=["resident", "host", "default", "default-xla"],
+                    choices=["resident", "host", "default", "default-xla", "default-p8",
+                             "default-p8b2"],
                     help="repeat modes to alternate them (same process)")
     ap.add_argument("--new", type=int, default=32, help="new tokens per call (decode steps)")
     ap.add_argument("--reps", type=int, default=2, help="timed calls after the first")
