@@ -59,6 +59,8 @@ variant is a plan of its own, so nothing is read at trace time.
   ``rescore8_sel1024`` / ``rescore8_block2_sel1024``: that kernel up to 1024 candidates
   (``Tuning.rescore_select_kernel_max``; 1024 tokens in 8-token pages have 1024), per page /
   with the first stage by blocks of two pages.
+* ``rescore8_c512``: ``quest_rescore8`` with 512 first-stage candidates whatever the budget
+  (``CacheConfig(candidate_pages=512)``; at 1024 tokens in 16-token pages the default's own).
 * ``rescore8_pieces1`` / ``rescore8_pieces4`` / ``rescore8_pieces8`` / ``rescore8_pieces16``:
   ``quest_rescore8`` with the first stage's top-k over the whole row / per strided piece of a
   row, 4 / 8 / 16 pieces (``CacheConfig.candidate_pieces``; the default's ``None`` gives 8 at
@@ -173,6 +175,7 @@ VARIANTS = {
     "rescore8_block4": ({}, ()),
     "rescore8_block8": ({}, ()),
     # the first stage's top-k per strided piece of a row (CacheConfig.candidate_pieces)
+    "rescore8_c512": ({}, ()),
     "rescore8_pieces1": ({}, ()),
     "rescore8_pieces4": ({}, ()),
     "rescore8_pieces8": ({}, ()),
@@ -215,6 +218,7 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_block2={"selector": "quest_rescore8", "candidate_block": 2},
                      rescore8_block4={"selector": "quest_rescore8", "candidate_block": 4},
                      rescore8_block8={"selector": "quest_rescore8", "candidate_block": 8},
+                     rescore8_c512={"selector": "quest_rescore8", "candidate_pages": 512},
                      **{f"rescore8_pieces{n}": {"selector": "quest_rescore8",
                                                 "candidate_pieces": n} for n in (1, 4, 8, 16)},
                      rescore8_select_w4={"selector": "quest_rescore8"},
