@@ -640,9 +640,10 @@ def simulate_overlap(salience: float, *, model, page_size: int, num_pages: int, 
     """
     kind = _simulated_kind(selector)
     cands, bits = 0, 8
-    if kind == "two_stage":  # the selector's first-stage count (its 4x / 8x of k, at most Np)
+    if kind == "two_stage":  # the selector's first-stage count (its default, at most Np)
         two = selectors.get(selector)
-        cands, bits = min(two.candidates * int(k), int(num_pages)), two.key_bits
+        cands = min(two.default_candidates(int(k), int(page_size)), int(num_pages))
+        bits = two.key_bits
     pages = _simulate(jnp.float32(salience), np.uint32(seed % 2**32), selector=kind,
                       heads=model.num_kv_heads, group=model.group_size, head_dim=model.head_dim,
                       page_size=page_size, num_pages=int(num_pages), k=int(min(k, num_pages)),

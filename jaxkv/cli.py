@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "models with indexer weights)")
     p.add_argument("--candidate-pages", type=_positive_int, default=None,
                    help="quest_rescore8: pages per KV head Quest hands to the re-ranking "
-                        "(default: 8x the budget's pages; 16x kept an exact oracle's retrievals)")
+                        "(default: 8x the budget's pages, at least 8192 tokens' pages; 16x kept an "
+                        "exact oracle's retrievals)")
     p.add_argument("--candidate-block", type=_positive_int, default=1,
                    help="quest_rescore8: Quest's first stage bounds and picks blocks of this "
                         "many pages (fewer bounds to read and rank, fewer retrievals kept); "

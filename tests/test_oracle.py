@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxkv
-from jaxkv import CacheConfig, engine
+from jaxkv import CacheConfig, engine, selectors
 from jaxkv.models import configs, llama
 from jaxkv.selectors import oracle
 from test_selectors import _rng, check_selection
@@ -174,17 +174,27 @@ def test_rescore_final_choice_method():
 
 
 def test_rescore_candidate_pages_sets_the_first_stage():
-    """``candidate_pages`` replaces the selector's multiple of the budget (capped at the row's
-    pages): quest_rescore with 8x the budget as candidates is quest_rescore8, token for token
-    (host tier against resident)."""
+    """``candidate_pages`` replaces the selector's default (capped at the row's pages): 4x the
+    budget for quest_rescore; 8x for quest_rescore8 and at least 8192 tokens' pages. With the
+    same candidates the two are the same selector, token for token (host tier against
+    resident)."""
     kw = dict(page_size=4, selected_pages=3)
-    for n, want in ((None, 12), (7, 7), (1000, 64)):
-        cache = CacheConfig(mode="resident", selector="quest_rescore", candidate_pages=n, **kw)
+    for sel, n, want in (("quest_rescore", None, 12), ("quest_rescore", 7, 7),
+                         ("quest_rescore", 1000, 64), ("quest_rescore8", None, 64),
+                         ("quest_rescore8", 24, 24)):
+        cache = CacheConfig(mode="resident", selector=sel, candidate_pages=n, **kw)
         plan = engine.Plan(model=CFG, cache=cache, batch=1, prompt_len=200, max_context=256,
                            num_stop=1)
-        assert plan.selector.candidate_count(plan) == want
+        assert plan.selector.candidate_count(plan) == want, (sel, n)
+    wide8, wide4 = selectors.get("quest_rescore8"), selectors.get("quest_rescore")
+    for k, ps, want in ((64, 16, 512), (32, 16, 512), (16, 16, 512), (128, 16, 1024),
+                        (128, 8, 1024), (64, 8, 1024), (16, 64, 128), (8, 64, 128),
+                        (3, 4, 2048)):
+        assert wide8.default_candidates(k, ps) == want, (k, ps)
+    assert wide4.default_candidates(32, 16) == 128 and wide4.default_candidates(1, 16) == 4
     wide = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
-                          cache=CacheConfig(mode="resident", selector="quest_rescore8", **kw))
+                          cache=CacheConfig(mode="resident", selector="quest_rescore8",
+                                            candidate_pages=24, **kw))
     set8 = jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
                           cache=CacheConfig(mode="host", selector="quest_rescore",
                                             candidate_pages=24, **kw))

@@ -1250,7 +1250,8 @@ def test_rescore_first_stage_method():
     """The two-stage selector's first stage: the full-row kernel with the Pallas
     implementation for rows of up to 4096 entries (pages, or blocks of pages), and of 8192
     with 16 rows or more (requests x KV heads), XLA's top-k otherwise; a tuning's method
-    wins."""
+    wins. (24 candidates, 8x the budget: ``None``'s floor of 8192 tokens would make them
+    2048 at these 4-token pages.)"""
     from jaxkv import CacheConfig, Tuning, engine
     from jaxkv.models import configs
     cfg = configs.tiny()
@@ -1260,13 +1261,14 @@ def test_rescore_first_stage_method():
                                        ("pallas", Tuning(), 4 * 8192, 1, "sort"),  # 8192 pages
                                        ("pallas", Tuning(), 4 * 8192, 4, "pallas")):  # 2048 blocks
         cache = CacheConfig(mode="resident", selector="quest_rescore8", page_size=4,
-                            selected_pages=3, implementation=impl, tuning=tuning,
-                            max_context=ctx, candidate_block=r)
+                            selected_pages=3, candidate_pages=24, implementation=impl,
+                            tuning=tuning, max_context=ctx, candidate_block=r)
         plan = engine.Plan(model=cfg, cache=cache, batch=1, prompt_len=200, max_context=ctx,
                            num_stop=1)
         assert plan.selector._first_stage_kw(plan)["topk_method"] == want, (impl, tuning, ctx)
     cache = CacheConfig(mode="resident", selector="quest_rescore8", page_size=4,
-                        selected_pages=3, implementation="pallas", max_context=4 * 8192)
+                        selected_pages=3, candidate_pages=24, implementation="pallas",
+                        max_context=4 * 8192)
     for batch, want in ((16 // cfg.num_kv_heads, "pallas"), (8 // cfg.num_kv_heads, "sort")):
         plan = engine.Plan(model=cfg, cache=cache, batch=batch, prompt_len=200,
                            max_context=4 * 8192, num_stop=1)
