@@ -34,6 +34,7 @@ from jaxkv.kernels import _common
 from jaxkv.kernels import candidate_mass as mass_kernels
 from jaxkv.kernels import candidate_select as select_kernels
 from jaxkv.kernels import dense_select
+from jaxkv.kernels import key_copy
 from jaxkv.kernels import quest as quest_kernels
 from jaxkv.kernels import topk as topk_kernels
 from jaxkv.kernels.candidate_select import top_candidates
@@ -291,9 +292,13 @@ class Rescore(Quest):
 
     def _store_keys(self, plan, summaries, layer, k, positions):
         """(keys, scales): the key copy with k [B, ..., H, D] quantized and stored at
-        positions [B, ...] (a decode step's [B], a turn's [B, T]; -1: dropped)."""
+        positions [B, ...] (a decode step's [B], a turn's [B, T]; -1: dropped). A decode
+        step's write takes ``Tuning.rescore_store_method``."""
         ps, Np = plan.page_size, plan.pages_per_seq
         vals, scale = quantize(k, self.key_bits)
+        if positions.ndim == 1 and plan.cache.tuning.rescore_store_method == "pallas":
+            return key_copy.store_key_copy(summaries[2], summaries[3], layer, vals, scale,
+                                           positions, page_size=ps, implementation="pallas")
         lead, H = positions.ndim, k.shape[-2]
         b = jnp.arange(positions.shape[0])[(slice(None),) + (None,) * lead]
         hh = jnp.arange(H)[(None,) * lead]
