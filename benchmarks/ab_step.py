@@ -176,9 +176,10 @@ VARIANTS = {
     "rescore8_block2": ({}, ()),
     "rescore8_block4": ({}, ()),
     "rescore8_block8": ({}, ()),
-    # the first stage's top-k per strided piece of a row (CacheConfig.candidate_pieces)
+    # 512 first-stage candidates whatever the budget; the key copy's write as one kernel
     "rescore8_c512": ({}, ()),
     "rescore8_store_pallas": ({"rescore_store_method": "pallas"}, ()),
+    # the first stage's top-k per strided piece of a row (CacheConfig.candidate_pieces)
     "rescore8_pieces1": ({}, ()),
     "rescore8_pieces4": ({}, ()),
     "rescore8_pieces8": ({}, ()),

@@ -36,9 +36,12 @@ def _check(keys, scales, vals, scale, positions, page_size):
 
 
 @_common.register(OP, "xla")
-def store_key_copy_reference(keys, scales, layer, vals, scale, positions, *, page_size):
+def store_key_copy_reference(keys, scales, layer, vals, scale, positions, *, page_size,
+                             **tuning):
     """Pure-jnp reference: scatters of ``vals`` [B, H, D] and ``scale`` [B, H] at each
-    request's position (dropped where it is negative or past the pages)."""
+    request's position (dropped where it is negative or past the pages); the kernel's tuning
+    is ignored."""
+    del tuning
     _check(keys, scales, vals, scale, positions, page_size)
     _, B, H, Np, ps, _ = keys.shape
     b = jnp.arange(B)[:, None]
