@@ -5,7 +5,9 @@ default``: ``CacheConfig()`` as a call without ``cache=`` gets it (the two-stage
 1024 tokens, host tier); ``default-xla``: the same with the second stage's XLA reference
 (``Tuning(rescore_method="xla")``) in place of the CPU's blocked formulation; ``default-p8`` /
 ``default-p8b2``: the default's 1024 tokens in 8-token pages (``page_size=8,
-selected_pages=128``), the second with the first stage by blocks of two (``candidate_block=2``).
+selected_pages=128``), the second with the first stage by blocks of two (``candidate_block=2``);
+``s512`` / ``s512c256``: 512 tokens (``selected_pages=32``) with the default's 512 candidates
+(its floor of 8192 tokens' pages) and with the 8x multiple's 256 (``candidate_pages=256``).
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/bench_cpu.py --out DIR \\
         [--lengths 512 2048 8192] [--new 32] [--reps 2] [--torch-python /path/to/python]
@@ -159,7 +161,11 @@ def run_jaxkv(args, cfg, params) -> list[dict]:
              # the default's 1024 tokens in 8-token pages, per page and with the first stage
              # by blocks of two (the page-size question of docs/decisions.md)
              "default-p8": dict(page_size=8, selected_pages=128),
-             "default-p8b2": dict(page_size=8, selected_pages=128, candidate_block=2)}
+             "default-p8b2": dict(page_size=8, selected_pages=128, candidate_block=2),
+             # 512 tokens with the default's candidates (the floor of 8192 tokens' pages: 512)
+             # and with the 8x multiple's 256 (the floor's cost on the CPU)
+             "s512": dict(selected_pages=32),
+             "s512c256": dict(selected_pages=32, candidate_pages=256)}
     rows = []
     for n in args.lengths:
         n = min(n, cfg.max_position - args.new)  # 8k: the prompt leaves room for the new tokens
@@ -241,7 +247,7 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--modes", nargs="+", default=["resident", "host"],
                     choices=["resident", "host", "default", "default-xla", "default-p8",
-                             "default-p8b2"],
+                             "default-p8b2", "s512", "s512c256"],
                     help="repeat modes to alternate them (same process)")
     ap.add_argument("--new", type=int, default=32, help="new tokens per call (decode steps)")
     ap.add_argument("--reps", type=int, default=2, help="timed calls after the first")
