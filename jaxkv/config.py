@@ -76,10 +76,11 @@ class Tuning:
         Quest's against 1.375x with 4 and 1.342x with XLA's form (Qwen-like B=8), 1.133x
         against 1.230x and 1.177x (8B-like B=1).
       rescore_store_method: how a decode step writes the new token's key into the two-stage
-        selectors' key copy: "xla" (two scatters, the quantization fused into them) |
-        "pallas" (the quantization in XLA, one kernel storing the values and the scales:
-        ``jaxkv.kernels.key_copy``). The same bytes either way. "xla" until the kernel is
-        measured on the GPU (docs/benchmark-log.md, the next GPU items).
+        selectors' key copy: "xla" (the quantization, then two scatters) | "pallas" (one
+        kernel quantizing and storing the values and the scales:
+        ``jaxkv.kernels.key_copy``). The same copy to rounding (Triton's division may move a
+        value at a rounding midpoint by one step). "xla" until the kernel is measured on the
+        GPU (docs/benchmark-log.md, the next GPU items).
       materialize_qk: each sparse layer's query and new K/V row pass an
         ``optimization_barrier`` before the selector and the cache write read them, so XLA
         computes their projections once instead of fusing a copy of the product into each

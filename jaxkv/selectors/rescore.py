@@ -38,20 +38,10 @@ from jaxkv.kernels import key_copy
 from jaxkv.kernels import quest as quest_kernels
 from jaxkv.kernels import topk as topk_kernels
 from jaxkv.kernels.candidate_select import top_candidates
+from jaxkv.kernels.key_copy import quantize
 from jaxkv.selectors.base import register
 from jaxkv.selectors.quest import Quest, _select_kw
 from jaxkv.spec import alloc_rows
-
-
-def quantize(k, bits: int):
-    """k [..., D] -> (values, scale [...]): int8 with a symmetric scale per vector when
-    ``bits == 8``, else k itself and ones."""
-    if bits != 8:
-        return k, jnp.ones(k.shape[:-1], jnp.float32)
-    kf = k.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(kf), axis=-1) / 127.0
-    q = jnp.round(kf / jnp.where(scale > 0, scale, 1.0)[..., None])
-    return jnp.clip(q, -127, 127).astype(jnp.int8), scale
 
 
 # The widest rows the first stage's full-row kernel was measured on past
@@ -295,10 +285,10 @@ class Rescore(Quest):
         positions [B, ...] (a decode step's [B], a turn's [B, T]; -1: dropped). A decode
         step's write takes ``Tuning.rescore_store_method``."""
         ps, Np = plan.page_size, plan.pages_per_seq
-        vals, scale = quantize(k, self.key_bits)
         if positions.ndim == 1 and plan.cache.tuning.rescore_store_method == "pallas":
-            return key_copy.store_key_copy(summaries[2], summaries[3], layer, vals, scale,
-                                           positions, page_size=ps, implementation="pallas")
+            return key_copy.store_key_copy(summaries[2], summaries[3], layer, k, positions,
+                                           page_size=ps, implementation="pallas")
+        vals, scale = quantize(k, self.key_bits)
         lead, H = positions.ndim, k.shape[-2]
         b = jnp.arange(positions.shape[0])[(slice(None),) + (None,) * lead]
         hh = jnp.arange(H)[(None,) * lead]
