@@ -45,8 +45,10 @@
 # final-choice: the final choice at the default's 512 candidates: its kernel with 8 warps (the
 #   default), with 4 (Tuning.rescore_select_warps=4), and its XLA form (rescore_select_method)
 #   (ab_step, Qwen-like B=8 in 16-token pages and 8B-like B=1, shared KV); about 7 min
-# store: the key copy's decode write as one kernel against XLA's scatters: its GPU tests, then
-#   the step at Qwen-like B=8 and 8B-like B=1 (ab_step, shared KV, 1024 tokens); about 8 min
+# store: the key copy's decode write as one kernel against XLA's scatters, and the second
+#   stage's per-page reduction by a reshape: their GPU tests, then the step at Qwen-like B=8
+#   and 8B-like B=1 (ab_step, shared KV, 1024 tokens); about 10 min: split it over calls by
+#   its parts store-test, store-q8, store-8b
 # first-stage: issue 27's cheaper first stages at the default budget (1024 tokens, 8x candidates), same-process
 #   A/B against Quest and quest_rescore8: blocks of pages (candidate_block; 8B-like B=1 and Qwen-like B=8 at
 #   128k), the radix top-k (Qwen-like B=1 at 1M), then each top-k alone (probes/first_stage_topk.py); ~15 min,
@@ -192,17 +194,20 @@ for s in $STAGES; do
         run fc_8b 240 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
             --variants default,rescore8,rescore8_select_xla,rescore8_select_w4 \
             --tag "final_choice_8b1_$JAXKV_COMMIT" $fs ;;
-    store)
+    store|store-test|store-q8|store-8b)
         # the key copy's decode write as one kernel (Tuning.rescore_store_method="pallas")
         # against XLA's two scatters: its GPU tests (kernel against the reference, no copy of
         # the copy in the compiled round), then the step (1024 tokens in 16-token pages)
-        run store_test 200 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_key_copy.py \
-            tests/test_one_program.py -k "key_copy" -o addopts="-ra"
+        # and the second stage's per-page reduction by a reshape (Tuning.rescore_page_reduce)
+        case $s in store|store-test) run store_test 240 $PY -m pytest -q -m gpu -p no:cacheprovider \
+            tests/test_key_copy.py tests/test_one_program.py tests/test_candidate_mass.py \
+            -k "key_copy or candidate_mass" -o addopts="-ra" ;; esac
         fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --page-size 16 --out $OUT"
-        run store_q8 240 $PY benchmarks/ab_step.py --shape qwen1.5b --batch 8 \
-            --variants default,rescore8,rescore8_store_pallas --tag "store_qwen8_p16_$JAXKV_COMMIT" $fs
-        run store_8b 200 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
-            --variants default,rescore8,rescore8_store_pallas --tag "store_8b1_$JAXKV_COMMIT" $fs ;;
+        v=default,rescore8,rescore8_store_pallas,rescore8_page_reshape
+        case $s in store|store-q8) run store_q8 300 $PY benchmarks/ab_step.py --shape qwen1.5b \
+            --batch 8 --variants $v --tag "store_qwen8_p16_$JAXKV_COMMIT" $fs ;; esac
+        case $s in store|store-8b) run store_8b 240 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
+            --variants $v --tag "store_8b1_$JAXKV_COMMIT" $fs ;; esac ;;
     first-stage|first-stage-8b|first-stage-q8|first-stage-1m|first-stage-topk)
         # one shared KV cache: every part fits an H100 as well as an H200
         fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"

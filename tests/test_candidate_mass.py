@@ -3,6 +3,7 @@ seeds, NaN in every key and scale the op must not read, candidates in any order.
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
 
 from jaxkv.kernels import candidate_mass as cm
@@ -106,9 +107,10 @@ def test_candidate_mass_matches_numpy_with_poison(int8):
             np.testing.assert_allclose(got[b, h][ok].sum(), G, rtol=1e-5)
 
 
+@pytest.mark.parametrize("page_reduce", ["loop", "reshape"])
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
 @pytest.mark.parametrize("ps, block_c", [(16, 2), (8, None), (8, 1), (4, 2)])
-def test_candidate_mass_kernel_matches_numpy_with_poison(dtype, ps, block_c):
+def test_candidate_mass_kernel_matches_numpy_with_poison(dtype, ps, block_c, page_reduce):
     """The Pallas kernel (interpret mode off the GPU): head dim 32, 6 query heads per KV head
     (padded to the dot's 16 rows), candidates in any order with -1s, a request before its
     first token; NaN wherever it must not read. Pages of 16 tokens, and pages under 16 whose
@@ -123,7 +125,7 @@ def test_candidate_mass_kernel_matches_numpy_with_poison(dtype, ps, block_c):
     keys, scales = _poison(np.asarray(keys), scales, cand, positions, 1, ps)
     got = np.asarray(cm.candidate_mass_pallas(
         jnp.asarray(q), jnp.asarray(keys), jnp.asarray(scales), jnp.int32(1), jnp.asarray(cand),
-        jnp.asarray(positions), block_c=block_c))
+        jnp.asarray(positions), block_c=block_c, page_reduce=page_reduce))
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
 
 
@@ -214,8 +216,9 @@ def test_candidate_mass_kernel_takes_the_reference_for_other_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["qwen_b8", "qwen_b8_p8", "8b_b1"])
-def test_gpu_candidate_mass_kernel_at_decode_shapes(shape):
+@pytest.mark.parametrize("page_reduce", ["loop", "reshape"])
+@pytest.mark.parametrize("shape", ["qwen_b8", "qwen_b8_p8", "qwen_b8_p16", "8b_b1"])
+def test_gpu_candidate_mass_kernel_at_decode_shapes(shape, page_reduce):
     """The kernel on the GPU against the reference at the two 128k decode shapes' second stage
     (pages shortened to keep the test small): Qwen-like B=8 (64-token pages, 12 / 2 heads,
     8x 32 candidates; 8-token pages, 8x 128 candidates, 16 per program), 8B-like B=1 (16-token
@@ -225,6 +228,8 @@ def test_gpu_candidate_mass_kernel_at_decode_shapes(shape):
         L, B, H, G, Np, ps, D, C = 3, 8, 2, 6, 512, 64, 128, 256
     elif shape == "qwen_b8_p8":
         L, B, H, G, Np, ps, D, C = 3, 8, 2, 6, 2048, 8, 128, 1024
+    elif shape == "qwen_b8_p16":  # CacheConfig()'s pages and candidates, Qwen's head dim 64
+        L, B, H, G, Np, ps, D, C = 3, 8, 2, 7, 2048, 16, 64, 512
     else:
         L, B, H, G, Np, ps, D, C = 3, 1, 8, 4, 2048, 16, 128, 1024
     q = rng.normal(size=(B, H * G, D)).astype(np.float32)
@@ -236,7 +241,7 @@ def test_gpu_candidate_mass_kernel_at_decode_shapes(shape):
     cand[:, :, -3:] = -1
     args = (jnp.asarray(q), jnp.asarray(keys), jnp.asarray(scales), jnp.int32(2),
             jnp.asarray(cand), jnp.asarray(positions))
-    got = np.asarray(cm.candidate_mass_pallas(*args))
+    got = np.asarray(cm.candidate_mass_pallas(*args, page_reduce=page_reduce))
     want = _mass_numpy_vectorized(q, keys, scales, 2, cand, positions)
     assert np.all(got[cand < 0] == -np.inf)
     np.testing.assert_allclose(got[cand >= 0], want[cand >= 0], rtol=2e-3, atol=1e-6)
@@ -248,3 +253,19 @@ def test_vectorized_numpy_mass_equals_the_loop():
     positions[-1] = 5  # every request has a token (the vectorized form's one assumption)
     np.testing.assert_allclose(_mass_numpy_vectorized(q, keys, scales, 1, cand, positions),
                                mass_numpy(q, keys, scales, 1, cand, positions), rtol=1e-12)
+
+
+@pytest.mark.parametrize("ps", [16, 8, 64])
+def test_candidate_mass_reshape_lowers_for_h200(no_interpret, ps):
+    """``page_reduce="reshape"`` through the Triton lowering at Qwen-like B=8's second stage
+    (128k, 512 / 1024 / 128 candidates of 16 / 8 / 64 tokens)."""
+    import functools
+    from tests.lowering import lower_for_h200
+    B, H, G, D = 8, 2, 7, 64
+    Np, C = (131072 + 256) // ps, {16: 512, 8: 1024, 64: 128}[ps]
+    S = jax.ShapeDtypeStruct
+    fn = functools.partial(cm.page_stats_pallas, page_reduce="reshape")
+    text = lower_for_h200(fn, S((B, H * G, D), jnp.bfloat16), S((28, B, H, Np, ps, D), jnp.int8),
+                          S((28, B, H, Np, ps), jnp.float32), S((), jnp.int32),
+                          S((B, H, C), jnp.int32), S((B,), jnp.int32))
+    assert text.count("__gpu$xla.gpu.triton") == 1
