@@ -269,3 +269,25 @@ def test_candidate_mass_reshape_lowers_for_h200(no_interpret, ps):
                           S((28, B, H, Np, ps), jnp.float32), S((), jnp.int32),
                           S((B, H, C), jnp.int32), S((B,), jnp.int32))
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_engine_page_reduce_forms():
+    """``Tuning.rescore_page_reduce`` in the engine with the Pallas kernels (interpret mode; a
+    first stage that chooses: 8 candidates of the prompts' 19 / 11 pages of 16 tokens): host
+    tier == resident with "reshape", and the tokens of "loop" on this fixed case (the
+    statistics agree to rounding)."""
+    import jaxkv
+    from jaxkv import CacheConfig, Tuning
+    from jaxkv.models import configs, llama
+    cfg = configs.tiny(head_dim=16)
+    params = llama.init_params(cfg, seed=5)
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(3, cfg.vocab_size, size=n).tolist() for n in (300, 170)]
+    out = {}
+    for mode, form in (("resident", "reshape"), ("host", "reshape"), ("resident", "loop")):
+        cache = CacheConfig(mode=mode, selector="quest_rescore8", page_size=16, selected_pages=3,
+                            candidate_pages=8, implementation="pallas",
+                            tuning=Tuning(rescore_page_reduce=form))
+        out[mode, form] = jaxkv.generate(cfg, params, prompts, max_new_tokens=4, stop_tokens=[],
+                                         cache=cache).tokens
+    assert out["host", "reshape"] == out["resident", "reshape"] == out["resident", "loop"]
