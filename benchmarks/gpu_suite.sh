@@ -130,7 +130,7 @@ for s in $STAGES; do
           abc-qwen-lag) args="--shape qwen1.5b --batches 8 --selection-lag 1 --tag qwen_128k_b8_abc_lag_$JAXKV_COMMIT" ;;
           abc-qwen-b16) args="--shape qwen1.5b --batches 16 --tag qwen_128k_b16_abc_$JAXKV_COMMIT" ;;
           abc-qwen-b16-lag) args="--shape qwen1.5b --batches 16 --selection-lag 1 --tag qwen_128k_b16_abc_lag_$JAXKV_COMMIT" ;;
-          abc-8b-default|abc-qwen-default|abc-qwen-p8)  # CacheConfig()'s selection: quest_rescore8, 64 pages of 16 tokens
+          abc-8b-default|abc-qwen-default|abc-qwen-p8)  # CacheConfig()'s selection: quest_rescore8, 1024 tokens (p8: in 8-token pages)
             ps=16; sel="--selector quest_rescore8 --selected-tokens 1024"
             case $s in
               abc-8b-default) args="--shape 8b --batches 1 $sel --tag 8b_128k_b1_abc_default_$JAXKV_COMMIT" ;;

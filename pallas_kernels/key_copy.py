@@ -62,22 +62,29 @@ def _check(keys, scales, k_new, positions, page_size):
                          f"got {k_new.shape}, {positions.shape}")
 
 
-@_common.register(OP, "xla")
-def store_key_copy_reference(keys, scales, layer, k_new, positions, *, page_size, **tuning):
-    """Pure-jnp reference: :func:`quantize`, then scatters of the values [B, H, D] and scales
-    [B, H] at each request's position (dropped where it is negative or past the pages); the
-    kernel's tuning is ignored."""
-    del tuning
-    _check(keys, scales, k_new, positions, page_size)
-    _, B, H, Np, ps, _ = keys.shape
-    vals, scale = quantize(k_new, key_bits(keys))
-    b = jnp.arange(B)[:, None]
-    hh = jnp.arange(H)[None]
-    page = jnp.where(positions >= 0, positions // ps, Np)[:, None]   # Np: dropped
-    slot = (positions % ps)[:, None]
+def scatter_keys(keys, scales, layer, k, positions):
+    """:func:`quantize` ``k`` [B, ..., H, D] and scatter it with its scales at ``positions``
+    [B, ...] (a decode step's [B], a continued turn's [B, T]); a negative position, or one
+    past the pages, writes nothing."""
+    Np, ps = keys.shape[3:5]
+    vals, scale = quantize(k, key_bits(keys))
+    lead, H = positions.ndim, k.shape[-2]
+    b = jnp.arange(positions.shape[0])[(slice(None),) + (None,) * lead]
+    hh = jnp.arange(H)[(None,) * lead]
+    page = jnp.where(positions >= 0, positions // ps, Np)[..., None]  # Np: dropped
+    slot = (positions % ps)[..., None]
     keys = keys.at[layer, b, hh, page, slot].set(vals.astype(keys.dtype), mode="drop")
     return keys, scales.at[layer, b, hh, page, slot].set(scale.astype(scales.dtype),
                                                         mode="drop")
+
+
+@_common.register(OP, "xla")
+def store_key_copy_reference(keys, scales, layer, k_new, positions, *, page_size, **tuning):
+    """Pure-jnp reference: :func:`scatter_keys` of the decode step's [B, H, D] keys; the
+    kernel's tuning is ignored."""
+    del tuning
+    _check(keys, scales, k_new, positions, page_size)
+    return scatter_keys(keys, scales, layer, k_new, positions)
 
 
 @_common.register(OP, "pallas")

@@ -285,19 +285,10 @@ class Rescore(Quest):
         """(keys, scales): the key copy with k [B, ..., H, D] quantized and stored at
         positions [B, ...] (a decode step's [B], a turn's [B, T]; -1: dropped). A decode
         step's write takes ``Tuning.rescore_store_method``."""
-        ps, Np = plan.page_size, plan.pages_per_seq
         if positions.ndim == 1 and plan.cache.tuning.rescore_store_method == "pallas":
             return key_copy.store_key_copy(summaries[2], summaries[3], layer, k, positions,
-                                           page_size=ps, implementation="pallas")
-        vals, scale = quantize(k, self.key_bits)
-        lead, H = positions.ndim, k.shape[-2]
-        b = jnp.arange(positions.shape[0])[(slice(None),) + (None,) * lead]
-        hh = jnp.arange(H)[(None,) * lead]
-        page = jnp.where(positions >= 0, positions // ps, Np)[..., None]  # Np: dropped
-        slot = (positions % ps)[..., None]
-        keys = summaries[2].at[layer, b, hh, page, slot].set(
-            vals.astype(summaries[2].dtype), mode="drop")
-        return keys, summaries[3].at[layer, b, hh, page, slot].set(scale, mode="drop")
+                                           page_size=plan.page_size, implementation="pallas")
+        return key_copy.scatter_keys(summaries[2], summaries[3], layer, k, positions)
 
     def first_pages(self, plan, summaries, layer, layer_params, h_last, q_last, lengths):
         lengths = jnp.asarray(lengths, jnp.int32)
