@@ -21,6 +21,7 @@
 #   abc-qwen-b16, abc-qwen-b16-lag: Qwen-like at B=16; abc-8b-default, abc-qwen-default: the
 #   selection CacheConfig() makes (quest_rescore8, 1024 tokens in 16-token pages) instead of Quest's 2048 in 64
 #   abc-qwen-p8: that selection in 8-token pages (page_size=8, 128 pages), Qwen-like B=8
+# trace-qwen-default: b and c2 of abc-qwen-default, one profiled round each (kernels per step)
 # quality: RULER retrieval (bench_quality.py; $QUALITY_GGUF, $QUALITY_LENGTHS (default 2048),
 #   $QUALITY_ARGS, $QUALITY_TAG); quality-lag: only dense and the lagged Quest runs
 # tp-b8: only the tensor-parallel 8B-like B=8 128k part of tp
@@ -45,10 +46,6 @@
 # final-choice: the final choice at the default's 512 candidates: its kernel with 8 warps (the
 #   default), with 4 (Tuning.rescore_select_warps=4), and its XLA form (rescore_select_method)
 #   (ab_step, Qwen-like B=8 in 16-token pages and 8B-like B=1, shared KV); about 7 min
-# store: the key copy's decode write as one kernel against XLA's scatters, and the second
-#   stage's per-page reduction by a reshape: their GPU tests, then the step at Qwen-like B=8
-#   and 8B-like B=1 (ab_step, shared KV, 1024 tokens); about 10 min: split it over calls by
-#   its parts store-test, store-q8, store-8b
 # first-stage: issue 27's cheaper first stages at the default budget (1024 tokens, 8x candidates), same-process
 #   A/B against Quest and quest_rescore8: blocks of pages (candidate_block; 8B-like B=1 and Qwen-like B=8 at
 #   128k), the radix top-k (Qwen-like B=1 at 1M), then each top-k alone (probes/first_stage_topk.py); ~15 min,
@@ -141,6 +138,15 @@ for s in $STAGES; do
         run "$s" 300 $PY benchmarks/bench_decode.py $args --contexts 128k --configs a,b,c --pools 2 \
           --page-size $ps --prefill none --probe-steps 0 --no-plot --budget 260 --timed-rounds 6 \
           --pairs ${PAIRS:-8} --out "$OUT" ;;
+    trace-qwen-default)
+        # where the host tier's extra time per step goes: resident (b) and the 2x-pool host
+        # tier (c2) with CacheConfig()'s selection, Qwen-like B=8 at 128k, one traced round
+        # each (device time per kernel in the JSON's "kernels")
+        run trace_qwen_default 300 $PY benchmarks/bench_decode.py --shape qwen1.5b --batches 8 \
+          --selector quest_rescore8 --selected-tokens 1024 --contexts 128k --configs b,c --pools 2 \
+          --page-size 16 --prefill none --probe-steps 0 --no-plot --budget 240 --timed-rounds 4 \
+          --trace "$OUT/trace" --tag "qwen_128k_b8_trace_default_$JAXKV_COMMIT" --out "$OUT"
+        rm -rf "$OUT/trace" ;;
     topo) run topo 60 bash -c "nvidia-smi topo -m && { lscpu | grep -i -E 'numa|socket|model name' || true; } && \
         $PY -c 'import sys; sys.path.insert(0, \"benchmarks\"); import _numa, json; print(json.dumps(_numa.gpu_numa()))'" ;;
     capacity) run capacity 300 $PY benchmarks/probes/probe_host_capacity.py --tier-gb 28 --free-gb 16 --out "$OUT"
@@ -194,20 +200,6 @@ for s in $STAGES; do
         run fc_8b 240 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
             --variants default,rescore8,rescore8_select_xla,rescore8_select_w4 \
             --tag "final_choice_8b1_$JAXKV_COMMIT" $fs ;;
-    store|store-test|store-q8|store-8b)
-        # the key copy's decode write as one kernel (Tuning.rescore_store_method="pallas")
-        # against XLA's two scatters: its GPU tests (kernel against the reference, no copy of
-        # the copy in the compiled round), then the step (1024 tokens in 16-token pages)
-        # and the second stage's per-page reduction by a reshape (Tuning.rescore_page_reduce)
-        case $s in store|store-test) run store_test 240 $PY -m pytest -q -m gpu -p no:cacheprovider \
-            tests/test_key_copy.py tests/test_one_program.py tests/test_candidate_mass.py \
-            -k "key_copy or candidate_mass" -o addopts="-ra" ;; esac
-        fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --page-size 16 --out $OUT"
-        v=default,rescore8,rescore8_store_pallas,rescore8_page_reshape
-        case $s in store|store-q8) run store_q8 300 $PY benchmarks/ab_step.py --shape qwen1.5b \
-            --batch 8 --variants $v --tag "store_qwen8_p16_$JAXKV_COMMIT" $fs ;; esac
-        case $s in store|store-8b) run store_8b 240 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
-            --variants $v --tag "store_8b1_$JAXKV_COMMIT" $fs ;; esac ;;
     first-stage|first-stage-8b|first-stage-q8|first-stage-1m|first-stage-topk)
         # one shared KV cache: every part fits an H100 as well as an H200
         fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"

@@ -75,16 +75,6 @@ class Tuning:
         ``CacheConfig()``'s 512 candidates (128k, one H100) the step with 8 warps is 1.220x
         Quest's against 1.375x with 4 and 1.342x with XLA's form (Qwen-like B=8), 1.133x
         against 1.230x and 1.177x (8B-like B=1).
-      rescore_store_method: how a decode step writes the new token's key into the two-stage
-        selectors' key copy: "xla" (the quantization, then two scatters) | "pallas" (one
-        kernel quantizing and storing the values and the scales:
-        ``jaxkv.kernels.key_copy``). The same copy to rounding (Triton's division may move a
-        value at a rounding midpoint by one step). "xla" until the kernel is measured on the
-        GPU (docs/benchmark-log.md, the next GPU items).
-      rescore_page_reduce: how the second stage's kernel reduces a program's logits to its
-        pages' statistics: "loop" (one masked pass over the whole tile per page) | "reshape"
-        (the tile as [heads, pages, tokens], one reduction per statistic). The same
-        statistics to rounding. "loop" until "reshape" is measured on the GPU.
       materialize_qk: each sparse layer's query and new K/V row pass an
         ``optimization_barrier`` before the selector and the cache write read them, so XLA
         computes their projections once instead of fusing a copy of the product into each
@@ -105,8 +95,6 @@ class Tuning:
     rescore_select_method: str = "auto"
     rescore_select_kernel_max: int = 512
     rescore_select_warps: int | None = None
-    rescore_store_method: str = "xla"
-    rescore_page_reduce: str = "loop"
     materialize_qk: bool | None = None
 
     def __post_init__(self):
@@ -133,12 +121,6 @@ class Tuning:
         if self.rescore_method not in ("auto", "pallas", "xla"):
             raise ValueError("Tuning.rescore_method must be 'auto', 'pallas' or 'xla', "
                              f"got {self.rescore_method!r}")
-        if self.rescore_store_method not in ("pallas", "xla"):
-            raise ValueError("Tuning.rescore_store_method must be 'pallas' or 'xla', "
-                             f"got {self.rescore_store_method!r}")
-        if self.rescore_page_reduce not in ("loop", "reshape"):
-            raise ValueError("Tuning.rescore_page_reduce must be 'loop' or 'reshape', "
-                             f"got {self.rescore_page_reduce!r}")
         if self.rescore_select_method not in ("auto", "pallas", "xla"):
             raise ValueError("Tuning.rescore_select_method must be 'auto', 'pallas' or 'xla', "
                              f"got {self.rescore_select_method!r}")

@@ -162,12 +162,12 @@ def mass_from_page_stats(m, l, cand, G: int):
 
 
 def _kernel(layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref, m_ref, l_ref,
-            *, ps, block_c, C, page_reduce):
+            *, ps, block_c, C):
     """One program: ``block_c`` candidates as one [block_c * ps, D] tile, gathered in one load
-    (every index a full int array: interpret mode cannot mix gathers and slices). Per page
-    statistics over the [G_pad, T] logits: ``page_reduce="loop"`` one masked pass over the
-    whole tile per page (max, then sum); "reshape": the logits as [G_pad, block_c, ps], one
-    reduction over the page axis each."""
+    (every index a full int array: interpret mode cannot mix gathers and slices). The per-page
+    statistics take the [G_pad, T] logits as [G_pad, block_c, ps]: one reduction over the
+    page's tokens each (a masked pass over the whole tile per page is 2.7% slower a step at
+    Qwen-like B=8, docs/decisions.md)."""
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     D = qhi_ref.shape[-1]
     T = block_c * ps
@@ -187,27 +187,12 @@ def _kernel(layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref
     sc = plgpu.load(scales_ref.at[layer, b, h, p, tok_off], mask=ok, other=0.0)  # [T]
     s = plgpu.dot(qhi_ref[...], k, trans_b=True) + plgpu.dot(qlo_ref[...], k, trans_b=True)
     s = jnp.where(ok[None, :], s * sc[None, :], -jnp.inf)                # [G_pad, T]
-    if page_reduce == "reshape":
-        s3 = s.reshape(s.shape[0], block_c, ps)                          # [G_pad, block_c, ps]
-        m = jnp.max(s3, axis=2)                                          # [G_pad, block_c]
-        m0 = jnp.where(m == -jnp.inf, 0.0, m)
-        l = jnp.sum(jnp.exp(s3 - m0[:, :, None]), axis=2)                # 0 where masked
-        m_ref[...] = jnp.where(l > 0, m, -jnp.inf).T
-        l_ref[...] = l.T
-        return
-    m_tok = jnp.zeros_like(s)
-    mx = []
-    for i in range(block_c):  # per-page max, spread back over the page's tokens
-        on = (tok_page == i)[None, :]
-        m_i = jnp.max(jnp.where(on, s, -jnp.inf), axis=1)
-        m_i = jnp.where(m_i == -jnp.inf, 0.0, m_i)
-        m_tok = jnp.where(on, m_i[:, None], m_tok)
-        mx.append(m_i)
-    e = jnp.exp(s - m_tok)                                               # 0 where masked
-    for i in range(block_c):
-        l_i = jnp.sum(jnp.where((tok_page == i)[None, :], e, 0.0), axis=1)
-        m_ref[i, :] = jnp.where(l_i > 0, mx[i], -jnp.inf)
-        l_ref[i, :] = l_i
+    s3 = s.reshape(s.shape[0], block_c, ps)                              # [G_pad, block_c, ps]
+    m = jnp.max(s3, axis=2)                                              # [G_pad, block_c]
+    m0 = jnp.where(m == -jnp.inf, 0.0, m)
+    l = jnp.sum(jnp.exp(s3 - m0[:, :, None]), axis=2)                    # 0 where masked
+    m_ref[...] = jnp.where(l > 0, m, -jnp.inf).T
+    l_ref[...] = l.T
 
 
 def kernel_takes(keys) -> bool:
@@ -227,15 +212,13 @@ def min_block_c(ps: int) -> int:
 
 
 def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int | None = None,
-                      num_warps: int = 4, page_reduce: str = "loop",
-                      interpret: bool | None = None):
+                      num_warps: int = 4, interpret: bool | None = None):
     """The kernel's per-page statistics ``(m, l)``, each [B, H, Cs, G_pad] float32 with
     ``Cs = ceil(C / block_c) * block_c`` and ``G_pad = max(16, next_pow2(G))`` (module
     docstring; rows ``>= C``, columns ``>= G`` and candidates without a valid token carry
     ``m = -inf``, ``l = 0``, except the padded query heads' columns, which hold the zero
     query's statistics and are never data). Keys the kernel does not take
-    (``kernel_takes``) are an error here. ``page_reduce``: how a program reduces its logits
-    per page, "loop" | "reshape" (``_kernel``; the same statistics to rounding)."""
+    (``kernel_takes``) are an error here."""
     _check(q, keys, scales, cand, positions)
     _, B, H, Np, ps, D = keys.shape
     if not kernel_takes(keys):
@@ -250,14 +233,12 @@ def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int |
     block_c = max(min_block_c(ps), min(block_c, _common.next_pow2(C)))
     if block_c & (block_c - 1):
         raise ValueError(f"block_c {block_c} must be a power of two (the tile's tokens)")
-    if page_reduce not in ("loop", "reshape"):
-        raise ValueError(f"page_reduce must be 'loop' or 'reshape', got {page_reduce!r}")
     n_prog = pl.cdiv(C, block_c)
     qg = q.reshape(B, H, G, D).astype(jnp.float32) * D ** -0.5
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, G_pad - G), (0, 0)))
     q_hi = qg.astype(jnp.bfloat16)
     q_lo = (qg - q_hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    kernel = functools.partial(_kernel, ps=ps, block_c=block_c, C=C, page_reduce=page_reduce)
+    kernel = functools.partial(_kernel, ps=ps, block_c=block_c, C=C)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     q_spec = pl.BlockSpec((None, None, G_pad, D), lambda b, h, j: (b, h, 0, 0))
     stat = jax.ShapeDtypeStruct((B, H, n_prog * block_c, G_pad), jnp.float32)
@@ -280,8 +261,7 @@ def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int |
 
 @register(OP, "pallas")
 def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: int | None = None,
-                          num_warps: int = 4, page_reduce: str = "loop",
-                          interpret: bool | None = None):
+                          num_warps: int = 4, interpret: bool | None = None):
     """The Pallas kernel (module docstring, ``page_stats_pallas``) and the masses from its
     statistics; ``block_c`` candidates per program (default: a tile of 128 tokens, at least
     one page: the fastest at both 128k decode shapes on the H200, docs/decisions.md). Keys
@@ -290,7 +270,7 @@ def candidate_mass_pallas(q, keys, scales, layer, cand, positions, *, block_c: i
     if not kernel_takes(keys):
         return candidate_mass_reference(q, keys, scales, layer, cand, positions)
     m, l = page_stats_pallas(q, keys, scales, layer, cand, positions, block_c=block_c,
-                             num_warps=num_warps, page_reduce=page_reduce, interpret=interpret)
+                             num_warps=num_warps, interpret=interpret)
     C = cand.shape[2]
     return mass_from_page_stats(m[:, :, :C], l[:, :, :C], cand, q.shape[1] // keys.shape[2])
 

@@ -107,10 +107,9 @@ def test_candidate_mass_matches_numpy_with_poison(int8):
             np.testing.assert_allclose(got[b, h][ok].sum(), G, rtol=1e-5)
 
 
-@pytest.mark.parametrize("page_reduce", ["loop", "reshape"])
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
 @pytest.mark.parametrize("ps, block_c", [(16, 2), (8, None), (8, 1), (4, 2)])
-def test_candidate_mass_kernel_matches_numpy_with_poison(dtype, ps, block_c, page_reduce):
+def test_candidate_mass_kernel_matches_numpy_with_poison(dtype, ps, block_c):
     """The Pallas kernel (interpret mode off the GPU): head dim 32, 6 query heads per KV head
     (padded to the dot's 16 rows), candidates in any order with -1s, a request before its
     first token; NaN wherever it must not read. Pages of 16 tokens, and pages under 16 whose
@@ -125,7 +124,7 @@ def test_candidate_mass_kernel_matches_numpy_with_poison(dtype, ps, block_c, pag
     keys, scales = _poison(np.asarray(keys), scales, cand, positions, 1, ps)
     got = np.asarray(cm.candidate_mass_pallas(
         jnp.asarray(q), jnp.asarray(keys), jnp.asarray(scales), jnp.int32(1), jnp.asarray(cand),
-        jnp.asarray(positions), block_c=block_c, page_reduce=page_reduce))
+        jnp.asarray(positions), block_c=block_c))
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
 
 
@@ -216,9 +215,8 @@ def test_candidate_mass_kernel_takes_the_reference_for_other_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_reduce", ["loop", "reshape"])
 @pytest.mark.parametrize("shape", ["qwen_b8", "qwen_b8_p8", "qwen_b8_p16", "8b_b1"])
-def test_gpu_candidate_mass_kernel_at_decode_shapes(shape, page_reduce):
+def test_gpu_candidate_mass_kernel_at_decode_shapes(shape):
     """The kernel on the GPU against the reference at the two 128k decode shapes' second stage
     (pages shortened to keep the test small): Qwen-like B=8 (64-token pages, 12 / 2 heads,
     8x 32 candidates; 8-token pages, 8x 128 candidates, 16 per program), 8B-like B=1 (16-token
@@ -241,7 +239,7 @@ def test_gpu_candidate_mass_kernel_at_decode_shapes(shape, page_reduce):
     cand[:, :, -3:] = -1
     args = (jnp.asarray(q), jnp.asarray(keys), jnp.asarray(scales), jnp.int32(2),
             jnp.asarray(cand), jnp.asarray(positions))
-    got = np.asarray(cm.candidate_mass_pallas(*args, page_reduce=page_reduce))
+    got = np.asarray(cm.candidate_mass_pallas(*args))
     want = _mass_numpy_vectorized(q, keys, scales, 2, cand, positions)
     assert np.all(got[cand < 0] == -np.inf)
     np.testing.assert_allclose(got[cand >= 0], want[cand >= 0], rtol=2e-3, atol=1e-6)
@@ -256,38 +254,33 @@ def test_vectorized_numpy_mass_equals_the_loop():
 
 
 @pytest.mark.parametrize("ps", [16, 8, 64])
-def test_candidate_mass_reshape_lowers_for_h200(no_interpret, ps):
-    """``page_reduce="reshape"`` through the Triton lowering at Qwen-like B=8's second stage
-    (128k, 512 / 1024 / 128 candidates of 16 / 8 / 64 tokens)."""
-    import functools
+def test_candidate_mass_lowers_for_h200(no_interpret, ps):
+    """The kernel's page statistics through the Triton lowering at Qwen-like B=8's second
+    stage (128k, 512 / 1024 / 128 candidates of 16 / 8 / 64 tokens)."""
     from tests.lowering import lower_for_h200
     B, H, G, D = 8, 2, 7, 64
     Np, C = (131072 + 256) // ps, {16: 512, 8: 1024, 64: 128}[ps]
     S = jax.ShapeDtypeStruct
-    fn = functools.partial(cm.page_stats_pallas, page_reduce="reshape")
-    text = lower_for_h200(fn, S((B, H * G, D), jnp.bfloat16), S((28, B, H, Np, ps, D), jnp.int8),
+    text = lower_for_h200(cm.page_stats_pallas, S((B, H * G, D), jnp.bfloat16), S((28, B, H, Np, ps, D), jnp.int8),
                           S((28, B, H, Np, ps), jnp.float32), S((), jnp.int32),
                           S((B, H, C), jnp.int32), S((B,), jnp.int32))
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
-def test_engine_page_reduce_forms():
-    """``Tuning.rescore_page_reduce`` in the engine with the Pallas kernels (interpret mode; a
-    first stage that chooses: 8 candidates of the prompts' 19 / 11 pages of 16 tokens): host
-    tier == resident with "reshape", and the tokens of "loop" on this fixed case (the
-    statistics agree to rounding)."""
+def test_engine_pallas_second_stage_host_equals_resident():
+    """The Pallas second stage in the engine (interpret mode; a first stage that chooses: 8
+    candidates of the prompts' 19 / 11 pages of 16 tokens): host tier == resident."""
     import jaxkv
-    from jaxkv import CacheConfig, Tuning
+    from jaxkv import CacheConfig
     from jaxkv.models import configs, llama
     cfg = configs.tiny(head_dim=16)
     params = llama.init_params(cfg, seed=5)
     rng = np.random.default_rng(12)
     prompts = [rng.integers(3, cfg.vocab_size, size=n).tolist() for n in (300, 170)]
     out = {}
-    for mode, form in (("resident", "reshape"), ("host", "reshape"), ("resident", "loop")):
+    for mode in ("resident", "host"):
         cache = CacheConfig(mode=mode, selector="quest_rescore8", page_size=16, selected_pages=3,
-                            candidate_pages=8, implementation="pallas",
-                            tuning=Tuning(rescore_page_reduce=form))
-        out[mode, form] = jaxkv.generate(cfg, params, prompts, max_new_tokens=4, stop_tokens=[],
-                                         cache=cache).tokens
-    assert out["host", "reshape"] == out["resident", "reshape"] == out["resident", "loop"]
+                            candidate_pages=8, implementation="pallas")
+        out[mode] = jaxkv.generate(cfg, params, prompts, max_new_tokens=4, stop_tokens=[],
+                                   cache=cache).tokens
+    assert out["host"] == out["resident"]

@@ -167,29 +167,25 @@ def test_round_compiler_options_numpy_values_and_bad_types():
             Tuning(compiler_options=(("xla_gpu_autotune_level", bad),))
 
 
-def _key_copy_round(method: str, implementation=None):
+def _key_copy_round(implementation=None):
     cfg = configs.tiny(dtype="bfloat16", head_dim=64, num_kv_heads=2, num_heads=8)
     plan, hlo = _compiled_round(cfg, CacheConfig(
         mode="host", selector="quest_rescore8", page_size=16, selected_pages=4,
-        candidate_pages=16, implementation=implementation,
-        tuning=Tuning(rescore_store_method=method)), [300, 170])
+        candidate_pages=16, implementation=implementation), [300, 170])
     _check(plan, hlo)
     for a in engine.init_summaries(plan)[2:]:   # the key copy and its scales
-        assert not _copies_of(hlo, a.shape), (method, a.shape, _copies_of(hlo, a.shape)[:3])
+        assert not _copies_of(hlo, a.shape), (a.shape, _copies_of(hlo, a.shape)[:3])
     return hlo
 
 
-@pytest.mark.parametrize("method", ["xla", "pallas"])
-def test_key_copy_store_copies_no_key_copy_cpu(method):
-    """The two-stage selector's key copy is written in place by either store method
-    (``Tuning.rescore_store_method``): the round copies neither the copy nor its scales."""
-    _key_copy_round(method)
+def test_key_copy_store_copies_no_key_copy_cpu():
+    """The two-stage selector's key copy is written in place: the round copies neither the
+    copy nor its scales."""
+    _key_copy_round()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["xla", "pallas"])
-def test_key_copy_store_copies_no_key_copy_gpu(method):
-    """The same on the GPU's compiled HLO, where the kernel's input/output alias must not
-    make XLA copy the copy (GiBs at 128k) in every layer."""
-    hlo = _key_copy_round(method, "pallas")
-    assert ("store_key_copy" in hlo) == (method == "pallas")
+def test_key_copy_store_copies_no_key_copy_gpu():
+    """The same on the GPU's compiled HLO with the Pallas kernels, where a copy of the copy
+    would cost GiBs at 128k in every layer."""
+    _key_copy_round("pallas")

@@ -34,14 +34,41 @@ from jaxkv.kernels import _common
 from jaxkv.kernels import candidate_mass as mass_kernels
 from jaxkv.kernels import candidate_select as select_kernels
 from jaxkv.kernels import dense_select
-from jaxkv.kernels import key_copy
 from jaxkv.kernels import quest as quest_kernels
 from jaxkv.kernels import topk as topk_kernels
 from jaxkv.kernels.candidate_select import top_candidates
-from jaxkv.kernels.key_copy import quantize
 from jaxkv.selectors.base import register
 from jaxkv.selectors.quest import Quest, _select_kw
 from jaxkv.spec import alloc_rows
+
+
+def quantize(k, bits: int):
+    """k [..., D] -> (values, scale [...]): int8 with a symmetric scale per vector when
+    ``bits == 8``, else k itself and ones."""
+    if bits != 8:
+        return k, jnp.ones(k.shape[:-1], jnp.float32)
+    kf = k.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(kf), axis=-1) / 127.0
+    q = jnp.round(kf / jnp.where(scale > 0, scale, 1.0)[..., None])
+    return jnp.clip(q, -127, 127).astype(jnp.int8), scale
+
+
+def scatter_keys(keys, scales, layer, k, positions):
+    """The key copy ``keys`` [L, B, H, Np, ps, D] (int8, or the KV dtype) and its ``scales``
+    [L, B, H, Np, ps] with ``k`` [B, ..., H, D] quantized (:func:`quantize`) and stored at
+    ``positions`` [B, ...] (a decode step's [B], a continued turn's [B, T]) of layer
+    ``layer``, in place (two scatters); a negative position, or one past the pages, writes
+    nothing."""
+    Np, ps = keys.shape[3:5]
+    vals, scale = quantize(k, 8 if keys.dtype == jnp.int8 else 16)
+    lead, H = positions.ndim, k.shape[-2]
+    b = jnp.arange(positions.shape[0])[(slice(None),) + (None,) * lead]
+    hh = jnp.arange(H)[(None,) * lead]
+    page = jnp.where(positions >= 0, positions // ps, Np)[..., None]  # Np: dropped
+    slot = (positions % ps)[..., None]
+    keys = keys.at[layer, b, hh, page, slot].set(vals.astype(keys.dtype), mode="drop")
+    return keys, scales.at[layer, b, hh, page, slot].set(scale.astype(scales.dtype),
+                                                        mode="drop")
 
 
 # The widest rows the first stage's full-row kernel was measured on past
@@ -247,8 +274,7 @@ class Rescore(Quest):
         if (_common.resolve(mass_kernels.OP, stage2) is mass_kernels.candidate_mass_pallas
                 and mass_kernels.kernel_takes(keys)):
             # The kernel's page statistics go to the final choice as they are.
-            m, l = mass_kernels.page_stats_pallas(q, keys, scales, layer, cand, positions,
-                                                  page_reduce=tuning.rescore_page_reduce)
+            m, l = mass_kernels.page_stats_pallas(q, keys, scales, layer, cand, positions)
             final = final_choice_method(tuning, impl, cand.shape[-1])
             return select_kernels.candidate_select(
                 m, l, cand, seq_lens, G=q.shape[1] // keys.shape[2], implementation=final,
@@ -283,12 +309,8 @@ class Rescore(Quest):
 
     def _store_keys(self, plan, summaries, layer, k, positions):
         """(keys, scales): the key copy with k [B, ..., H, D] quantized and stored at
-        positions [B, ...] (a decode step's [B], a turn's [B, T]; -1: dropped). A decode
-        step's write takes ``Tuning.rescore_store_method``."""
-        if positions.ndim == 1 and plan.cache.tuning.rescore_store_method == "pallas":
-            return key_copy.store_key_copy(summaries[2], summaries[3], layer, k, positions,
-                                           page_size=plan.page_size, implementation="pallas")
-        return key_copy.scatter_keys(summaries[2], summaries[3], layer, k, positions)
+        positions [B, ...] (a decode step's [B], a turn's [B, T]; -1: dropped)."""
+        return scatter_keys(summaries[2], summaries[3], layer, k, positions)
 
     def first_pages(self, plan, summaries, layer, layer_params, h_last, q_last, lengths):
         lengths = jnp.asarray(lengths, jnp.int32)
