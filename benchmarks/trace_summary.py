@@ -4,9 +4,11 @@
 
 Reads the ``perfetto_trace.json.gz`` that ``jax.profiler.trace(dir, create_perfetto_trace=True)``
 writes, keeps the events of the device processes (GPU streams), and prints per kernel name: count,
-total and mean microseconds, and the share of device-busy time; then the span, the busy time (union
-of kernel intervals) and the idle gaps, divided by ``--steps`` when given. ``summarise`` returns the
-same as a dict (benchmarks put it in their JSON).
+total and mean microseconds, the share of the kernels' summed time, and the exclusive time (the
+part of each kernel's interval past every earlier-starting kernel's end: these add up to the busy
+time, and leave out a kernel's wait for its predecessor under programmatic dependent launch); then
+the span and the busy time (union of kernel intervals), divided by ``--steps`` when given.
+``summarise`` returns the same as a dict (benchmarks put it in their JSON).
 """
 from __future__ import annotations
 
@@ -48,18 +50,19 @@ def summarise(trace_dir: str, steps: int = 1, top: int = 40) -> dict:
         sample.setdefault(g, {k: str(v)[:160] for k, v in (e.get("args") or {}).items()})
         by_group[g][0] += 1
         by_group[g][1] += e["dur"]
-    iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in ks)
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, t in iv:
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s, t
-        else:
-            cur_e = max(cur_e, t)
-    if cur_e is not None:
-        busy += cur_e - cur_s
-    span = (iv[-1][1] - iv[0][0]) if iv else 0.0
+    # Busy time (the union of the kernels' intervals), shared out: each kernel in start order
+    # is credited with the part of its interval past every earlier kernel's end. Under
+    # programmatic dependent launch a kernel starts before its predecessor ends and waits for
+    # it, so its own duration includes the wait; its exclusive time does not.
+    busy, cur_e = 0.0, None
+    excl = collections.defaultdict(float)
+    for e in sorted(ks, key=lambda e: (e["ts"], e["ts"] + e["dur"])):
+        s, t = e["ts"], e["ts"] + e["dur"]
+        x = t - s if cur_e is None else max(0.0, t - max(s, cur_e))
+        excl[_short(e["name"])] += x
+        busy += x
+        cur_e = t if cur_e is None else max(cur_e, t)
+    span = (max(e["ts"] + e["dur"] for e in ks) - min(e["ts"] for e in ks)) if ks else 0.0
     total = sum(v[1] for v in by_name.values())
     rows = sorted(by_group.items(), key=lambda kv: -kv[1][1])[:top]
     return dict(
@@ -68,17 +71,19 @@ def summarise(trace_dir: str, steps: int = 1, top: int = 40) -> dict:
         span_us_per_step=span / steps, busy_us_per_step=busy / steps,
         kernels_per_step=len(ks) / steps, kernel_us_sum_per_step=total / steps,
         top=[dict(name=n, count_per_step=c / steps, us_per_step=t / steps, mean_us=t / max(c, 1),
-                  share=t / max(total, 1e-9), args=sample.get(n, {})) for n, (c, t) in rows])
+                  share=t / max(total, 1e-9), exclusive_us_per_step=excl[n] / steps,
+                  args=sample.get(n, {})) for n, (c, t) in rows])
 
 
 def print_summary(s: dict) -> None:
     print(f"device processes: {s['processes']} (all: {s['all_processes']})")
     print(f"per step: span {s['span_us_per_step']:.0f} us, busy {s['busy_us_per_step']:.0f} us, "
           f"{s['kernels_per_step']:.0f} kernels (sum {s['kernel_us_sum_per_step']:.0f} us)")
-    print(f"{'kernel (grouped)':60s} {'n/step':>7s} {'us/step':>9s} {'mean us':>8s} {'share':>6s}")
+    print(f"{'kernel (grouped)':60s} {'n/step':>7s} {'us/step':>9s} {'mean us':>8s} {'share':>6s} "
+          f"{'excl us':>8s}")
     for r in s["top"]:
         print(f"{r['name'][:60]:60s} {r['count_per_step']:7.1f} {r['us_per_step']:9.1f} "
-              f"{r['mean_us']:8.1f} {r['share']:6.1%}")
+              f"{r['mean_us']:8.1f} {r['share']:6.1%} {r.get('exclusive_us_per_step', 0.0):8.1f}")
     for r in s["top"][:15]:
         print(f"  {r['name'][:50]}: {r['args']}")
 
