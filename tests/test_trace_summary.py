@@ -45,3 +45,24 @@ def test_exclusive_time_leaves_out_waiting_and_sums_to_busy(tmp_path):
 def test_no_trace_file_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="perfetto_trace"):
         trace_summary.summarise(str(tmp_path))
+
+
+def test_hlo_counts_on_a_hand_made_module():
+    """benchmarks/probes/hlo_counts.py: weight products by shape, rematerialized instructions,
+    parameter bytes by memory space (``S(5)``: pinned host)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "probes"))
+    import hlo_counts
+    text = "\n".join([
+        "HloModule jit__decode_round, entry_computation_layout={(bf16[4,8]{1,0:S(5)}, "
+        "s32[2,2]{1,0}, f32[16]{0})->s32[]}",
+        "  %gemm_fusion_dot.1 = f32[8,8,1536]{2,1,0} fusion(%a, %b), kind=kCustom, "
+        "calls=%gemm_fusion_dot.1_computation",
+        "  %gemm_fusion_dot.1.remat3 = f32[8,8,1536]{2,1,0} fusion(%a, %b), kind=kCustom, "
+        "calls=%gemm_fusion_dot.1_computation.3",
+        "  %loop_add_fusion.2 = s32[8]{0} fusion(%c), kind=kLoop, calls=%fused_add",
+        "  %use = f32[8,8,1536]{2,1,0} add(%gemm_fusion_dot.1.remat3, %gemm_fusion_dot.1)"])
+    c = hlo_counts.count(text)
+    assert c["params_bytes"] == {"device": 2 * 2 * 4 + 16 * 4, "pinned_host": 4 * 8 * 2}
+    assert c["gemm_fusions_by_shape"] == {"f32[8,8,1536]": 2} and c["gemm_fusions"] == 2
+    assert c["rematerialized"] == 1
+    assert c["rematerialized_by_kind"] == {"gemm_fusion_dot f32[8,8,1536]": 1}
