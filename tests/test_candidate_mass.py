@@ -261,7 +261,8 @@ def test_candidate_mass_lowers_for_h200(no_interpret, ps):
     B, H, G, D = 8, 2, 7, 64
     Np, C = (131072 + 256) // ps, {16: 512, 8: 1024, 64: 128}[ps]
     S = jax.ShapeDtypeStruct
-    text = lower_for_h200(cm.page_stats_pallas, S((B, H * G, D), jnp.bfloat16), S((28, B, H, Np, ps, D), jnp.int8),
+    text = lower_for_h200(cm.page_stats_pallas, S((B, H * G, D), jnp.bfloat16),
+                          S((28, B, H, Np, ps, D), jnp.int8),
                           S((28, B, H, Np, ps), jnp.float32), S((), jnp.int32),
                           S((B, H, C), jnp.int32), S((B,), jnp.int32))
     assert text.count("__gpu$xla.gpu.triton") == 1

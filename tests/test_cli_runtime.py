@@ -63,13 +63,14 @@ def test_two_stage_selector_from_the_command_line(capsys):
 
 def test_candidate_block_from_the_command_line(capsys):
     """--candidate-block groups quest_rescore8's first stage; one too large for the candidates
-    (16: 8x the budget's pages, below the default's floor) names the largest that works, and one with a one-stage selector fails before the model
-    loads, each naming the options."""
+    (16 set: the default's floor would give more) names the largest that works, and one with
+    a one-stage selector fails before the model loads, each naming the options."""
     assert cli_main(["Hello", *FAST, "--json", "--selector", "quest_rescore8", "--budget", "8",
                      "--candidate-block", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["generated_tokens"] >= 1
     assert cli_main(["Hello", *FAST, "--selector", "quest_rescore8", "--budget", "8",
-                     "--candidate-pages", "16", "--candidate-block", "16"]) == 1   # found when the plan is made
+                     "--candidate-pages", "16", "--candidate-block", "16"]) == 1
+    # (found when the plan is made)
     err = capsys.readouterr().err
     assert "the largest candidate_block that divides the candidates and works here is 8" in err
     assert "candidate_block is --candidate-block" in err
@@ -82,7 +83,8 @@ def test_candidate_block_from_the_command_line(capsys):
 
 def test_candidate_pieces_from_the_command_line(capsys):
     """--candidate-pieces splits quest_rescore8's first stage; a count that does not divide
-    the candidates (16, set) fails when the plan is made, naming the option and a count that works."""
+    the candidates (16, set) fails when the plan is made, naming the option and a count that
+    works."""
     assert cli_main(["Hello", *FAST, "--json", "--selector", "quest_rescore8", "--budget", "8",
                      "--candidate-pieces", "2"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["generated_tokens"] >= 1
