@@ -273,7 +273,10 @@ class Schedule:
 
 @dataclasses.dataclass(frozen=True)
 class Resident(Schedule):
-    """Every page on device: no fetch, no LRU."""
+    """Every page on device: no fetch, no LRU. Its row map masks inactive requests, so the
+    step passes the selector's pages on as they are (one fusion per layer, not two)."""
+
+    lookup_masks_inactive = True
 
     def write(self, plan, kv, layer, logical, offset, tok_kv):
         return kvcache.write_resident(plan.spec, kv, layer, logical, offset, tok_kv,
@@ -283,10 +286,11 @@ class Resident(Schedule):
         kv = self.write(plan, kv, layer, logical, offset, tok_kv)
         return kv, dense, kv.pool, layer
 
-    def rows(self, plan, kv, layer, pages, look, *, b_idx, **_):
-        sel = _logical_selection(plan, pages, b_idx)
+    def rows(self, plan, kv, layer, pages, look, *, b_idx, active, **_):
         P = plan.spec.num_logical_pages
-        return kv, jnp.where(sel >= 0, layer * P + sel, INVALID), {}, look
+        ok = active[:, None, None] & (pages >= 0)
+        return kv, jnp.where(ok, layer * P + b_idx[:, None, None] * plan.pages_per_seq + pages,
+                             INVALID), {}, look
 
     def tick(self, kv):
         return kv
