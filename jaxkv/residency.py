@@ -273,10 +273,7 @@ class Schedule:
 
 @dataclasses.dataclass(frozen=True)
 class Resident(Schedule):
-    """Every page on device: no fetch, no LRU. Its row map masks inactive requests, so the
-    step passes the selector's pages on as they are (one fusion per layer, not two)."""
-
-    lookup_masks_inactive = True
+    """Every page on device: no fetch, no LRU."""
 
     def write(self, plan, kv, layer, logical, offset, tok_kv):
         return kvcache.write_resident(plan.spec, kv, layer, logical, offset, tok_kv,
@@ -286,11 +283,10 @@ class Resident(Schedule):
         kv = self.write(plan, kv, layer, logical, offset, tok_kv)
         return kv, dense, kv.pool, layer
 
-    def rows(self, plan, kv, layer, pages, look, *, b_idx, active, **_):
+    def rows(self, plan, kv, layer, pages, look, *, b_idx, **_):
+        sel = _logical_selection(plan, pages, b_idx)
         P = plan.spec.num_logical_pages
-        ok = active[:, None, None] & (pages >= 0)
-        return kv, jnp.where(ok, layer * P + b_idx[:, None, None] * plan.pages_per_seq + pages,
-                             INVALID), {}, look
+        return kv, jnp.where(sel >= 0, layer * P + sel, INVALID), {}, look
 
     def tick(self, kv):
         return kv
