@@ -61,8 +61,6 @@ variant is a plan of its own, so nothing is read at trace time.
   with the first stage by blocks of two pages.
 * ``rescore8_c512``: ``quest_rescore8`` with 512 first-stage candidates whatever the budget
   (``CacheConfig(candidate_pages=512)``; at 1024 tokens in 16-token pages the default's own).
-* ``no_remat`` / ``rescore8_no_remat``: Quest / ``quest_rescore8`` with XLA's
-  rematerialization pass off (``xla_disable_hlo_passes=rematerialization``).
 * ``rescore8_pieces1`` / ``rescore8_pieces4`` / ``rescore8_pieces8`` / ``rescore8_pieces16``:
   ``quest_rescore8`` with the first stage's top-k over the whole row / per strided piece of a
   row, 4 / 8 / 16 pieces (``CacheConfig.candidate_pieces``; the default's ``None`` gives 8 at
@@ -115,7 +113,6 @@ from jaxkv.kernels import _common, quest  # noqa: E402
 
 _EXH = ("xla_gpu_exhaustive_tiling_search", True)
 _CONC = ("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT")
-_NO_REMAT = ("xla_disable_hlo_passes", "rematerialization")
 _CMD_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
 # name -> (Tuning fields, XLA compiler options added to Tuning's default ones)
 VARIANTS = {
@@ -179,10 +176,6 @@ VARIANTS = {
     "rescore8_block8": ({}, ()),
     # 512 first-stage candidates whatever the budget
     "rescore8_c512": ({}, ()),
-    # XLA's rematerialization pass off: on an H100 it recomputes the resident two-stage
-    # step's output projections (26 more weight products a step at Qwen-like B=8)
-    "no_remat": ({}, (_NO_REMAT,)),
-    "rescore8_no_remat": ({}, (_NO_REMAT,)),
     # the first stage's top-k per strided piece of a row (CacheConfig.candidate_pieces)
     "rescore8_pieces1": ({}, ()),
     "rescore8_pieces4": ({}, ()),
@@ -227,7 +220,6 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_block4={"selector": "quest_rescore8", "candidate_block": 4},
                      rescore8_block8={"selector": "quest_rescore8", "candidate_block": 8},
                      rescore8_c512={"selector": "quest_rescore8", "candidate_pages": 512},
-                     rescore8_no_remat={"selector": "quest_rescore8"},
                      **{f"rescore8_pieces{n}": {"selector": "quest_rescore8",
                                                 "candidate_pieces": n} for n in (1, 4, 8, 16)},
                      rescore8_select_w4={"selector": "quest_rescore8"},

@@ -46,8 +46,6 @@
 # final-choice: the final choice at the default's 512 candidates: its kernel with 8 warps (the
 #   default), with 4 (Tuning.rescore_select_warps=4), and its XLA form (rescore_select_method)
 #   (ab_step, Qwen-like B=8 in 16-token pages and 8B-like B=1, shared KV); about 7 min
-# remat: XLA's rematerialization pass off against on, Quest and quest_rescore8 (ab_step): parts
-#   remat-q8 and remat-8b (resident, shared KV), remat-c2 (the host tier, Qwen-like B=8)
 # first-stage: issue 27's cheaper first stages at the default budget (1024 tokens, 8x candidates), same-process
 #   A/B against Quest and quest_rescore8: blocks of pages (candidate_block; 8B-like B=1 and Qwen-like B=8 at
 #   128k), the radix top-k (Qwen-like B=1 at 1M), then each top-k alone (probes/first_stage_topk.py); ~15 min,
@@ -202,19 +200,6 @@ for s in $STAGES; do
         run fc_8b 240 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
             --variants default,rescore8,rescore8_select_xla,rescore8_select_w4 \
             --tag "final_choice_8b1_$JAXKV_COMMIT" $fs ;;
-    remat|remat-q8|remat-8b|remat-c2)
-        # XLA's rematerialization pass off (xla_disable_hlo_passes): Quest and quest_rescore8,
-        # resident at Qwen-like B=8 (16-token pages) and 8B-like B=1 (shared KV), then the
-        # two-stage selector's host tier at Qwen-like B=8 (two host tiers of 28 GiB)
-        fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --page-size 16 --out $OUT"
-        v=default,no_remat,rescore8,rescore8_no_remat
-        case $s in remat|remat-q8) run remat_q8 280 $PY benchmarks/ab_step.py --shape qwen1.5b \
-            --batch 8 --variants $v --share-kv --tag "remat_qwen8_p16_$JAXKV_COMMIT" $fs ;; esac
-        case $s in remat|remat-8b) run remat_8b 250 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
-            --variants $v --share-kv --tag "remat_8b1_$JAXKV_COMMIT" $fs ;; esac
-        case $s in remat|remat-c2) run remat_c2 280 $PY benchmarks/ab_step.py --shape qwen1.5b \
-            --batch 8 --config c2 --variants rescore8,rescore8_no_remat \
-            --tag "remat_qwen8_p16_c2_$JAXKV_COMMIT" $fs ;; esac ;;
     first-stage|first-stage-8b|first-stage-q8|first-stage-1m|first-stage-topk)
         # one shared KV cache: every part fits an H100 as well as an H200
         fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
