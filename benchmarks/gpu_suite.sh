@@ -46,9 +46,6 @@
 # final-choice: the final choice at the default's 512 candidates: its kernel with 8 warps (the
 #   default), with 4 (Tuning.rescore_select_warps=4), and its XLA form (rescore_select_method)
 #   (ab_step, Qwen-like B=8 in 16-token pages and 8B-like B=1, shared KV); about 7 min
-# install-end: the host tier's install at each step's end (Tuning.install_at="end") against the
-#   next step's start, CacheConfig()'s selection, config c2 (ab_step, 128k, 1024 tokens in
-#   16-token pages): parts install-end-q8 (Qwen-like B=8) and install-end-8b (8B-like B=1)
 # first-stage: issue 27's cheaper first stages at the default budget (1024 tokens, 8x candidates), same-process
 #   A/B against Quest and quest_rescore8: blocks of pages (candidate_block; 8B-like B=1 and Qwen-like B=8 at
 #   128k), the radix top-k (Qwen-like B=1 at 1M), then each top-k alone (probes/first_stage_topk.py); ~15 min,
@@ -203,13 +200,6 @@ for s in $STAGES; do
         run fc_8b 240 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
             --variants default,rescore8,rescore8_select_xla,rescore8_select_w4 \
             --tag "final_choice_8b1_$JAXKV_COMMIT" $fs ;;
-    install-end|install-end-q8|install-end-8b)
-        # two host tiers of 28 GiB (Qwen-like B=8) fit an H100's pinned host memory
-        fs="--config c2 --variants rescore8,rescore8_install_end --budget-tokens 1024 --page-size 16 --pairs ${AB_PAIRS:-3} --out $OUT"
-        case $s in install-end|install-end-q8) run install_end_q8 300 $PY benchmarks/ab_step.py \
-            --shape qwen1.5b --batch 8 --tag "install_end_qwen8_p16_$JAXKV_COMMIT" $fs ;; esac
-        case $s in install-end|install-end-8b) run install_end_8b 300 $PY benchmarks/ab_step.py \
-            --shape 8b --batch 1 --tag "install_end_8b1_$JAXKV_COMMIT" $fs ;; esac ;;
     first-stage|first-stage-8b|first-stage-q8|first-stage-1m|first-stage-topk)
         # one shared KV cache: every part fits an H100 as well as an H200
         fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"

@@ -82,14 +82,6 @@ class Tuning:
         and second stage add consumers (Qwen-like B=8, 128k, blocks of four: 189 -> 139
         GEMM kernels per step, the step 5-6% shorter; Quest's step unchanged:
         docs/decisions.md).
-      install_at: when the host tier's schedule "step" (with exact selection) installs a
-        step's missed pages into the pool: "start" (at the next step's start, before its
-        first layer) | "end" (at the step's end, after its last layer's attention, where the
-        copy has no data dependency on the final norm, the LM head and the sampling, so the
-        round's concurrent CUDA graph may run them side by side). The same pool contents
-        and tokens; with "end" a request that stops at a step keeps its recent pages pinned
-        in that step's install, and a round's last step installs its pages in that round.
-        Lagged selection installs at the start either way (its step's own pages).
     """
 
     compiler_options: tuple = (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)
@@ -104,7 +96,6 @@ class Tuning:
     rescore_select_kernel_max: int = 512
     rescore_select_warps: int | None = None
     materialize_qk: bool | None = None
-    install_at: str = "start"
 
     def __post_init__(self):
         opts = self.compiler_options
@@ -130,9 +121,6 @@ class Tuning:
         if self.rescore_method not in ("auto", "pallas", "xla"):
             raise ValueError("Tuning.rescore_method must be 'auto', 'pallas' or 'xla', "
                              f"got {self.rescore_method!r}")
-        if self.install_at not in ("start", "end"):
-            raise ValueError("Tuning.install_at must be 'start' or 'end', "
-                             f"got {self.install_at!r}")
         if self.rescore_select_method not in ("auto", "pallas", "xla"):
             raise ValueError("Tuning.rescore_select_method must be 'auto', 'pallas' or 'xla', "
                              f"got {self.rescore_select_method!r}")

@@ -154,11 +154,7 @@ def decode_step(plan: Plan, params, st: DecodeState, sampling: Sampling, stop_id
         own, ahead = selector.update_select_all_layers(plan, own, *sel_in, lpos)
         summ = selectors.join(own, shift,
                               jnp.where(lpos[:, :, None, None] >= 0, ahead, st.summaries[-1]))
-    # the next step's pinned pages, from this step's requests (a request that stops at this
-    # step stays pinned: the stop is the sampler's, which an install at the end would wait for)
-    protect_next = (residency.protected_pages(plan, jnp.where(active, pos + 1, pos), active)[None, :]
-                    if plan.install_at_end else None)
-    kv = sched.end(plan, kv, look, active, before, pool_only, protect_next)
+    kv = sched.end(plan, kv, look, active, before, pool_only)
     logits = llama.final_logits(params, cfg, x)
     key, sub = split_keys(st.key)
     tok = agree(sample(logits[:, 0], sampling, sub), plan.axis_name)

@@ -163,13 +163,6 @@ class Plan:
         return self.per_step and self.cache.schedule == "step"
 
     @property
-    def install_at_end(self) -> bool:
-        """Schedule "step" with exact selection and the pool in use installs each step's
-        misses at the step's end (``Tuning.install_at``)."""
-        return (self.in_place and self.cache.reuse and not self.lagged
-                and self.cache.tuning.install_at == "end")
-
-    @property
     def requests_per_layer(self) -> int:
         """Selected (request, KV head, page) entries per layer and step."""
         return self.batch * self.model.num_kv_heads * self.k

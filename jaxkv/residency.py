@@ -262,9 +262,8 @@ class Schedule:
         host-tier operands (a dict, empty when it reads the pool only), look)."""
         raise NotImplementedError
 
-    def end(self, plan: Plan, kv, look, active, before, pool_only, protect_next):
-        """Once per step after the layers (counters); active [B] the step's active requests;
-        ``protect_next`` the pinned pages of the next step (its ``protect``)."""
+    def end(self, plan: Plan, kv, look, active, before, pool_only):
+        """Once per step after the layers (counters); active [B] the step's active requests."""
         return kv
 
     def tick(self, kv):
@@ -330,7 +329,7 @@ class InPlace(Schedule):
     lookup_masks_inactive = True
 
     def begin(self, plan, kv, lookahead, ahead, active, protect):
-        if not plan.cache.reuse or plan.install_at_end:
+        if not plan.cache.reuse:
             return kv, None, False
         before = None
         if ahead is not None:  # lagged: install the pages this step attends to
@@ -350,12 +349,9 @@ class InPlace(Schedule):
         host = {} if pool_only else dict(host=kv.host_kv, host_rows=host_rows)
         return kv, rows, host, (record,)
 
-    def end(self, plan, kv, look, active, before, pool_only, protect_next):
-        kv = count_in_place(plan, kv, look[0], jnp.sum(active).astype(jnp.int32), before,
-                            pool_only)
-        if plan.install_at_end:  # the clock ticks after it: stamps one lower than at "start"
-            kv = install_previous(plan, kv, look, protect_next)
-        return kv
+    def end(self, plan, kv, look, active, before, pool_only):
+        return count_in_place(plan, kv, look[0], jnp.sum(active).astype(jnp.int32), before,
+                              pool_only)
 
 
 def schedule_for(plan: Plan) -> Schedule:

@@ -61,27 +61,6 @@ def test_host_equals_resident_with_churning_small_pool(resident_quest, schedule,
         assert host.stats["dropped"] == 0
 
 
-@pytest.mark.parametrize("pool", [None, 6])
-def test_install_at_end_equals_install_at_start(resident_quest, pool):
-    """Tuning(install_at="end"): each step's misses go into the pool at its own end instead of
-    the next step's start. The pool holds the same pages at every step (the LRU's stamps all
-    one lower), so hits, misses and host reads match; the round's last step installs too."""
-    kw = dict(mode="host", selector="quest", page_size=4, selected_pages=4, pool_pages=pool)
-    start = _gen(CacheConfig(**kw))
-    end = _gen(CacheConfig(**kw, tuning=Tuning(install_at="end")))
-    assert end.tokens == start.tokens == resident_quest.tokens
-    for name in ("hits", "misses", "host_reads", "dropped"):
-        assert end.stats[name] == start.stats[name], name
-    assert end.stats["pages_fetched"] >= start.stats["pages_fetched"] > 0
-    if pool:
-        assert end.stats["evictions"] >= start.stats["evictions"] > 0
-
-
-def test_install_at_names_its_choices():
-    with pytest.raises(ValueError, match="Tuning.install_at must be 'start' or 'end'"):
-        Tuning(install_at="after")
-
-
 def test_no_cache_baseline_fetches_every_selected_page(resident_quest):
     host = _gen(CacheConfig(mode="host", selector="quest", page_size=4, selected_pages=4,
                             reuse=False))
