@@ -37,7 +37,11 @@ class Tuning:
         selectors' first stage, where "auto" is the full-row Pallas top-k for rows of up to
         4096 pages with the Pallas implementation (and see ``first_stage_kernel_min_rows``),
         else XLA's "sort"): "auto" or one of
-        ``jaxkv.kernels.dense_select.TOPK_METHODS``.
+        ``jaxkv.kernels.dense_select.TOPK_METHODS``. "pallas_pieces": as "pallas", but a
+        first stage in pieces (``CacheConfig.candidate_pieces``) runs one program per piece
+        that reads and masks the row itself, instead of a masked, transposed copy of the
+        scores before the kernel and a select after it (the same candidates; not yet
+        measured on a GPU, so not what "auto" takes).
       topk_cmax_min_pages: with "auto" and the Pallas implementation, rows of at least this
         many pages take the chunk-maxima top-k ("pallas_cmax": the scores kernel writes chunk
         maxima, the top-k kernel reads only those and the chosen chunks); None: never.
@@ -112,7 +116,8 @@ class Tuning:
                                  f"bool, int or float (as XLA takes it), got "
                                  f"{type(value).__name__} {value!r}")
         object.__setattr__(self, "compiler_options", opts)
-        topk = ("auto", "sort", "rounds", "chunked", "radix", "pallas", "pallas_cmax")
+        topk = ("auto", "sort", "rounds", "chunked", "radix", "pallas", "pallas_cmax",
+                "pallas_pieces")
         if self.topk_method not in topk:
             raise ValueError(f"Tuning.topk_method must be one of {topk}, got {self.topk_method!r}")
         if self.ensure_method not in ("auto", "dense", "sort", "pallas"):

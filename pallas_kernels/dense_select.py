@@ -43,7 +43,8 @@ from ._common import INVALID
 # with n >= 1024; a larger k falls back to sorting every row. "rounds" stays on the fast
 # kernel by taking 16 at a time and masking what was taken; "chunked" shrinks the sorts.
 _FAST_TOPK_MAX_K = 16
-TOPK_METHODS = ("auto", "sort", "rounds", "chunked", "radix", "pallas", "pallas_cmax")
+TOPK_METHODS = ("auto", "sort", "rounds", "chunked", "radix", "pallas", "pallas_cmax",
+                "pallas_pieces")
 # "radix": bit widths of the key's digits, most significant first (``_topk_radix``).
 RADIX_DIGITS = (11, 11, 10)
 PALLAS_TOPK_MAX_COLUMNS = 4096
@@ -276,6 +277,10 @@ def _select_pieces(scores, seq_lens, *, num_pages, k, page_size, num_sink_pages,
     Otherwise XLA's ``lax.top_k``."""
     B, H, _ = scores.shape
     S, kp = pieces, k // pieces
+    if method == "pallas_pieces":
+        return topk.select_top_pieces_pallas(scores, seq_lens, num_pages=num_pages, k=k,
+                                             page_size=page_size, num_sink_pages=num_sink_pages,
+                                             pieces=S)
     v = strided_pieces(scores, seq_lens, num_pages=num_pages, page_size=page_size,
                        num_sink_pages=num_sink_pages, pieces=S)               # [B, H, S, ns]
     if v.shape[-1] < kp:  # pieces shorter than their share: never-selected columns
@@ -312,7 +317,9 @@ def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, 
     method: "pallas" (one kernel, ``topk.select_top_pages_pallas``), "pallas_cmax" (chunk
     maxima in XLA, ``topk.chunk_max``, then the kernel's chunk-maxima path; Quest's
     ``quest_select`` gets them from its scores kernel instead), "sort", "rounds", "chunked",
-    "radix" (XLA top-k; see ``_topk_indices``) or "auto" (module docstring).
+    "radix" (XLA top-k; see ``_topk_indices``), "pallas_pieces" (with ``pieces > 1`` one
+    kernel program per piece reading and masking the row itself,
+    ``topk.select_top_pieces_pallas``; else "pallas") or "auto" (module docstring).
     implementation: "pallas" | "xla" | None: whether "auto" may use the kernel.
     ordered: False lets the XLA methods skip the ascending sort: the same pages, in the
     top-k's order with the ``-1`` padding last (a candidate list that is re-ranked anyway).
@@ -338,7 +345,7 @@ def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, 
                               implementation=implementation)
     if method == "auto" and takes_topk_kernel(scores.shape[-1], k, implementation):
         method = "pallas"
-    if method == "pallas":
+    if method in ("pallas", "pallas_pieces"):
         return topk.select_top_pages_pallas(scores, seq_lens, num_pages=num_pages, k=k,
                                             page_size=page_size, num_sink_pages=num_sink_pages)
     if method == "pallas_cmax":

@@ -202,6 +202,45 @@ def _topk_cmax_kernel(lens_ref, scores_ref, cmax_ref, out_ref, *, heads, n_cols,
     _write_selection(out_ref, row, ckeys, ccols, _kth_largest(ckeys, k, radix_bits), k)
 
 
+def _pieces_kernel(lens_ref, scores_ref, out_ref, *, heads, pieces, n_cols, num_pages, k,
+                   page_size, num_sink_pages, ns0, ns, chunk, n_pad, radix_bits):
+    """One program per strided piece of a row (``select_top_pieces_pallas``): program ``i``
+    takes piece ``i % pieces`` of scores row ``i // pieces``, its local column ``j`` being the
+    row's page ``g = i % pieces + pieces * j``. The row's mask is applied here: ``+inf`` for
+    its forced pages, ``-inf`` for pages past the sequence, NaN and the row's padding (the
+    pages of ``ns0`` local columns can be valid; a piece padded to ``ns >= k`` columns holds
+    ``-inf`` past them); every local column ``< ns`` is a candidate (its key that of the
+    masked value), so each piece selects exactly ``k``; the selected pages are written, ``-1``
+    where the value is ``-inf``."""
+    i = pl.program_id(0)
+    row, s = i // pieces, i % pieces
+    n_valid = _common.num_valid_pages(lens_ref[row // heads], page_size, num_pages)
+
+    def load(local):
+        g = s + pieces * local
+        x = plgpu.load(scores_ref.at[row, g], mask=(local < ns) & (g < n_cols), other=-jnp.inf)
+        valid = (g < n_valid) & (local < ns0)
+        forced = valid & ((g < num_sink_pages) | (g == n_valid - 1))
+        v = jnp.where(forced, jnp.inf, jnp.where(valid & (x == x), x.astype(jnp.float32),
+                                                 -jnp.inf))
+        keys = jnp.where(local < ns, _float_key(v), jnp.int32(_INT_MIN))
+        return keys, jnp.where(v == -jnp.inf, jnp.int32(INVALID), g)
+
+    nc = n_pad // chunk
+    local = (lax.broadcasted_iota(jnp.int32, (nc, chunk), 0) * chunk
+             + lax.broadcasted_iota(jnp.int32, (nc, chunk), 1))
+    keys, pages = load(local)
+    if chunk == 1:
+        t = _kth_largest(keys, k, radix_bits)
+    else:
+        cid = _choose_chunks(jnp.max(keys, axis=1), k, radix_bits)
+        ccols = cid[:, None] * chunk + lax.broadcasted_iota(jnp.int32, (cid.shape[0], chunk), 1)
+        ckeys, _ = load(ccols)
+        t = _kth_largest(jnp.where((cid < nc)[:, None], ckeys, jnp.int32(_INT_MIN)), k,
+                         radix_bits)
+    _write_selection(out_ref, i, keys, pages, t, k)
+
+
 def _default_chunk(n_pad: int, k: int) -> int:
     """Largest power of two <= sqrt(n_pad / next_pow2(k)) (1 = single stage)."""
     c = math.isqrt(max(1, n_pad // _common.next_pow2(k)))
@@ -365,6 +404,46 @@ def select_top_pages_pallas(scores, seq_lens, *, num_pages: int, k: int, page_si
                compiler_params=plgpu.CompilerParams(
                    num_warps=num_warps or _default_warps(n_pad), num_stages=1))(lens, flat)
     return out.reshape(lead + (k,))
+
+
+def select_top_pieces_pallas(scores, seq_lens, *, num_pages: int, k: int, page_size: int,
+                             num_sink_pages: int, pieces: int, num_warps: int | None = None,
+                             interpret: bool | None = None):
+    """``dense_select.select_top_pages(pieces=)``'s candidate set in one kernel: the top
+    ``k / pieces`` of each strided piece of a row (page ``p`` in piece ``p % pieces``), one
+    program per piece reading its pages straight from the row and masking them as the row's
+    selection rule does (``_pieces_kernel``), instead of a masked, transposed copy of the
+    scores, the full-row kernel over its rows and a select. The same pages in the same
+    places as ``dense_select.strided_pieces`` and the full-row kernel give: per piece its
+    selection ascending, ``-1`` for a pick whose masked value is ``-inf``.
+
+    scores [B, H, N] float; seq_lens [B] int. Returns int32 [B, H, k]."""
+    B, H, n = scores.shape
+    S = pieces
+    if k % S:
+        raise ValueError(f"pieces={S} must divide k={k}")
+    kp = k // S
+    ns0 = -(-n // S)
+    ns = max(ns0, kp)  # a piece's columns (padded to its share with -inf)
+    n_pad = _common.next_pow2(ns)
+    chunk, radix_bits = _full_row_defaults(n_pad, kp, None, None)
+    kernel = functools.partial(_pieces_kernel, heads=H, pieces=S, n_cols=n,
+                               num_pages=num_pages, k=kp, page_size=page_size,
+                               num_sink_pages=num_sink_pages, ns0=ns0, ns=ns, chunk=chunk,
+                               n_pad=n_pad,
+                               radix_bits=radix_bits)
+    rows = B * H * S
+    lens = jnp.asarray(seq_lens, jnp.int32).reshape(B)
+    flat = scores.reshape(B * H, n)
+    full = lambda x: pl.BlockSpec(x.shape, lambda i: (0,) * x.ndim)  # noqa: E731
+    out = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((rows, kp), jnp.int32), grid=(rows,),
+        in_specs=[full(lens), full(flat)], out_specs=pl.BlockSpec((rows, kp), lambda i: (0, 0)),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or _default_warps(n_pad),
+                                             num_stages=1),
+        interpret=_common.interpret_mode() if interpret is None else interpret,
+        name="select_top_pieces")(lens, flat)
+    return out.reshape(B, H, k)
 
 
 @_common.register(OP, "xla")

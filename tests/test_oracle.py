@@ -456,6 +456,20 @@ def test_rescore_candidate_pieces_end_to_end():
         assert host.tokens == res.tokens
 
 
+def test_pieces_kernel_end_to_end():
+    """``Tuning(topk_method="pallas_pieces")``: the first stage's pieces read by one kernel
+    program each (Pallas implementation): the host tier == resident token for token, and the
+    same tokens as the full-row kernel over the transposed pieces."""
+    kw = dict(selector="quest_rescore8", page_size=4, selected_pages=3, candidate_pages=6,
+              candidate_pieces=2, implementation="pallas")
+    pieces = jaxkv.Tuning(topk_method="pallas_pieces")
+    gen = lambda **c: jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6,  # noqa: E731
+                                     stop_tokens=[], cache=CacheConfig(**kw, **c))
+    res = gen(mode="resident", tuning=pieces)
+    assert gen(mode="host", tuning=pieces).tokens == res.tokens
+    assert gen(mode="resident", tuning=jaxkv.Tuning(topk_method="pallas")).tokens == res.tokens
+
+
 def test_candidate_pieces_errors():
     """Pieces need a two-stage selector and must split the candidates: the error names the
     field and a count that works."""

@@ -1116,20 +1116,25 @@ def test_gpu_pallas_topk_large_k(B, H, N, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("method", ["pallas", "pallas_pieces"])
 @pytest.mark.parametrize("B,H,N,k,S", [(8, 2, 8212, 512, 8), (8, 2, 8212, 512, 16),
                                        (1, 8, 8192, 512, 8), (2, 8, 2048, 128, 4)])
-def test_gpu_select_top_pages_pieces(B, H, N, k, S):
+def test_gpu_select_top_pages_pieces(B, H, N, k, S, method):
     """The first stage in strided pieces (``pieces``) with the kernel on the GPU at the 128k
-    shapes: == the numpy rule, ties (small integers) and NaN past the sequence included."""
+    shapes: == the numpy rule, ties (small integers) and NaN past the sequence included; the
+    pieces kernel place for place equal to the full-row kernel's."""
     ps = 16
     seq_lens, tied = _tied_rows(B, H, N, ps, 1 / 8)
     kw = dict(num_pages=N, k=k, page_size=ps, num_sink_pages=1)
-    got = np.asarray(ds.select_top_pages(jnp.asarray(tied), jnp.asarray(seq_lens),
-                                         method="pallas", ordered=False, pieces=S, **kw))
+    x, lens = jnp.asarray(tied), jnp.asarray(seq_lens)
+    got = np.asarray(ds.select_top_pages(x, lens, method=method, ordered=False, pieces=S, **kw))
     want = _pieces_reference(tied, seq_lens, pieces=S, **kw)
     for (b, h), pages in want.items():
         row = got[b, h][got[b, h] >= 0]
         assert len(row) == len(pages) and set(row.tolist()) == pages, (b, h)
+    if method == "pallas_pieces":
+        np.testing.assert_array_equal(got, np.asarray(ds.select_top_pages(
+            x, lens, method="pallas", ordered=False, pieces=S, **kw)))
 
 
 @pytest.mark.gpu
@@ -1309,7 +1314,8 @@ def _pieces_reference(scores, seq_lens, *, num_pages, k, page_size, num_sink_pag
 
 
 @pytest.mark.parametrize("method,impl", [("pallas", None), ("sort", None), ("auto", "pallas"),
-                                         ("auto", "xla"), ("chunked", None)])
+                                         ("auto", "xla"), ("chunked", None),
+                                         ("pallas_pieces", None)])
 @pytest.mark.parametrize("B,H,Np,pad,ps,k,S,sinks", [
     (2, 2, 64, 0, 16, 16, 4, 1),      # whole pieces
     (3, 2, 100, 3, 8, 24, 8, 2),      # a ragged last piece, padding columns, two sinks
@@ -1343,6 +1349,44 @@ def test_select_top_pages_pieces_matches_numpy(method, impl, B, H, Np, pad, ps, 
             assert pages == set(range(int(nv[b]))) - nan
 
 
+@pytest.mark.parametrize("B,H,N,ps,k,S,sinks,shortest", [
+    (2, 2, 64, 16, 16, 4, 1, 1 / 4),    # whole pieces
+    (3, 2, 103, 8, 24, 8, 2, 1 / 8),    # a ragged last piece, two sinks
+    (2, 3, 30, 4, 24, 8, 3, 1 / 2),     # pieces shorter than their share (30 / 8 < 3)
+    (2, 2, 300, 4, 32, 4, 1, 1 / 16),   # two stages: pieces of 75 columns, 8 picks each
+])
+def test_pieces_kernel_equals_the_full_row_kernel_place_for_place(B, H, N, ps, k, S, sinks,
+                                                                  shortest):
+    """``method="pallas_pieces"`` (one program per piece, masking the row itself) gives the
+    same array as the masked, transposed copy through the full-row kernel ("pallas"): the same
+    pages in the same places, ``-1`` included (ties of small integers, NaN past each sequence
+    and inside one, an empty sequence, a permuted batch)."""
+    seq_lens, tied = _tied_rows(B, H, N, ps, shortest)
+    seq_lens[-1] = 0
+    tied[0, 0, min(5, N - 2)] = np.nan
+    tied[0, -1, 1] = -np.inf
+    order = _rng().permutation(B)
+    seq_lens, tied = seq_lens[order], tied[order]
+    kw = dict(num_pages=N, k=k, page_size=ps, num_sink_pages=sinks, ordered=False, pieces=S)
+    x, lens = jnp.asarray(tied), jnp.asarray(seq_lens)
+    got = np.asarray(ds.select_top_pages(x, lens, method="pallas_pieces", **kw))
+    np.testing.assert_array_equal(got, np.asarray(ds.select_top_pages(x, lens, method="pallas",
+                                                                      **kw)))
+    want = _pieces_reference(tied, seq_lens, pieces=S, **{n: kw[n] for n in
+                             ("num_pages", "k", "page_size", "num_sink_pages")})
+    for (b, h), pages in want.items():
+        assert set(got[b, h][got[b, h] >= 0].tolist()) == pages, (b, h)
+
+
+def test_pieces_method_without_pieces_is_the_full_row_kernel():
+    seq_lens, tied = _tied_rows(2, 2, 64, 4, 1 / 2)
+    kw = dict(num_pages=64, k=8, page_size=4, num_sink_pages=1)
+    x, lens = jnp.asarray(tied), jnp.asarray(seq_lens)
+    np.testing.assert_array_equal(
+        np.asarray(ds.select_top_pages(x, lens, method="pallas_pieces", **kw)),
+        np.asarray(ds.select_top_pages(x, lens, method="pallas", **kw)))
+
+
 def test_select_top_pages_pieces_rejects_bad_arguments():
     x, lens = jnp.zeros((1, 2, 64)), jnp.array([256])
     kw = dict(num_pages=64, page_size=4, num_sink_pages=1, ordered=False)
@@ -1358,13 +1402,16 @@ def test_select_top_pages_pieces_rejects_bad_arguments():
                            num_sink_pages=1, topk_method="pallas_cmax", ordered=False, pieces=4)
 
 
+@pytest.mark.parametrize("method", ["pallas", "pallas_pieces"])
 @pytest.mark.parametrize("shape,k,pieces", [((8, 2, 8212), 512, 8), ((1, 8, 8192), 512, 16)])
-def test_pallas_topk_pieces_lowers_for_gpu(no_interpret, shape, k, pieces):
+def test_pallas_topk_pieces_lowers_for_gpu(no_interpret, shape, k, pieces, method):
     """The 128k first stages in pieces (Qwen-like B=8 in 16-token pages, 8B-like B=1) lower
-    to one Triton kernel, one program per piece, for the H200."""
+    to one Triton kernel, one program per piece, for the H200; the pieces kernel reads the
+    [B, H, N] scores as they are (no transposed copy before it)."""
     txt = lower_for_h200(functools.partial(ds.select_top_pages, num_pages=shape[-1], k=k,
-                                           page_size=16, num_sink_pages=1, method="pallas",
+                                           page_size=16, num_sink_pages=1, method=method,
                                            ordered=False, pieces=pieces),
                          S(shape, jnp.float32), S((shape[0],), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 1
     assert f"grid_x = {shape[0] * shape[1] * pieces} : i32" in txt
+    assert ("stablehlo.transpose" in txt) == (method == "pallas")
