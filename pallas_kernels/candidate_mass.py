@@ -161,15 +161,47 @@ def mass_from_page_stats(m, l, cand, G: int):
     return jnp.where(cand >= 0, mass, -jnp.inf)
 
 
+def _split_query(q, scale: float):
+    """The scaled query [..., D] as two bfloat16 halves ``hi + lo`` (f32 arithmetic)."""
+    qf = q.astype(jnp.float32) * scale
+    hi = qf.astype(jnp.bfloat16)
+    return hi, (qf - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def _kernel_q(layer_ref, pos_ref, cand_ref, q_ref, keys_ref, scales_ref, m_ref, l_ref, *, ps,
+              block_c, C, G, G_pad):
+    """``_kernel`` with the query [B, G * H, D] as it is: the program gathers its KV head's G
+    query rows (padded to G_pad with zeros), scales them and splits them into bfloat16 halves
+    itself, as ``page_stats_pallas`` does in XLA otherwise (the same values to rounding: the
+    split's ``q * scale - hi`` may be contracted into a fused multiply-add here and not
+    there)."""
+    b, h = pl.program_id(0), pl.program_id(1)
+    D = q_ref.shape[-1]
+    g = lax.broadcasted_iota(jnp.int32, (G_pad, D), 0)
+    d = lax.broadcasted_iota(jnp.int32, (G_pad, D), 1)
+    q = plgpu.load(q_ref.at[jnp.broadcast_to(b, (G_pad, D)), h * G + jnp.minimum(g, G - 1), d],
+                   mask=g < G, other=0)
+    hi, lo = _split_query(q, D ** -0.5)
+    _page_stats(layer_ref, pos_ref, cand_ref, hi, lo, keys_ref, scales_ref, m_ref, l_ref,
+                ps=ps, block_c=block_c, C=C)
+
+
 def _kernel(layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref, m_ref, l_ref,
             *, ps, block_c, C):
+    """One program: ``block_c`` candidates (``_page_stats``) for the split query's block."""
+    _page_stats(layer_ref, pos_ref, cand_ref, qhi_ref[...], qlo_ref[...], keys_ref, scales_ref,
+                m_ref, l_ref, ps=ps, block_c=block_c, C=C)
+
+
+def _page_stats(layer_ref, pos_ref, cand_ref, q_hi, q_lo, keys_ref, scales_ref, m_ref, l_ref,
+                *, ps, block_c, C):
     """One program: ``block_c`` candidates as one [block_c * ps, D] tile, gathered in one load
     (every index a full int array: interpret mode cannot mix gathers and slices). The per-page
     statistics take the [G_pad, T] logits as [G_pad, block_c, ps]: one reduction over the
     page's tokens each (a masked pass over the whole tile per page is 2.7% slower a step at
     Qwen-like B=8, docs/decisions.md)."""
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    D = qhi_ref.shape[-1]
+    D = q_hi.shape[-1]
     T = block_c * ps
     layer = layer_ref[0]
     pos = pos_ref[b]
@@ -185,7 +217,7 @@ def _kernel(layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref
                                lax.broadcasted_iota(jnp.int32, (T, D), 1)],
                    mask=mask, other=0).astype(jnp.bfloat16)              # [T, D]
     sc = plgpu.load(scales_ref.at[layer, b, h, p, tok_off], mask=ok, other=0.0)  # [T]
-    s = plgpu.dot(qhi_ref[...], k, trans_b=True) + plgpu.dot(qlo_ref[...], k, trans_b=True)
+    s = plgpu.dot(q_hi, k, trans_b=True) + plgpu.dot(q_lo, k, trans_b=True)
     s = jnp.where(ok[None, :], s * sc[None, :], -jnp.inf)                # [G_pad, T]
     s3 = s.reshape(s.shape[0], block_c, ps)                              # [G_pad, block_c, ps]
     m = jnp.max(s3, axis=2)                                              # [G_pad, block_c]
@@ -212,13 +244,16 @@ def min_block_c(ps: int) -> int:
 
 
 def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int | None = None,
-                      num_warps: int = 4, interpret: bool | None = None):
+                      num_warps: int = 4, interpret: bool | None = None,
+                      query_in_kernel: bool = False):
     """The kernel's per-page statistics ``(m, l)``, each [B, H, Cs, G_pad] float32 with
     ``Cs = ceil(C / block_c) * block_c`` and ``G_pad = max(16, next_pow2(G))`` (module
     docstring; rows ``>= C``, columns ``>= G`` and candidates without a valid token carry
     ``m = -inf``, ``l = 0``, except the padded query heads' columns, which hold the zero
     query's statistics and are never data). Keys the kernel does not take
-    (``kernel_takes``) are an error here."""
+    (``kernel_takes``) are an error here. ``query_in_kernel``: each program splits its query
+    rows into the bfloat16 halves itself instead of an XLA fusion before the kernel (the same
+    statistics to rounding)."""
     _check(q, keys, scales, cand, positions)
     _, B, H, Np, ps, D = keys.shape
     if not kernel_takes(keys):
@@ -234,13 +269,15 @@ def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int |
     if block_c & (block_c - 1):
         raise ValueError(f"block_c {block_c} must be a power of two (the tile's tokens)")
     n_prog = pl.cdiv(C, block_c)
-    qg = q.reshape(B, H, G, D).astype(jnp.float32) * D ** -0.5
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, G_pad - G), (0, 0)))
-    q_hi = qg.astype(jnp.bfloat16)
-    q_lo = (qg - q_hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    kernel = functools.partial(_kernel, ps=ps, block_c=block_c, C=C)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
-    q_spec = pl.BlockSpec((None, None, G_pad, D), lambda b, h, j: (b, h, 0, 0))
+    if query_in_kernel:
+        kernel = functools.partial(_kernel_q, ps=ps, block_c=block_c, C=C, G=G, G_pad=G_pad)
+        q_ops, q_specs = (q,), [full(q)]
+    else:
+        qg = jnp.pad(q.reshape(B, H, G, D), ((0, 0), (0, 0), (0, G_pad - G), (0, 0)))
+        q_ops = _split_query(qg, D ** -0.5)
+        kernel = functools.partial(_kernel, ps=ps, block_c=block_c, C=C)
+        q_specs = [pl.BlockSpec((None, None, G_pad, D), lambda b, h, j: (b, h, 0, 0))] * 2
     stat = jax.ShapeDtypeStruct((B, H, n_prog * block_c, G_pad), jnp.float32)
     stat_spec = pl.BlockSpec((None, None, block_c, G_pad), lambda b, h, j: (b, h, j, 0))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -250,13 +287,13 @@ def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int |
         kernel,
         out_shape=(stat, stat),
         grid=(B, H, n_prog),
-        in_specs=[pl.BlockSpec((1,), lambda *_: (0,)), full(positions), full(cand), q_spec,
-                  q_spec, full(keys), full(scales)],
+        in_specs=[pl.BlockSpec((1,), lambda *_: (0,)), full(positions), full(cand), *q_specs,
+                  full(keys), full(scales)],
         out_specs=(stat_spec, stat_spec),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps),
         interpret=_common.interpret_mode() if interpret is None else interpret,
         name="candidate_mass",
-    )(layer_arr, positions, cand, q_hi, q_lo, keys, scales)
+    )(layer_arr, positions, cand, *q_ops, keys, scales)
 
 
 @register(OP, "pallas")

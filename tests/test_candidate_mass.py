@@ -128,6 +128,27 @@ def test_candidate_mass_kernel_matches_numpy_with_poison(dtype, ps, block_c):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("qdtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("ps, G", [(16, 6), (8, 7), (4, 16)])
+def test_query_in_kernel_gives_the_same_statistics(qdtype, ps, G):
+    """``page_stats_pallas(query_in_kernel=True)``: each program gathers and splits its KV
+    head's query rows; the statistics equal those of the XLA split to rounding: the split's
+    float32 ``q * scale - hi`` may be contracted into a fused multiply-add in one program and
+    not the other (fresh seed, NaN poison where nothing may be read, permuted candidates)."""
+    rng = _rng()
+    q, keys, scales, cand, positions = _case(rng, L=2, B=3, H=2, G=G, Np=7, ps=ps, D=32, C=5)
+    keys, scales = _poison(np.asarray(keys), scales, cand, positions, 1, ps)
+    cand = cand[:, :, rng.permutation(cand.shape[2])]
+    args = [jnp.asarray(q, qdtype), jnp.asarray(keys), jnp.asarray(scales), jnp.int32(1),
+            jnp.asarray(cand), jnp.asarray(positions)]
+    base = cm.page_stats_pallas(*args)
+    got = cm.page_stats_pallas(*args, query_in_kernel=True)
+    for a, b in zip(got, base):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b))
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)
+
+
 @pytest.mark.parametrize("int8", [True, False])
 @pytest.mark.parametrize("chunk", [1, 3, 64])
 def test_candidate_mass_blocked_matches_numpy_with_poison(int8, chunk):
@@ -220,7 +241,8 @@ def test_gpu_candidate_mass_kernel_at_decode_shapes(shape):
     """The kernel on the GPU against the reference at the two 128k decode shapes' second stage
     (pages shortened to keep the test small): Qwen-like B=8 (64-token pages, 12 / 2 heads,
     8x 32 candidates; 8-token pages, 8x 128 candidates, 16 per program), 8B-like B=1 (16-token
-    pages, 32 / 8 heads, 8x 128 candidates)."""
+    pages, 32 / 8 heads, 8x 128 candidates); and the statistics with the query split in the
+    kernel against those with it split in XLA."""
     rng = _rng()
     if shape == "qwen_b8":
         L, B, H, G, Np, ps, D, C = 3, 8, 2, 6, 512, 64, 128, 256
@@ -243,6 +265,12 @@ def test_gpu_candidate_mass_kernel_at_decode_shapes(shape):
     want = _mass_numpy_vectorized(q, keys, scales, 2, cand, positions)
     assert np.all(got[cand < 0] == -np.inf)
     np.testing.assert_allclose(got[cand >= 0], want[cand >= 0], rtol=2e-3, atol=1e-6)
+    # the query split in the kernel (Tuning.rescore_query_in_kernel): the same statistics
+    for a, b in zip(cm.page_stats_pallas(*args, query_in_kernel=True),
+                    cm.page_stats_pallas(*args)):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b))
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)
 
 
 def test_vectorized_numpy_mass_equals_the_loop():
@@ -253,15 +281,19 @@ def test_vectorized_numpy_mass_equals_the_loop():
                                mass_numpy(q, keys, scales, 1, cand, positions), rtol=1e-12)
 
 
+@pytest.mark.parametrize("query_in_kernel", [False, True])
 @pytest.mark.parametrize("ps", [16, 8, 64])
-def test_candidate_mass_lowers_for_h200(no_interpret, ps):
+def test_candidate_mass_lowers_for_h200(no_interpret, ps, query_in_kernel):
     """The kernel's page statistics through the Triton lowering at Qwen-like B=8's second
-    stage (128k, 512 / 1024 / 128 candidates of 16 / 8 / 64 tokens)."""
+    stage (128k, 512 / 1024 / 128 candidates of 16 / 8 / 64 tokens), with the query split in
+    XLA or in the kernel."""
+    import functools
     from tests.lowering import lower_for_h200
     B, H, G, D = 8, 2, 7, 64
     Np, C = (131072 + 256) // ps, {16: 512, 8: 1024, 64: 128}[ps]
     S = jax.ShapeDtypeStruct
-    text = lower_for_h200(cm.page_stats_pallas, S((B, H * G, D), jnp.bfloat16),
+    fn = functools.partial(cm.page_stats_pallas, query_in_kernel=query_in_kernel)
+    text = lower_for_h200(fn, S((B, H * G, D), jnp.bfloat16),
                           S((28, B, H, Np, ps, D), jnp.int8),
                           S((28, B, H, Np, ps), jnp.float32), S((), jnp.int32),
                           S((B, H, C), jnp.int32), S((B,), jnp.int32))

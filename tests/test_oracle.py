@@ -459,7 +459,8 @@ def test_rescore_candidate_pieces_end_to_end():
 def test_pieces_kernel_end_to_end():
     """``Tuning(topk_method="pallas_pieces")``: the first stage's pieces read by one kernel
     program each (Pallas implementation): the host tier == resident token for token, and the
-    same tokens as the full-row kernel over the transposed pieces."""
+    same tokens as the full-row kernel over the transposed pieces; with the second stage's
+    query split in its kernel as well, the same."""
     kw = dict(selector="quest_rescore8", page_size=4, selected_pages=3, candidate_pages=6,
               candidate_pieces=2, implementation="pallas")
     pieces = jaxkv.Tuning(topk_method="pallas_pieces")
@@ -468,6 +469,10 @@ def test_pieces_kernel_end_to_end():
     res = gen(mode="resident", tuning=pieces)
     assert gen(mode="host", tuning=pieces).tokens == res.tokens
     assert gen(mode="resident", tuning=jaxkv.Tuning(topk_method="pallas")).tokens == res.tokens
+    # and the second stage's query split in its kernel (Tuning.rescore_query_in_kernel)
+    glue = jaxkv.Tuning(topk_method="pallas_pieces", rescore_query_in_kernel=True)
+    assert gen(mode="host", tuning=glue).tokens == gen(mode="resident", tuning=glue).tokens \
+        == res.tokens
 
 
 def test_candidate_pieces_errors():
