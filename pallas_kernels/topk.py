@@ -446,6 +446,35 @@ def select_top_pieces_pallas(scores, seq_lens, *, num_pages: int, k: int, page_s
     return out.reshape(B, H, k)
 
 
+def select_top_pieces_reference(scores, seq_lens, *, num_pages: int, k: int, page_size: int,
+                                num_sink_pages: int, pieces: int):
+    """Pure-jnp reference of ``select_top_pieces_pallas``: each strided piece's local columns
+    (``_pieces_kernel``: ``ceil(N / pieces)`` of the row, padded to ``k / pieces``) masked as
+    the row's rule masks them, the first ``k / pieces`` by descending value with ties to the
+    lower column (a stable sort), in column order, each the row's page or ``-1`` where its
+    masked value is ``-inf``. Returns int32 [B, H, k]."""
+    B, H, n = scores.shape
+    S, kp = pieces, k // pieces
+    ns0 = -(-n // S)
+    ns = max(ns0, kp)
+    local = jnp.arange(ns, dtype=jnp.int32)
+    g = jnp.arange(S, dtype=jnp.int32)[:, None] + S * local[None, :]            # [S, ns]
+    x = jnp.take(scores.astype(jnp.float32), jnp.minimum(g, n - 1), axis=2)      # [B, H, S, ns]
+    x = jnp.where(g < n, x, -jnp.inf)
+    nv = _common.num_valid_pages(jnp.asarray(seq_lens, jnp.int32), page_size,
+                                 num_pages)[:, None, None, None]
+    valid = (g < nv) & (local < ns0)
+    forced = valid & ((g < num_sink_pages) | (g == nv - 1))
+    v = jnp.where(forced, jnp.inf, jnp.where(valid & (x == x), x, -jnp.inf))
+    keys = _float_key(v)
+    cols = jnp.broadcast_to(local, keys.shape)
+    _, top = lax.sort((~keys, cols), dimension=3, num_keys=1, is_stable=True)
+    top = jnp.sort(top[..., :kp], axis=-1)                                       # column order
+    page = jnp.take_along_axis(jnp.broadcast_to(g, keys.shape), top, axis=3)
+    val = jnp.take_along_axis(v, top, axis=3)
+    return jnp.where(val == -jnp.inf, INVALID, page).reshape(B, H, k)
+
+
 @_common.register(OP, "xla")
 def select_top_pages_reference(scores, seq_lens, *, num_pages: int, k: int, page_size: int,
                                num_sink_pages: int):

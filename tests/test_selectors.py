@@ -1358,8 +1358,8 @@ def test_select_top_pages_pieces_matches_numpy(method, impl, B, H, Np, pad, ps, 
 def test_pieces_kernel_equals_the_full_row_kernel_place_for_place(B, H, N, ps, k, S, sinks,
                                                                   shortest):
     """``method="pallas_pieces"`` (one program per piece, masking the row itself) gives the
-    same array as the masked, transposed copy through the full-row kernel ("pallas"): the same
-    pages in the same places, ``-1`` included (ties of small integers, NaN past each sequence
+    same array as the masked, transposed copy through the full-row kernel ("pallas") and as
+    its pure-jnp reference: the same pages in the same places, ``-1`` included (ties of small integers, NaN past each sequence
     and inside one, an empty sequence, a permuted batch)."""
     seq_lens, tied = _tied_rows(B, H, N, ps, shortest)
     seq_lens[-1] = 0
@@ -1372,6 +1372,9 @@ def test_pieces_kernel_equals_the_full_row_kernel_place_for_place(B, H, N, ps, k
     got = np.asarray(ds.select_top_pages(x, lens, method="pallas_pieces", **kw))
     np.testing.assert_array_equal(got, np.asarray(ds.select_top_pages(x, lens, method="pallas",
                                                                       **kw)))
+    np.testing.assert_array_equal(got, np.asarray(topk.select_top_pieces_reference(
+        x, lens, **{n: kw[n] for n in ("num_pages", "k", "page_size", "num_sink_pages",
+                                       "pieces")})))
     want = _pieces_reference(tied, seq_lens, pieces=S, **{n: kw[n] for n in
                              ("num_pages", "k", "page_size", "num_sink_pages")})
     for (b, h), pages in want.items():
