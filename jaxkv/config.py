@@ -79,10 +79,11 @@ class Tuning:
         ``CacheConfig()``'s 512 candidates (128k, one H100) the step with 8 warps is 1.220x
         Quest's against 1.375x with 4 and 1.342x with XLA's form (Qwen-like B=8), 1.133x
         against 1.230x and 1.177x (8B-like B=1).
-      rescore_query_in_kernel: the second stage's kernel splits the query into its bfloat16
-        halves itself (each program its KV head's rows) instead of an XLA fusion before it:
-        one kernel fewer per layer, the same statistics to rounding (not yet measured on a
-        GPU).
+      query_in_kernels: the selection's Pallas kernels form their query operands themselves
+        instead of an XLA fusion before each: Quest's scores kernel the group sums of relu(q)
+        and min(q, 0), the second stage's kernel the scaled query's bfloat16 halves. Up to two
+        kernels fewer per layer; the same scores and statistics to rounding (the order of a
+        sum's terms, a fused multiply-add), not yet measured on a GPU.
       materialize_qk: each sparse layer's query and new K/V row pass an
         ``optimization_barrier`` before the selector and the cache write read them, so XLA
         computes their projections once instead of fusing a copy of the product into each
@@ -103,7 +104,7 @@ class Tuning:
     rescore_select_method: str = "auto"
     rescore_select_kernel_max: int = 512
     rescore_select_warps: int | None = None
-    rescore_query_in_kernel: bool = False
+    query_in_kernels: bool = False
     materialize_qk: bool | None = None
 
     def __post_init__(self):
@@ -148,10 +149,10 @@ class Tuning:
                 raise ValueError("Tuning.rescore_select_warps must be None or a power of two "
                                  f"(Triton's warps per program), got {w}")
             object.__setattr__(self, "rescore_select_warps", w)
-        if not isinstance(self.rescore_query_in_kernel, (bool, np.bool_)):
-            raise ValueError("Tuning.rescore_query_in_kernel must be a bool, got "
-                             f"{self.rescore_query_in_kernel!r}")
-        object.__setattr__(self, "rescore_query_in_kernel", bool(self.rescore_query_in_kernel))
+        if not isinstance(self.query_in_kernels, (bool, np.bool_)):
+            raise ValueError("Tuning.query_in_kernels must be a bool, got "
+                             f"{self.query_in_kernels!r}")
+        object.__setattr__(self, "query_in_kernels", bool(self.query_in_kernels))
         if self.materialize_qk is not None:
             if not isinstance(self.materialize_qk, (bool, np.bool_)):
                 raise ValueError("Tuning.materialize_qk must be None (the selector's choice) or "

@@ -265,7 +265,7 @@ def test_gpu_candidate_mass_kernel_at_decode_shapes(shape):
     want = _mass_numpy_vectorized(q, keys, scales, 2, cand, positions)
     assert np.all(got[cand < 0] == -np.inf)
     np.testing.assert_allclose(got[cand >= 0], want[cand >= 0], rtol=2e-3, atol=1e-6)
-    # the query split in the kernel (Tuning.rescore_query_in_kernel): the same statistics
+    # the query split in the kernel (Tuning.query_in_kernels): the same statistics
     for a, b in zip(cm.page_stats_pallas(*args, query_in_kernel=True),
                     cm.page_stats_pallas(*args)):
         a, b = np.asarray(a), np.asarray(b)

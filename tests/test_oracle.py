@@ -459,8 +459,8 @@ def test_rescore_candidate_pieces_end_to_end():
 def test_pieces_kernel_end_to_end():
     """``Tuning(topk_method="pallas_pieces")``: the first stage's pieces read by one kernel
     program each (Pallas implementation): the host tier == resident token for token, and the
-    same tokens as the full-row kernel over the transposed pieces; with the second stage's
-    query split in its kernel as well, the same."""
+    same tokens as the full-row kernel over the transposed pieces; with the query operands
+    formed in the kernels as well (Quest's group sums, the second stage's halves), the same."""
     kw = dict(selector="quest_rescore8", page_size=4, selected_pages=3, candidate_pages=6,
               candidate_pieces=2, implementation="pallas")
     pieces = jaxkv.Tuning(topk_method="pallas_pieces")
@@ -469,10 +469,22 @@ def test_pieces_kernel_end_to_end():
     res = gen(mode="resident", tuning=pieces)
     assert gen(mode="host", tuning=pieces).tokens == res.tokens
     assert gen(mode="resident", tuning=jaxkv.Tuning(topk_method="pallas")).tokens == res.tokens
-    # and the second stage's query split in its kernel (Tuning.rescore_query_in_kernel)
-    glue = jaxkv.Tuning(topk_method="pallas_pieces", rescore_query_in_kernel=True)
+    # and the selection's query operands formed in its kernels (Tuning.query_in_kernels)
+    glue = jaxkv.Tuning(topk_method="pallas_pieces", query_in_kernels=True)
     assert gen(mode="host", tuning=glue).tokens == gen(mode="resident", tuning=glue).tokens \
         == res.tokens
+
+
+def test_quest_query_in_kernels_end_to_end():
+    """Quest with ``Tuning(query_in_kernels=True)`` (its scores kernel forming the query's
+    group sums; Pallas implementation): host tier == resident, and the tokens of the XLA
+    group sums."""
+    kw = dict(selector="quest", page_size=4, selected_pages=3, implementation="pallas")
+    gen = lambda **c: jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6,  # noqa: E731
+                                     stop_tokens=[], cache=CacheConfig(**kw, **c))
+    t = jaxkv.Tuning(query_in_kernels=True)
+    res = gen(mode="resident", tuning=t)
+    assert gen(mode="host", tuning=t).tokens == res.tokens == gen(mode="resident").tokens
 
 
 def test_candidate_pieces_errors():

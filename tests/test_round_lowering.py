@@ -112,8 +112,9 @@ def test_count_calls_follows_the_call_graph():
     ("qwen1.5b", 8, "host", dict(selector="quest_rescore8"), 4),
     ("qwen1.5b", 8, "host", dict(selector="quest_rescore8", page_size=16, selected_pages=64), 4),
     ("qwen1.5b", 8, "host", dict(selector="quest_rescore8", page_size=16, selected_pages=64,
-                                 tuning=Tuning(topk_method="pallas_pieces")), 4),
-], ids=["8b_b1", "8b_b1_block4", "qwen_b8", "qwen_b8_page16", "qwen_b8_page16_pieces_kernel"])
+                                 tuning=Tuning(topk_method="pallas_pieces",
+                                               query_in_kernels=True)), 4),
+], ids=["8b_b1", "8b_b1_block4", "qwen_b8", "qwen_b8_page16", "qwen_b8_page16_glue_in_kernels"])
 def test_benchmark_round_lowers_at_full_size(shape, batch, mode, changes, kernels):
     """The GPU benchmarks' shapes at 128k, 1024 tokens (``benchmarks/ab_step.py``): a 16 GiB
     (8B-like) / 14 GiB (Qwen-like B=8) host tier that exists only as a shape. Per layer at

@@ -162,7 +162,10 @@ def test_quest_scores_every_implementation_matches_numpy(G, H, D, dtype, Np, bp,
     for name, fn in (("reference", quest.quest_scores_reference),
                      ("xla", quest.quest_scores_xla),
                      ("pallas", functools.partial(quest.quest_scores_pallas, block_pages=bp,
-                                                  unmasked=unmasked))):
+                                                  unmasked=unmasked)),
+                     ("pallas, query in kernel", functools.partial(
+                         quest.quest_scores_pallas, block_pages=bp, unmasked=unmasked,
+                         query_in_kernel=True))):
         got = np.asarray(fn(*args, page_size=ps))[..., :Np]
         assert np.array_equal(np.isneginf(got), ~fin), name
         np.testing.assert_array_less(np.abs(got[fin] - want[fin]), tol, err_msg=name)
@@ -391,7 +394,8 @@ UPDATE_CASES = [  # G, H, D, dtype, Np, chunk, block_pages, unmasked
 def test_quest_update_scores_cmax_kernel_matches_reference(G, H, D, dtype, Np, chunk, bp, unmasked):
     """The fused op (summary update inside the scores kernel) == quest_update then the scores:
     summaries bit for bit (only the new token's row changes: NaN poison elsewhere stays),
-    scores to f32 rounding, cmax of its own scores. Positions: a page's first token (reset),
+    scores to f32 rounding, cmax of its own scores; the same with the query's group sums
+    formed in the kernel. Positions: a page's first token (reset),
     mid-page, inactive (-1) and one past the last page (dropped)."""
     rng = _rng()
     ps, L, layer = 4, 2, 1
@@ -418,6 +422,17 @@ def test_quest_update_scores_cmax_kernel_matches_reference(G, H, D, dtype, Np, c
     scale = np.pad(scale, ((0, 0), (0, 0), (0, n - Np)))
     np.testing.assert_array_less(np.abs(s[..., :n][fin] - rs[fin]), (2e-5 * scale + 1e-6)[fin])
     np.testing.assert_array_equal(cm, _chunk_max_np(s, chunk))
+    # the query's group sums formed in the kernel (Tuning.query_in_kernels): the same
+    # summaries bit for bit, the same scores to f32 rounding
+    s2, cm2, mx2, mn2 = quest.quest_update_scores_cmax_pallas(
+        *args, page_size=ps, chunk=chunk, block_pages=bp, unmasked=unmasked,
+        query_in_kernel=True)
+    for got, want in ((mx2, rmx), (mn2, rmn)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    s2 = np.asarray(s2)
+    assert np.array_equal(np.isneginf(rs), np.isneginf(s2[..., :n]))
+    np.testing.assert_array_less(np.abs(s2[..., :n][fin] - rs[fin]), (2e-5 * scale + 1e-6)[fin])
+    np.testing.assert_array_equal(np.asarray(cm2), _chunk_max_np(s2, chunk))
 
 
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
@@ -925,16 +940,20 @@ def test_indexer_lowers_for_gpu(no_interpret, L, B, Np, HI, dI):
     assert [t.count("__gpu$xla.gpu.triton") for t in txts] == [1, 2]
 
 
+@pytest.mark.parametrize("query_in_kernel", [False, True])
 @pytest.mark.parametrize("L,B,Np,H,G,D", [(4, 1, 16384, 8, 4, 128), (2, 3, 21, 3, 3, 16)])
-def test_quest_pallas_topk_lowers_for_gpu(no_interpret, L, B, Np, H, G, D):
-    """Scores kernel + top-k kernel: two Triton calls and nothing else of note."""
+def test_quest_pallas_topk_lowers_for_gpu(no_interpret, L, B, Np, H, G, D, query_in_kernel):
+    """Scores kernel + top-k kernel: two Triton calls and nothing else of note; with the
+    query's group sums formed in the scores kernel, no reduction before it."""
     fn = functools.partial(quest.quest_select, k=32, page_size=64, num_sink_pages=1,
-                           implementation="pallas", topk_method="pallas")
+                           implementation="pallas", topk_method="pallas",
+                           query_in_kernel=query_in_kernel)
     meta = S((L, B, Np, H, D), jnp.bfloat16)
     txt = lower_for_h200(fn, S((B, H * G, D), jnp.bfloat16), meta, meta, S((), jnp.int32),
                           S((B,), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 2
     assert "stablehlo.sort" not in txt and "TopK" not in txt
+    assert ("stablehlo.reduce" in txt) == (not query_in_kernel)
 
 
 @pytest.mark.parametrize("shape,k,chunk,bits", [((8, 8, 2048), 32, None, 4),

@@ -276,7 +276,7 @@ class Rescore(Quest):
             # The kernel's page statistics go to the final choice as they are.
             m, l = mass_kernels.page_stats_pallas(
                 q, keys, scales, layer, cand, positions,
-                query_in_kernel=tuning.rescore_query_in_kernel)
+                query_in_kernel=tuning.query_in_kernels)
             final = final_choice_method(tuning, impl, cand.shape[-1])
             return select_kernels.candidate_select(
                 m, l, cand, seq_lens, G=q.shape[1] // keys.shape[2], implementation=final,
