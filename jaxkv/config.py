@@ -25,7 +25,8 @@ IMPLEMENTATIONS = ("pallas", "xla")
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Performance settings of the compiled programs: static (part of the jit key, so a new
-    value recompiles), and none of them changes a result. The defaults are the measured best
+    value recompiles), and none of them changes a result beyond float rounding (where a field
+    says so, a near-tie may then pick another page). The defaults are the measured best
     on the H200 (docs/decisions.md has the figures); benchmarks vary them, users rarely need to.
 
     Attributes:

@@ -237,25 +237,6 @@ def _topk_indices(x: jax.Array, k: int, method: str) -> tuple[jax.Array, jax.Arr
     return jnp.concatenate(vals, axis=-1), jnp.concatenate(idxs, axis=-1)
 
 
-def strided_pieces(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, page_size: int,
-                   num_sink_pages: int, pieces: int) -> jax.Array:
-    """[B, H, N] scores masked as the selection rule masks them (forced pages ``+inf``, pages
-    past the sequence, padding and columns ``>= num_pages`` ``-inf``, NaN ``-inf``), viewed as
-    ``pieces`` strided pieces per row: f32 [B, H, pieces, ceil(N / pieces)], piece ``p``
-    holding pages ``p, p + pieces, p + 2 * pieces, ...`` (``-inf`` past the row)."""
-    B, H, n = scores.shape
-    S = pieces
-    ns = -(-n // S)
-    n_valid = num_valid_pages(seq_lens, page_size, num_pages)[:, None, None]
-    pages = lax.broadcasted_iota(jnp.int32, (B, H, ns * S), 2)
-    x = jnp.pad(scores.astype(jnp.float32), ((0, 0), (0, 0), (0, ns * S - n)),
-                constant_values=-jnp.inf)
-    valid = pages < n_valid
-    forced = valid & ((pages < num_sink_pages) | (pages == n_valid - 1))
-    x = jnp.where(forced, jnp.inf, jnp.where(valid & (x == x), x, -jnp.inf))
-    return x.reshape(B, H, ns, S).swapaxes(2, 3)
-
-
 def check_pieces(k: int, pieces: int, num_sink_pages: int) -> None:
     """Raise unless ``k`` top pages split over ``pieces`` pieces: ``pieces`` divides ``k`` and
     a piece's share holds its forced pages (the sinks it strides over and the current page)."""
@@ -270,7 +251,7 @@ def check_pieces(k: int, pieces: int, num_sink_pages: int) -> None:
 def _select_pieces(scores, seq_lens, *, num_pages, k, page_size, num_sink_pages, pieces,
                    method, implementation):
     """``select_top_pages(pieces=)``: the top ``k / pieces`` of each strided piece
-    (``strided_pieces``), unordered, ``-1`` where a piece runs out of pages of the sequence.
+    (``topk.strided_pieces``), unordered, ``-1`` where a piece runs out of pages of the sequence.
     "pallas" (or "auto" where the kernel takes a piece): the full-row kernel over [B, H *
     pieces, N / pieces] rows, one program per piece; its forced last page falls one column
     past the piece (``num_pages`` of N / pieces + 1), and the masked view forces the row's own.
@@ -281,7 +262,7 @@ def _select_pieces(scores, seq_lens, *, num_pages, k, page_size, num_sink_pages,
         return topk.select_top_pieces_pallas(scores, seq_lens, num_pages=num_pages, k=k,
                                              page_size=page_size, num_sink_pages=num_sink_pages,
                                              pieces=S)
-    v = strided_pieces(scores, seq_lens, num_pages=num_pages, page_size=page_size,
+    v = topk.strided_pieces(scores, seq_lens, num_pages=num_pages, page_size=page_size,
                        num_sink_pages=num_sink_pages, pieces=S)               # [B, H, S, ns]
     if v.shape[-1] < kp:  # pieces shorter than their share: never-selected columns
         v = jnp.pad(v, ((0, 0),) * 3 + ((0, kp - v.shape[-1]),), constant_values=-jnp.inf)

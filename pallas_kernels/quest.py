@@ -73,10 +73,12 @@ def quest_scores_reference(q, kmax, kmin, layer, seq_lens, *, page_size):
 
 
 @_common.register(OP, "xla")
-def quest_scores_xla(q, kmax, kmin, layer, seq_lens, *, page_size):
+def quest_scores_xla(q, kmax, kmin, layer, seq_lens, *, page_size, **tuning):
     """Quest scores in XLA, linear form ``U = Qp . M + Qn . m`` (module docstring): one
     multiply-reduce over D per summary array, which XLA fuses into one pass over the
-    summaries whatever the group size. Shapes and result as :func:`quest_scores_reference`."""
+    summaries whatever the group size. Shapes and result as :func:`quest_scores_reference`
+    (the kernel's tuning arguments are ignored)."""
+    del tuning
     _check(q, kmax, kmin)
     _, b, np_, h, d = kmax.shape
     qp, qn = _group_q(q, h)  # [B, H, D] f32
@@ -455,9 +457,8 @@ def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages
                                                    implementation=implementation, **qk)
         return topk.select_top_pages_pallas(scores, seq_lens, chunk=chunk, chunk_max=cmax,
                                             **sel_kw)
-    fn = _common.resolve(OP, implementation)
-    scores = fn(q, kmax, kmin, layer, seq_lens, page_size=page_size,
-                **(qk if fn is quest_scores_pallas else {}))
+    scores = _common.resolve(OP, implementation)(q, kmax, kmin, layer, seq_lens,
+                                                 page_size=page_size, **qk)
     return select_top_pages(scores, seq_lens, method=topk_method,
                             implementation=implementation, ordered=ordered, pieces=pieces,
                             **sel_kw)

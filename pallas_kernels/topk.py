@@ -235,9 +235,8 @@ def _pieces_kernel(lens_ref, scores_ref, out_ref, *, heads, pieces, n_cols, num_
     else:
         cid = _choose_chunks(jnp.max(keys, axis=1), k, radix_bits)
         ccols = cid[:, None] * chunk + lax.broadcasted_iota(jnp.int32, (cid.shape[0], chunk), 1)
-        ckeys, _ = load(ccols)
-        t = _kth_largest(jnp.where((cid < nc)[:, None], ckeys, jnp.int32(_INT_MIN)), k,
-                         radix_bits)
+        ckeys, _ = load(ccols)  # an unused slot (cid == nc) lies past ns: INT32_MIN keys
+        t = _kth_largest(ckeys, k, radix_bits)
     _write_selection(out_ref, i, keys, pages, t, k)
 
 
@@ -414,7 +413,7 @@ def select_top_pieces_pallas(scores, seq_lens, *, num_pages: int, k: int, page_s
     program per piece reading its pages straight from the row and masking them as the row's
     selection rule does (``_pieces_kernel``), instead of a masked, transposed copy of the
     scores, the full-row kernel over its rows and a select. The same pages in the same
-    places as ``dense_select.strided_pieces`` and the full-row kernel give: per piece its
+    places as :func:`strided_pieces` and the full-row kernel give: per piece its
     selection ascending, ``-1`` for a pick whose masked value is ``-inf``.
 
     scores [B, H, N] float; seq_lens [B] int. Returns int32 [B, H, k]."""
@@ -446,32 +445,45 @@ def select_top_pieces_pallas(scores, seq_lens, *, num_pages: int, k: int, page_s
     return out.reshape(B, H, k)
 
 
+def strided_pieces(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, page_size: int,
+                   num_sink_pages: int, pieces: int) -> jax.Array:
+    """[B, H, N] scores masked as the selection rule masks them (forced pages ``+inf``, pages
+    past the sequence, padding and columns ``>= num_pages`` ``-inf``, NaN ``-inf``), viewed as
+    ``pieces`` strided pieces per row: f32 [B, H, pieces, ceil(N / pieces)], piece ``p``
+    holding pages ``p, p + pieces, p + 2 * pieces, ...`` (``-inf`` past the row)."""
+    B, H, n = scores.shape
+    S = pieces
+    ns = -(-n // S)
+    n_valid = _common.num_valid_pages(jnp.asarray(seq_lens, jnp.int32), page_size,
+                                      num_pages)[:, None, None]
+    pages = lax.broadcasted_iota(jnp.int32, (B, H, ns * S), 2)
+    x = jnp.pad(scores.astype(jnp.float32), ((0, 0), (0, 0), (0, ns * S - n)),
+                constant_values=-jnp.inf)
+    valid = pages < n_valid
+    forced = valid & ((pages < num_sink_pages) | (pages == n_valid - 1))
+    x = jnp.where(forced, jnp.inf, jnp.where(valid & (x == x), x, -jnp.inf))
+    return x.reshape(B, H, ns, S).swapaxes(2, 3)
+
+
 def select_top_pieces_reference(scores, seq_lens, *, num_pages: int, k: int, page_size: int,
                                 num_sink_pages: int, pieces: int):
-    """Pure-jnp reference of ``select_top_pieces_pallas``: each strided piece's local columns
-    (``_pieces_kernel``: ``ceil(N / pieces)`` of the row, padded to ``k / pieces``) masked as
-    the row's rule masks them, the first ``k / pieces`` by descending value with ties to the
-    lower column (a stable sort), in column order, each the row's page or ``-1`` where its
-    masked value is ``-inf``. Returns int32 [B, H, k]."""
-    B, H, n = scores.shape
+    """Pure-jnp reference of ``select_top_pieces_pallas``: each piece of
+    :func:`strided_pieces` (padded with ``-inf`` to ``k / pieces`` columns), the first
+    ``k / pieces`` by descending value with ties to the lower column (a stable sort), in
+    column order, each the row's page or ``-1`` where its masked value is ``-inf``. Returns
+    int32 [B, H, k]."""
+    B, H, _ = scores.shape
     S, kp = pieces, k // pieces
-    ns0 = -(-n // S)
-    ns = max(ns0, kp)
-    local = jnp.arange(ns, dtype=jnp.int32)
-    g = jnp.arange(S, dtype=jnp.int32)[:, None] + S * local[None, :]            # [S, ns]
-    x = jnp.take(scores.astype(jnp.float32), jnp.minimum(g, n - 1), axis=2)      # [B, H, S, ns]
-    x = jnp.where(g < n, x, -jnp.inf)
-    nv = _common.num_valid_pages(jnp.asarray(seq_lens, jnp.int32), page_size,
-                                 num_pages)[:, None, None, None]
-    valid = (g < nv) & (local < ns0)
-    forced = valid & ((g < num_sink_pages) | (g == nv - 1))
-    v = jnp.where(forced, jnp.inf, jnp.where(valid & (x == x), x, -jnp.inf))
+    v = strided_pieces(scores, seq_lens, num_pages=num_pages, page_size=page_size,
+                       num_sink_pages=num_sink_pages, pieces=S)                 # [B, H, S, ns]
+    if v.shape[-1] < kp:
+        v = jnp.pad(v, ((0, 0),) * 3 + ((0, kp - v.shape[-1]),), constant_values=-jnp.inf)
     keys = _float_key(v)
-    cols = jnp.broadcast_to(local, keys.shape)
+    cols = lax.broadcasted_iota(jnp.int32, keys.shape, 3)
     _, top = lax.sort((~keys, cols), dimension=3, num_keys=1, is_stable=True)
     top = jnp.sort(top[..., :kp], axis=-1)                                       # column order
-    page = jnp.take_along_axis(jnp.broadcast_to(g, keys.shape), top, axis=3)
     val = jnp.take_along_axis(v, top, axis=3)
+    page = top * S + jnp.arange(S, dtype=jnp.int32)[:, None]
     return jnp.where(val == -jnp.inf, INVALID, page).reshape(B, H, k)
 
 
