@@ -213,7 +213,7 @@ for s in $STAGES; do
         case $s in pieces-kernel|pieces-kernel-test) run pieces_kernel_test 240 $PY -m pytest -q \
             -m gpu -p no:cacheprovider $TIMEOUT_ARG tests/test_selectors.py \
             tests/test_candidate_mass.py \
-            -k "pieces or decode_shapes or query_in_kernel" -o addopts="-ra" ;; esac
+            -k "pieces or decode_shapes or gpu_quest_kernel" -o addopts="-ra" ;; esac
         case $s in pieces-kernel|pieces-kernel-split) run pieces_kernel_split 250 $PY benchmarks/ab_step.py \
             --shape qwen1.5b --batch 8 --variants rescore8,rescore8_pieces_kernel,rescore8_query_in_kernels \
             --tag "pieces_kernel_split_qwen8_p16_$JAXKV_COMMIT" $fs ;; esac

@@ -1049,11 +1049,13 @@ def test_gpu_quest_kernel(G, H):
                                   dtype=jnp.bfloat16, seq_lens=seq_lens, layer=layer)
     args = (q, kmax, kmin, jnp.int32(layer), jnp.asarray(seq_lens))
     ref = np.asarray(quest.quest_scores_reference(*args, page_size=ps))
-    got = np.asarray(quest.quest_scores_pallas(*args, page_size=ps))[..., :Np]
-    assert np.array_equal(np.isneginf(ref), np.isneginf(got))
     fin = np.isfinite(ref)
     scale = _quest_scale(q, kmax, kmin, layer)
-    np.testing.assert_array_less(np.abs(got[fin] - ref[fin]), (1e-4 * scale + 1e-5)[fin])
+    for query_in_kernel in (False, True):  # the query's group sums in XLA / in the kernel
+        got = np.asarray(quest.quest_scores_pallas(*args, page_size=ps,
+                                                   query_in_kernel=query_in_kernel))[..., :Np]
+        assert np.array_equal(np.isneginf(ref), np.isneginf(got))
+        np.testing.assert_array_less(np.abs(got[fin] - ref[fin]), (1e-4 * scale + 1e-5)[fin])
     for method in TOPK_METHODS:
         sel = quest.quest_select(q, kmax, kmin, layer, jnp.asarray(seq_lens), k=k, page_size=ps,
                                  num_sink_pages=2, implementation="pallas", topk_method=method)
