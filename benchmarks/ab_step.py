@@ -61,11 +61,6 @@ variant is a plan of its own, so nothing is read at trace time.
   with the first stage by blocks of two pages.
 * ``rescore8_c512``: ``quest_rescore8`` with 512 first-stage candidates whatever the budget
   (``CacheConfig(candidate_pages=512)``; at 1024 tokens in 16-token pages the default's own).
-* ``rescore8_pieces_kernel``: ``quest_rescore8`` with the first stage's pieces read and
-  masked by the top-k kernel, one program per piece (``Tuning.topk_method="pallas_pieces"``).
-* ``query_in_kernels`` / ``rescore8_query_in_kernels``: Quest / ``quest_rescore8`` with the
-  selection's kernels forming their query operands themselves (``Tuning.query_in_kernels``);
-  ``rescore8_glue_in_kernels``: that and ``rescore8_pieces_kernel`` together.
 * ``rescore8_pieces1`` / ``rescore8_pieces4`` / ``rescore8_pieces8`` / ``rescore8_pieces16``:
   ``quest_rescore8`` with the first stage's top-k over the whole row / per strided piece of a
   row, 4 / 8 / 16 pieces (``CacheConfig.candidate_pieces``; the default's ``None`` gives 8 at
@@ -181,16 +176,6 @@ VARIANTS = {
     "rescore8_block8": ({}, ()),
     # 512 first-stage candidates whatever the budget
     "rescore8_c512": ({}, ()),
-    # the first stage's pieces read and masked by the top-k kernel itself, one program per
-    # piece (Tuning.topk_method="pallas_pieces")
-    "rescore8_pieces_kernel": ({"topk_method": "pallas_pieces"}, ()),
-    # the selection's kernels forming their query operands themselves (Tuning.
-    # query_in_kernels), for Quest and quest_rescore8; and with the pieces kernel: the XLA
-    # glue around the selection's kernels folded into them
-    "query_in_kernels": ({"query_in_kernels": True}, ()),
-    "rescore8_query_in_kernels": ({"query_in_kernels": True}, ()),
-    "rescore8_glue_in_kernels": ({"topk_method": "pallas_pieces", "query_in_kernels": True},
-                                 ()),
     # the first stage's top-k per strided piece of a row (CacheConfig.candidate_pieces)
     "rescore8_pieces1": ({}, ()),
     "rescore8_pieces4": ({}, ()),
@@ -235,9 +220,6 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_block4={"selector": "quest_rescore8", "candidate_block": 4},
                      rescore8_block8={"selector": "quest_rescore8", "candidate_block": 8},
                      rescore8_c512={"selector": "quest_rescore8", "candidate_pages": 512},
-                     rescore8_pieces_kernel={"selector": "quest_rescore8"},
-                     rescore8_query_in_kernels={"selector": "quest_rescore8"},
-                     rescore8_glue_in_kernels={"selector": "quest_rescore8"},
                      **{f"rescore8_pieces{n}": {"selector": "quest_rescore8",
                                                 "candidate_pieces": n} for n in (1, 4, 8, 16)},
                      rescore8_select_w4={"selector": "quest_rescore8"},

@@ -46,13 +46,6 @@
 # final-choice: the final choice at the default's 512 candidates: its kernel with 8 warps (the
 #   default), with 4 (Tuning.rescore_select_warps=4), and its XLA form (rescore_select_method)
 #   (ab_step, Qwen-like B=8 in 16-token pages and 8B-like B=1, shared KV); about 7 min
-# pieces-kernel: the XLA glue around the selection's kernels folded into them: the first
-#   stage's pieces read and masked by the top-k kernel itself (Tuning.topk_method=
-#   "pallas_pieces"), the query operands formed in the kernels (Tuning.query_in_kernels), and
-#   both: their GPU tests, then the resident step (ab_step, shared KV, 128k, 1024 tokens in
-#   16-token pages): Quest and quest_rescore8 with and without, at Qwen-like B=8 and 8B-like
-#   B=1, then each fold alone at Qwen-like B=8; parts pieces-kernel-test, pieces-kernel-q8,
-#   pieces-kernel-8b, pieces-kernel-split
 # first-stage: issue 27's cheaper first stages at the default budget (1024 tokens, 8x candidates), same-process
 #   A/B against Quest and quest_rescore8: blocks of pages (candidate_block; 8B-like B=1 and Qwen-like B=8 at
 #   128k), the radix top-k (Qwen-like B=1 at 1M), then each top-k alone (probes/first_stage_topk.py); ~15 min,
@@ -207,20 +200,6 @@ for s in $STAGES; do
         run fc_8b 240 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
             --variants default,rescore8,rescore8_select_xla,rescore8_select_w4 \
             --tag "final_choice_8b1_$JAXKV_COMMIT" $fs ;;
-    pieces-kernel|pieces-kernel-test|pieces-kernel-q8|pieces-kernel-8b|pieces-kernel-split)
-        fs="--budget-tokens 1024 --page-size 16 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
-        v=default,query_in_kernels,rescore8,rescore8_glue_in_kernels
-        case $s in pieces-kernel|pieces-kernel-test) run pieces_kernel_test 240 $PY -m pytest -q \
-            -m gpu -p no:cacheprovider $TIMEOUT_ARG tests/test_selectors.py \
-            tests/test_candidate_mass.py \
-            -k "pieces or decode_shapes or gpu_quest_kernel" -o addopts="-ra" ;; esac
-        case $s in pieces-kernel|pieces-kernel-split) run pieces_kernel_split 250 $PY benchmarks/ab_step.py \
-            --shape qwen1.5b --batch 8 --variants rescore8,rescore8_pieces_kernel,rescore8_query_in_kernels \
-            --tag "pieces_kernel_split_qwen8_p16_$JAXKV_COMMIT" $fs ;; esac
-        case $s in pieces-kernel|pieces-kernel-q8) run pieces_kernel_q8 280 $PY benchmarks/ab_step.py \
-            --shape qwen1.5b --batch 8 --variants $v --tag "pieces_kernel_qwen8_p16_$JAXKV_COMMIT" $fs ;; esac
-        case $s in pieces-kernel|pieces-kernel-8b) run pieces_kernel_8b 250 $PY benchmarks/ab_step.py \
-            --shape 8b --batch 1 --variants $v --tag "pieces_kernel_8b1_$JAXKV_COMMIT" $fs ;; esac ;;
     first-stage|first-stage-8b|first-stage-q8|first-stage-1m|first-stage-topk)
         # one shared KV cache: every part fits an H100 as well as an H200
         fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"

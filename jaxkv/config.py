@@ -38,11 +38,9 @@ class Tuning:
         selectors' first stage, where "auto" is the full-row Pallas top-k for rows of up to
         4096 pages with the Pallas implementation (and see ``first_stage_kernel_min_rows``),
         else XLA's "sort"): "auto" or one of
-        ``jaxkv.kernels.dense_select.TOPK_METHODS``. "pallas_pieces": as "pallas", but a
-        first stage in pieces (``CacheConfig.candidate_pieces``) runs one program per piece
-        that reads and masks the row itself, instead of a masked, transposed copy of the
-        scores before the kernel and a select after it (the same candidates; not yet
-        measured on a GPU, so not what "auto" takes).
+        ``jaxkv.kernels.dense_select.TOPK_METHODS``. A first stage in pieces
+        (``CacheConfig.candidate_pieces``) with "pallas" (or "auto" taking the kernel) runs
+        one program per piece that reads and masks the row itself.
       topk_cmax_min_pages: with "auto" and the Pallas implementation, rows of at least this
         many pages take the chunk-maxima top-k ("pallas_cmax": the scores kernel writes chunk
         maxima, the top-k kernel reads only those and the chosen chunks); None: never.
@@ -80,11 +78,6 @@ class Tuning:
         ``CacheConfig()``'s 512 candidates (128k, one H100) the step with 8 warps is 1.220x
         Quest's against 1.375x with 4 and 1.342x with XLA's form (Qwen-like B=8), 1.133x
         against 1.230x and 1.177x (8B-like B=1).
-      query_in_kernels: the selection's Pallas kernels form their query operands themselves
-        instead of an XLA fusion before each: Quest's scores kernel the group sums of relu(q)
-        and min(q, 0), the second stage's kernel the scaled query's bfloat16 halves. Up to two
-        kernels fewer per layer; the same scores and statistics to rounding (the order of a
-        sum's terms, a fused multiply-add), not yet measured on a GPU.
       materialize_qk: each sparse layer's query and new K/V row pass an
         ``optimization_barrier`` before the selector and the cache write read them, so XLA
         computes their projections once instead of fusing a copy of the product into each
@@ -105,7 +98,6 @@ class Tuning:
     rescore_select_method: str = "auto"
     rescore_select_kernel_max: int = 512
     rescore_select_warps: int | None = None
-    query_in_kernels: bool = False
     materialize_qk: bool | None = None
 
     def __post_init__(self):
@@ -123,8 +115,7 @@ class Tuning:
                                  f"bool, int or float (as XLA takes it), got "
                                  f"{type(value).__name__} {value!r}")
         object.__setattr__(self, "compiler_options", opts)
-        topk = ("auto", "sort", "rounds", "chunked", "radix", "pallas", "pallas_cmax",
-                "pallas_pieces")
+        topk = ("auto", "sort", "rounds", "chunked", "radix", "pallas", "pallas_cmax")
         if self.topk_method not in topk:
             raise ValueError(f"Tuning.topk_method must be one of {topk}, got {self.topk_method!r}")
         if self.ensure_method not in ("auto", "dense", "sort", "pallas"):
@@ -150,10 +141,6 @@ class Tuning:
                 raise ValueError("Tuning.rescore_select_warps must be None or a power of two "
                                  f"(Triton's warps per program), got {w}")
             object.__setattr__(self, "rescore_select_warps", w)
-        if not isinstance(self.query_in_kernels, (bool, np.bool_)):
-            raise ValueError("Tuning.query_in_kernels must be a bool, got "
-                             f"{self.query_in_kernels!r}")
-        object.__setattr__(self, "query_in_kernels", bool(self.query_in_kernels))
         if self.materialize_qk is not None:
             if not isinstance(self.materialize_qk, (bool, np.bool_)):
                 raise ValueError("Tuning.materialize_qk must be None (the selector's choice) or "

@@ -168,13 +168,13 @@ def _split_query(q, scale: float):
     return hi, (qf - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def _kernel_q(layer_ref, pos_ref, cand_ref, q_ref, keys_ref, scales_ref, m_ref, l_ref, *, ps,
-              block_c, C, G, G_pad):
-    """``_kernel`` with the query [B, G * H, D] as it is: the program gathers its KV head's G
-    query rows (padded to G_pad with zeros), scales them and splits them into bfloat16 halves
-    itself, as ``page_stats_pallas`` does in XLA otherwise (the same values to rounding: the
-    split's ``q * scale - hi`` may be contracted into a fused multiply-add here and not
-    there)."""
+def _kernel(layer_ref, pos_ref, cand_ref, q_ref, keys_ref, scales_ref, m_ref, l_ref, *, ps,
+            block_c, C, G, G_pad):
+    """One program: ``block_c`` candidates (``_page_stats``). It gathers its KV head's G query
+    rows from the query [B, G * H, D] as it is (padded to G_pad with zeros), scales them and
+    splits them into bfloat16 halves itself (``_split_query``; the same values as that
+    function in XLA to rounding: ``q * scale - hi`` may be contracted into a fused
+    multiply-add here), one fusion less per layer than forming them before the kernel."""
     b, h = pl.program_id(0), pl.program_id(1)
     D = q_ref.shape[-1]
     g = lax.broadcasted_iota(jnp.int32, (G_pad, D), 0)
@@ -184,13 +184,6 @@ def _kernel_q(layer_ref, pos_ref, cand_ref, q_ref, keys_ref, scales_ref, m_ref, 
     hi, lo = _split_query(q, D ** -0.5)
     _page_stats(layer_ref, pos_ref, cand_ref, hi, lo, keys_ref, scales_ref, m_ref, l_ref,
                 ps=ps, block_c=block_c, C=C)
-
-
-def _kernel(layer_ref, pos_ref, cand_ref, qhi_ref, qlo_ref, keys_ref, scales_ref, m_ref, l_ref,
-            *, ps, block_c, C):
-    """One program: ``block_c`` candidates (``_page_stats``) for the split query's block."""
-    _page_stats(layer_ref, pos_ref, cand_ref, qhi_ref[...], qlo_ref[...], keys_ref, scales_ref,
-                m_ref, l_ref, ps=ps, block_c=block_c, C=C)
 
 
 def _page_stats(layer_ref, pos_ref, cand_ref, q_hi, q_lo, keys_ref, scales_ref, m_ref, l_ref,
@@ -244,16 +237,14 @@ def min_block_c(ps: int) -> int:
 
 
 def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int | None = None,
-                      num_warps: int = 4, interpret: bool | None = None,
-                      query_in_kernel: bool = False):
+                      num_warps: int = 4, interpret: bool | None = None):
     """The kernel's per-page statistics ``(m, l)``, each [B, H, Cs, G_pad] float32 with
     ``Cs = ceil(C / block_c) * block_c`` and ``G_pad = max(16, next_pow2(G))`` (module
     docstring; rows ``>= C``, columns ``>= G`` and candidates without a valid token carry
     ``m = -inf``, ``l = 0``, except the padded query heads' columns, which hold the zero
     query's statistics and are never data). Keys the kernel does not take
-    (``kernel_takes``) are an error here. ``query_in_kernel``: each program splits its query
-    rows into the bfloat16 halves itself instead of an XLA fusion before the kernel (the same
-    statistics to rounding)."""
+    (``kernel_takes``) are an error here. Each program splits its query rows into the
+    bfloat16 halves itself (``_kernel``)."""
     _check(q, keys, scales, cand, positions)
     _, B, H, Np, ps, D = keys.shape
     if not kernel_takes(keys):
@@ -270,14 +261,7 @@ def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int |
         raise ValueError(f"block_c {block_c} must be a power of two (the tile's tokens)")
     n_prog = pl.cdiv(C, block_c)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
-    if query_in_kernel:
-        kernel = functools.partial(_kernel_q, ps=ps, block_c=block_c, C=C, G=G, G_pad=G_pad)
-        q_ops, q_specs = (q,), [full(q)]
-    else:
-        qg = jnp.pad(q.reshape(B, H, G, D), ((0, 0), (0, 0), (0, G_pad - G), (0, 0)))
-        q_ops = _split_query(qg, D ** -0.5)
-        kernel = functools.partial(_kernel, ps=ps, block_c=block_c, C=C)
-        q_specs = [pl.BlockSpec((None, None, G_pad, D), lambda b, h, j: (b, h, 0, 0))] * 2
+    kernel = functools.partial(_kernel, ps=ps, block_c=block_c, C=C, G=G, G_pad=G_pad)
     stat = jax.ShapeDtypeStruct((B, H, n_prog * block_c, G_pad), jnp.float32)
     stat_spec = pl.BlockSpec((None, None, block_c, G_pad), lambda b, h, j: (b, h, j, 0))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -287,13 +271,13 @@ def page_stats_pallas(q, keys, scales, layer, cand, positions, *, block_c: int |
         kernel,
         out_shape=(stat, stat),
         grid=(B, H, n_prog),
-        in_specs=[pl.BlockSpec((1,), lambda *_: (0,)), full(positions), full(cand), *q_specs,
+        in_specs=[pl.BlockSpec((1,), lambda *_: (0,)), full(positions), full(cand), full(q),
                   full(keys), full(scales)],
         out_specs=(stat_spec, stat_spec),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps),
         interpret=_common.interpret_mode() if interpret is None else interpret,
         name="candidate_mass",
-    )(layer_arr, positions, cand, *q_ops, keys, scales)
+    )(layer_arr, positions, cand, q, keys, scales)
 
 
 @register(OP, "pallas")

@@ -43,8 +43,7 @@ from ._common import INVALID
 # with n >= 1024; a larger k falls back to sorting every row. "rounds" stays on the fast
 # kernel by taking 16 at a time and masking what was taken; "chunked" shrinks the sorts.
 _FAST_TOPK_MAX_K = 16
-TOPK_METHODS = ("auto", "sort", "rounds", "chunked", "radix", "pallas", "pallas_cmax",
-                "pallas_pieces")
+TOPK_METHODS = ("auto", "sort", "rounds", "chunked", "radix", "pallas", "pallas_cmax")
 # "radix": bit widths of the key's digits, most significant first (``_topk_radix``).
 RADIX_DIGITS = (11, 11, 10)
 PALLAS_TOPK_MAX_COLUMNS = 4096
@@ -252,29 +251,25 @@ def _select_pieces(scores, seq_lens, *, num_pages, k, page_size, num_sink_pages,
                    method, implementation):
     """``select_top_pages(pieces=)``: the top ``k / pieces`` of each strided piece
     (``topk.strided_pieces``), unordered, ``-1`` where a piece runs out of pages of the sequence.
-    "pallas" (or "auto" where the kernel takes a piece): the full-row kernel over [B, H *
-    pieces, N / pieces] rows, one program per piece; its forced last page falls one column
-    past the piece (``num_pages`` of N / pieces + 1), and the masked view forces the row's own.
-    Otherwise XLA's ``lax.top_k``."""
-    B, H, _ = scores.shape
+    "pallas" (or "auto" where the kernel takes a piece): ``topk.select_top_pieces_pallas``,
+    one program per piece reading its pages from the row and masking them itself (a step
+    faster than a masked, transposed copy of the scores before the full-row kernel and a
+    select after it: docs/decisions.md). Otherwise XLA's ``lax.top_k`` over that copy."""
+    B, H, n = scores.shape
     S, kp = pieces, k // pieces
-    if method == "pallas_pieces":
+    if method == "auto":
+        ns = max(-(-n // S), kp)  # a piece's columns, padded to its share
+        method = "pallas" if takes_topk_kernel(ns, kp, implementation) else "sort"
+    if method == "pallas":
         return topk.select_top_pieces_pallas(scores, seq_lens, num_pages=num_pages, k=k,
                                              page_size=page_size, num_sink_pages=num_sink_pages,
                                              pieces=S)
     v = topk.strided_pieces(scores, seq_lens, num_pages=num_pages, page_size=page_size,
-                       num_sink_pages=num_sink_pages, pieces=S)               # [B, H, S, ns]
+                            num_sink_pages=num_sink_pages, pieces=S)          # [B, H, S, ns]
     if v.shape[-1] < kp:  # pieces shorter than their share: never-selected columns
         v = jnp.pad(v, ((0, 0),) * 3 + ((0, kp - v.shape[-1]),), constant_values=-jnp.inf)
     ns = v.shape[-1]
-    if method == "auto":
-        method = "pallas" if takes_topk_kernel(ns, kp, implementation) else "sort"
-    if method == "pallas":
-        local = topk.select_top_pages_pallas(
-            v.reshape(B, H * S, ns), jnp.full((B,), (ns + 1) * page_size, jnp.int32),
-            num_pages=ns + 1, k=kp, page_size=page_size, num_sink_pages=0).reshape(B, H, S, kp)
-        vals = jnp.take_along_axis(v, jnp.maximum(local, 0), axis=3)
-    elif method in ("sort", "chunked", "rounds", "radix"):
+    if method in ("sort", "chunked", "rounds", "radix"):
         vals, local = _topk_indices(v.reshape(-1, ns), kp, method)
         vals, local = vals.reshape(B, H, S, kp), local.reshape(B, H, S, kp)
     else:
@@ -298,9 +293,8 @@ def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, 
     method: "pallas" (one kernel, ``topk.select_top_pages_pallas``), "pallas_cmax" (chunk
     maxima in XLA, ``topk.chunk_max``, then the kernel's chunk-maxima path; Quest's
     ``quest_select`` gets them from its scores kernel instead), "sort", "rounds", "chunked",
-    "radix" (XLA top-k; see ``_topk_indices``), "pallas_pieces" (with ``pieces > 1`` one
-    kernel program per piece reading and masking the row itself,
-    ``topk.select_top_pieces_pallas``; else "pallas") or "auto" (module docstring).
+    "radix" (XLA top-k; see ``_topk_indices``) or "auto" (module docstring). With
+    ``pieces > 1``, "pallas" is ``topk.select_top_pieces_pallas``.
     implementation: "pallas" | "xla" | None: whether "auto" may use the kernel.
     ordered: False lets the XLA methods skip the ascending sort: the same pages, in the
     top-k's order with the ``-1`` padding last (a candidate list that is re-ranked anyway).
@@ -326,7 +320,7 @@ def select_top_pages(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, 
                               implementation=implementation)
     if method == "auto" and takes_topk_kernel(scores.shape[-1], k, implementation):
         method = "pallas"
-    if method in ("pallas", "pallas_pieces"):
+    if method == "pallas":
         return topk.select_top_pages_pallas(scores, seq_lens, num_pages=num_pages, k=k,
                                             page_size=page_size, num_sink_pages=num_sink_pages)
     if method == "pallas_cmax":

@@ -37,8 +37,9 @@ OP_UPDATE_CMAX = "quest_update_scores_cmax"  # decode-step summary update + OP_C
 # kernel alone but make the decode step slower (docs/decisions.md).
 # Elements of each summary array one program reads (block_pages * block_heads * D).
 _BLOCK_ELEMS = 8192
-# The query-group sums (Qp, Qn of ``_group_q``) are one XLA reduction per layer, outside the
-# scores kernel, so that each program does not reload its group (docs/decisions.md).
+# Each program of the scores kernel forms its heads' query-group sums (Qp, Qn of ``_group_q``)
+# from the query itself: one XLA reduction less per layer, and a faster step than with the sums
+# formed outside (docs/decisions.md).
 
 
 def _check(q, kmax, kmin):
@@ -106,24 +107,20 @@ def _group_q_in_kernel(q_ref, b, h0, *, block_heads, group, head_dim):
 
 
 def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, head_dim, chunk,
-                  unmasked, eviction_policy, update, group=None):
+                  unmasked, eviction_policy, update, group):
     """One program: ``n_sub`` blocks of ``block_pages`` pages x ``block_heads`` heads; writes
     their scores and, when ``chunk`` is given, the chunk maxima of those scores.
 
-    refs: layer, lens, qp, qn (or, with ``group``, the query [B, group * H, D] whose group
-    sums the program forms itself), kmax, kmin, [k_new, positions when ``update``], then the
+    refs: layer, lens, the query [B, group * H, D] (the program forms its heads' group sums
+    itself, ``_group_q_in_kernel``), kmax, kmin, [k_new, positions when ``update``], then the
     outputs scores, [cmax], [kmax, kmin aliased to the inputs when ``update``]. With
     ``update`` the new token's key is folded into its page's summary first (as
     :func:`quest_update`): every program computes that page's updated row and its score (one
     [Hb, D] row), uses that score for the page, and the program whose pages hold it writes
     the row back (a per-element select over whole blocks instead costs registers and time:
     docs/decisions.md)."""
-    if group is None:
-        layer_ref, lens_ref, qp_ref, qn_ref, kmax_ref, kmin_ref = refs[:6]
-        refs = refs[6:]
-    else:
-        layer_ref, lens_ref, q_ref, kmax_ref, kmin_ref = refs[:5]
-        refs = refs[5:]
+    layer_ref, lens_ref, q_ref, kmax_ref, kmin_ref = refs[:5]
+    refs = refs[5:]
     if update:
         kn_ref, pos_ref, refs = refs[0], refs[1], refs[2:]
     out_ref, refs = refs[0], refs[1:]
@@ -135,12 +132,9 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
     base = pl.program_id(2) * (block_pages * n_sub)
     layer = layer_ref[0]
     n_valid = _common.num_valid_pages(lens_ref[b], page_size, num_pages)
-    if group is None:
-        qp, qn = qp_ref[...][None], qn_ref[...][None]
-    else:
-        qp, qn = _group_q_in_kernel(q_ref, b, h0, block_heads=block_heads, group=group,
-                                    head_dim=head_dim)
-        qp, qn = qp[None], qn[None]
+    qp, qn = _group_q_in_kernel(q_ref, b, h0, block_heads=block_heads, group=group,
+                                head_dim=head_dim)
+    qp, qn = qp[None], qn[None]
     shape = (block_pages, block_heads, head_dim)
     if update:  # the new token's page: its updated summary row and score, [Hb, D] / [Hb]
         pos = pos_ref[b]
@@ -201,13 +195,12 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
 
 
 def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_pages, num_warps,
-                 unmasked, eviction_policy, interpret, update=None, query_in_kernel=False):
+                 unmasked, eviction_policy, interpret, update=None):
     """The Pallas scores kernel; returns (scores,) or (scores, cmax) when ``chunk``, followed
     by the updated (kmax, kmin) when ``update = (k_new, positions [B])``, k_new [B, H, D] or
-    the token's stacked K/V [B, 2, H, D] (its K read in place). ``query_in_kernel``: each
-    program forms its heads' group sums of the query itself (``_group_q_in_kernel``) instead
-    of an XLA fusion before the kernel (the same sums to rounding: the order of the G terms
-    may differ)."""
+    the token's stacked K/V [B, 2, H, D] (its K read in place). Each program forms its heads'
+    group sums of the query itself (``_group_q_in_kernel``; the sums of ``_group_q`` to
+    rounding: the order of the G terms may differ)."""
     _check(q, kmax, kmin)
     _, b, np_, h, d = kmax.shape
     if d & (d - 1):
@@ -227,7 +220,7 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
                                block_pages=block_pages, n_sub=pp // block_pages,
                                block_heads=bh, head_dim=d, chunk=chunk, unmasked=unmasked,
                                eviction_policy=eviction_policy, update=update is not None,
-                               group=q.shape[1] // h if query_in_kernel else None)
+                               group=q.shape[1] // h)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     head_block = pl.BlockSpec((None, bh, d), lambda i, j, k: (i, j, 0))
     out_shape = [jax.ShapeDtypeStruct((b, h, n_prog * pp), jnp.float32)]
@@ -235,13 +228,9 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
     if chunk is not None:
         out_shape.append(jax.ShapeDtypeStruct((b, h, n_prog * pp // chunk), jnp.float32))
         out_specs.append(pl.BlockSpec((None, bh, pp // chunk), lambda i, j, k: (i, j, k)))
-    if query_in_kernel:
-        q_specs, q_ops = [full(q)], [q]
-    else:
-        q_specs, q_ops = [head_block, head_block], list(_group_q(q, h))
     in_specs = [pl.BlockSpec((1,), lambda *_: (0,)), pl.BlockSpec((b,), lambda *_: (0,)),
-                *q_specs, full(kmax), full(kmin)]
-    operands = [layer_arr, jnp.asarray(seq_lens, jnp.int32), *q_ops, kmax, kmin]
+                full(q), full(kmax), full(kmin)]
+    operands = [layer_arr, jnp.asarray(seq_lens, jnp.int32), q, kmax, kmin]
     aliases = {}
     if update is not None:
         k_new, positions = update
@@ -249,8 +238,7 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
             (None, None, bh, d), lambda i, j, k: (i, 0, j, 0))  # [B, 2, H, D]: K at index 0
         in_specs += [kn_block, pl.BlockSpec((b,), lambda *_: (0,))]
         operands += [k_new, jnp.asarray(positions, jnp.int32)]
-        n_q = len(q_ops)  # kmax, kmin follow layer, lens and the query operands
-        aliases = {2 + n_q: len(out_shape), 3 + n_q: len(out_shape) + 1}
+        aliases = {3: len(out_shape), 4: len(out_shape) + 1}  # kmax, kmin (after layer, lens, q)
         out_shape += [jax.ShapeDtypeStruct(kmax.shape, kmax.dtype),
                       jax.ShapeDtypeStruct(kmin.shape, kmin.dtype)]
         out_specs += [full(kmax), full(kmin)]
@@ -269,19 +257,17 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
 
 
 def quest_scores_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, block_pages=None,
-                        num_warps=4, unmasked=False, eviction_policy=None, interpret=None,
-                        query_in_kernel=False):
+                        num_warps=4, unmasked=False, eviction_policy=None, interpret=None):
     """Quest scores with the Pallas kernel. Shapes as ``quest_scores_reference`` except the
     result is [B, H, Np_pad] f32 (Np rounded up to a multiple of ``block_pages``; padding
     columns are -inf). D must be a power of two. Tuning (static): ``block_pages`` (power of
     two), ``num_warps``, ``unmasked`` (plain loads for blocks that lie inside the sequence,
     masked loads only for the block holding its end),
-    ``eviction_policy`` (Triton load hint, e.g. "evict_first"), ``query_in_kernel`` (the
-    query's group sums formed in the kernel, ``_scores_call``)."""
+    ``eviction_policy`` (Triton load hint, e.g. "evict_first")."""
     return _scores_call(q, kmax, kmin, layer, seq_lens, page_size=page_size, chunk=None,
                         block_pages=block_pages, num_warps=num_warps,
                         unmasked=unmasked, eviction_policy=eviction_policy,
-                        interpret=interpret, query_in_kernel=query_in_kernel)[0]
+                        interpret=interpret)[0]
 
 
 _common.register(OP, "pallas")(quest_scores_pallas)
@@ -307,7 +293,7 @@ def quest_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, *
 
 def quest_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, chunk,
                              block_pages=None, num_warps=4, unmasked=False, eviction_policy=None,
-                             interpret=None, query_in_kernel=False):
+                             interpret=None):
     """The scores kernel writing chunk maxima too (result as ``quest_scores_cmax_reference``,
     ``Np_pad`` a multiple of ``max(block_pages, chunk)``). A program covers
     ``max(block_pages, chunk)`` pages (``chunk / block_pages`` blocks in a row when the chunk is
@@ -315,7 +301,7 @@ def quest_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, chunk
     return _scores_call(q, kmax, kmin, layer, seq_lens, page_size=page_size, chunk=chunk,
                         block_pages=block_pages, num_warps=num_warps,
                         unmasked=unmasked, eviction_policy=eviction_policy,
-                        interpret=interpret, query_in_kernel=query_in_kernel)
+                        interpret=interpret)
 
 
 _common.register(OP_CMAX, "pallas")(quest_scores_cmax_pallas)
@@ -347,8 +333,7 @@ def quest_update_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, k_new, position
 @_common.register(OP_UPDATE_CMAX, "pallas")
 def quest_update_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, k_new, positions, *,
                                     page_size, chunk, block_pages=None, num_warps=4,
-                                    unmasked=False, eviction_policy=None, interpret=None,
-                                    query_in_kernel=False):
+                                    unmasked=False, eviction_policy=None, interpret=None):
     """The scores + chunk-maxima kernel folding the new token into its page's summary first
     (kmax / kmin aliased in place: one launch instead of two scatters and the scores).
     Result as :func:`quest_update_scores_cmax_xla` (scores padded as
@@ -356,14 +341,12 @@ def quest_update_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, k_new, posit
     return _scores_call(q, kmax, kmin, layer, seq_lens, page_size=page_size, chunk=chunk,
                         block_pages=block_pages, num_warps=num_warps,
                         unmasked=unmasked, eviction_policy=eviction_policy,
-                        interpret=interpret, update=(k_new, positions),
-                        query_in_kernel=query_in_kernel)
+                        interpret=interpret, update=(k_new, positions))
 
 
 def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, page_size,
                         num_sink_pages, implementation=None, topk_method="auto",
-                        cmax_min_pages=ds.CMAX_MIN_PAGES, ordered=True, pieces=1,
-                        query_in_kernel=False):
+                        cmax_min_pages=ds.CMAX_MIN_PAGES, ordered=True, pieces=1):
     """One decode step of Quest for one layer: :func:`quest_update` then :func:`quest_select`.
 
     q [B, Hq, D]; kmax, kmin [L, B, Np, H, D]; layer int32 scalar; seq_lens [B] int32 (tokens
@@ -374,9 +357,7 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
     they are donated or loop-carried); the XLA top-k methods take the same kernel's scores
     when the implementation is "pallas". ``topk_method`` / ``cmax_min_pages``: as in
     :func:`quest_select`; ``ordered`` / ``pieces``: as in ``dense_select.select_top_pages``
-    (pieces > 1: a candidate set, the top k / pieces of each strided piece of a row);
-    ``query_in_kernel``: the scores kernel forms the query's group sums itself
-    (``_scores_call``; the XLA forms ignore it)."""
+    (pieces > 1: a candidate set, the top k / pieces of each strided piece of a row)."""
     np_ = kmax.shape[2]
     method = ds.resolve_topk_method(np_, implementation, topk_method,
                                     cmax_min_pages if pieces == 1 else None, k)
@@ -392,8 +373,7 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
         chunk = topk.default_cmax_chunk(np_, k)
         fn = _common.resolve(OP_UPDATE_CMAX, implementation)
         scores, cmax, kmax, kmin = fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens,
-                                      k_new, positions, page_size=page_size, chunk=chunk,
-                                      **({"query_in_kernel": True} if query_in_kernel else {}))
+                                      k_new, positions, page_size=page_size, chunk=chunk)
         if method == "pallas_cmax":
             pages = topk.select_top_pages_pallas(scores, seq_lens, chunk=chunk, chunk_max=cmax,
                                                  num_pages=np_, k=k, page_size=page_size,
@@ -417,16 +397,16 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
     pages = quest_select(q, kmax, kmin, layer, seq_lens, k=k, page_size=page_size,
                          num_sink_pages=num_sink_pages, implementation=implementation,
                          topk_method=method, cmax_min_pages=cmax_min_pages, ordered=ordered,
-                         pieces=pieces, query_in_kernel=query_in_kernel)
+                         pieces=pieces)
     return kmax, kmin, pages
 
 
 @functools.partial(jax.jit, static_argnames=("k", "page_size", "num_sink_pages",
                                              "implementation", "topk_method", "cmax_min_pages",
-                                             "ordered", "pieces", "query_in_kernel"))
+                                             "ordered", "pieces"))
 def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages,
                  implementation=None, topk_method="auto", cmax_min_pages=ds.CMAX_MIN_PAGES,
-                 ordered=True, pieces=1, query_in_kernel=False):
+                 ordered=True, pieces=1):
     """Quest top-``k`` pages per KV head.
 
     q: [B, Hq, D] (post-RoPE query); kmax, kmin: [L, B, Np, H, D] (whole, all layers);
@@ -438,12 +418,10 @@ def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages
     reference) and the Pallas top-k kernel reads only those and the chosen chunks. "auto"
     takes it for rows of ``>= cmax_min_pages`` pages when the implementation is "pallas" (None:
     never; ``dense_select.resolve_topk_method``), else ``select_top_pages``'s auto.
-    ``ordered`` / ``pieces``: as in ``dense_select.select_top_pages``; ``query_in_kernel``:
-    as in :func:`quest_update_select`.
+    ``ordered`` / ``pieces``: as in ``dense_select.select_top_pages``.
     """
     np_ = kmax.shape[2]
     layer = jnp.asarray(layer, jnp.int32)
-    qk = {"query_in_kernel": True} if query_in_kernel else {}
     sel_kw = dict(num_pages=np_, k=k, page_size=page_size, num_sink_pages=num_sink_pages)
     topk_method = ds.resolve_topk_method(np_, implementation, topk_method,
                                          cmax_min_pages if pieces == 1 else None, k)
@@ -454,11 +432,11 @@ def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages
         chunk = topk.default_cmax_chunk(np_, k)
         scores, cmax = quest_scores_with_chunk_max(q, kmax, kmin, layer, seq_lens,
                                                    page_size=page_size, chunk=chunk,
-                                                   implementation=implementation, **qk)
+                                                   implementation=implementation)
         return topk.select_top_pages_pallas(scores, seq_lens, chunk=chunk, chunk_max=cmax,
                                             **sel_kw)
     scores = _common.resolve(OP, implementation)(q, kmax, kmin, layer, seq_lens,
-                                                 page_size=page_size, **qk)
+                                                 page_size=page_size)
     return select_top_pages(scores, seq_lens, method=topk_method,
                             implementation=implementation, ordered=ordered, pieces=pieces,
                             **sel_kw)

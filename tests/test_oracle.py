@@ -456,35 +456,26 @@ def test_rescore_candidate_pieces_end_to_end():
         assert host.tokens == res.tokens
 
 
-def test_pieces_kernel_end_to_end():
-    """``Tuning(topk_method="pallas_pieces")``: the first stage's pieces read by one kernel
-    program each (Pallas implementation): the host tier == resident token for token, and the
-    same tokens as the full-row kernel over the transposed pieces; with the query operands
-    formed in the kernels as well (Quest's group sums, the second stage's halves), the same."""
-    kw = dict(selector="quest_rescore8", page_size=4, selected_pages=3, candidate_pages=6,
-              candidate_pieces=2, implementation="pallas")
-    pieces = jaxkv.Tuning(topk_method="pallas_pieces")
+def test_pallas_selection_end_to_end():
+    """The Pallas implementation's selection as it runs on the GPU, in interpret mode: the
+    two-stage selector's first stage in pieces read by one top-k program each, its second
+    stage splitting the query in the kernel, Quest's scores kernel forming the query's group
+    sums: the host tier == resident token for token, and the same tokens as XLA's top-k over
+    the pieces (the same candidates) and as Quest's XLA implementation."""
+    kw = dict(page_size=4, selected_pages=3, implementation="pallas")
     gen = lambda **c: jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6,  # noqa: E731
                                      stop_tokens=[], cache=CacheConfig(**kw, **c))
-    res = gen(mode="resident", tuning=pieces)
-    assert gen(mode="host", tuning=pieces).tokens == res.tokens
-    assert gen(mode="resident", tuning=jaxkv.Tuning(topk_method="pallas")).tokens == res.tokens
-    # and the selection's query operands formed in its kernels (Tuning.query_in_kernels)
-    glue = jaxkv.Tuning(topk_method="pallas_pieces", query_in_kernels=True)
-    assert gen(mode="host", tuning=glue).tokens == gen(mode="resident", tuning=glue).tokens \
+    two = dict(selector="quest_rescore8", candidate_pages=6, candidate_pieces=2)
+    res = gen(mode="resident", **two)
+    assert gen(mode="host", **two).tokens == res.tokens
+    assert gen(mode="resident", tuning=jaxkv.Tuning(topk_method="sort"), **two).tokens \
         == res.tokens
-
-
-def test_quest_query_in_kernels_end_to_end():
-    """Quest with ``Tuning(query_in_kernels=True)`` (its scores kernel forming the query's
-    group sums; Pallas implementation): host tier == resident, and the tokens of the XLA
-    group sums."""
-    kw = dict(selector="quest", page_size=4, selected_pages=3, implementation="pallas")
-    gen = lambda **c: jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6,  # noqa: E731
-                                     stop_tokens=[], cache=CacheConfig(**kw, **c))
-    t = jaxkv.Tuning(query_in_kernels=True)
-    res = gen(mode="resident", tuning=t)
-    assert gen(mode="host", tuning=t).tokens == res.tokens == gen(mode="resident").tokens
+    quest = gen(mode="resident", selector="quest")
+    assert gen(mode="host", selector="quest").tokens == quest.tokens
+    assert jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6, stop_tokens=[],
+                          cache=CacheConfig(mode="resident", selector="quest", page_size=4,
+                                            selected_pages=3, implementation="xla")).tokens \
+        == quest.tokens
 
 
 def test_candidate_pieces_errors():

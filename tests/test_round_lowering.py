@@ -111,17 +111,15 @@ def test_count_calls_follows_the_call_graph():
     ("8b", 1, "host", dict(selector="quest_rescore8", candidate_block=4), 3),
     ("qwen1.5b", 8, "host", dict(selector="quest_rescore8"), 4),
     ("qwen1.5b", 8, "host", dict(selector="quest_rescore8", page_size=16, selected_pages=64), 4),
-    ("qwen1.5b", 8, "host", dict(selector="quest_rescore8", page_size=16, selected_pages=64,
-                                 tuning=Tuning(topk_method="pallas_pieces",
-                                               query_in_kernels=True)), 4),
-], ids=["8b_b1", "8b_b1_block4", "qwen_b8", "qwen_b8_page16", "qwen_b8_page16_glue_in_kernels"])
+], ids=["8b_b1", "8b_b1_block4", "qwen_b8", "qwen_b8_page16"])
 def test_benchmark_round_lowers_at_full_size(shape, batch, mode, changes, kernels):
     """The GPU benchmarks' shapes at 128k, 1024 tokens (``benchmarks/ab_step.py``): a 16 GiB
     (8B-like) / 14 GiB (Qwen-like B=8) host tier that exists only as a shape. Per layer at
     least the scores, second stage and attention kernels, and at Qwen-like B=8 the first
     stage's top-k kernel too (16 rows of 2048 pages in 2 pieces; of 8212 in 8 pieces in
-    CacheConfig()'s 16-token pages), counted along the call graph (``count_calls``: a
-    jitted function lowers once and is called per layer)."""
+    CacheConfig()'s 16-token pages; one program per piece, ``select_top_pieces``), counted
+    along the call graph (``count_calls``: a jitted function lowers once and is called per
+    layer)."""
     import decode_lib as bd
     ctx = 131072
     with lowering.gpu_target():
@@ -138,9 +136,7 @@ def test_benchmark_round_lowers_at_full_size(shape, batch, mode, changes, kernel
                                    state)
     assert lowering.count_calls(txt) >= kernels * cfg.num_layers
     if shape == "qwen1.5b":
-        name = ("select_top_pieces" if cache.tuning.topk_method == "pallas_pieces"
-                else "select_top_pages")
-        assert lowering.count_calls(txt, f'name = "{name}"') == cfg.num_layers
+        assert lowering.count_calls(txt, 'name = "select_top_pieces"') == cfg.num_layers
 
 
 @pytest.mark.parametrize("mode", ["host", "resident"])

@@ -162,10 +162,7 @@ def test_quest_scores_every_implementation_matches_numpy(G, H, D, dtype, Np, bp,
     for name, fn in (("reference", quest.quest_scores_reference),
                      ("xla", quest.quest_scores_xla),
                      ("pallas", functools.partial(quest.quest_scores_pallas, block_pages=bp,
-                                                  unmasked=unmasked)),
-                     ("pallas, query in kernel", functools.partial(
-                         quest.quest_scores_pallas, block_pages=bp, unmasked=unmasked,
-                         query_in_kernel=True))):
+                                                  unmasked=unmasked))):
         got = np.asarray(fn(*args, page_size=ps))[..., :Np]
         assert np.array_equal(np.isneginf(got), ~fin), name
         np.testing.assert_array_less(np.abs(got[fin] - want[fin]), tol, err_msg=name)
@@ -422,17 +419,6 @@ def test_quest_update_scores_cmax_kernel_matches_reference(G, H, D, dtype, Np, c
     scale = np.pad(scale, ((0, 0), (0, 0), (0, n - Np)))
     np.testing.assert_array_less(np.abs(s[..., :n][fin] - rs[fin]), (2e-5 * scale + 1e-6)[fin])
     np.testing.assert_array_equal(cm, _chunk_max_np(s, chunk))
-    # the query's group sums formed in the kernel (Tuning.query_in_kernels): the same
-    # summaries bit for bit, the same scores to f32 rounding
-    s2, cm2, mx2, mn2 = quest.quest_update_scores_cmax_pallas(
-        *args, page_size=ps, chunk=chunk, block_pages=bp, unmasked=unmasked,
-        query_in_kernel=True)
-    for got, want in ((mx2, rmx), (mn2, rmn)):
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    s2 = np.asarray(s2)
-    assert np.array_equal(np.isneginf(rs), np.isneginf(s2[..., :n]))
-    np.testing.assert_array_less(np.abs(s2[..., :n][fin] - rs[fin]), (2e-5 * scale + 1e-6)[fin])
-    np.testing.assert_array_equal(np.asarray(cm2), _chunk_max_np(s2, chunk))
 
 
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
@@ -940,20 +926,18 @@ def test_indexer_lowers_for_gpu(no_interpret, L, B, Np, HI, dI):
     assert [t.count("__gpu$xla.gpu.triton") for t in txts] == [1, 2]
 
 
-@pytest.mark.parametrize("query_in_kernel", [False, True])
 @pytest.mark.parametrize("L,B,Np,H,G,D", [(4, 1, 16384, 8, 4, 128), (2, 3, 21, 3, 3, 16)])
-def test_quest_pallas_topk_lowers_for_gpu(no_interpret, L, B, Np, H, G, D, query_in_kernel):
-    """Scores kernel + top-k kernel: two Triton calls and nothing else of note; with the
-    query's group sums formed in the scores kernel, no reduction before it."""
+def test_quest_pallas_topk_lowers_for_gpu(no_interpret, L, B, Np, H, G, D):
+    """Scores kernel + top-k kernel: two Triton calls and nothing else of note (the scores
+    kernel forms the query's group sums: no reduction before it)."""
     fn = functools.partial(quest.quest_select, k=32, page_size=64, num_sink_pages=1,
-                           implementation="pallas", topk_method="pallas",
-                           query_in_kernel=query_in_kernel)
+                           implementation="pallas", topk_method="pallas")
     meta = S((L, B, Np, H, D), jnp.bfloat16)
     txt = lower_for_h200(fn, S((B, H * G, D), jnp.bfloat16), meta, meta, S((), jnp.int32),
                           S((B,), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 2
     assert "stablehlo.sort" not in txt and "TopK" not in txt
-    assert ("stablehlo.reduce" in txt) == (not query_in_kernel)
+    assert "stablehlo.reduce" not in txt
 
 
 @pytest.mark.parametrize("shape,k,chunk,bits", [((8, 8, 2048), 32, None, 4),
@@ -1051,11 +1035,9 @@ def test_gpu_quest_kernel(G, H):
     ref = np.asarray(quest.quest_scores_reference(*args, page_size=ps))
     fin = np.isfinite(ref)
     scale = _quest_scale(q, kmax, kmin, layer)
-    for query_in_kernel in (False, True):  # the query's group sums in XLA / in the kernel
-        got = np.asarray(quest.quest_scores_pallas(*args, page_size=ps,
-                                                   query_in_kernel=query_in_kernel))[..., :Np]
-        assert np.array_equal(np.isneginf(ref), np.isneginf(got))
-        np.testing.assert_array_less(np.abs(got[fin] - ref[fin]), (1e-4 * scale + 1e-5)[fin])
+    got = np.asarray(quest.quest_scores_pallas(*args, page_size=ps))[..., :Np]
+    assert np.array_equal(np.isneginf(ref), np.isneginf(got))
+    np.testing.assert_array_less(np.abs(got[fin] - ref[fin]), (1e-4 * scale + 1e-5)[fin])
     for method in TOPK_METHODS:
         sel = quest.quest_select(q, kmax, kmin, layer, jnp.asarray(seq_lens), k=k, page_size=ps,
                                  num_sink_pages=2, implementation="pallas", topk_method=method)
@@ -1137,25 +1119,24 @@ def test_gpu_pallas_topk_large_k(B, H, N, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["pallas", "pallas_pieces"])
 @pytest.mark.parametrize("B,H,N,k,S", [(8, 2, 8212, 512, 8), (8, 2, 8212, 512, 16),
                                        (1, 8, 8192, 512, 8), (2, 8, 2048, 128, 4)])
-def test_gpu_select_top_pages_pieces(B, H, N, k, S, method):
-    """The first stage in strided pieces (``pieces``) with the kernel on the GPU at the 128k
-    shapes: == the numpy rule, ties (small integers) and NaN past the sequence included; the
-    pieces kernel place for place equal to the full-row kernel's."""
+def test_gpu_select_top_pages_pieces(B, H, N, k, S):
+    """The first stage in strided pieces (``pieces``) with the pieces kernel on the GPU at the
+    128k shapes: == the numpy rule, ties (small integers) and NaN past the sequence included,
+    and place for place equal to its pure-jnp reference."""
     ps = 16
     seq_lens, tied = _tied_rows(B, H, N, ps, 1 / 8)
     kw = dict(num_pages=N, k=k, page_size=ps, num_sink_pages=1)
     x, lens = jnp.asarray(tied), jnp.asarray(seq_lens)
-    got = np.asarray(ds.select_top_pages(x, lens, method=method, ordered=False, pieces=S, **kw))
+    got = np.asarray(ds.select_top_pages(x, lens, method="pallas", ordered=False, pieces=S,
+                                         **kw))
     want = _pieces_reference(tied, seq_lens, pieces=S, **kw)
     for (b, h), pages in want.items():
         row = got[b, h][got[b, h] >= 0]
         assert len(row) == len(pages) and set(row.tolist()) == pages, (b, h)
-    if method == "pallas_pieces":
-        np.testing.assert_array_equal(got, np.asarray(ds.select_top_pages(
-            x, lens, method="pallas", ordered=False, pieces=S, **kw)))
+    np.testing.assert_array_equal(got, np.asarray(topk.select_top_pieces_reference(
+        x, lens, pieces=S, **kw)))
 
 
 @pytest.mark.gpu
@@ -1335,8 +1316,7 @@ def _pieces_reference(scores, seq_lens, *, num_pages, k, page_size, num_sink_pag
 
 
 @pytest.mark.parametrize("method,impl", [("pallas", None), ("sort", None), ("auto", "pallas"),
-                                         ("auto", "xla"), ("chunked", None),
-                                         ("pallas_pieces", None)])
+                                         ("auto", "xla"), ("chunked", None)])
 @pytest.mark.parametrize("B,H,Np,pad,ps,k,S,sinks", [
     (2, 2, 64, 0, 16, 16, 4, 1),      # whole pieces
     (3, 2, 100, 3, 8, 24, 8, 2),      # a ragged last piece, padding columns, two sinks
@@ -1376,12 +1356,12 @@ def test_select_top_pages_pieces_matches_numpy(method, impl, B, H, Np, pad, ps, 
     (2, 3, 30, 4, 24, 8, 3, 1 / 2),     # pieces shorter than their share (30 / 8 < 3)
     (2, 2, 300, 4, 32, 4, 1, 1 / 16),   # two stages: pieces of 75 columns, 8 picks each
 ])
-def test_pieces_kernel_equals_the_full_row_kernel_place_for_place(B, H, N, ps, k, S, sinks,
-                                                                  shortest):
-    """``method="pallas_pieces"`` (one program per piece, masking the row itself) gives the
-    same array as the masked, transposed copy through the full-row kernel ("pallas") and as
-    its pure-jnp reference: the same pages in the same places, ``-1`` included (ties of small integers, NaN past each sequence
-    and inside one, an empty sequence, a permuted batch)."""
+def test_pieces_kernel_equals_its_reference_place_for_place(B, H, N, ps, k, S, sinks,
+                                                            shortest):
+    """``method="pallas"`` with pieces (one program per piece, masking the row itself) gives
+    the same array as its pure-jnp reference: the same pages in the same places, ``-1``
+    included (ties of small integers, NaN past each sequence and inside one, an empty
+    sequence, a permuted batch), and the numpy rule's pages."""
     seq_lens, tied = _tied_rows(B, H, N, ps, shortest)
     seq_lens[-1] = 0
     tied[0, 0, min(5, N - 2)] = np.nan
@@ -1390,9 +1370,7 @@ def test_pieces_kernel_equals_the_full_row_kernel_place_for_place(B, H, N, ps, k
     seq_lens, tied = seq_lens[order], tied[order]
     kw = dict(num_pages=N, k=k, page_size=ps, num_sink_pages=sinks, ordered=False, pieces=S)
     x, lens = jnp.asarray(tied), jnp.asarray(seq_lens)
-    got = np.asarray(ds.select_top_pages(x, lens, method="pallas_pieces", **kw))
-    np.testing.assert_array_equal(got, np.asarray(ds.select_top_pages(x, lens, method="pallas",
-                                                                      **kw)))
+    got = np.asarray(ds.select_top_pages(x, lens, method="pallas", **kw))
     np.testing.assert_array_equal(got, np.asarray(topk.select_top_pieces_reference(
         x, lens, **{n: kw[n] for n in ("num_pages", "k", "page_size", "num_sink_pages",
                                        "pieces")})))
@@ -1400,15 +1378,6 @@ def test_pieces_kernel_equals_the_full_row_kernel_place_for_place(B, H, N, ps, k
                              ("num_pages", "k", "page_size", "num_sink_pages")})
     for (b, h), pages in want.items():
         assert set(got[b, h][got[b, h] >= 0].tolist()) == pages, (b, h)
-
-
-def test_pieces_method_without_pieces_is_the_full_row_kernel():
-    seq_lens, tied = _tied_rows(2, 2, 64, 4, 1 / 2)
-    kw = dict(num_pages=64, k=8, page_size=4, num_sink_pages=1)
-    x, lens = jnp.asarray(tied), jnp.asarray(seq_lens)
-    np.testing.assert_array_equal(
-        np.asarray(ds.select_top_pages(x, lens, method="pallas_pieces", **kw)),
-        np.asarray(ds.select_top_pages(x, lens, method="pallas", **kw)))
 
 
 def test_select_top_pages_pieces_rejects_bad_arguments():
@@ -1426,16 +1395,15 @@ def test_select_top_pages_pieces_rejects_bad_arguments():
                            num_sink_pages=1, topk_method="pallas_cmax", ordered=False, pieces=4)
 
 
-@pytest.mark.parametrize("method", ["pallas", "pallas_pieces"])
 @pytest.mark.parametrize("shape,k,pieces", [((8, 2, 8212), 512, 8), ((1, 8, 8192), 512, 16)])
-def test_pallas_topk_pieces_lowers_for_gpu(no_interpret, shape, k, pieces, method):
+def test_pallas_topk_pieces_lowers_for_gpu(no_interpret, shape, k, pieces):
     """The 128k first stages in pieces (Qwen-like B=8 in 16-token pages, 8B-like B=1) lower
     to one Triton kernel, one program per piece, for the H200; the pieces kernel reads the
     [B, H, N] scores as they are (no transposed copy before it)."""
     txt = lower_for_h200(functools.partial(ds.select_top_pages, num_pages=shape[-1], k=k,
-                                           page_size=16, num_sink_pages=1, method=method,
+                                           page_size=16, num_sink_pages=1, method="pallas",
                                            ordered=False, pieces=pieces),
                          S(shape, jnp.float32), S((shape[0],), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 1
     assert f"grid_x = {shape[0] * shape[1] * pieces} : i32" in txt
-    assert ("stablehlo.transpose" in txt) == (method == "pallas")
+    assert "stablehlo.transpose" not in txt

@@ -14,7 +14,7 @@ def _select_kw(plan) -> dict:
     t = plan.cache.tuning
     return dict(k=plan.k, page_size=plan.page_size, num_sink_pages=plan.cache.sink_pages,
                 implementation=plan.cache.implementation, topk_method=t.topk_method,
-                cmax_min_pages=t.topk_cmax_min_pages, query_in_kernel=t.query_in_kernels)
+                cmax_min_pages=t.topk_cmax_min_pages)
 
 
 @register

@@ -274,9 +274,7 @@ class Rescore(Quest):
         if (_common.resolve(mass_kernels.OP, stage2) is mass_kernels.candidate_mass_pallas
                 and mass_kernels.kernel_takes(keys)):
             # The kernel's page statistics go to the final choice as they are.
-            m, l = mass_kernels.page_stats_pallas(
-                q, keys, scales, layer, cand, positions,
-                query_in_kernel=tuning.query_in_kernels)
+            m, l = mass_kernels.page_stats_pallas(q, keys, scales, layer, cand, positions)
             final = final_choice_method(tuning, impl, cand.shape[-1])
             return select_kernels.candidate_select(
                 m, l, cand, seq_lens, G=q.shape[1] // keys.shape[2], implementation=final,
