@@ -22,6 +22,10 @@
 #   selection CacheConfig() makes (quest_rescore8, 1024 tokens in 16-token pages) instead of Quest's 2048 in 64
 #   abc-qwen-p8: that selection in 8-token pages (page_size=8, 128 pages), Qwen-like B=8
 # trace-qwen-default: b and c2 of abc-qwen-default, one profiled round each (kernels per step)
+# trace-selection: Quest against CacheConfig()'s selection (quest_rescore8, 1024 tokens in
+#   16-token pages), resident, 128k, one profiled round each after the timed pairs (ab_step
+#   --trace, shared KV): issue 27's selection time by kernel; parts trace-selection-q8
+#   (Qwen-like B=8) and trace-selection-8b (8B-like B=1), ~3 min each
 # quality: RULER retrieval (bench_quality.py; $QUALITY_GGUF, $QUALITY_LENGTHS (default 2048),
 #   $QUALITY_ARGS, $QUALITY_TAG); quality-lag: only dense and the lagged Quest runs
 # tp-b8: only the tensor-parallel 8B-like B=8 128k part of tp
@@ -147,6 +151,14 @@ for s in $STAGES; do
           --page-size 16 --prefill none --probe-steps 0 --no-plot --budget 240 --timed-rounds 4 \
           --trace "$OUT/trace" --tag "qwen_128k_b8_trace_default_$JAXKV_COMMIT" --out "$OUT"
         rm -rf "$OUT/trace" ;;
+    trace-selection|trace-selection-q8|trace-selection-8b)
+        fs="--variants default,rescore8 --budget-tokens 1024 --page-size 16 --pairs ${AB_PAIRS:-2} --share-kv --out $OUT"
+        case $s in trace-selection|trace-selection-q8) run trace_selection_q8 280 $PY benchmarks/ab_step.py \
+            --shape qwen1.5b --batch 8 --trace "$OUT/trace_q8" --tag "trace_default_qwen8_$JAXKV_COMMIT" $fs
+            rm -rf "$OUT/trace_q8" ;; esac
+        case $s in trace-selection|trace-selection-8b) run trace_selection_8b 250 $PY benchmarks/ab_step.py \
+            --shape 8b --batch 1 --trace "$OUT/trace_8b" --tag "trace_default_8b1_$JAXKV_COMMIT" $fs
+            rm -rf "$OUT/trace_8b" ;; esac ;;
     topo) run topo 60 bash -c "nvidia-smi topo -m && { lscpu | grep -i -E 'numa|socket|model name' || true; } && \
         $PY -c 'import sys; sys.path.insert(0, \"benchmarks\"); import _numa, json; print(json.dumps(_numa.gpu_numa()))'" ;;
     capacity) run capacity 300 $PY benchmarks/probes/probe_host_capacity.py --tier-gb 28 --free-gb 16 --out "$OUT"

@@ -411,10 +411,10 @@ def select_top_pieces_pallas(scores, seq_lens, *, num_pages: int, k: int, page_s
     """``dense_select.select_top_pages(pieces=)``'s candidate set in one kernel: the top
     ``k / pieces`` of each strided piece of a row (page ``p`` in piece ``p % pieces``), one
     program per piece reading its pages straight from the row and masking them as the row's
-    selection rule does (``_pieces_kernel``), instead of a masked, transposed copy of the
-    scores, the full-row kernel over its rows and a select. The same pages in the same
-    places as :func:`strided_pieces` and the full-row kernel give: per piece its
-    selection ascending, ``-1`` for a pick whose masked value is ``-inf``.
+    selection rule does (``_pieces_kernel``; no masked, transposed copy of the scores before
+    it and no select after it). The same pages in the same places as
+    :func:`select_top_pieces_reference`: per piece its selection ascending, ``-1`` for a
+    pick whose masked value is ``-inf``.
 
     scores [B, H, N] float; seq_lens [B] int. Returns int32 [B, H, k]."""
     B, H, n = scores.shape

@@ -391,9 +391,9 @@ UPDATE_CASES = [  # G, H, D, dtype, Np, chunk, block_pages, unmasked
 def test_quest_update_scores_cmax_kernel_matches_reference(G, H, D, dtype, Np, chunk, bp, unmasked):
     """The fused op (summary update inside the scores kernel) == quest_update then the scores:
     summaries bit for bit (only the new token's row changes: NaN poison elsewhere stays),
-    scores to f32 rounding, cmax of its own scores; the same with the query's group sums
-    formed in the kernel. Positions: a page's first token (reset),
-    mid-page, inactive (-1) and one past the last page (dropped)."""
+    scores to f32 rounding (the kernel forms the query's group sums itself), cmax of its own
+    scores. Positions: a page's first token (reset), mid-page, inactive (-1) and one past the
+    last page (dropped)."""
     rng = _rng()
     ps, L, layer = 4, 2, 1
     positions = np.array([rng.integers(1, Np) * ps, rng.integers(0, Np * ps - 1) | 1, -1,
