@@ -1120,10 +1120,11 @@ def test_gpu_pallas_topk_large_k(B, H, N, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,H,N,k,S", [(8, 2, 8212, 512, 8), (8, 2, 8212, 512, 16),
-                                       (1, 8, 8192, 512, 8), (2, 8, 2048, 128, 4)])
+                                       (1, 8, 8192, 512, 8), (2, 8, 2048, 128, 4),
+                                       (1, 2, 65552, 512, 8)])
 def test_gpu_select_top_pages_pieces(B, H, N, k, S):
     """The first stage in strided pieces (``pieces``) with the pieces kernel on the GPU at the
-    128k shapes: == the numpy rule, ties (small integers) and NaN past the sequence included,
+    128k shapes and Qwen-like B=1's 1M (pieces of 8,194 columns): == the numpy rule, ties (small integers) and NaN past the sequence included,
     and place for place equal to its pure-jnp reference."""
     ps = 16
     seq_lens, tied = _tied_rows(B, H, N, ps, 1 / 8)
@@ -1395,10 +1396,11 @@ def test_select_top_pages_pieces_rejects_bad_arguments():
                            num_sink_pages=1, topk_method="pallas_cmax", ordered=False, pieces=4)
 
 
-@pytest.mark.parametrize("shape,k,pieces", [((8, 2, 8212), 512, 8), ((1, 8, 8192), 512, 16)])
+@pytest.mark.parametrize("shape,k,pieces", [((8, 2, 8212), 512, 8), ((1, 8, 8192), 512, 16),
+                                            ((1, 2, 65552), 512, 8)])
 def test_pallas_topk_pieces_lowers_for_gpu(no_interpret, shape, k, pieces):
-    """The 128k first stages in pieces (Qwen-like B=8 in 16-token pages, 8B-like B=1) lower
-    to one Triton kernel, one program per piece, for the H200; the pieces kernel reads the
+    """The 128k first stages in pieces (Qwen-like B=8 in 16-token pages, 8B-like B=1) and
+    Qwen-like B=1's at 1M (pieces of 8,194 columns) lower to one Triton kernel, one program per piece, for the H200; the pieces kernel reads the
     [B, H, N] scores as they are (no transposed copy before it)."""
     txt = lower_for_h200(functools.partial(ds.select_top_pages, num_pages=shape[-1], k=k,
                                            page_size=16, num_sink_pages=1, method="pallas",
