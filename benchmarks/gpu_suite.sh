@@ -50,6 +50,10 @@
 # final-choice: the final choice at the default's 512 candidates: its kernel with 8 warps (the
 #   default), with 4 (Tuning.rescore_select_warps=4), and its XLA form (rescore_select_method)
 #   (ab_step, Qwen-like B=8 in 16-token pages and 8B-like B=1, shared KV); about 7 min
+# key-store: quest_rescore8's key copy stored by Quest's update-and-scores kernel
+#   (Tuning.key_copy_in_scores) against its two scatters: the GPU tests, then the resident
+#   step (ab_step, shared KV, 128k, 1024 tokens in 16-token pages; Quest, quest_rescore8 and
+#   this); parts key-store-test, key-store-q8, key-store-8b, ~4 min each
 # first-stage: issue 27's cheaper first stages at the default budget (1024 tokens, 8x candidates), same-process
 #   A/B against Quest and quest_rescore8: blocks of pages (candidate_block; 8B-like B=1 and Qwen-like B=8 at
 #   128k), the radix top-k (Qwen-like B=1 at 1M), then each top-k alone (probes/first_stage_topk.py); ~15 min,
@@ -212,6 +216,15 @@ for s in $STAGES; do
         run fc_8b 240 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
             --variants default,rescore8,rescore8_select_xla,rescore8_select_w4 \
             --tag "final_choice_8b1_$JAXKV_COMMIT" $fs ;;
+    key-store|key-store-test|key-store-q8|key-store-8b)
+        fs="--variants default,rescore8,rescore8_key_store --budget-tokens 1024 --page-size 16 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
+        case $s in key-store|key-store-test) run key_store_test 200 $PY -m pytest -q -m gpu \
+            -p no:cacheprovider $TIMEOUT_ARG tests/test_selectors.py tests/test_oracle.py \
+            -k "quest or rescore or key" -o addopts="-ra" ;; esac
+        case $s in key-store|key-store-q8) run key_store_q8 280 $PY benchmarks/ab_step.py \
+            --shape qwen1.5b --batch 8 --tag "key_store_qwen8_p16_$JAXKV_COMMIT" $fs ;; esac
+        case $s in key-store|key-store-8b) run key_store_8b 250 $PY benchmarks/ab_step.py \
+            --shape 8b --batch 1 --tag "key_store_8b1_$JAXKV_COMMIT" $fs ;; esac ;;
     first-stage|first-stage-8b|first-stage-q8|first-stage-1m|first-stage-topk)
         # one shared KV cache: every part fits an H100 as well as an H200
         fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"

@@ -78,6 +78,11 @@ class Tuning:
         ``CacheConfig()``'s 512 candidates (128k, one H100) the step with 8 warps is 1.220x
         Quest's against 1.375x with 4 and 1.342x with XLA's form (Qwen-like B=8), 1.133x
         against 1.230x and 1.177x (8B-like B=1).
+      key_copy_in_scores: the two-stage selectors' int8 key copy takes each decode token's
+        quantized key inside Quest's update-and-scores kernel (the program that updates the
+        token's page summary stores it) instead of two XLA scatters after the selection's
+        first stage: the same key copy bit for bit (the values are quantized in XLA either
+        way); a decode step with the Pallas scores kernel only. Not yet measured on a GPU.
       materialize_qk: each sparse layer's query and new K/V row pass an
         ``optimization_barrier`` before the selector and the cache write read them, so XLA
         computes their projections once instead of fusing a copy of the product into each
@@ -98,6 +103,7 @@ class Tuning:
     rescore_select_method: str = "auto"
     rescore_select_kernel_max: int = 512
     rescore_select_warps: int | None = None
+    key_copy_in_scores: bool = False
     materialize_qk: bool | None = None
 
     def __post_init__(self):
@@ -141,6 +147,10 @@ class Tuning:
                 raise ValueError("Tuning.rescore_select_warps must be None or a power of two "
                                  f"(Triton's warps per program), got {w}")
             object.__setattr__(self, "rescore_select_warps", w)
+        if not isinstance(self.key_copy_in_scores, (bool, np.bool_)):
+            raise ValueError("Tuning.key_copy_in_scores must be a bool, got "
+                             f"{self.key_copy_in_scores!r}")
+        object.__setattr__(self, "key_copy_in_scores", bool(self.key_copy_in_scores))
         if self.materialize_qk is not None:
             if not isinstance(self.materialize_qk, (bool, np.bool_)):
                 raise ValueError("Tuning.materialize_qk must be None (the selector's choice) or "

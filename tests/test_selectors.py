@@ -387,6 +387,18 @@ UPDATE_CASES = [  # G, H, D, dtype, Np, chunk, block_pages, unmasked
 ]
 
 
+def _update_case(rng, *, L, Np, H, G, D, ps, dtype, layer):
+    """A decode step's Quest inputs at four positions: a page's first token (reset),
+    mid-page, inactive (-1) and one past the last page (dropped). Returns (positions,
+    seq_lens, q, kmax, kmin)."""
+    positions = np.array([rng.integers(1, Np) * ps, rng.integers(0, Np * ps - 1) | 1, -1,
+                          Np * ps], np.int32)
+    seq_lens = np.maximum(positions + 1, 1)
+    q, kmax, kmin = _quest_inputs(rng, L=L, B=len(positions), Np=Np, H=H, G=G, D=D, ps=ps,
+                                  dtype=dtype, seq_lens=seq_lens, layer=layer)
+    return positions, seq_lens, q, kmax, kmin
+
+
 @pytest.mark.parametrize("G,H,D,dtype,Np,chunk,bp,unmasked", UPDATE_CASES)
 def test_quest_update_scores_cmax_kernel_matches_reference(G, H, D, dtype, Np, chunk, bp, unmasked):
     """The fused op (summary update inside the scores kernel) == quest_update then the scores:
@@ -396,12 +408,9 @@ def test_quest_update_scores_cmax_kernel_matches_reference(G, H, D, dtype, Np, c
     last page (dropped)."""
     rng = _rng()
     ps, L, layer = 4, 2, 1
-    positions = np.array([rng.integers(1, Np) * ps, rng.integers(0, Np * ps - 1) | 1, -1,
-                          Np * ps], np.int32)
+    positions, seq_lens, q, kmax, kmin = _update_case(rng, L=L, Np=Np, H=H, G=G, D=D, ps=ps,
+                                                      dtype=dtype, layer=layer)
     B = len(positions)
-    seq_lens = np.maximum(positions + 1, 1)
-    q, kmax, kmin = _quest_inputs(rng, L=L, B=B, Np=Np, H=H, G=G, D=D, ps=ps, dtype=dtype,
-                                  seq_lens=seq_lens, layer=layer)
     k_new = jnp.asarray(rng.normal(size=(B, H, D)), dtype)
     args = (q, kmax, kmin, jnp.int32(layer), jnp.asarray(seq_lens), k_new, jnp.asarray(positions))
     s, cm, mx, mn = quest.quest_update_scores_cmax_pallas(
@@ -419,6 +428,98 @@ def test_quest_update_scores_cmax_kernel_matches_reference(G, H, D, dtype, Np, c
     scale = np.pad(scale, ((0, 0), (0, 0), (0, n - Np)))
     np.testing.assert_array_less(np.abs(s[..., :n][fin] - rs[fin]), (2e-5 * scale + 1e-6)[fin])
     np.testing.assert_array_equal(cm, _chunk_max_np(s, chunk))
+
+
+@pytest.mark.parametrize("G,H,D,dtype,Np,chunk,bp,unmasked", UPDATE_CASES)
+@pytest.mark.parametrize("ps_k,kdtype", [(4, jnp.int8), (2, jnp.int8), (4, jnp.bfloat16)])
+def test_quest_update_kernel_stores_the_key_copy(G, H, D, dtype, Np, chunk, bp, unmasked, ps_k,
+                                                 kdtype):
+    """``key_store``: the update-and-scores kernel also stores the token's key-copy values
+    and scales (``Tuning.key_copy_in_scores``): the key copy equals ``store_keys``'s bit for
+    bit (only the token's entry changes: NaN scales elsewhere stay; an inactive request and a
+    position past the pages write nothing), in a copy of the Quest page size or half of it
+    (blocks of two pages), int8 or bfloat16; the other results equal those without it."""
+    rng = _rng()
+    ps, L, layer = 4, 2, 1
+    positions, seq_lens, q, kmax, kmin = _update_case(rng, L=L, Np=Np, H=H, G=G, D=D, ps=ps,
+                                                      dtype=dtype, layer=layer)
+    B = len(positions)
+    k_new = jnp.asarray(rng.normal(size=(B, 2, H, D)), dtype)          # stacked K / V
+    Np_k = Np * ps // ps_k
+    keys = jnp.asarray(rng.integers(-127, 128, size=(L, B, H, Np_k, ps_k, D)), kdtype)
+    kscales = jnp.full((L, B, H, Np_k, ps_k), jnp.nan, jnp.float32)
+    vals = jnp.asarray(rng.integers(-127, 128, size=(B, H, D)), kdtype)
+    vscales = jnp.asarray(rng.random((B, H)), jnp.float32)
+    args = (q, kmax, kmin, jnp.int32(layer), jnp.asarray(seq_lens), k_new, jnp.asarray(positions))
+    store = (vals, vscales, keys, kscales)
+    got = quest.quest_update_scores_cmax_pallas(*args, page_size=ps, chunk=chunk, block_pages=bp,
+                                                unmasked=unmasked, key_store=store)
+    base = quest.quest_update_scores_cmax_pallas(*args, page_size=ps, chunk=chunk,
+                                                 block_pages=bp, unmasked=unmasked)
+    want = quest.store_keys(keys, kscales, jnp.int32(layer), vals, vscales,
+                            jnp.asarray(positions))
+    assert len(got) == 6
+    for a, b in zip(got[:4], base):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    for a, b in zip(got[4:], want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    changed = ~np.isnan(np.asarray(got[5]))
+    assert changed.sum() == 2 * H  # the two valid positions, every head
+    xla = quest.quest_update_scores_cmax_xla(*args, page_size=ps, chunk=chunk, key_store=store)
+    for a, b in zip(xla[4:], want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,G,D,Np", [(8, 2, 7, 64, 8212), (1, 8, 4, 128, 8212)])
+def test_gpu_quest_update_select_stores_the_key_copy(B, H, G, D, Np):
+    """On the GPU at the 128k decode shapes in 16-token pages (the first stage's 512
+    candidates in 8 pieces): with ``key_store`` the key copy equals ``store_keys``'s bit for
+    bit and the summaries and pages equal those without it."""
+    rng = _rng()
+    L, ps, layer = 3, 16, 2
+    positions = np.array([Np * ps - 1 - int(rng.integers(0, 64)) for _ in range(B)], np.int32)
+    positions[-1] = -1 if B > 1 else positions[-1]
+    seq_lens = np.maximum(positions + 1, 1)
+    q, kmax, kmin = _quest_inputs(rng, L=L, B=B, Np=Np, H=H, G=G, D=D, ps=ps,
+                                  dtype=jnp.bfloat16, seq_lens=seq_lens, layer=layer)
+    kv = jnp.asarray(rng.normal(size=(B, 2, H, D)), jnp.bfloat16)
+    keys = jnp.asarray(rng.integers(-127, 128, size=(L, B, H, Np, ps, D)), jnp.int8)
+    kscales = jnp.asarray(rng.random((L, B, H, Np, ps)), jnp.float32)
+    vals = jnp.asarray(rng.integers(-127, 128, size=(B, H, D)), jnp.int8)
+    vscales = jnp.asarray(rng.random((B, H)), jnp.float32)
+    args = (q, kmax, kmin, jnp.int32(layer), jnp.asarray(seq_lens), kv, jnp.asarray(positions))
+    kw = dict(k=512, page_size=ps, num_sink_pages=1, implementation="pallas",
+              topk_method="pallas", ordered=False, pieces=8)
+    want = quest.store_keys(keys, kscales, jnp.int32(layer), vals, vscales,
+                            jnp.asarray(positions))
+    want = [np.asarray(w) for w in want]
+    got = quest.quest_update_select(*args, key_store=(vals, vscales, keys, kscales), **kw)
+    base = quest.quest_update_select(*args, **kw)
+    for a, b in zip(got[:3], base):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    np.testing.assert_array_equal(np.asarray(got[3]), want[0])
+    np.testing.assert_array_equal(np.asarray(got[4]), want[1])
+
+
+def test_quest_update_select_key_store_lowers_for_gpu(no_interpret):
+    """With ``key_store`` Quest's decode step for one layer (Qwen-like B=8 at 128k in 16-token
+    pages, the first stage's 512 candidates in 8 pieces) lowers to the update-and-scores
+    kernel and the top-k kernel, with no scatter left for the key copy."""
+    B, H, G, D, L, Np = 8, 2, 7, 64, 28, 8212
+    meta = S((L, B, Np, H, D), jnp.bfloat16)
+    fn = functools.partial(quest.quest_update_select, k=512, page_size=16, num_sink_pages=1,
+                           implementation="pallas", topk_method="pallas", ordered=False,
+                           pieces=8)
+    txt = lower_for_h200(
+        lambda q, mx, mn, layer, lens, kv, pos, v, vs, keys, ks: fn(
+            q, mx, mn, layer, lens, kv, pos, key_store=(v, vs, keys, ks)),
+        S((B, H * G, D), jnp.bfloat16), meta, meta, S((), jnp.int32), S((B,), jnp.int32),
+        S((B, 2, H, D), jnp.bfloat16), S((B,), jnp.int32), S((B, H, D), jnp.int8),
+        S((B, H), jnp.float32), S((L, B, H, Np, 16, D), jnp.int8),
+        S((L, B, H, Np, 16), jnp.float32))
+    assert txt.count("__gpu$xla.gpu.triton") == 2
+    assert "stablehlo.scatter" not in txt
 
 
 @pytest.mark.parametrize("impl", ["pallas", "xla"])

@@ -59,16 +59,8 @@ def scatter_keys(keys, scales, layer, k, positions):
     ``positions`` [B, ...] (a decode step's [B], a continued turn's [B, T]) of layer
     ``layer``, in place (two scatters); a negative position, or one past the pages, writes
     nothing."""
-    Np, ps = keys.shape[3:5]
     vals, scale = quantize(k, 8 if keys.dtype == jnp.int8 else 16)
-    lead, H = positions.ndim, k.shape[-2]
-    b = jnp.arange(positions.shape[0])[(slice(None),) + (None,) * lead]
-    hh = jnp.arange(H)[(None,) * lead]
-    page = jnp.where(positions >= 0, positions // ps, Np)[..., None]  # Np: dropped
-    slot = (positions % ps)[..., None]
-    keys = keys.at[layer, b, hh, page, slot].set(vals.astype(keys.dtype), mode="drop")
-    return keys, scales.at[layer, b, hh, page, slot].set(scale.astype(scales.dtype),
-                                                        mode="drop")
+    return quest_kernels.store_keys(keys, scales, layer, vals, scale, positions)
 
 
 # The widest rows the first stage's full-row kernel was measured on past
@@ -286,19 +278,29 @@ class Rescore(Quest):
     def update_select(self, plan, summaries, layer, layer_params, h, q, kv_new, positions, *,
                       ahead=False):
         seq_lens = jnp.maximum(positions + 1 + int(ahead), 1)
+        k_new = kv_new if kv_new.ndim == 3 else kv_new[:, 0]                # [B, H, D]
         if self.covers_row(plan):
             # the summaries stay current: a kept context may continue under a longer row
             kmax, kmin = quest_kernels.quest_update(summaries[0], summaries[1], layer, kv_new,
                                                     positions,
                                                     page_size=self.bound_blocks(plan)[1])
             cand = self._every_page(plan, seq_lens, summaries[2].shape[2])
+            keys, scales = self._store_keys(plan, summaries, layer, k_new, positions)
+        elif plan.cache.tuning.key_copy_in_scores:
+            # the quantized key stored by the update-and-scores kernel (where it runs)
+            keys, scales = summaries[2], summaries[3]
+            vals, vscales = quantize(k_new, 8 if keys.dtype == jnp.int8 else 16)
+            kmax, kmin, cand, keys, scales = quest_kernels.quest_update_select(
+                q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
+                key_store=(vals, vscales, keys, scales), **self._first_stage_kw(plan))
+            cand = self._block_pages(plan, cand, seq_lens)
         else:
             kmax, kmin, cand = quest_kernels.quest_update_select(
                 q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
                 **self._first_stage_kw(plan))
             cand = self._block_pages(plan, cand, seq_lens)
-        k_new = kv_new if kv_new.ndim == 3 else kv_new[:, 0]                # [B, H, D]
-        summ = (kmax, kmin) + self._store_keys(plan, summaries, layer, k_new, positions)
+            keys, scales = self._store_keys(plan, summaries, layer, k_new, positions)
+        summ = (kmax, kmin, keys, scales)
         if plan.k >= plan.pages_per_seq:  # the budget holds every page: nothing to re-rank
             return summ, cand
         return summ, self._rescore(plan, summ, layer, q, cand, positions, seq_lens)
