@@ -270,11 +270,13 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
     if key_store is not None:
         vals, vscales, keys, kscales = key_store
         if (vals.shape != (b, h, d) or vscales.shape != (b, h) or keys.ndim != 6
-                or keys.shape[:3] != (kmax.shape[0], b, h) or keys.shape[5] != d
-                or kscales.shape != keys.shape[:5]):
+                or keys.shape[0] < kmax.shape[0] or keys.shape[1:3] != (b, h)
+                or keys.shape[5] != d or kscales.shape != keys.shape[:5]):
             raise ValueError(f"key_store: vals {vals.shape} must be [{b}, {h}, {d}], scales "
-                             f"{vscales.shape} [{b}, {h}], keys {keys.shape} [L, {b}, {h}, Np, "
-                             f"ps, {d}] and key scales {kscales.shape} keys' [L, B, H, Np, ps]")
+                             f"{vscales.shape} [{b}, {h}], keys {keys.shape} [L', {b}, {h}, "
+                             f"Np, ps, {d}] with L' >= {kmax.shape[0]} (unused layers at the "
+                             f"end allowed) and key scales {kscales.shape} keys' [L', B, H, "
+                             f"Np, ps]")
         in_specs += [head_block, pl.BlockSpec((None, bh), lambda i, j, k: (i, j)), full(keys),
                      full(kscales)]
         n_in = len(operands)

@@ -438,7 +438,8 @@ def test_quest_update_kernel_stores_the_key_copy(G, H, D, dtype, Np, chunk, bp, 
     and scales (``Tuning.key_copy_in_scores``): the key copy equals ``store_keys``'s bit for
     bit (only the token's entry changes: NaN scales elsewhere stay; an inactive request and a
     position past the pages write nothing), in a copy of the Quest page size or half of it
-    (blocks of two pages), int8 or bfloat16; the other results equal those without it."""
+    (blocks of two pages), int8 or bfloat16, with an unused layer at its end; the other
+    results equal those without it."""
     rng = _rng()
     ps, L, layer = 4, 2, 1
     positions, seq_lens, q, kmax, kmin = _update_case(rng, L=L, Np=Np, H=H, G=G, D=D, ps=ps,
@@ -446,8 +447,9 @@ def test_quest_update_kernel_stores_the_key_copy(G, H, D, dtype, Np, chunk, bp, 
     B = len(positions)
     k_new = jnp.asarray(rng.normal(size=(B, 2, H, D)), dtype)          # stacked K / V
     Np_k = Np * ps // ps_k
-    keys = jnp.asarray(rng.integers(-127, 128, size=(L, B, H, Np_k, ps_k, D)), kdtype)
-    kscales = jnp.full((L, B, H, Np_k, ps_k), jnp.nan, jnp.float32)
+    # the copy with an unused layer at its end, as ``spec.alloc_rows`` pads a 2-4 GiB one
+    keys = jnp.asarray(rng.integers(-127, 128, size=(L + 1, B, H, Np_k, ps_k, D)), kdtype)
+    kscales = jnp.full((L + 1, B, H, Np_k, ps_k), jnp.nan, jnp.float32)
     vals = jnp.asarray(rng.integers(-127, 128, size=(B, H, D)), kdtype)
     vscales = jnp.asarray(rng.random((B, H)), jnp.float32)
     args = (q, kmax, kmin, jnp.int32(layer), jnp.asarray(seq_lens), k_new, jnp.asarray(positions))
