@@ -65,6 +65,34 @@ def _configs(text: str) -> list:
     return cfgs
 
 
+def _tuning(items) -> tuple:
+    """--tuning NAME=VALUE ...: sorted (name, value) pairs of ``jaxkv.Tuning`` fields, checked
+    by building the Tuning (a ValueError names what is wrong)."""
+    import dataclasses
+
+    from jaxkv import Tuning
+    fields = {f.name for f in dataclasses.fields(Tuning)}
+    kw = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or name not in fields:
+            raise ValueError(f"{item!r} is not NAME=VALUE with NAME a Tuning field "
+                             f"({', '.join(sorted(fields))})")
+        low = text.strip().lower()
+        value = {"true": True, "false": False, "none": None}.get(low, text.strip())
+        if isinstance(value, str):
+            for cast in (int, float):
+                try:
+                    value = cast(value)
+                    break
+                except ValueError:
+                    pass
+        kw[name] = value
+    Tuning(**kw)
+    return tuple(sorted(kw.items()))
+
+
 def _pools(text: str) -> tuple:
     """--pools: the host tier's pool sizes, each one of a c<N> configuration."""
     try:
@@ -112,6 +140,10 @@ def main(argv=None):
     ap.add_argument("--kv-dtype", default=None,
                     choices=("bfloat16", "float32", "float16", "float8_e4m3fn", "float8_e5m2", "int8"),
                     help="CacheConfig.kv_dtype of every config (default: the model's dtype)")
+    ap.add_argument("--tuning", action="append", default=[], metavar="NAME=VALUE",
+                    help="a jaxkv.Tuning field of every configuration (repeatable), e.g. "
+                         "--tuning key_copy_in_scores=true --tuning rescore_select_warps=4; "
+                         "values: true / false / none, an int, a float or a string")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-decode", action="store_true", help="prefill section only")
     ap.add_argument("--tag", default="", help="write bench_decode_<tag>.json / .png")
@@ -129,6 +161,10 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.devices < 1:
         ap.error(f"--devices must be >= 1, got {a.devices}")
+    try:
+        tuning = _tuning(a.tuning)
+    except ValueError as e:
+        ap.error(f"--tuning: {e}")
     if a.pairs < 0:
         ap.error(f"--pairs must be >= 0 (0: no pairs), got {a.pairs}")
     numa = _numa.bind_to_gpu() if a.bind_numa else _numa.gpu_numa()
@@ -169,7 +205,8 @@ def main(argv=None):
                       selector=a.selector, budget_s=a.budget, probe_steps=a.probe_steps,
                       host_mem_gb=a.host_mem_gb, pools=pools, configs=expanded,
                       devices=a.devices, trace=a.trace, timed_rounds=a.timed_rounds,
-                      pairs=a.pairs, selection_lag=a.selection_lag, kv_dtype=a.kv_dtype)
+                      pairs=a.pairs, selection_lag=a.selection_lag, kv_dtype=a.kv_dtype,
+                      tuning=tuning)
     shapes = ("8b", "qwen1.5b") if a.shape == "all" else (a.shape,)
     prefill = () if a.prefill.strip().lower() == "none" else (prefill_arg or None)
     lib.run(a.out, quick=a.quick, shapes=shapes, contexts=contexts, batches=batches,

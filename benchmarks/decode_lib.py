@@ -57,7 +57,7 @@ import numpy as np  # noqa: E402
 
 from jaxkv import cache as kvcache  # noqa: E402
 from jaxkv import compile_stats, engine, parallel, selectors  # noqa: E402
-from jaxkv.config import CacheConfig, Sampling  # noqa: E402
+from jaxkv.config import CacheConfig, Sampling, Tuning  # noqa: E402
 from jaxkv.spec import INVALID  # noqa: E402
 from jaxkv.models import configs, llama  # noqa: E402
 from jaxkv.kernels import _common, kv_quant  # noqa: E402
@@ -128,6 +128,7 @@ class Settings:
     hbm_gbps: float | None = None   # measured at the start of a run: the roofline's bandwidths
     pcie_gbps: float | None = None
     kv_dtype: str | None = None   # CacheConfig.kv_dtype of every config (None: the model's)
+    tuning: tuple = ()            # (name, value) pairs of the jaxkv.Tuning of every config
 
     @property
     def room(self) -> int:
@@ -627,7 +628,7 @@ def run_case(shape, B, ctx, params, st: Settings, budget: Budget, target: float,
     base = CacheConfig(mode="resident", selector=st.selector, page_size=ps, selected_pages=k,
                        round_steps=st.round_steps, max_context=max_ctx,
                        implementation=st.implementation, selection_lag=st.selection_lag,
-                       kv_dtype=st.kv_dtype)
+                       kv_dtype=st.kv_dtype, tuning=Tuning(**dict(st.tuning)))
 
     def plan_for(**kw):
         if kw.get("selector") == "dense":  # (a) reads every page: nothing to lag
@@ -883,7 +884,8 @@ def run_prefill(shape, T, mode, params, st: Settings) -> dict:
     chunk = _pow2_floor(max(ps, 4 * GiB // (cfg.num_heads * T * 4)))
     chunk = max(ps, min(2048, chunk, _pow2_floor(T)))
     cache = CacheConfig(mode=mode, selector=st.selector, page_size=ps, selected_pages=st.k,
-                        max_context=T + ps, prefill_chunk=chunk, implementation=st.implementation)
+                        max_context=T + ps, prefill_chunk=chunk, implementation=st.implementation,
+                        tuning=Tuning(**dict(st.tuning)))
     plan = engine.Plan(model=cfg, cache=cache, batch=1, prompt_len=T, max_context=T + ps, num_stop=4,
                        **extra)
     toks = np.random.default_rng(st.seed).integers(3, cfg.vocab_size, (1, T)).astype(np.int32)

@@ -53,7 +53,9 @@
 # key-store: quest_rescore8's key copy stored by Quest's update-and-scores kernel
 #   (Tuning.key_copy_in_scores) against its two scatters: the GPU tests, then the resident
 #   step (ab_step, shared KV, 128k, 1024 tokens in 16-token pages; Quest, quest_rescore8 and
-#   this); parts key-store-test, key-store-q8, key-store-8b, ~4 min each
+#   this), then one process per run (bench_decode --configs b, its split's selector timed
+#   alone: issue 27's selection against Quest's); parts key-store-test, key-store-q8,
+#   key-store-8b, key-store-split-q8, key-store-split-8b, ~3-4 min each
 # first-stage: issue 27's cheaper first stages at the default budget (1024 tokens, 8x candidates), same-process
 #   A/B against Quest and quest_rescore8: blocks of pages (candidate_block; 8B-like B=1 and Qwen-like B=8 at
 #   128k), the radix top-k (Qwen-like B=1 at 1M), then each top-k alone (probes/first_stage_topk.py); ~15 min,
@@ -216,7 +218,7 @@ for s in $STAGES; do
         run fc_8b 240 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
             --variants default,rescore8,rescore8_select_xla,rescore8_select_w4 \
             --tag "final_choice_8b1_$JAXKV_COMMIT" $fs ;;
-    key-store|key-store-test|key-store-q8|key-store-8b)
+    key-store|key-store-test|key-store-q8|key-store-8b|key-store-split-q8|key-store-split-8b)
         fs="--variants default,rescore8,rescore8_key_store --budget-tokens 1024 --page-size 16 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
         case $s in key-store|key-store-test) run key_store_test 200 $PY -m pytest -q -m gpu \
             -p no:cacheprovider $TIMEOUT_ARG tests/test_selectors.py tests/test_oracle.py \
@@ -224,7 +226,19 @@ for s in $STAGES; do
         case $s in key-store|key-store-q8) run key_store_q8 280 $PY benchmarks/ab_step.py \
             --shape qwen1.5b --batch 8 --tag "key_store_qwen8_p16_$JAXKV_COMMIT" $fs ;; esac
         case $s in key-store|key-store-8b) run key_store_8b 250 $PY benchmarks/ab_step.py \
-            --shape 8b --batch 1 --tag "key_store_8b1_$JAXKV_COMMIT" $fs ;; esac ;;
+            --shape 8b --batch 1 --tag "key_store_8b1_$JAXKV_COMMIT" $fs ;; esac
+        for shp in q8 8b; do
+          case $s in key-store|key-store-split-$shp) ;; *) continue ;; esac
+          args="--shape qwen1.5b --batches 8"; [ $shp = 8b ] && args="--shape 8b --batches 1"
+          for v in quest rescore8 rescore8_key_store; do
+            sel=quest_rescore8; tun=""; [ $v = quest ] && sel=quest
+            [ $v = rescore8_key_store ] && tun="--tuning key_copy_in_scores=true"
+            run "key_store_split_${shp}_$v" 150 $PY benchmarks/bench_decode.py $args --contexts 128k \
+              --configs b --selector $sel --selected-tokens 1024 --page-size 16 --prefill none \
+              --probe-steps 0 --no-plot --budget 100 --timed-rounds 8 $tun \
+              --tag "key_store_split_${shp}_${v}_$JAXKV_COMMIT" --out "$OUT"
+          done
+        done ;;
     first-stage|first-stage-8b|first-stage-q8|first-stage-1m|first-stage-topk)
         # one shared KV cache: every part fits an H100 as well as an H200
         fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
