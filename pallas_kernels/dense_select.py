@@ -265,9 +265,7 @@ def _select_pieces(scores, seq_lens, *, num_pages, k, page_size, num_sink_pages,
                                              page_size=page_size, num_sink_pages=num_sink_pages,
                                              pieces=S)
     v = topk.strided_pieces(scores, seq_lens, num_pages=num_pages, page_size=page_size,
-                            num_sink_pages=num_sink_pages, pieces=S)          # [B, H, S, ns]
-    if v.shape[-1] < kp:  # pieces shorter than their share: never-selected columns
-        v = jnp.pad(v, ((0, 0),) * 3 + ((0, kp - v.shape[-1]),), constant_values=-jnp.inf)
+                            num_sink_pages=num_sink_pages, pieces=S, min_cols=kp)  # [B, H, S, ns]
     ns = v.shape[-1]
     if method in ("sort", "chunked", "rounds", "radix"):
         vals, local = _topk_indices(v.reshape(-1, ns), kp, method)

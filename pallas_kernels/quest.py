@@ -442,8 +442,7 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
         chunk = topk.default_cmax_chunk(np_, k)
         fn = _common.resolve(OP_UPDATE_CMAX, implementation)
         out = fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, k_new, positions,
-                 page_size=page_size, chunk=chunk,
-                 **({} if key_store is None else {"key_store": key_store}))
+                 page_size=page_size, chunk=chunk, key_store=key_store)
         scores, cmax, kmax, kmin = out[:4]
         if method == "pallas_cmax":
             pages = topk.select_top_pages_pallas(scores, seq_lens, chunk=chunk, chunk_max=cmax,

@@ -446,11 +446,12 @@ def select_top_pieces_pallas(scores, seq_lens, *, num_pages: int, k: int, page_s
 
 
 def strided_pieces(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, page_size: int,
-                   num_sink_pages: int, pieces: int) -> jax.Array:
+                   num_sink_pages: int, pieces: int, min_cols: int = 0) -> jax.Array:
     """[B, H, N] scores masked as the selection rule masks them (forced pages ``+inf``, pages
     past the sequence, padding and columns ``>= num_pages`` ``-inf``, NaN ``-inf``), viewed as
-    ``pieces`` strided pieces per row: f32 [B, H, pieces, ceil(N / pieces)], piece ``p``
-    holding pages ``p, p + pieces, p + 2 * pieces, ...`` (``-inf`` past the row)."""
+    ``pieces`` strided pieces per row: f32 [B, H, pieces, max(ceil(N / pieces), min_cols)],
+    piece ``p`` holding pages ``p, p + pieces, p + 2 * pieces, ...`` (``-inf`` past the row
+    and in the columns ``min_cols`` adds: a piece shorter than its share of the picks)."""
     B, H, n = scores.shape
     S = pieces
     ns = -(-n // S)
@@ -462,7 +463,10 @@ def strided_pieces(scores: jax.Array, seq_lens: jax.Array, *, num_pages: int, pa
     valid = pages < n_valid
     forced = valid & ((pages < num_sink_pages) | (pages == n_valid - 1))
     x = jnp.where(forced, jnp.inf, jnp.where(valid & (x == x), x, -jnp.inf))
-    return x.reshape(B, H, ns, S).swapaxes(2, 3)
+    x = x.reshape(B, H, ns, S).swapaxes(2, 3)
+    if ns < min_cols:
+        x = jnp.pad(x, ((0, 0),) * 3 + ((0, min_cols - ns),), constant_values=-jnp.inf)
+    return x
 
 
 def select_top_pieces_reference(scores, seq_lens, *, num_pages: int, k: int, page_size: int,
@@ -475,9 +479,7 @@ def select_top_pieces_reference(scores, seq_lens, *, num_pages: int, k: int, pag
     B, H, _ = scores.shape
     S, kp = pieces, k // pieces
     v = strided_pieces(scores, seq_lens, num_pages=num_pages, page_size=page_size,
-                       num_sink_pages=num_sink_pages, pieces=S)                 # [B, H, S, ns]
-    if v.shape[-1] < kp:
-        v = jnp.pad(v, ((0, 0),) * 3 + ((0, kp - v.shape[-1]),), constant_values=-jnp.inf)
+                       num_sink_pages=num_sink_pages, pieces=S, min_cols=kp)    # [B, H, S, ns]
     keys = _float_key(v)
     cols = lax.broadcasted_iota(jnp.int32, keys.shape, 3)
     _, top = lax.sort((~keys, cols), dimension=3, num_keys=1, is_stable=True)
