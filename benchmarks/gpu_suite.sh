@@ -56,6 +56,11 @@
 #   this), then one process per run (bench_decode --configs b, its split's selector timed
 #   alone: issue 27's selection against Quest's); parts key-store-test, key-store-q8,
 #   key-store-8b, key-store-split-q8, key-store-split-8b, ~3-4 min each
+# int8-bounds: Quest's page bounds in int8 with a power-of-two scale per page and KV head
+#   (CacheConfig.bounds_dtype="int8": half the bytes its scores kernel reads) against the
+#   model dtype's, for Quest and quest_rescore8: the GPU tests, then the resident step
+#   (ab_step, shared KV, 128k, 1024 tokens in 16-token pages); parts int8-bounds-test,
+#   int8-bounds-q8, int8-bounds-8b, ~3-4 min each
 # first-stage: issue 27's cheaper first stages at the default budget (1024 tokens, 8x candidates), same-process
 #   A/B against Quest and quest_rescore8: blocks of pages (candidate_block; 8B-like B=1 and Qwen-like B=8 at
 #   128k), the radix top-k (Qwen-like B=1 at 1M), then each top-k alone (probes/first_stage_topk.py); ~15 min,
@@ -239,6 +244,14 @@ for s in $STAGES; do
               --tag "key_store_split_${shp}_${v}_$JAXKV_COMMIT" --out "$OUT"
           done
         done ;;
+    int8-bounds|int8-bounds-test|int8-bounds-q8|int8-bounds-8b)
+        fs="--variants default,quest_int8b,rescore8,rescore8_int8b --budget-tokens 1024 --page-size 16 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
+        case $s in int8-bounds|int8-bounds-test) run int8_bounds_test 200 $PY -m pytest -q -m gpu \
+            -p no:cacheprovider $TIMEOUT_ARG tests/test_quest_int8_bounds.py -o addopts="-ra" ;; esac
+        case $s in int8-bounds|int8-bounds-q8) run int8_bounds_q8 300 $PY benchmarks/ab_step.py \
+            --shape qwen1.5b --batch 8 --tag "int8_bounds_qwen8_p16_$JAXKV_COMMIT" $fs ;; esac
+        case $s in int8-bounds|int8-bounds-8b) run int8_bounds_8b 280 $PY benchmarks/ab_step.py \
+            --shape 8b --batch 1 --tag "int8_bounds_8b1_$JAXKV_COMMIT" $fs ;; esac ;;
     first-stage|first-stage-8b|first-stage-q8|first-stage-1m|first-stage-topk)
         # one shared KV cache: every part fits an H100 as well as an H200
         fs="--budget-tokens 1024 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"

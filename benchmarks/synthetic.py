@@ -80,6 +80,7 @@ class _Layout:
     selector: str      # "quest", "indexer" or "dense" (what the summaries hold)
     key_bits: int      # rescoring selectors: precision of their key copy (0: no copy)
     quest_block: int   # pages per Quest bound (the two-stage selectors' first-stage block)
+    bounds_int8: bool  # Quest's bounds in int8 with a scale per page (CacheConfig.bounds_dtype)
     index_dim: int
     chunk_pages: int
     center_scale: float
@@ -196,7 +197,19 @@ def _fill_chunk(lay: _Layout, dst, summaries, layer, b, j0, length, key, salienc
     dst = page_write.write_pages(dst, rows, out["row"], implementation=lay.implementation)
     if lay.host:
         dst = page_write.keep_on_host(dst)
-    if lay.selector == "quest":
+    if lay.selector == "quest" and lay.bounds_int8:
+        # each page's bounds quantized once, as the prefill does (pages with no token: 0)
+        mx, mn = out["kmax"].astype(jnp.float32), out["kmin"].astype(jnp.float32)
+        empty = ~jnp.isfinite(mx[..., :1])
+        q = quest.quantize_bounds(jnp.where(empty, 0.0, mx), jnp.where(empty, 0.0, mn))
+        summaries = tuple(a.at[layer, b, pages].set(v, mode="drop")
+                          for a, v in zip(summaries[:3], q))
+        if lay.key_bits:
+            keys, scales = summaries_in[3:]
+            keys = keys.at[layer, b, :, pages].set(out["keys"].astype(keys.dtype), mode="drop")
+            scales = scales.at[layer, b, :, pages].set(out["scales"], mode="drop")
+            summaries += (keys, scales)
+    elif lay.selector == "quest":
         kmax, kmin = summaries[:2]
         # a bound per block of r pages, over its pages' (initialized -inf / +inf; pages past
         # the sequence are -inf / +inf themselves), whichever chunk each page comes in
@@ -229,6 +242,9 @@ def _summary_kind(selector) -> str:
 
 def layout(plan: engine.Plan, synth: Synthetic, chunk_bytes: int) -> _Layout:
     """The static fill layout of ``plan`` (the fill chunk's compile key)."""
+    if plan.cache.bounds_dtype == "int8" and plan.cache.candidate_block != 1:
+        raise ValueError("synthetic contexts quantize Quest's bounds per page: int8 bounds "
+                         "(CacheConfig.bounds_dtype) need candidate_block=1 here")
     return _Layout(
         num_kv_heads=plan.model.num_kv_heads, head_dim=plan.model.head_dim,
         page_size=plan.page_size, pages_per_seq=plan.pages_per_seq,
@@ -237,6 +253,7 @@ def layout(plan: engine.Plan, synth: Synthetic, chunk_bytes: int) -> _Layout:
         key_bits=getattr(plan.selector, "key_bits", 0) if isinstance(plan.selector,
                                                                      rescore.Rescore) else 0,
         quest_block=plan.cache.candidate_block,
+        bounds_int8=plan.cache.bounds_dtype == "int8",
         index_dim=plan.model.indexer_dim, chunk_pages=_chunk_pages(plan, chunk_bytes),
         center_scale=float(synth.center_scale), value_scale=float(synth.value_scale),
         host=plan.cache.mode == "host", implementation=plan.cache.implementation)

@@ -20,6 +20,7 @@ Selector = Literal["quest_rescore8", "quest", "quest_rescore", "quest_rescore_ex
                    "dense", "oracle"]
 KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8")
 IMPLEMENTATIONS = ("pallas", "xla")
+BOUNDS_DTYPES = ("int8",)  # CacheConfig.bounds_dtype: Quest's page bounds quantized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +310,14 @@ class CacheConfig:
         no retrievals from it (97.7% against 97.9%), nor do shifted fp8 keys in the CPU probe
         (Qwen2.5-Coder-0.5B's key error 5.5% shifted, 6.1% shifted and rotated). It costs
         0.3-0.6% of a Qwen-like B=8 step (BENCHMARKS.md). Ignored for other dtypes.
+      bounds_dtype: how Quest's page bounds (kmax / kmin, which the Quest selectors' first
+        stage reads every step) are stored. ``None`` (default): in ``kv_dtype`` (the model's
+        dtype for a quantized or unset ``kv_dtype``). "int8": int8 with one float32 scale per
+        page and KV head, rounded outward (max up, min down) so a page's score stays an upper
+        bound: half the bytes the scores kernel reads. On Paul Graham's essays (CPU probe,
+        Qwen2.5-Coder-0.5B at 16k, 1024 tokens, 8x candidates) the two-stage selection keeps
+        0.99150 of the page oracle's attention mass against 0.99153 with float bounds
+        (BENCHMARKS.md). Quest selectors only.
       prefill_chunk: query tokens per chunk of the "xla" prefill attention (bounds its memory;
         the CPU's "blocked" form and the flash-attention implementations on the GPU do not
         read it).
@@ -367,6 +376,7 @@ class CacheConfig:
     kv_dtype: str | None = None
     kv_key_shift: bool | None = None
     kv_key_rotation: bool | None = None
+    bounds_dtype: str | None = None
     prefill_chunk: int = 2048
     prefill_token_chunk: int | None = None
     round_steps: int = 64
@@ -451,6 +461,15 @@ class CacheConfig:
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"CacheConfig.kv_dtype must be one of {KV_DTYPES} or None (the "
                              f"model's), got {self.kv_dtype!r}")
+        if self.bounds_dtype is not None and self.bounds_dtype not in BOUNDS_DTYPES:
+            raise ValueError(f"CacheConfig.bounds_dtype must be one of {BOUNDS_DTYPES} or None "
+                             f"(the KV dtype), got {self.bounds_dtype!r}")
+        if self.bounds_dtype is not None and not hasattr(selectors.get(self.selector),
+                                                         "n_bounds"):
+            quest = [n for n in selectors.names() if hasattr(selectors.get(n), "n_bounds")]
+            raise ValueError(f"CacheConfig.bounds_dtype sets how Quest's page bounds are stored "
+                             f"(selectors {quest}); selector={self.selector!r} keeps none: "
+                             "leave bounds_dtype=None")
         if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
             raise ValueError(f"CacheConfig.implementation must be 'pallas', 'xla' or None, "
                              f"got {self.implementation!r}")

@@ -12,6 +12,14 @@ linear: ``U = Qp . M + Qn . m`` with ``Qp = sum_g relu(q_g)``, ``Qn = sum_g min(
 The Pallas kernel uses that form (one pass over the summaries, fp32 accumulation); the
 reference computes the literal formula.
 
+Quantized bounds: ``kmax, kmin`` int8 with ``scale`` [L, B, Np, H] float32, one per page and KV
+head shared by both (a power of two: the smallest with the page's largest |bound| within 127
+of them), stand for ``kmax * scale`` and
+``kmin * scale``, rounded outward (``kmax`` up, ``kmin`` down) so the score stays an upper
+bound: half the bytes the scores read. Every public function takes ``scale=`` (None: bounds in
+a float dtype) and, where it returns the bounds, returns the updated scale after ``kmin``.
+``quantize_bounds`` / ``requantize_row`` are the rules (the kernel runs the latter as it is).
+
 Public: ``quest_select`` (scores + top-k), ``quest_update`` (decode write),
 ``quest_update_select`` (both, one kernel for update + scores with the "pallas_cmax" top-k),
 ``quest_summarize`` (prefill). Selection order and padding: see ``dense_select`` module docstring.
@@ -42,9 +50,14 @@ _BLOCK_ELEMS = 8192
 # formed outside (docs/decisions.md).
 
 
-def _check(q, kmax, kmin):
+def _check(q, kmax, kmin, scale=None):
     if kmax.shape != kmin.shape or kmax.ndim != 5:
         raise ValueError(f"kmax/kmin must both be [L, B, Np, H, D], got {kmax.shape}, {kmin.shape}")
+    if scale is not None and (scale.shape != kmax.shape[:4] or kmax.dtype != jnp.int8
+                              or kmin.dtype != jnp.int8):
+        raise ValueError(f"quantized bounds: kmax / kmin int8 [L, B, Np, H, D] and scale "
+                         f"[L, B, Np, H], got {kmax.dtype}{kmax.shape}, {kmin.dtype}, scale "
+                         f"{scale.shape}")
     _, b, _, h, d = kmax.shape
     if q.ndim != 3 or q.shape[0] != b or q.shape[2] != d or q.shape[1] % h:
         raise ValueError(f"q must be [B, G*H, D] for kmax {kmax.shape}, got {q.shape}")
@@ -57,15 +70,87 @@ def _group_q(q: jax.Array, num_kv_heads: int) -> tuple[jax.Array, jax.Array]:
     return jnp.maximum(qg, 0.0).sum(axis=2), jnp.minimum(qg, 0.0).sum(axis=2)
 
 
-def quest_scores_reference(q, kmax, kmin, layer, seq_lens, *, page_size):
+BOUND_Q = 127.0  # the largest |quantized bound|
+_SCALE_EXP_MIN = 27  # biased float32 exponent of the smallest scale, 2**-100 (all-zero pages)
+
+
+def _f32_pow2(biased_exp):
+    """2 ** (biased_exp - 127) as float32, built from its bits (exact on every backend)."""
+    return lax.bitcast_convert_type(biased_exp.astype(jnp.int32) << 23, jnp.float32)
+
+
+def bound_scale(amax):
+    """The scale of quantized bounds whose largest |value| is ``amax`` (>= 0): the smallest
+    power of two ``p`` with ``BOUND_Q * p >= amax`` (at least 2**-100). Returns (p, 1 / p),
+    both exact: quantizing is then a multiplication by a power of two, and so is
+    dequantizing, bit for bit the same in numpy, XLA and the Triton kernel (whose float
+    division is not IEEE's)."""
+    amax = amax.astype(jnp.float32)
+    e = (lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF  # amax in [2^(e-127), 2^(e-126))
+    pe = jnp.maximum(e - 6, _SCALE_EXP_MIN)  # BOUND_Q * 2^(e-133) = 1.98 * 2^(e-127)
+    pe = jnp.where(amax > BOUND_Q * _f32_pow2(pe), pe + 1, pe)
+    return _f32_pow2(pe), _f32_pow2(254 - pe)
+
+
+def _scale_inverse(scale):
+    """1 / scale for a power-of-two scale, exact."""
+    e = (lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.int32) >> 23) & 0xFF
+    return _f32_pow2(254 - e)
+
+
+def quantize_bounds(mx, mn):
+    """Float bounds [..., D] -> (kmax, kmin) int8 [..., D] and scale [...] f32: the scale
+    :func:`bound_scale` of the largest |bound|, ``kmax = ceil(mx / scale)``, ``kmin =
+    floor(mn / scale)``: outward, ``kmax * scale >= mx`` and ``kmin * scale <= mn`` exactly."""
+    mx, mn = mx.astype(jnp.float32), mn.astype(jnp.float32)
+    scale, inv = bound_scale(jnp.max(jnp.maximum(jnp.abs(mx), jnp.abs(mn)), axis=-1))
+    lim = lambda x: jnp.clip(x, -BOUND_Q, BOUND_Q).astype(jnp.int8)  # noqa: E731
+    return lim(jnp.ceil(mx * inv[..., None])), lim(jnp.floor(mn * inv[..., None])), scale
+
+
+def requantize_row(mq, nq, scale, kn, first):
+    """Fold one token's key into a page's quantized bounds: mq, nq [..., D] (the stored int8
+    values, any dtype), scale [...] f32 (a power of two), kn [..., D] f32, first (bool,
+    broadcast to [...]): the page's first token (the bounds become the token's). Returns (mq,
+    nq) float32 of integer values and the scale.
+
+    The scale grows (to :func:`bound_scale` of the key) only when the key leaves the page's
+    range, ``|kn| > BOUND_Q * scale`` somewhere, or on a page's first token. The arithmetic
+    is exact, so an element the key does not move keeps its value, folding the same key twice
+    changes nothing, and only a grown scale rounds the row outward again (by less than one
+    quantum of the new scale)."""
+    mq, nq = mq.astype(jnp.float32), nq.astype(jnp.float32)
+    first = jnp.broadcast_to(first, scale.shape)
+    kabs = jnp.max(jnp.abs(kn), axis=-1)
+    grow = first | (kabs > BOUND_Q * scale)
+    new, new_inv = bound_scale(kabs)
+    s2 = jnp.where(grow, new, scale)
+    inv2 = jnp.where(grow, new_inv, _scale_inverse(scale))[..., None]
+    mx = jnp.where(first[..., None], kn, jnp.maximum(mq * scale[..., None], kn))
+    mn = jnp.where(first[..., None], kn, jnp.minimum(nq * scale[..., None], kn))
+    lim = lambda x: jnp.clip(x, -BOUND_Q, BOUND_Q)  # noqa: E731
+    return lim(jnp.ceil(mx * inv2)), lim(jnp.floor(mn * inv2)), s2
+
+
+def dequantize_bounds(kmax, kmin, scale):
+    """The float32 bounds quantized ones stand for (float bounds as they are when ``scale`` is
+    None)."""
+    if scale is None:
+        return kmax.astype(jnp.float32), kmin.astype(jnp.float32)
+    return (kmax.astype(jnp.float32) * scale[..., None],
+            kmin.astype(jnp.float32) * scale[..., None])
+
+
+def quest_scores_reference(q, kmax, kmin, layer, seq_lens, *, page_size, scale=None):
     """Literal Quest scores (the tests' oracle; the registered "xla" implementation is the
     linear form, :func:`quest_scores_xla`). q [B, Hq, D]; kmax/kmin [L, B, Np, H, D]; layer int32 scalar;
-    seq_lens [B]. Returns [B, H, Np] f32, -inf on pages ``>= ceil(seq_lens / page_size)``."""
-    _check(q, kmax, kmin)
+    seq_lens [B]; scale: quantized bounds' [L, B, Np, H] (module docstring). Returns [B, H, Np]
+    f32, -inf on pages ``>= ceil(seq_lens / page_size)``."""
+    _check(q, kmax, kmin, scale)
     _, b, np_, h, d = kmax.shape
     qg = q.astype(jnp.float32).reshape(b, h, -1, d)  # [B, H, G, D]
-    mx = lax.dynamic_index_in_dim(kmax, layer, 0, keepdims=False).astype(jnp.float32)
-    mn = lax.dynamic_index_in_dim(kmin, layer, 0, keepdims=False).astype(jnp.float32)
+    at = lambda a: None if a is None else lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)  # noqa: E731
+    mx, mn = dequantize_bounds(at(kmax), at(kmin), at(scale))
     prod = jnp.maximum(qg[:, None] * mx[:, :, :, None], qg[:, None] * mn[:, :, :, None])
     s = prod.sum(axis=(3, 4)).transpose(0, 2, 1)  # [B, H, Np]
     n_valid = num_valid_pages(seq_lens, page_size, np_)
@@ -74,18 +159,21 @@ def quest_scores_reference(q, kmax, kmin, layer, seq_lens, *, page_size):
 
 
 @_common.register(OP, "xla")
-def quest_scores_xla(q, kmax, kmin, layer, seq_lens, *, page_size, **tuning):
+def quest_scores_xla(q, kmax, kmin, layer, seq_lens, *, page_size, scale=None, **tuning):
     """Quest scores in XLA, linear form ``U = Qp . M + Qn . m`` (module docstring): one
     multiply-reduce over D per summary array, which XLA fuses into one pass over the
     summaries whatever the group size. Shapes and result as :func:`quest_scores_reference`
     (the kernel's tuning arguments are ignored)."""
     del tuning
-    _check(q, kmax, kmin)
+    _check(q, kmax, kmin, scale)
     _, b, np_, h, d = kmax.shape
     qp, qn = _group_q(q, h)  # [B, H, D] f32
     mx = lax.dynamic_index_in_dim(kmax, layer, 0, keepdims=False).astype(jnp.float32)
     mn = lax.dynamic_index_in_dim(kmin, layer, 0, keepdims=False).astype(jnp.float32)
-    s = (mx * qp[:, None] + mn * qn[:, None]).sum(axis=-1).transpose(0, 2, 1)  # [B, H, Np]
+    s = (mx * qp[:, None] + mn * qn[:, None]).sum(axis=-1)  # [B, Np, H]
+    if scale is not None:  # one multiply per page and head: the scale is the row's
+        s = s * lax.dynamic_index_in_dim(scale, layer, 0, keepdims=False)
+    s = s.transpose(0, 2, 1)  # [B, H, Np]
     n_valid = num_valid_pages(seq_lens, page_size, np_)
     pages = lax.broadcasted_iota(jnp.int32, s.shape, 2)
     return jnp.where(pages < n_valid[:, None, None], s, -jnp.inf)
@@ -107,7 +195,7 @@ def _group_q_in_kernel(q_ref, b, h0, *, block_heads, group, head_dim):
 
 
 def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, head_dim, chunk,
-                  unmasked, eviction_policy, update, group, store=False):
+                  unmasked, eviction_policy, update, group, store=False, quant=False):
     """One program: ``n_sub`` blocks of ``block_pages`` pages x ``block_heads`` heads; writes
     their scores and, when ``chunk`` is given, the chunk maxima of those scores.
 
@@ -122,9 +210,14 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
     given key-copy values [Hb, D] and scales [Hb] (inputs after the positions, then the key
     copy [L, B, H, Np_k, ps_k, D] and its scales [L, B, H, Np_k, ps_k], aliased to the last
     two outputs) at the token's page ``pos // ps_k`` and offset ``pos % ps_k``, nothing for a
-    page past ``Np_k``."""
+    page past ``Np_k``. With ``quant`` the bounds are int8 and their scale [L, B, Np, H] follows
+    kmin (and the updated scale the updated kmin): a page's score is the int8 dot products times
+    its scale, and the token's page is folded by :func:`requantize_row`."""
     layer_ref, lens_ref, q_ref, kmax_ref, kmin_ref = refs[:5]
     refs = refs[5:]
+    scale_ref = None
+    if quant:
+        scale_ref, refs = refs[0], refs[1:]
     if update:
         kn_ref, pos_ref, refs = refs[0], refs[1], refs[2:]
     if store:
@@ -134,8 +227,11 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
     refs = refs[len(cmax_ref):]
     if update:
         kmax_out, kmin_out = refs[:2]
+        refs = refs[2:]
+        if quant:
+            scale_out, refs = refs[0], refs[1:]
     if store:
-        keys_out, scales_out = refs[2:4]
+        keys_out, scales_out = refs[:2]
     b = pl.program_id(0)
     h0 = pl.program_id(1) * block_heads
     base = pl.program_id(2) * (block_pages * n_sub)
@@ -149,21 +245,30 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
         pos = pos_ref[b]
         cur = jnp.where((pos >= 0) & (pos // page_size < num_pages), pos // page_size, -1)
         first = pos % page_size == 0
-        kn = kn_ref[...].astype(kmax_ref.dtype).astype(jnp.float32)
         row = (layer, b, jnp.maximum(cur, 0), pl.ds(h0, block_heads), slice(None))
-        mx_cur = jnp.where(first, kn, jnp.maximum(kmax_ref[row].astype(jnp.float32), kn))
-        mn_cur = jnp.where(first, kn, jnp.minimum(kmin_ref[row].astype(jnp.float32), kn))
-        s_cur = jnp.sum(mx_cur * qp[0] + mn_cur * qn[0], axis=-1)
+        if quant:
+            kn = kn_ref[...].astype(jnp.float32)
+            srow = row[:-1]
+            mx_cur, mn_cur, sc_cur = requantize_row(kmax_ref[row], kmin_ref[row],
+                                                    scale_ref[srow], kn, first)
+            s_cur = jnp.sum(mx_cur * qp[0] + mn_cur * qn[0], axis=-1) * sc_cur
+        else:
+            kn = kn_ref[...].astype(kmax_ref.dtype).astype(jnp.float32)
+            mx_cur = jnp.where(first, kn, jnp.maximum(kmax_ref[row].astype(jnp.float32), kn))
+            mn_cur = jnp.where(first, kn, jnp.minimum(kmin_ref[row].astype(jnp.float32), kn))
+            s_cur = jnp.sum(mx_cur * qp[0] + mn_cur * qn[0], axis=-1)
 
         # kmax_out aliases kmax_ref: another program may read this row before or after the
-        # write (or torn between); max / min with kn (or the reset to kn) is idempotent per
-        # element, so every program computes the same row either way.
+        # write (or torn between); only the program whose pages hold it writes the row and
+        # uses its score, and it reads the row before its own write.
         mine = (cur >= base) & (cur < base + block_pages * n_sub)
 
         @pl.when(mine)
         def _():
             kmax_out[row] = mx_cur.astype(kmax_out.dtype)
             kmin_out[row] = mn_cur.astype(kmin_out.dtype)
+            if quant:
+                scale_out[srow] = sc_cur
 
         if store:  # the key copy's page and offset of the token (its own page size)
             ps_k, np_k = keys_out.shape[4], keys_out.shape[3]
@@ -187,6 +292,11 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
             mx = plgpu.load(kmax_ref.at[idx], **kw).astype(jnp.float32)
             mn = plgpu.load(kmin_ref.at[idx], **kw).astype(jnp.float32)
             s = jnp.sum(mx * qp + mn * qn, axis=-1)  # [BP, Hb]
+            if quant:  # the page's scale, once per page and head
+                skw = dict(kw)
+                if masked:
+                    skw.update(mask=jnp.broadcast_to(valid[:, None], s.shape), other=0.0)
+                s = s * plgpu.load(scale_ref.at[idx[:-1]], **skw)
             if update:  # the new token's page scores its updated row
                 page = p0 + lax.broadcasted_iota(jnp.int32, s.shape, 0)
                 s = jnp.where(page == cur, s_cur[None, :], s)
@@ -216,15 +326,16 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
 
 
 def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_pages, num_warps,
-                 unmasked, eviction_policy, interpret, update=None, key_store=None):
+                 unmasked, eviction_policy, interpret, update=None, key_store=None, scale=None):
     """The Pallas scores kernel; returns (scores,) or (scores, cmax) when ``chunk``, followed
     by the updated (kmax, kmin) when ``update = (k_new, positions [B])``, k_new [B, H, D] or
     the token's stacked K/V [B, 2, H, D] (its K read in place). Each program forms its heads'
     group sums of the query itself (``_group_q_in_kernel``; the sums of ``_group_q`` to
     rounding: the order of the G terms may differ). ``key_store = (vals [B, H, D], scales
     [B, H], keys, key_scales)`` (with ``update``): the token's key-copy values stored in the
-    same launch (``_quest_kernel``), the updated (keys, key_scales) returned last."""
-    _check(q, kmax, kmin)
+    same launch (``_quest_kernel``), the updated (keys, key_scales) returned last. ``scale``:
+    quantized bounds (module docstring); with ``update`` the updated scale follows kmin."""
+    _check(q, kmax, kmin, scale)
     if key_store is not None and update is None:
         raise ValueError("key_store needs update=(k_new, positions)")
     _, b, np_, h, d = kmax.shape
@@ -245,7 +356,8 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
                                block_pages=block_pages, n_sub=pp // block_pages,
                                block_heads=bh, head_dim=d, chunk=chunk, unmasked=unmasked,
                                eviction_policy=eviction_policy, update=update is not None,
-                               group=q.shape[1] // h, store=key_store is not None)
+                               group=q.shape[1] // h, store=key_store is not None,
+                               quant=scale is not None)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     head_block = pl.BlockSpec((None, bh, d), lambda i, j, k: (i, j, 0))
     out_shape = [jax.ShapeDtypeStruct((b, h, n_prog * pp), jnp.float32)]
@@ -256,6 +368,9 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
     in_specs = [pl.BlockSpec((1,), lambda *_: (0,)), pl.BlockSpec((b,), lambda *_: (0,)),
                 full(q), full(kmax), full(kmin)]
     operands = [layer_arr, jnp.asarray(seq_lens, jnp.int32), q, kmax, kmin]
+    if scale is not None:
+        in_specs.append(full(scale))
+        operands.append(scale)
     aliases = {}
     if update is not None:
         k_new, positions = update
@@ -267,6 +382,10 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
         out_shape += [jax.ShapeDtypeStruct(kmax.shape, kmax.dtype),
                       jax.ShapeDtypeStruct(kmin.shape, kmin.dtype)]
         out_specs += [full(kmax), full(kmin)]
+        if scale is not None:
+            aliases[5] = len(out_shape)
+            out_shape.append(jax.ShapeDtypeStruct(scale.shape, scale.dtype))
+            out_specs.append(full(scale))
     if key_store is not None:
         vals, vscales, keys, kscales = key_store
         if (vals.shape != (b, h, d) or vscales.shape != (b, h) or keys.ndim != 6
@@ -300,7 +419,8 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
 
 
 def quest_scores_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, block_pages=None,
-                        num_warps=4, unmasked=False, eviction_policy=None, interpret=None):
+                        num_warps=4, unmasked=False, eviction_policy=None, interpret=None,
+                        scale=None):
     """Quest scores with the Pallas kernel. Shapes as ``quest_scores_reference`` except the
     result is [B, H, Np_pad] f32 (Np rounded up to a multiple of ``block_pages``; padding
     columns are -inf). D must be a power of two. Tuning (static): ``block_pages`` (power of
@@ -310,33 +430,34 @@ def quest_scores_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, block_page
     return _scores_call(q, kmax, kmin, layer, seq_lens, page_size=page_size, chunk=None,
                         block_pages=block_pages, num_warps=num_warps,
                         unmasked=unmasked, eviction_policy=eviction_policy,
-                        interpret=interpret)[0]
+                        interpret=interpret, scale=scale)[0]
 
 
 _common.register(OP, "pallas")(quest_scores_pallas)
 
 
-def quest_scores_cmax_reference(q, kmax, kmin, layer, seq_lens, *, page_size, chunk):
+def quest_scores_cmax_reference(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, scale=None):
     """``quest_scores_reference`` plus chunk maxima (the tests' oracle). Returns (scores
     [B, H, Np_pad] f32, cmax [B, H, Np_pad // chunk] f32), ``Np_pad = ceil(Np / chunk) * chunk``
     (padding -inf); ``cmax[..., c]`` = max of ``scores[..., c*chunk:(c+1)*chunk]`` with NaN
     taken as -inf."""
-    s = quest_scores_reference(q, kmax, kmin, layer, seq_lens, page_size=page_size)
+    s = quest_scores_reference(q, kmax, kmin, layer, seq_lens, page_size=page_size, scale=scale)
     return topk.pad_and_chunk_max(s, chunk)
 
 
 @_common.register(OP_CMAX, "xla")
-def quest_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, **tuning):
+def quest_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, scale=None,
+                          **tuning):
     """:func:`quest_scores_xla` plus chunk maxima (tuning arguments are ignored); result as
     :func:`quest_scores_cmax_reference`."""
     del tuning
-    s = quest_scores_xla(q, kmax, kmin, layer, seq_lens, page_size=page_size)
+    s = quest_scores_xla(q, kmax, kmin, layer, seq_lens, page_size=page_size, scale=scale)
     return topk.pad_and_chunk_max(s, chunk)
 
 
 def quest_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, chunk,
                              block_pages=None, num_warps=4, unmasked=False, eviction_policy=None,
-                             interpret=None):
+                             interpret=None, scale=None):
     """The scores kernel writing chunk maxima too (result as ``quest_scores_cmax_reference``,
     ``Np_pad`` a multiple of ``max(block_pages, chunk)``). A program covers
     ``max(block_pages, chunk)`` pages (``chunk / block_pages`` blocks in a row when the chunk is
@@ -344,14 +465,14 @@ def quest_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, *, page_size, chunk
     return _scores_call(q, kmax, kmin, layer, seq_lens, page_size=page_size, chunk=chunk,
                         block_pages=block_pages, num_warps=num_warps,
                         unmasked=unmasked, eviction_policy=eviction_policy,
-                        interpret=interpret)
+                        interpret=interpret, scale=scale)
 
 
 _common.register(OP_CMAX, "pallas")(quest_scores_cmax_pallas)
 
 
 def quest_scores_with_chunk_max(q, kmax, kmin, layer, seq_lens, *, page_size, chunk,
-                                implementation=None, **tuning):
+                                implementation=None, scale=None, **tuning):
     """Quest scores and their chunk maxima (what ``topk.select_top_pages_pallas(chunk_max=)``
     takes). q [B, Hq, D]; kmax/kmin [L, B, Np, H, D]; layer int32 scalar; seq_lens [B];
     ``chunk`` a power of two. Returns (scores [B, H, Np_pad] f32, cmax [B, H, Np_pad // chunk]
@@ -360,7 +481,7 @@ def quest_scores_with_chunk_max(q, kmax, kmin, layer, seq_lens, *, page_size, ch
     to the Pallas kernel (``quest_scores_cmax_pallas``) and is ignored by the reference."""
     fn = _common.resolve(OP_CMAX, implementation)
     return fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, page_size=page_size,
-              chunk=chunk, **tuning)
+              chunk=chunk, scale=scale, **tuning)
 
 
 def store_keys(keys, scales, layer, vals, vscales, positions):
@@ -381,13 +502,14 @@ def store_keys(keys, scales, layer, vals, vscales, positions):
 
 @_common.register(OP_UPDATE_CMAX, "xla")
 def quest_update_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, k_new, positions, *, page_size,
-                                 chunk, key_store=None, **tuning):
+                                 chunk, key_store=None, scale=None, **tuning):
     """:func:`quest_update` then :func:`quest_scores_cmax_xla` on the updated summaries.
-    Returns (scores, cmax, kmax, kmin), then with ``key_store = (vals, vscales, keys,
-    key_scales)`` the key copy after :func:`store_keys`."""
-    kmax, kmin = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size)
-    out = (*quest_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, page_size=page_size,
-                                  chunk=chunk, **tuning), kmax, kmin)
+    Returns (scores, cmax, kmax, kmin), then the updated ``scale`` where one is given, then with
+    ``key_store = (vals, vscales, keys, key_scales)`` the key copy after :func:`store_keys`."""
+    bounds = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size, scale=scale)
+    out = (*quest_scores_cmax_xla(q, *bounds[:2], layer, seq_lens, page_size=page_size,
+                                  chunk=chunk, scale=bounds[2] if scale is not None else None,
+                                  **tuning), *bounds)
     if key_store is None:
         return out
     vals, vscales, keys, kscales = key_store
@@ -398,7 +520,7 @@ def quest_update_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, k_new, position
 def quest_update_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, k_new, positions, *,
                                     page_size, chunk, block_pages=None, num_warps=4,
                                     unmasked=False, eviction_policy=None, interpret=None,
-                                    key_store=None):
+                                    key_store=None, scale=None):
     """The scores + chunk-maxima kernel folding the new token into its page's summary first
     (kmax / kmin aliased in place: one launch instead of two scatters and the scores); with
     ``key_store`` it stores the token's key-copy values too (aliased in place). Result as
@@ -406,13 +528,14 @@ def quest_update_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, k_new, posit
     return _scores_call(q, kmax, kmin, layer, seq_lens, page_size=page_size, chunk=chunk,
                         block_pages=block_pages, num_warps=num_warps,
                         unmasked=unmasked, eviction_policy=eviction_policy,
-                        interpret=interpret, update=(k_new, positions), key_store=key_store)
+                        interpret=interpret, update=(k_new, positions), key_store=key_store,
+                        scale=scale)
 
 
 def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, page_size,
                         num_sink_pages, implementation=None, topk_method="auto",
                         cmax_min_pages=ds.CMAX_MIN_PAGES, ordered=True, pieces=1,
-                        key_store=None):
+                        key_store=None, scale=None):
     """One decode step of Quest for one layer: :func:`quest_update` then :func:`quest_select`.
 
     q [B, Hq, D]; kmax, kmin [L, B, Np, H, D]; layer int32 scalar; seq_lens [B] int32 (tokens
@@ -426,7 +549,10 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
     (pieces > 1: a candidate set, the top k / pieces of each strided piece of a row).
     ``key_store = (vals [B, H, D], vscales [B, H], keys, key_scales)``: a two-stage selector's
     key copy takes the token's values too (:func:`store_keys`), inside the scores kernel where
-    the update runs there; the result then ends with the updated (keys, key_scales)."""
+    the update runs there; the result then ends with the updated (keys, key_scales).
+    ``scale``: quantized bounds (module docstring); the updated scale then follows kmin in the
+    result: (kmax, kmin, scale, pages, ...)."""
+    nb = 2 if scale is None else 3
     np_ = kmax.shape[2]
     method = ds.resolve_topk_method(np_, implementation, topk_method,
                                     cmax_min_pages if pieces == 1 else None, k)
@@ -442,8 +568,8 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
         chunk = topk.default_cmax_chunk(np_, k)
         fn = _common.resolve(OP_UPDATE_CMAX, implementation)
         out = fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, k_new, positions,
-                 page_size=page_size, chunk=chunk, key_store=key_store)
-        scores, cmax, kmax, kmin = out[:4]
+                 page_size=page_size, chunk=chunk, key_store=key_store, scale=scale)
+        scores, cmax, bounds = out[0], out[1], out[2:2 + nb]
         if method == "pallas_cmax":
             pages = topk.select_top_pages_pallas(scores, seq_lens, chunk=chunk, chunk_max=cmax,
                                                  num_pages=np_, k=k, page_size=page_size,
@@ -457,21 +583,21 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
                                         page_size=page_size, num_sink_pages=num_sink_pages,
                                         method=method, implementation=implementation,
                                         ordered=ordered, pieces=pieces)
-        return (kmax, kmin, pages) + tuple(out[4:])
-    kmax, kmin = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size)
+        return (*bounds, pages) + tuple(out[2 + nb:])
+    bounds = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size, scale=scale)
     if not pallas:
         # the XLA scores then read the summaries after the in-place update: fused with it,
         # they would recompute the update from the old arrays, and XLA would copy both
         # whole [L, ...] arrays (every layer of every step) to keep the old ones alive
-        kmax, kmin = lax.optimization_barrier((kmax, kmin))
-    pages = quest_select(q, kmax, kmin, layer, seq_lens, k=k, page_size=page_size,
+        bounds = lax.optimization_barrier(bounds)
+    pages = quest_select(q, *bounds[:2], layer, seq_lens, k=k, page_size=page_size,
                          num_sink_pages=num_sink_pages, implementation=implementation,
                          topk_method=method, cmax_min_pages=cmax_min_pages, ordered=ordered,
-                         pieces=pieces)
+                         pieces=pieces, scale=bounds[2] if nb == 3 else None)
     if key_store is None:
-        return kmax, kmin, pages
+        return (*bounds, pages)
     vals, vscales, keys, kscales = key_store
-    return (kmax, kmin, pages) + store_keys(keys, kscales, layer, vals, vscales, positions)
+    return (*bounds, pages) + store_keys(keys, kscales, layer, vals, vscales, positions)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "page_size", "num_sink_pages",
@@ -479,7 +605,7 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
                                              "ordered", "pieces"))
 def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages,
                  implementation=None, topk_method="auto", cmax_min_pages=ds.CMAX_MIN_PAGES,
-                 ordered=True, pieces=1):
+                 ordered=True, pieces=1, scale=None):
     """Quest top-``k`` pages per KV head.
 
     q: [B, Hq, D] (post-RoPE query); kmax, kmin: [L, B, Np, H, D] (whole, all layers);
@@ -491,7 +617,8 @@ def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages
     reference) and the Pallas top-k kernel reads only those and the chosen chunks. "auto"
     takes it for rows of ``>= cmax_min_pages`` pages when the implementation is "pallas" (None:
     never; ``dense_select.resolve_topk_method``), else ``select_top_pages``'s auto.
-    ``ordered`` / ``pieces``: as in ``dense_select.select_top_pages``.
+    ``ordered`` / ``pieces``: as in ``dense_select.select_top_pages``. ``scale``: quantized
+    bounds' [L, B, Np, H] (module docstring).
     """
     np_ = kmax.shape[2]
     layer = jnp.asarray(layer, jnp.int32)
@@ -505,17 +632,17 @@ def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages
         chunk = topk.default_cmax_chunk(np_, k)
         scores, cmax = quest_scores_with_chunk_max(q, kmax, kmin, layer, seq_lens,
                                                    page_size=page_size, chunk=chunk,
-                                                   implementation=implementation)
+                                                   implementation=implementation, scale=scale)
         return topk.select_top_pages_pallas(scores, seq_lens, chunk=chunk, chunk_max=cmax,
                                             **sel_kw)
     scores = _common.resolve(OP, implementation)(q, kmax, kmin, layer, seq_lens,
-                                                 page_size=page_size)
+                                                 page_size=page_size, scale=scale)
     return select_top_pages(scores, seq_lens, method=topk_method,
                             implementation=implementation, ordered=ordered, pieces=pieces,
                             **sel_kw)
 
 
-def quest_update(kmax, kmin, layer, k_new, positions, *, page_size):
+def quest_update(kmax, kmin, layer, k_new, positions, *, page_size, scale=None):
     """Fold one decode token's keys into the summaries of its page.
 
     kmax, kmin: [L, B, Np, H, D]; layer: int32 scalar; k_new: [B, H, D] (post-RoPE), or the
@@ -523,7 +650,8 @@ def quest_update(kmax, kmin, layer, k_new, positions, *, page_size):
     positions: [B] int32 token position (page ``pos // page_size``). Offset 0 (a page's first
     token) resets the page summary to ``k_new``; other offsets take the elementwise max / min.
     ``positions < 0`` (inactive request) or pages ``>= Np`` change nothing. Returns
-    (kmax, kmin), same shapes and dtypes (in place when donated).
+    (kmax, kmin), same shapes and dtypes (in place when donated), and the updated ``scale``
+    after them for quantized bounds (folded by :func:`requantize_row`).
     """
     np_ = kmax.shape[2]
     b = positions.shape[0]
@@ -534,7 +662,15 @@ def quest_update(kmax, kmin, layer, k_new, positions, *, page_size):
     rows = jnp.arange(b)
     layer = jnp.asarray(layer, jnp.int32)
     pc = jnp.minimum(page, np_ - 1)
-    kn = (k_new if k_new.ndim == 3 else k_new[:, 0]).astype(kmax.dtype)
+    kn = k_new if k_new.ndim == 3 else k_new[:, 0]
+    if scale is not None:
+        new_max, new_min, new_scale = requantize_row(
+            kmax[layer, rows, pc], kmin[layer, rows, pc], scale[layer, rows, pc],
+            kn.astype(jnp.float32), first[:, :, 0])
+        return (kmax.at[layer, rows, page].set(new_max.astype(jnp.int8), mode="drop"),
+                kmin.at[layer, rows, page].set(new_min.astype(jnp.int8), mode="drop"),
+                scale.at[layer, rows, page].set(new_scale, mode="drop"))
+    kn = kn.astype(kmax.dtype)
     new_max = jnp.where(first, kn, jnp.maximum(kmax[layer, rows, pc], kn))
     new_min = jnp.where(first, kn, jnp.minimum(kmin[layer, rows, pc], kn))
     kmax = kmax.at[layer, rows, page].set(new_max, mode="drop")

@@ -49,7 +49,30 @@ from jaxkv.models import gguf_loader
 from jaxkv.selectors import oracle
 
 
-def _quest_scores(q, k, pos, bs, group="sum", dims=0):
+def _outward(mx, mn, fmt):
+    """The block summaries as a first stage would store them in ``fmt``, rounded outward so the
+    bound stays a bound: ``mx`` up, ``mn`` down. "f32": as they are; "bf16" / "fp8" (e4m3fn):
+    the nearest value of the format at or above / below (from the sorted table of its finite
+    values); "int8": one scale per block and KV head (its largest |value| over 127), the
+    values ceil / floor of x / scale; "int8p2": that scale rounded up to a power of two."""
+    if fmt == "f32":
+        return mx, mn
+    if fmt in ("int8", "int8p2"):
+        s = jnp.maximum(jnp.max(jnp.maximum(jnp.abs(mx), jnp.abs(mn)), axis=-1, keepdims=True),
+                        1e-30) / 127.0
+        if fmt == "int8p2":  # the smallest power of two at or above
+            s = jnp.exp2(jnp.ceil(jnp.log2(s)))
+        return jnp.ceil(mx / s) * s, jnp.floor(mn / s) * s
+    dt = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}[fmt]
+    bits = np.arange(2 ** (16 if fmt == "bf16" else 8), dtype=np.uint16 if fmt == "bf16" else np.uint8)
+    vals = bits.view(np.dtype(dt)).astype(np.float32)
+    table = jnp.asarray(np.unique(vals[np.isfinite(vals)]))
+    up = table[jnp.clip(jnp.searchsorted(table, mx, side="left"), 0, table.size - 1)]
+    down = table[jnp.clip(jnp.searchsorted(table, mn, side="right") - 1, 0, table.size - 1)]
+    return up, down
+
+
+def _quest_scores(q, k, pos, bs, group="sum", dims=0, fmt="f32"):
     """Quest's bound per block of ``bs`` tokens for one query: q [Hq, D] at position ``pos``,
     k [T, H, D] (T a multiple of bs). ``group``: the bounds of a KV head's query heads summed
     (the selector's score) or their largest ("max"). ``dims`` > 0: the bound over the
@@ -64,6 +87,7 @@ def _quest_scores(q, k, pos, bs, group="sum", dims=0):
     mn = jnp.min(jnp.where(vb, kb, jnp.inf), axis=1)
     ok = jnp.isfinite(mx[:, 0, 0])
     mx, mn = jnp.where(ok[:, None, None], mx, 0.0), jnp.where(ok[:, None, None], mn, 0.0)
+    mx, mn = _outward(mx, mn, fmt)
     qg = q.reshape(H, G, D)
     per = jnp.maximum(qg[None] * mx[:, :, None], qg[None] * mn[:, :, None])  # [Nb, H, G, D]
     if dims:
@@ -93,9 +117,9 @@ def _pieces_top(s, n, pieces, order):
     return jnp.minimum(idx, N - 1).reshape(H, -1)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8, 9, 10, 11, 12))
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13))
 def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0, lag="none", dims=0,
-           pieces=1, order="strided"):
+           pieces=1, order="strided", fmt="f32"):
     """q [Q + 1, Hq, D] at positions t0 - 1.., k [T, H, D] -> (kept, hit, share, oracle_share),
     each [Q, H], for
     the queries at t0.. with blocks of ``r`` pages, ``n_cand`` candidate pages and ``n_pages``
@@ -104,7 +128,8 @@ def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0, lag="
     keys up to it, the query's own page forced), the second stage on the query itself;
     "all": both stages a step early (``selection_lag=1``); "none": both on the query.
     ``dims``: the first stage's bound over that many channels (:func:`_quest_scores`).
-    ``pieces``: the first stage's top-k per piece of the row (:func:`_pieces_top`)."""
+    ``pieces``: the first stage's top-k per piece of the row (:func:`_pieces_top`).
+    ``fmt``: the first stage's summaries stored in that format (:func:`_outward`)."""
     qp, q = q[:-1], q[1:]
     Q, Hq, D = q.shape
     T, H, _ = k.shape
@@ -139,11 +164,11 @@ def recall(q, k, t0, page_size, n_pages, n_cand, r, group="sum", recent=0, lag="
             return jnp.zeros((H, Np // r), bool).at[jnp.arange(H)[:, None], cb].set(True)
 
         if group == "union":  # half by the summed bound, half by the largest head's
-            first = top(_quest_scores(q1, kp, pos1, bs, "sum", dims), n_b // 2, False)
-            cand_b = first | top(_quest_scores(q1, kp, pos1, bs, "max", dims), n_b - n_b // 2,
+            first = top(_quest_scores(q1, kp, pos1, bs, "sum", dims, fmt), n_b // 2, False)
+            cand_b = first | top(_quest_scores(q1, kp, pos1, bs, "max", dims, fmt), n_b - n_b // 2,
                                  first)
         else:
-            cand_b = top(_quest_scores(q1, kp, pos1, bs, group, dims), n_b, False)
+            cand_b = top(_quest_scores(q1, kp, pos1, bs, group, dims, fmt), n_b, False)
         cand = jnp.repeat(cand_b, r, axis=1) & valid
         if lag == "all":  # the second stage's masses from the previous query too
             mp = oracle.attention_mass(qprev[None], keys[None], pos1[None], page_size)[0]
@@ -182,6 +207,9 @@ def main():
     ap.add_argument("--pieces", type=int, nargs="+", default=[1],
                     help="the first stage's top-k per piece: S pieces of a row, candidates / S "
                          "each (keys ..._s{S} strided, ..._sc{S} contiguous)")
+    ap.add_argument("--summary", nargs="+", default=["f32"], choices=("f32", "bf16", "fp8", "int8", "int8p2"),
+                    help="the first stage's summaries stored in this format, rounded outward "
+                         "(keys ..._{bf16,fp8,int8,int8p2})")
     ap.add_argument("--piece-order", default="strided", choices=("strided", "contiguous"))
     ap.add_argument("--layers", type=int, default=None, help="the first N layers only")
     ap.add_argument("--out", default=None)
@@ -194,14 +222,16 @@ def main():
         T = k.shape[0]
         t0 = T - a.queries
         row = dict(layer=i)
-        for g, r, w, lag, nd, ps in itertools.product(a.groups, a.blocks, a.recent, a.lag,
-                                                      a.dims, a.pieces):
+        for g, r, w, lag, nd, ps, fm in itertools.product(a.groups, a.blocks, a.recent, a.lag,
+                                                          a.dims, a.pieces, a.summary):
             kept, hit, share, oracle_share = recall(q[t0 - 1:], k, t0, a.page_size, n_pages,
-                                                    n_cand, r, g, w, lag, nd, ps, a.piece_order)
+                                                    n_cand, r, g, w, lag, nd, ps, a.piece_order,
+                                                    fm)
             tag = (f"r{r}" + ("" if g == "sum" else f"_g{g}") + (f"_w{w}" if w else "")
                    + ("" if lag == "none" else f"_lag{lag}") + (f"_d{nd}" if nd else "")
                    + ("" if ps == 1 else
-                      f"_s{ps}" if a.piece_order == "strided" else f"_sc{ps}"))
+                      f"_s{ps}" if a.piece_order == "strided" else f"_sc{ps}")
+                   + ("" if fm == "f32" else f"_{fm}"))
             row[f"kept_{tag}"] = float(jnp.mean(kept))
             row[f"kept_min_{tag}"] = float(jnp.min(kept))
             row[f"hit_{tag}"] = float(jnp.mean(hit))
@@ -212,7 +242,7 @@ def main():
     report(rows, a.out, model=path, tokens=T, queries=a.queries, page_size=a.page_size,
            budget=a.budget, candidates=n_cand, blocks=a.blocks, groups=a.groups,
            recent=a.recent, lag=a.lag, dims=a.dims, pieces=a.pieces,
-           piece_order=a.piece_order)
+           piece_order=a.piece_order, summary=a.summary)
 
 
 if __name__ == "__main__":

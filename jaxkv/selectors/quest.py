@@ -1,9 +1,12 @@
 """Quest: per page and KV head the elementwise max / min of the post-RoPE keys; a page's
 score is an upper bound of the query's dot product with its keys
 (``jaxkv.kernels.quest``). Summaries ``(kmax, kmin)`` [L, B, Np, H, D] in
-``plan.summary_dtype`` (the KV dtype; the model's when the KV is quantized)."""
+``plan.summary_dtype`` (the KV dtype; the model's when the KV is quantized), or with
+``CacheConfig.bounds_dtype="int8"`` int8 followed by their scale [L, B, Np, H] float32 (one per
+page and KV head, rounded outward: ``jaxkv.kernels.quest`` module docstring)."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jaxkv.kernels import quest as kernels
@@ -27,10 +30,22 @@ class Quest(Selector):
         block per page."""
         return plan.pages_per_seq, plan.page_size
 
+    @staticmethod
+    def n_bounds(plan) -> int:
+        """How many arrays the bounds take: (kmax, kmin), or with int8 bounds their scale too."""
+        return 3 if plan.cache.bounds_dtype == "int8" else 2
+
+    @staticmethod
+    def _scale_kw(plan, summaries) -> dict:
+        return dict(scale=summaries[2]) if Quest.n_bounds(plan) == 3 else {}
+
     def init(self, plan) -> tuple:
         m = plan.model
         shape = (m.num_layers, plan.batch, self.bound_blocks(plan)[0], m.num_kv_heads,
                  m.head_dim)
+        if self.n_bounds(plan) == 3:  # never-written pages: scale 0 (past the sequence)
+            return (jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8),
+                    jnp.zeros(shape[:4], jnp.float32))
         dt = jnp.dtype(plan.summary_dtype)
         return jnp.full(shape, -jnp.inf, dt), jnp.full(shape, jnp.inf, dt)
 
@@ -40,36 +55,53 @@ class Quest(Selector):
             k = jnp.pad(k, ((0, 0), (0, -k.shape[1] % bs), (0, 0), (0, 0)))
         kmax, kmin = kernels.quest_summarize(k, bs, lengths)
         n = kmax.shape[1]
+        if self.n_bounds(plan) == 3:
+            empty = ~jnp.isfinite(kmax[..., :1])          # pages with no token: 0 / 0 / 0
+            kmax, kmin, scale = kernels.quantize_bounds(jnp.where(empty, 0.0, kmax),
+                                                        jnp.where(empty, 0.0, kmin))
+            return tuple(a.at[layer, :, :n].set(v)
+                         for a, v in zip(summaries[:3], (kmax, kmin, scale)))
         return (summaries[0].at[layer, :, :n].set(kmax.astype(summaries[0].dtype)),
                 summaries[1].at[layer, :, :n].set(kmin.astype(summaries[1].dtype)))
 
     def update_select(self, plan, summaries, layer, layer_params, h, q, kv_new, positions, *,
                       ahead=False):
         seq_lens = jnp.maximum(positions + 1 + int(ahead), 1)
-        kmax, kmin, pages = kernels.quest_update_select(
+        nb = self.n_bounds(plan)
+        out = kernels.quest_update_select(
             q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
-            **_select_kw(plan))
-        return (kmax, kmin), pages
+            **self._scale_kw(plan, summaries), **_select_kw(plan))
+        return out[:nb], out[nb]
 
     def fold(self, plan, summaries, layer, layer_params, h, q, kv_new, positions):
         k = kv_new[:, :, 0]                                                 # [B, T, H, D]
         ps = self.bound_blocks(plan)[1]
+        if self.n_bounds(plan) == 3:
+            # token by token, as decode steps fold them (a scatter of max / min would not
+            # keep the requantization's rules)
+            def one(i, bounds):
+                return kernels.quest_update(bounds[0], bounds[1], layer, k[:, i],
+                                            positions[:, i], page_size=ps, scale=bounds[2])
+
+            return jax.lax.fori_loop(0, positions.shape[1], one, tuple(summaries[:3]))
         return (fold_pages(summaries[0], layer, k, positions, ps, "max"),
                 fold_pages(summaries[1], layer, k, positions, ps, "min"))
 
     def first_pages(self, plan, summaries, layer, layer_params, h_last, q_last, lengths):
         seq_lens = jnp.asarray(lengths, jnp.int32) + 1
         return kernels.quest_select(q_last, summaries[0], summaries[1], layer, seq_lens,
-                                    **_select_kw(plan))
+                                    **self._scale_kw(plan, summaries), **_select_kw(plan))
 
     def update_select_all_layers(self, plan, summaries, q, kv_new, positions):
-        kmax, kmin = summaries
-        L, B = kmax.shape[:2]
+        nb = self.n_bounds(plan)
+        L, B = summaries[0].shape[:2]
         flat = lambda a: a.reshape((1, L * B) + a.shape[2:])  # noqa: E731 - layers as requests
         seq_lens = jnp.maximum(positions + 2, 1).reshape(L * B)
-        kmax2, kmin2, pages = kernels.quest_update_select(
-            q.reshape((L * B,) + q.shape[2:]), flat(kmax), flat(kmin), jnp.int32(0), seq_lens,
-            kv_new.reshape((L * B,) + kv_new.shape[2:]), positions.reshape(L * B),
-            **_select_kw(plan))
-        return (kmax2.reshape(kmax.shape), kmin2.reshape(kmin.shape)), pages.reshape(
-            (L, B) + pages.shape[1:])
+        kw = dict(scale=flat(summaries[2])) if nb == 3 else {}
+        out = kernels.quest_update_select(
+            q.reshape((L * B,) + q.shape[2:]), flat(summaries[0]), flat(summaries[1]),
+            jnp.int32(0), seq_lens, kv_new.reshape((L * B,) + kv_new.shape[2:]),
+            positions.reshape(L * B), **kw, **_select_kw(plan))
+        pages = out[nb]
+        return (tuple(a.reshape(s.shape) for a, s in zip(out[:nb], summaries)),
+                pages.reshape((L, B) + pages.shape[1:]))

@@ -128,13 +128,14 @@ class Rescore(Quest):
                                      jnp.zeros(shape, jnp.float32))
 
     def fill(self, plan, summaries, layer, layer_params, h, k, positions, lengths):
-        qsumm = super().fill(plan, summaries[:2], layer, layer_params, h, k, positions, lengths)
+        nb = self.n_bounds(plan)
+        qsumm = super().fill(plan, summaries[:nb], layer, layer_params, h, k, positions, lengths)
         B, T, H, D = k.shape
         ps = plan.page_size
         kt = jnp.moveaxis(k.reshape(B, T // ps, ps, H, D), 3, 1)        # [B, H, T/ps, ps, D]
         vals, scale = quantize(kt, self.key_bits)
-        keys = summaries[2].at[layer, :, :, :T // ps].set(vals.astype(summaries[2].dtype))
-        scales = summaries[3].at[layer, :, :, :T // ps].set(scale)
+        keys = summaries[nb].at[layer, :, :, :T // ps].set(vals.astype(summaries[nb].dtype))
+        scales = summaries[nb + 1].at[layer, :, :, :T // ps].set(scale)
         return qsumm + (keys, scales)
 
     def bound_blocks(self, plan) -> tuple[int, int]:
@@ -259,7 +260,7 @@ class Rescore(Quest):
 
     def _rescore(self, plan, summaries, layer, q, cand, positions, seq_lens):
         tuning, impl = plan.cache.tuning, plan.cache.implementation
-        keys, scales = summaries[2], summaries[3]
+        keys, scales = self._key_copy(plan, summaries)
         pick = dict(k=plan.k, page_size=plan.page_size, num_pages=plan.pages_per_seq,
                     num_sink_pages=plan.cache.sink_pages)
         stage2 = impl if tuning.rescore_method == "auto" else tuning.rescore_method
@@ -275,54 +276,66 @@ class Rescore(Quest):
                                            implementation=stage2, in_order=self.covers_row(plan))
         return top_candidates(mass, cand, seq_lens, **pick)
 
+    def _key_copy(self, plan, summaries):
+        """(keys, scales): the key copy, after Quest's bounds in the summaries."""
+        nb = self.n_bounds(plan)
+        return summaries[nb], summaries[nb + 1]
+
     def update_select(self, plan, summaries, layer, layer_params, h, q, kv_new, positions, *,
                       ahead=False):
         seq_lens = jnp.maximum(positions + 1 + int(ahead), 1)
         k_new = kv_new if kv_new.ndim == 3 else kv_new[:, 0]                # [B, H, D]
+        nb = self.n_bounds(plan)
+        scale_kw = self._scale_kw(plan, summaries)
+        keys, scales = self._key_copy(plan, summaries)
         if self.covers_row(plan):
             # the summaries stay current: a kept context may continue under a longer row
-            kmax, kmin = quest_kernels.quest_update(summaries[0], summaries[1], layer, kv_new,
-                                                    positions,
-                                                    page_size=self.bound_blocks(plan)[1])
-            cand = self._every_page(plan, seq_lens, summaries[2].shape[2])
+            bounds = quest_kernels.quest_update(summaries[0], summaries[1], layer, kv_new,
+                                                positions, page_size=self.bound_blocks(plan)[1],
+                                                **scale_kw)
+            cand = self._every_page(plan, seq_lens, keys.shape[2])
             keys, scales = self._store_keys(plan, summaries, layer, k_new, positions)
         elif plan.cache.tuning.key_copy_in_scores:
             # the quantized key stored by the update-and-scores kernel (where it runs)
-            keys, scales = summaries[2], summaries[3]
             vals, vscales = quantize(k_new, 8 if keys.dtype == jnp.int8 else 16)
-            kmax, kmin, cand, keys, scales = quest_kernels.quest_update_select(
+            out = quest_kernels.quest_update_select(
                 q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
-                key_store=(vals, vscales, keys, scales), **self._first_stage_kw(plan))
+                key_store=(vals, vscales, keys, scales), **scale_kw,
+                **self._first_stage_kw(plan))
+            bounds, cand, keys, scales = out[:nb], out[nb], out[nb + 1], out[nb + 2]
             cand = self._block_pages(plan, cand, seq_lens)
         else:
-            kmax, kmin, cand = quest_kernels.quest_update_select(
-                q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
+            out = quest_kernels.quest_update_select(
+                q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions, **scale_kw,
                 **self._first_stage_kw(plan))
+            bounds, cand = out[:nb], out[nb]
             cand = self._block_pages(plan, cand, seq_lens)
             keys, scales = self._store_keys(plan, summaries, layer, k_new, positions)
-        summ = (kmax, kmin, keys, scales)
+        summ = tuple(bounds) + (keys, scales)
         if plan.k >= plan.pages_per_seq:  # the budget holds every page: nothing to re-rank
             return summ, cand
         return summ, self._rescore(plan, summ, layer, q, cand, positions, seq_lens)
 
     def fold(self, plan, summaries, layer, layer_params, h, q, kv_new, positions):
-        qsumm = super().fold(plan, summaries[:2], layer, layer_params, h, q, kv_new, positions)
+        nb = self.n_bounds(plan)
+        qsumm = super().fold(plan, summaries[:nb], layer, layer_params, h, q, kv_new, positions)
         return qsumm + self._store_keys(plan, summaries, layer, kv_new[:, :, 0], positions)
 
     def _store_keys(self, plan, summaries, layer, k, positions):
         """(keys, scales): the key copy with k [B, ..., H, D] quantized and stored at
         positions [B, ...] (a decode step's [B], a turn's [B, T]; -1: dropped)."""
-        return scatter_keys(summaries[2], summaries[3], layer, k, positions)
+        return scatter_keys(*self._key_copy(plan, summaries), layer, k, positions)
 
     def first_pages(self, plan, summaries, layer, layer_params, h_last, q_last, lengths):
         lengths = jnp.asarray(lengths, jnp.int32)
         if self.covers_row(plan):
-            cand = self._every_page(plan, lengths + 1, summaries[2].shape[2])
+            cand = self._every_page(plan, lengths + 1, self._key_copy(plan, summaries)[0].shape[2])
             if plan.k >= plan.pages_per_seq:  # the budget holds every page
                 return cand
         else:
             cand = quest_kernels.quest_select(q_last, summaries[0], summaries[1], layer,
-                                              lengths + 1, **self._first_stage_kw(plan))
+                                              lengths + 1, **self._scale_kw(plan, summaries),
+                                              **self._first_stage_kw(plan))
             cand = self._block_pages(plan, cand, lengths + 1)
         return self._rescore(plan, summaries, layer, q_last, cand, lengths - 1, lengths + 1)
 
