@@ -65,7 +65,8 @@ variant is a plan of its own, so nothing is read at trace time.
   update-and-scores kernel instead of two scatters (``Tuning.key_copy_in_scores``).
 * ``quest_int8b`` / ``rescore8_int8b``: Quest / ``quest_rescore8`` with Quest's page bounds in
   int8 with a power-of-two scale per page and KV head (``CacheConfig.bounds_dtype="int8"``):
-  half the bytes the scores kernel reads.
+  half the bytes the scores kernel reads; ``rescore8_int8b_ks``: that, with the key copy
+  stored by the scores kernel (``Tuning.key_copy_in_scores``).
 * ``rescore8_pieces1`` / ``rescore8_pieces4`` / ``rescore8_pieces8`` / ``rescore8_pieces16``:
   ``quest_rescore8`` with the first stage's top-k over the whole row / per strided piece of a
   row, 4 / 8 / 16 pieces (``CacheConfig.candidate_pieces``; the default's ``None`` gives 8 at
@@ -186,6 +187,7 @@ VARIANTS = {
     # Quest's bounds in int8 (CacheConfig.bounds_dtype)
     "quest_int8b": ({}, ()),
     "rescore8_int8b": ({}, ()),
+    "rescore8_int8b_ks": ({"key_copy_in_scores": True}, ()),
     # the first stage's top-k per strided piece of a row (CacheConfig.candidate_pieces)
     "rescore8_pieces1": ({}, ()),
     "rescore8_pieces4": ({}, ()),
@@ -233,6 +235,7 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_key_store={"selector": "quest_rescore8"},
                      quest_int8b={"bounds_dtype": "int8"},
                      rescore8_int8b={"selector": "quest_rescore8", "bounds_dtype": "int8"},
+                     rescore8_int8b_ks={"selector": "quest_rescore8", "bounds_dtype": "int8"},
                      **{f"rescore8_pieces{n}": {"selector": "quest_rescore8",
                                                 "candidate_pieces": n} for n in (1, 4, 8, 16)},
                      rescore8_select_w4={"selector": "quest_rescore8"},

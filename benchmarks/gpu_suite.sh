@@ -58,8 +58,9 @@
 #   key-store-8b, key-store-split-q8, key-store-split-8b, ~3-4 min each
 # int8-bounds: Quest's page bounds in int8 with a power-of-two scale per page and KV head
 #   (CacheConfig.bounds_dtype="int8": half the bytes its scores kernel reads) against the
-#   model dtype's, for Quest and quest_rescore8: the GPU tests, then the resident step
-#   (ab_step, shared KV, 128k, 1024 tokens in 16-token pages); parts int8-bounds-test,
+#   model dtype's: the GPU tests, then the resident step (ab_step, shared KV, 128k, 1024
+#   tokens in 16-token pages; Quest, quest_rescore8, with int8 bounds, and with the key copy
+#   stored by the scores kernel too; $AB_VARIANTS replaces them); parts int8-bounds-test,
 #   int8-bounds-q8, int8-bounds-8b, ~3-4 min each
 # first-stage: issue 27's cheaper first stages at the default budget (1024 tokens, 8x candidates), same-process
 #   A/B against Quest and quest_rescore8: blocks of pages (candidate_block; 8B-like B=1 and Qwen-like B=8 at
@@ -245,7 +246,7 @@ for s in $STAGES; do
           done
         done ;;
     int8-bounds|int8-bounds-test|int8-bounds-q8|int8-bounds-8b)
-        fs="--variants default,quest_int8b,rescore8,rescore8_int8b --budget-tokens 1024 --page-size 16 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
+        fs="--variants ${AB_VARIANTS:-default,rescore8,rescore8_int8b,rescore8_int8b_ks} --budget-tokens 1024 --page-size 16 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
         case $s in int8-bounds|int8-bounds-test) run int8_bounds_test 200 $PY -m pytest -q -m gpu \
             -p no:cacheprovider $TIMEOUT_ARG tests/test_quest_int8_bounds.py -o addopts="-ra" ;; esac
         case $s in int8-bounds|int8-bounds-q8) run int8_bounds_q8 300 $PY benchmarks/ab_step.py \
