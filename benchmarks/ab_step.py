@@ -61,12 +61,9 @@ variant is a plan of its own, so nothing is read at trace time.
   with the first stage by blocks of two pages.
 * ``rescore8_c512``: ``quest_rescore8`` with 512 first-stage candidates whatever the budget
   (``CacheConfig(candidate_pages=512)``; at 1024 tokens in 16-token pages the default's own).
-* ``rescore8_key_store``: ``quest_rescore8`` with its int8 key copy stored by Quest's
-  update-and-scores kernel instead of two scatters (``Tuning.key_copy_in_scores``).
 * ``quest_int8b`` / ``rescore8_int8b``: Quest / ``quest_rescore8`` with Quest's page bounds in
   int8 with a power-of-two scale per page and KV head (``CacheConfig.bounds_dtype="int8"``):
-  half the bytes the scores kernel reads; ``rescore8_int8b_ks``: that, with the key copy
-  stored by the scores kernel (``Tuning.key_copy_in_scores``).
+  half the bytes the scores kernel reads.
 * ``rescore8_pieces1`` / ``rescore8_pieces4`` / ``rescore8_pieces8`` / ``rescore8_pieces16``:
   ``quest_rescore8`` with the first stage's top-k over the whole row / per strided piece of a
   row, 4 / 8 / 16 pieces (``CacheConfig.candidate_pieces``; the default's ``None`` gives 8 at
@@ -182,12 +179,9 @@ VARIANTS = {
     "rescore8_block8": ({}, ()),
     # 512 first-stage candidates whatever the budget
     "rescore8_c512": ({}, ()),
-    # the key copy stored by the update-and-scores kernel (Tuning.key_copy_in_scores)
-    "rescore8_key_store": ({"key_copy_in_scores": True}, ()),
     # Quest's bounds in int8 (CacheConfig.bounds_dtype)
     "quest_int8b": ({}, ()),
     "rescore8_int8b": ({}, ()),
-    "rescore8_int8b_ks": ({"key_copy_in_scores": True}, ()),
     # the first stage's top-k per strided piece of a row (CacheConfig.candidate_pieces)
     "rescore8_pieces1": ({}, ()),
     "rescore8_pieces4": ({}, ()),
@@ -232,10 +226,8 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_block4={"selector": "quest_rescore8", "candidate_block": 4},
                      rescore8_block8={"selector": "quest_rescore8", "candidate_block": 8},
                      rescore8_c512={"selector": "quest_rescore8", "candidate_pages": 512},
-                     rescore8_key_store={"selector": "quest_rescore8"},
                      quest_int8b={"bounds_dtype": "int8"},
                      rescore8_int8b={"selector": "quest_rescore8", "bounds_dtype": "int8"},
-                     rescore8_int8b_ks={"selector": "quest_rescore8", "bounds_dtype": "int8"},
                      **{f"rescore8_pieces{n}": {"selector": "quest_rescore8",
                                                 "candidate_pieces": n} for n in (1, 4, 8, 16)},
                      rescore8_select_w4={"selector": "quest_rescore8"},

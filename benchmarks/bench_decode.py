@@ -142,7 +142,7 @@ def main(argv=None):
                     help="CacheConfig.kv_dtype of every config (default: the model's dtype)")
     ap.add_argument("--tuning", action="append", default=[], metavar="NAME=VALUE",
                     help="a jaxkv.Tuning field of every configuration (repeatable), e.g. "
-                         "--tuning key_copy_in_scores=true --tuning rescore_select_warps=4; "
+                         "--tuning materialize_qk=false --tuning rescore_select_warps=4; "
                          "values: true / false / none, an int, a float or a string")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-decode", action="store_true", help="prefill section only")

@@ -50,17 +50,11 @@
 # final-choice: the final choice at the default's 512 candidates: its kernel with 8 warps (the
 #   default), with 4 (Tuning.rescore_select_warps=4), and its XLA form (rescore_select_method)
 #   (ab_step, Qwen-like B=8 in 16-token pages and 8B-like B=1, shared KV); about 7 min
-# key-store: quest_rescore8's key copy stored by Quest's update-and-scores kernel
-#   (Tuning.key_copy_in_scores) against its two scatters: the GPU tests, then the resident
-#   step (ab_step, shared KV, 128k, 1024 tokens in 16-token pages; Quest, quest_rescore8 and
-#   this), then one process per run (bench_decode --configs b, its split's selector timed
-#   alone: issue 27's selection against Quest's); parts key-store-test, key-store-q8,
-#   key-store-8b, key-store-split-q8, key-store-split-8b, ~3-4 min each
 # int8-bounds: Quest's page bounds in int8 with a power-of-two scale per page and KV head
 #   (CacheConfig.bounds_dtype="int8": half the bytes its scores kernel reads) against the
 #   model dtype's: the GPU tests, then the resident step (ab_step, shared KV, 128k, 1024
-#   tokens in 16-token pages; Quest, quest_rescore8, with int8 bounds, and with the key copy
-#   stored by the scores kernel too; $AB_VARIANTS replaces them); parts int8-bounds-test,
+#   tokens in 16-token pages; Quest and quest_rescore8, each with int8 bounds;
+#   $AB_VARIANTS replaces them); parts int8-bounds-test,
 #   int8-bounds-q8, int8-bounds-8b, ~3-4 min each
 # first-stage: issue 27's cheaper first stages at the default budget (1024 tokens, 8x candidates), same-process
 #   A/B against Quest and quest_rescore8: blocks of pages (candidate_block; 8B-like B=1 and Qwen-like B=8 at
@@ -224,29 +218,8 @@ for s in $STAGES; do
         run fc_8b 240 $PY benchmarks/ab_step.py --shape 8b --batch 1 \
             --variants default,rescore8,rescore8_select_xla,rescore8_select_w4 \
             --tag "final_choice_8b1_$JAXKV_COMMIT" $fs ;;
-    key-store|key-store-test|key-store-q8|key-store-8b|key-store-split-q8|key-store-split-8b)
-        fs="--variants default,rescore8,rescore8_key_store --budget-tokens 1024 --page-size 16 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
-        case $s in key-store|key-store-test) run key_store_test 200 $PY -m pytest -q -m gpu \
-            -p no:cacheprovider $TIMEOUT_ARG tests/test_selectors.py tests/test_oracle.py \
-            -k "quest or rescore or key" -o addopts="-ra" ;; esac
-        case $s in key-store|key-store-q8) run key_store_q8 280 $PY benchmarks/ab_step.py \
-            --shape qwen1.5b --batch 8 --tag "key_store_qwen8_p16_$JAXKV_COMMIT" $fs ;; esac
-        case $s in key-store|key-store-8b) run key_store_8b 250 $PY benchmarks/ab_step.py \
-            --shape 8b --batch 1 --tag "key_store_8b1_$JAXKV_COMMIT" $fs ;; esac
-        for shp in q8 8b; do
-          case $s in key-store|key-store-split-$shp) ;; *) continue ;; esac
-          args="--shape qwen1.5b --batches 8"; [ $shp = 8b ] && args="--shape 8b --batches 1"
-          for v in quest rescore8 rescore8_key_store; do
-            sel=quest_rescore8; tun=""; [ $v = quest ] && sel=quest
-            [ $v = rescore8_key_store ] && tun="--tuning key_copy_in_scores=true"
-            run "key_store_split_${shp}_$v" 150 $PY benchmarks/bench_decode.py $args --contexts 128k \
-              --configs b --selector $sel --selected-tokens 1024 --page-size 16 --prefill none \
-              --probe-steps 0 --no-plot --budget 100 --timed-rounds 8 $tun \
-              --tag "key_store_split_${shp}_${v}_$JAXKV_COMMIT" --out "$OUT"
-          done
-        done ;;
     int8-bounds|int8-bounds-test|int8-bounds-q8|int8-bounds-8b)
-        fs="--variants ${AB_VARIANTS:-default,rescore8,rescore8_int8b,rescore8_int8b_ks} --budget-tokens 1024 --page-size 16 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
+        fs="--variants ${AB_VARIANTS:-default,quest_int8b,rescore8,rescore8_int8b} --budget-tokens 1024 --page-size 16 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
         case $s in int8-bounds|int8-bounds-test) run int8_bounds_test 200 $PY -m pytest -q -m gpu \
             -p no:cacheprovider $TIMEOUT_ARG tests/test_quest_int8_bounds.py -o addopts="-ra" ;; esac
         case $s in int8-bounds|int8-bounds-q8) run int8_bounds_q8 300 $PY benchmarks/ab_step.py \

@@ -79,11 +79,6 @@ class Tuning:
         ``CacheConfig()``'s 512 candidates (128k, one H100) the step with 8 warps is 1.220x
         Quest's against 1.375x with 4 and 1.342x with XLA's form (Qwen-like B=8), 1.133x
         against 1.230x and 1.177x (8B-like B=1).
-      key_copy_in_scores: the two-stage selectors' int8 key copy takes each decode token's
-        quantized key inside Quest's update-and-scores kernel (the program that updates the
-        token's page summary stores it) instead of two XLA scatters after the selection's
-        first stage: the same key copy bit for bit (the values are quantized in XLA either
-        way); a decode step with the Pallas scores kernel only. Not yet measured on a GPU.
       materialize_qk: each sparse layer's query and new K/V row pass an
         ``optimization_barrier`` before the selector and the cache write read them, so XLA
         computes their projections once instead of fusing a copy of the product into each
@@ -104,7 +99,6 @@ class Tuning:
     rescore_select_method: str = "auto"
     rescore_select_kernel_max: int = 512
     rescore_select_warps: int | None = None
-    key_copy_in_scores: bool = False
     materialize_qk: bool | None = None
 
     def __post_init__(self):
@@ -148,10 +142,6 @@ class Tuning:
                 raise ValueError("Tuning.rescore_select_warps must be None or a power of two "
                                  f"(Triton's warps per program), got {w}")
             object.__setattr__(self, "rescore_select_warps", w)
-        if not isinstance(self.key_copy_in_scores, (bool, np.bool_)):
-            raise ValueError("Tuning.key_copy_in_scores must be a bool, got "
-                             f"{self.key_copy_in_scores!r}")
-        object.__setattr__(self, "key_copy_in_scores", bool(self.key_copy_in_scores))
         if self.materialize_qk is not None:
             if not isinstance(self.materialize_qk, (bool, np.bool_)):
                 raise ValueError("Tuning.materialize_qk must be None (the selector's choice) or "
@@ -314,10 +304,12 @@ class CacheConfig:
         stage reads every step) are stored. ``None`` (default): in ``kv_dtype`` (the model's
         dtype for a quantized or unset ``kv_dtype``). "int8": int8 with one float32 scale per
         page and KV head, rounded outward (max up, min down) so a page's score stays an upper
-        bound: half the bytes the scores kernel reads. On Paul Graham's essays (CPU probe,
-        Qwen2.5-Coder-0.5B at 16k, 1024 tokens, 8x candidates) the two-stage selection keeps
-        0.99150 of the page oracle's attention mass against 0.99153 with float bounds
-        (BENCHMARKS.md). Quest selectors only.
+        bound: half the bytes the scores kernel reads. ``quest_rescore8``'s step at 128k on
+        one H100: 1.10-1.12x Quest's at Qwen-like B=8 instead of 1.15-1.18x, 1.097x instead of
+        1.109x at 8B-like B=1. On Paul Graham's essays (CPU probe, Qwen2.5-Coder-0.5B, 1024
+        tokens, 8x candidates) the two-stage selection keeps 0.99280 of the page oracle's
+        attention mass at 16k against 0.99153 with float bounds, and 0.98809 against 0.98964
+        at 32k; RULER not yet run (BENCHMARKS.md). Quest selectors only.
       prefill_chunk: query tokens per chunk of the "xla" prefill attention (bounds its memory;
         the CPU's "blocked" form and the flash-attention implementations on the GPU do not
         read it).

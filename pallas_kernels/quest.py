@@ -195,7 +195,7 @@ def _group_q_in_kernel(q_ref, b, h0, *, block_heads, group, head_dim):
 
 
 def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, head_dim, chunk,
-                  unmasked, eviction_policy, update, group, store=False, quant=False):
+                  unmasked, eviction_policy, update, group, quant=False):
     """One program: ``n_sub`` blocks of ``block_pages`` pages x ``block_heads`` heads; writes
     their scores and, when ``chunk`` is given, the chunk maxima of those scores.
 
@@ -206,11 +206,7 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
     :func:`quest_update`): every program computes that page's updated row and its score (one
     [Hb, D] row), uses that score for the page, and the program whose pages hold it writes
     the row back (a per-element select over whole blocks instead costs registers and time:
-    docs/decisions.md). With ``store`` (and ``update``) that program also stores the token's
-    given key-copy values [Hb, D] and scales [Hb] (inputs after the positions, then the key
-    copy [L, B, H, Np_k, ps_k, D] and its scales [L, B, H, Np_k, ps_k], aliased to the last
-    two outputs) at the token's page ``pos // ps_k`` and offset ``pos % ps_k``, nothing for a
-    page past ``Np_k``. With ``quant`` the bounds are int8 and their scale [L, B, Np, H] follows
+    docs/decisions.md). With ``quant`` the bounds are int8 and their scale [L, B, Np, H] follows
     kmin (and the updated scale the updated kmin): a page's score is the int8 dot products times
     its scale, and the token's page is folded by :func:`requantize_row`."""
     layer_ref, lens_ref, q_ref, kmax_ref, kmin_ref = refs[:5]
@@ -220,8 +216,6 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
         scale_ref, refs = refs[0], refs[1:]
     if update:
         kn_ref, pos_ref, refs = refs[0], refs[1], refs[2:]
-    if store:
-        kv_vals_ref, kv_scales_ref, refs = refs[0], refs[1], refs[4:]  # then keys, scales (aliased)
     out_ref, refs = refs[0], refs[1:]
     cmax_ref = refs[:1] if chunk is not None else ()
     refs = refs[len(cmax_ref):]
@@ -229,9 +223,7 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
         kmax_out, kmin_out = refs[:2]
         refs = refs[2:]
         if quant:
-            scale_out, refs = refs[0], refs[1:]
-    if store:
-        keys_out, scales_out = refs[:2]
+            scale_out = refs[0]
     b = pl.program_id(0)
     h0 = pl.program_id(1) * block_heads
     base = pl.program_id(2) * (block_pages * n_sub)
@@ -269,16 +261,6 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
             kmin_out[row] = mn_cur.astype(kmin_out.dtype)
             if quant:
                 scale_out[srow] = sc_cur
-
-        if store:  # the key copy's page and offset of the token (its own page size)
-            ps_k, np_k = keys_out.shape[4], keys_out.shape[3]
-            kpage = pos // ps_k
-
-            @pl.when(mine & (kpage < np_k))
-            def _():
-                at = (layer, b, pl.ds(h0, block_heads), kpage, pos % ps_k)
-                keys_out[at + (slice(None),)] = kv_vals_ref[...].astype(keys_out.dtype)
-                scales_out[at] = kv_scales_ref[...].astype(scales_out.dtype)
     run_max = None
     for i in range(n_sub):
         p0 = base + i * block_pages
@@ -326,18 +308,14 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
 
 
 def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_pages, num_warps,
-                 unmasked, eviction_policy, interpret, update=None, key_store=None, scale=None):
+                 unmasked, eviction_policy, interpret, update=None, scale=None):
     """The Pallas scores kernel; returns (scores,) or (scores, cmax) when ``chunk``, followed
     by the updated (kmax, kmin) when ``update = (k_new, positions [B])``, k_new [B, H, D] or
     the token's stacked K/V [B, 2, H, D] (its K read in place). Each program forms its heads'
     group sums of the query itself (``_group_q_in_kernel``; the sums of ``_group_q`` to
-    rounding: the order of the G terms may differ). ``key_store = (vals [B, H, D], scales
-    [B, H], keys, key_scales)`` (with ``update``): the token's key-copy values stored in the
-    same launch (``_quest_kernel``), the updated (keys, key_scales) returned last. ``scale``:
-    quantized bounds (module docstring); with ``update`` the updated scale follows kmin."""
+    rounding: the order of the G terms may differ). ``scale``: quantized bounds (module
+    docstring); with ``update`` the updated scale follows kmin."""
     _check(q, kmax, kmin, scale)
-    if key_store is not None and update is None:
-        raise ValueError("key_store needs update=(k_new, positions)")
     _, b, np_, h, d = kmax.shape
     if d & (d - 1):
         raise ValueError(f"head_dim {d} must be a power of two")
@@ -356,8 +334,7 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
                                block_pages=block_pages, n_sub=pp // block_pages,
                                block_heads=bh, head_dim=d, chunk=chunk, unmasked=unmasked,
                                eviction_policy=eviction_policy, update=update is not None,
-                               group=q.shape[1] // h, store=key_store is not None,
-                               quant=scale is not None)
+                               group=q.shape[1] // h, quant=scale is not None)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     head_block = pl.BlockSpec((None, bh, d), lambda i, j, k: (i, j, 0))
     out_shape = [jax.ShapeDtypeStruct((b, h, n_prog * pp), jnp.float32)]
@@ -386,24 +363,6 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
             aliases[5] = len(out_shape)
             out_shape.append(jax.ShapeDtypeStruct(scale.shape, scale.dtype))
             out_specs.append(full(scale))
-    if key_store is not None:
-        vals, vscales, keys, kscales = key_store
-        if (vals.shape != (b, h, d) or vscales.shape != (b, h) or keys.ndim != 6
-                or keys.shape[0] < kmax.shape[0] or keys.shape[1:3] != (b, h)
-                or keys.shape[5] != d or kscales.shape != keys.shape[:5]):
-            raise ValueError(f"key_store: vals {vals.shape} must be [{b}, {h}, {d}], scales "
-                             f"{vscales.shape} [{b}, {h}], keys {keys.shape} [L', {b}, {h}, "
-                             f"Np, ps, {d}] with L' >= {kmax.shape[0]} (unused layers at the "
-                             f"end allowed) and key scales {kscales.shape} keys' [L', B, H, "
-                             f"Np, ps]")
-        in_specs += [head_block, pl.BlockSpec((None, bh), lambda i, j, k: (i, j)), full(keys),
-                     full(kscales)]
-        n_in = len(operands)
-        operands += [vals, vscales, keys, kscales]
-        aliases.update({n_in + 2: len(out_shape), n_in + 3: len(out_shape) + 1})
-        out_shape += [jax.ShapeDtypeStruct(keys.shape, keys.dtype),
-                      jax.ShapeDtypeStruct(kscales.shape, kscales.dtype)]
-        out_specs += [full(keys), full(kscales)]
     name = "quest_scores" if chunk is None else "quest_scores_cmax"
     return pl.pallas_call(
         kernel,
@@ -484,58 +443,36 @@ def quest_scores_with_chunk_max(q, kmax, kmin, layer, seq_lens, *, page_size, ch
               chunk=chunk, scale=scale, **tuning)
 
 
-def store_keys(keys, scales, layer, vals, vscales, positions):
-    """A two-stage selector's key copy ``keys`` [L, B, H, Np, ps, D] and its ``scales``
-    [L, B, H, Np, ps] with ``vals`` [B, ..., H, D] / ``vscales`` [B, ..., H] stored at
-    ``positions`` [B, ...] (page ``pos // ps``, offset ``pos % ps``) of layer ``layer``, in
-    place (two scatters); a negative position, or one past the pages, writes nothing."""
-    Np, ps = keys.shape[3:5]
-    lead, H = positions.ndim, vals.shape[-2]
-    b = jnp.arange(positions.shape[0])[(slice(None),) + (None,) * lead]
-    hh = jnp.arange(H)[(None,) * lead]
-    page = jnp.where(positions >= 0, positions // ps, Np)[..., None]  # Np: dropped
-    slot = (positions % ps)[..., None]
-    keys = keys.at[layer, b, hh, page, slot].set(vals.astype(keys.dtype), mode="drop")
-    return keys, scales.at[layer, b, hh, page, slot].set(vscales.astype(scales.dtype),
-                                                        mode="drop")
-
-
 @_common.register(OP_UPDATE_CMAX, "xla")
 def quest_update_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, k_new, positions, *, page_size,
-                                 chunk, key_store=None, scale=None, **tuning):
+                                 chunk, scale=None, **tuning):
     """:func:`quest_update` then :func:`quest_scores_cmax_xla` on the updated summaries.
-    Returns (scores, cmax, kmax, kmin), then the updated ``scale`` where one is given, then with
-    ``key_store = (vals, vscales, keys, key_scales)`` the key copy after :func:`store_keys`."""
+    Returns (scores, cmax, kmax, kmin), then the updated ``scale`` where one is given."""
     bounds = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size, scale=scale)
     out = (*quest_scores_cmax_xla(q, *bounds[:2], layer, seq_lens, page_size=page_size,
                                   chunk=chunk, scale=bounds[2] if scale is not None else None,
                                   **tuning), *bounds)
-    if key_store is None:
-        return out
-    vals, vscales, keys, kscales = key_store
-    return out + store_keys(keys, kscales, layer, vals, vscales, positions)
+    return out
 
 
 @_common.register(OP_UPDATE_CMAX, "pallas")
 def quest_update_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, k_new, positions, *,
                                     page_size, chunk, block_pages=None, num_warps=4,
                                     unmasked=False, eviction_policy=None, interpret=None,
-                                    key_store=None, scale=None):
+                                    scale=None):
     """The scores + chunk-maxima kernel folding the new token into its page's summary first
-    (kmax / kmin aliased in place: one launch instead of two scatters and the scores); with
-    ``key_store`` it stores the token's key-copy values too (aliased in place). Result as
+    (kmax / kmin aliased in place: one launch instead of two scatters and the scores). Result as
     :func:`quest_update_scores_cmax_xla` (scores padded as ``quest_scores_cmax_pallas``)."""
     return _scores_call(q, kmax, kmin, layer, seq_lens, page_size=page_size, chunk=chunk,
                         block_pages=block_pages, num_warps=num_warps,
                         unmasked=unmasked, eviction_policy=eviction_policy,
-                        interpret=interpret, update=(k_new, positions), key_store=key_store,
-                        scale=scale)
+                        interpret=interpret, update=(k_new, positions), scale=scale)
 
 
 def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, page_size,
                         num_sink_pages, implementation=None, topk_method="auto",
                         cmax_min_pages=ds.CMAX_MIN_PAGES, ordered=True, pieces=1,
-                        key_store=None, scale=None):
+                        scale=None):
     """One decode step of Quest for one layer: :func:`quest_update` then :func:`quest_select`.
 
     q [B, Hq, D]; kmax, kmin [L, B, Np, H, D]; layer int32 scalar; seq_lens [B] int32 (tokens
@@ -547,11 +484,8 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
     when the implementation is "pallas". ``topk_method`` / ``cmax_min_pages``: as in
     :func:`quest_select`; ``ordered`` / ``pieces``: as in ``dense_select.select_top_pages``
     (pieces > 1: a candidate set, the top k / pieces of each strided piece of a row).
-    ``key_store = (vals [B, H, D], vscales [B, H], keys, key_scales)``: a two-stage selector's
-    key copy takes the token's values too (:func:`store_keys`), inside the scores kernel where
-    the update runs there; the result then ends with the updated (keys, key_scales).
     ``scale``: quantized bounds (module docstring); the updated scale then follows kmin in the
-    result: (kmax, kmin, scale, pages, ...)."""
+    result: (kmax, kmin, scale, pages)."""
     nb = 2 if scale is None else 3
     np_ = kmax.shape[2]
     method = ds.resolve_topk_method(np_, implementation, topk_method,
@@ -568,7 +502,7 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
         chunk = topk.default_cmax_chunk(np_, k)
         fn = _common.resolve(OP_UPDATE_CMAX, implementation)
         out = fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, k_new, positions,
-                 page_size=page_size, chunk=chunk, key_store=key_store, scale=scale)
+                 page_size=page_size, chunk=chunk, scale=scale)
         scores, cmax, bounds = out[0], out[1], out[2:2 + nb]
         if method == "pallas_cmax":
             pages = topk.select_top_pages_pallas(scores, seq_lens, chunk=chunk, chunk_max=cmax,
@@ -583,7 +517,7 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
                                         page_size=page_size, num_sink_pages=num_sink_pages,
                                         method=method, implementation=implementation,
                                         ordered=ordered, pieces=pieces)
-        return (*bounds, pages) + tuple(out[2 + nb:])
+        return (*bounds, pages)
     bounds = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size, scale=scale)
     if not pallas:
         # the XLA scores then read the summaries after the in-place update: fused with it,
@@ -594,10 +528,7 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
                          num_sink_pages=num_sink_pages, implementation=implementation,
                          topk_method=method, cmax_min_pages=cmax_min_pages, ordered=ordered,
                          pieces=pieces, scale=bounds[2] if nb == 3 else None)
-    if key_store is None:
-        return (*bounds, pages)
-    vals, vscales, keys, kscales = key_store
-    return (*bounds, pages) + store_keys(keys, kscales, layer, vals, vscales, positions)
+    return (*bounds, pages)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "page_size", "num_sink_pages",

@@ -29,10 +29,10 @@ def test_command_line_quick(tmp_path):
 
 def test_two_stage_selector(tmp_path):
     """--selector quest_rescore8 (the library's default selector): the sparse configurations
-    run it (here with its key copy stored in the update, ``--tuning key_copy_in_scores=true``),
-    and the memory plan counts its int8 key copy beside Quest's bounds."""
+    run it (here without the barrier on its query, ``--tuning materialize_qk=false``), and the
+    memory plan counts its int8 key copy beside Quest's bounds."""
     st = decode_lib.Settings(selector="quest_rescore8", configs=("b",), probe_steps=0,
-                             tuning=(("key_copy_in_scores", True),))
+                             tuning=(("materialize_qk", False),))
     res = decode_lib.run(str(tmp_path), quick=True, batches=[1], settings=st, prefill=(),
                          plot=False, overlap_target=0.7)
     case = res["cases"][0]
@@ -215,9 +215,9 @@ def test_command_line_errors_and_the_pairs_notice(tmp_path, monkeypatch, capsys)
                        (["--devices", "0"], "--devices must be >= 1, got 0"),
                        (["--pairs", "-1"], "--pairs must be >= 0"),
                        (["--tuning", "nope=1"], "--tuning: 'nope=1' is not NAME=VALUE"),
-                       (["--tuning", "key_copy_in_scores"], "is not NAME=VALUE"),
-                       (["--tuning", "key_copy_in_scores=maybe"],
-                        "Tuning.key_copy_in_scores must be a bool")):
+                       (["--tuning", "materialize_qk"], "is not NAME=VALUE"),
+                       (["--tuning", "materialize_qk=maybe"],
+                        "Tuning.materialize_qk must be None (the selector's choice) or a bool")):
         with pytest.raises(SystemExit) as e:
             bench_decode.main(out + bad)
         assert e.value.code == 2 and match in capsys.readouterr().err
@@ -229,8 +229,8 @@ def test_command_line_errors_and_the_pairs_notice(tmp_path, monkeypatch, capsys)
         assert "--pairs 2 has no effect: it pairs b with c2" in err and why in err
     bench_decode.main(out + ["--pairs", "2", "--configs", "b,c2", "--pools", "2"])
     assert "--pairs" not in capsys.readouterr().err and runs[-1].pairs == 2
-    bench_decode.main(out + ["--tuning", "key_copy_in_scores=true", "--tuning",
+    bench_decode.main(out + ["--tuning", "materialize_qk=true", "--tuning",
                              "topk_cmax_min_pages=none", "--tuning", "rescore_select_warps=4"])
-    assert runs[-1].tuning == (("key_copy_in_scores", True), ("rescore_select_warps", 4),
+    assert runs[-1].tuning == (("materialize_qk", True), ("rescore_select_warps", 4),
                                ("topk_cmax_min_pages", None))
     assert len(runs) == 5

@@ -478,22 +478,6 @@ def test_pallas_selection_end_to_end():
         == quest.tokens
 
 
-def test_key_copy_in_scores_end_to_end():
-    """``Tuning(key_copy_in_scores=True)``: the two-stage selector's key copy stored by Quest's
-    update-and-scores kernel (Pallas implementation, interpret mode) and by the XLA update
-    (XLA implementation): host tier == resident, and the tokens of the scattered copy, per
-    page and with the first stage by blocks of two pages (a copy in pages of half Quest's)."""
-    t = jaxkv.Tuning(key_copy_in_scores=True)
-    for impl, extra in (("pallas", {}), ("xla", {}), ("pallas", {"candidate_block": 2})):
-        kw = dict(selector="quest_rescore8", page_size=4, selected_pages=3, candidate_pages=6,
-                  implementation=impl, **extra)
-        gen = lambda **c: jaxkv.generate(CFG, PARAMS, PROMPTS, max_new_tokens=6,  # noqa: E731
-                                         stop_tokens=[], cache=CacheConfig(**kw, **c))
-        res = gen(mode="resident", tuning=t)
-        assert gen(mode="host", tuning=t).tokens == res.tokens, (impl, extra)
-        assert gen(mode="resident").tokens == res.tokens, (impl, extra)
-
-
 def test_candidate_pieces_errors():
     """Pieces need a two-stage selector and must split the candidates: the error names the
     field and a count that works."""

@@ -54,7 +54,8 @@ def _outward(mx, mn, fmt):
     bound stays a bound: ``mx`` up, ``mn`` down. "f32": as they are; "bf16" / "fp8" (e4m3fn):
     the nearest value of the format at or above / below (from the sorted table of its finite
     values); "int8": one scale per block and KV head (its largest |value| over 127), the
-    values ceil / floor of x / scale; "int8p2": that scale rounded up to a power of two."""
+    values ceil / floor of x / scale; "int8p2": that scale rounded up to a power of two
+    (``_quest_scores`` takes "int8p2s" as "int8p2" of the keys less their mean)."""
     if fmt == "f32":
         return mx, mn
     if fmt in ("int8", "int8p2"):
@@ -80,6 +81,8 @@ def _quest_scores(q, k, pos, bs, group="sum", dims=0, fmt="f32"):
     summaries a first stage would read). Returns [H, T / bs], -inf on blocks past ``pos``."""
     T, H, D = k.shape
     G = q.shape[0] // H
+    if fmt.endswith("s"):  # bounds of the keys less their mean (every page's score moves alike)
+        k, fmt = k - k.mean(axis=0, keepdims=True), fmt[:-1]
     valid = (jnp.arange(T) <= pos)[:, None, None]
     kb = k.reshape(T // bs, bs, H, D)
     vb = valid.reshape(T // bs, bs, 1, 1)
@@ -207,9 +210,9 @@ def main():
     ap.add_argument("--pieces", type=int, nargs="+", default=[1],
                     help="the first stage's top-k per piece: S pieces of a row, candidates / S "
                          "each (keys ..._s{S} strided, ..._sc{S} contiguous)")
-    ap.add_argument("--summary", nargs="+", default=["f32"], choices=("f32", "bf16", "fp8", "int8", "int8p2"),
+    ap.add_argument("--summary", nargs="+", default=["f32"], choices=("f32", "bf16", "fp8", "int8", "int8p2", "int8p2s"),
                     help="the first stage's summaries stored in this format, rounded outward "
-                         "(keys ..._{bf16,fp8,int8,int8p2})")
+                         "(keys ..._{bf16,fp8,int8,int8p2}; int8p2s: of the keys less their mean)")
     ap.add_argument("--piece-order", default="strided", choices=("strided", "contiguous"))
     ap.add_argument("--layers", type=int, default=None, help="the first N layers only")
     ap.add_argument("--out", default=None)

@@ -59,8 +59,16 @@ def scatter_keys(keys, scales, layer, k, positions):
     ``positions`` [B, ...] (a decode step's [B], a continued turn's [B, T]) of layer
     ``layer``, in place (two scatters); a negative position, or one past the pages, writes
     nothing."""
+    Np, ps = keys.shape[3:5]
     vals, scale = quantize(k, 8 if keys.dtype == jnp.int8 else 16)
-    return quest_kernels.store_keys(keys, scales, layer, vals, scale, positions)
+    lead, H = positions.ndim, k.shape[-2]
+    b = jnp.arange(positions.shape[0])[(slice(None),) + (None,) * lead]
+    hh = jnp.arange(H)[(None,) * lead]
+    page = jnp.where(positions >= 0, positions // ps, Np)[..., None]  # Np: dropped
+    slot = (positions % ps)[..., None]
+    keys = keys.at[layer, b, hh, page, slot].set(vals.astype(keys.dtype), mode="drop")
+    return keys, scales.at[layer, b, hh, page, slot].set(scale.astype(scales.dtype),
+                                                        mode="drop")
 
 
 # The widest rows the first stage's full-row kernel was measured on past
@@ -295,15 +303,6 @@ class Rescore(Quest):
                                                 **scale_kw)
             cand = self._every_page(plan, seq_lens, keys.shape[2])
             keys, scales = self._store_keys(plan, summaries, layer, k_new, positions)
-        elif plan.cache.tuning.key_copy_in_scores:
-            # the quantized key stored by the update-and-scores kernel (where it runs)
-            vals, vscales = quantize(k_new, 8 if keys.dtype == jnp.int8 else 16)
-            out = quest_kernels.quest_update_select(
-                q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
-                key_store=(vals, vscales, keys, scales), **scale_kw,
-                **self._first_stage_kw(plan))
-            bounds, cand, keys, scales = out[:nb], out[nb], out[nb + 1], out[nb + 2]
-            cand = self._block_pages(plan, cand, seq_lens)
         else:
             out = quest_kernels.quest_update_select(
                 q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions, **scale_kw,
