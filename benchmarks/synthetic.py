@@ -203,9 +203,9 @@ def _fill_chunk(lay: _Layout, dst, summaries, layer, b, j0, length, key, salienc
         empty = ~jnp.isfinite(mx[..., :1])
         q = quest.quantize_bounds(jnp.where(empty, 0.0, mx), jnp.where(empty, 0.0, mn))
         summaries = tuple(a.at[layer, b, pages].set(v, mode="drop")
-                          for a, v in zip(summaries[:3], q))
+                          for a, v in zip(summaries[:3], q)) + (summaries_in[3],)  # shift 0
         if lay.key_bits:
-            keys, scales = summaries_in[3:]
+            keys, scales = summaries_in[4:]
             keys = keys.at[layer, b, :, pages].set(out["keys"].astype(keys.dtype), mode="drop")
             scales = scales.at[layer, b, :, pages].set(out["scales"], mode="drop")
             summaries += (keys, scales)

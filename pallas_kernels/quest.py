@@ -17,7 +17,11 @@ head shared by both (a power of two: the smallest with the page's largest |bound
 of them), stand for ``kmax * scale`` and
 ``kmin * scale``, rounded outward (``kmax`` up, ``kmin`` down) so the score stays an upper
 bound: half the bytes the scores read. Every public function takes ``scale=`` (None: bounds in
-a float dtype) and, where it returns the bounds, returns the updated scale after ``kmin``.
+a float dtype) and, where it returns the bounds, returns the updated scale after ``kmin``. The
+updating ones also take ``shift`` [L, B, H, D] float32: the bounds are then those of the keys
+less it (a token's key is shifted before it is folded in). Every page's score of a row moves by
+the same ``sum_g q_g . shift``, so no selection changes, but a common component of the keys (a
+K bias) no longer sets the scale of every page's small channels.
 ``quantize_bounds`` / ``requantize_row`` are the rules (the kernel runs the latter as it is).
 
 Public: ``quest_select`` (scores + top-k), ``quest_update`` (decode write),
@@ -195,7 +199,7 @@ def _group_q_in_kernel(q_ref, b, h0, *, block_heads, group, head_dim):
 
 
 def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, head_dim, chunk,
-                  unmasked, eviction_policy, update, group, quant=False):
+                  unmasked, eviction_policy, update, group, quant=False, shifted=False):
     """One program: ``n_sub`` blocks of ``block_pages`` pages x ``block_heads`` heads; writes
     their scores and, when ``chunk`` is given, the chunk maxima of those scores.
 
@@ -208,12 +212,15 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
     the row back (a per-element select over whole blocks instead costs registers and time:
     docs/decisions.md). With ``quant`` the bounds are int8 and their scale [L, B, Np, H] follows
     kmin (and the updated scale the updated kmin): a page's score is the int8 dot products times
-    its scale, and the token's page is folded by :func:`requantize_row`."""
+    its scale, and the token's page is folded by :func:`requantize_row`; with ``shifted`` too
+    the keys' shift [L, B, H, D] follows the scale and the token's key is shifted first."""
     layer_ref, lens_ref, q_ref, kmax_ref, kmin_ref = refs[:5]
     refs = refs[5:]
-    scale_ref = None
+    scale_ref = shift_ref = None
     if quant:
         scale_ref, refs = refs[0], refs[1:]
+    if shifted:
+        shift_ref, refs = refs[0], refs[1:]
     if update:
         kn_ref, pos_ref, refs = refs[0], refs[1], refs[2:]
     out_ref, refs = refs[0], refs[1:]
@@ -240,6 +247,8 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
         row = (layer, b, jnp.maximum(cur, 0), pl.ds(h0, block_heads), slice(None))
         if quant:
             kn = kn_ref[...].astype(jnp.float32)
+            if shifted:
+                kn = kn - shift_ref[layer, b, pl.ds(h0, block_heads), :]
             srow = row[:-1]
             mx_cur, mn_cur, sc_cur = requantize_row(kmax_ref[row], kmin_ref[row],
                                                     scale_ref[srow], kn, first)
@@ -308,14 +317,17 @@ def _quest_kernel(*refs, page_size, num_pages, block_pages, n_sub, block_heads, 
 
 
 def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_pages, num_warps,
-                 unmasked, eviction_policy, interpret, update=None, scale=None):
+                 unmasked, eviction_policy, interpret, update=None, scale=None, shift=None):
     """The Pallas scores kernel; returns (scores,) or (scores, cmax) when ``chunk``, followed
     by the updated (kmax, kmin) when ``update = (k_new, positions [B])``, k_new [B, H, D] or
     the token's stacked K/V [B, 2, H, D] (its K read in place). Each program forms its heads'
     group sums of the query itself (``_group_q_in_kernel``; the sums of ``_group_q`` to
     rounding: the order of the G terms may differ). ``scale``: quantized bounds (module
-    docstring); with ``update`` the updated scale follows kmin."""
+    docstring); with ``update`` the updated scale follows kmin, and ``shift`` (with both) is
+    the keys' shift."""
     _check(q, kmax, kmin, scale)
+    if shift is not None and (update is None or scale is None):
+        raise ValueError("shift goes with quantized bounds (scale) and an update")
     _, b, np_, h, d = kmax.shape
     if d & (d - 1):
         raise ValueError(f"head_dim {d} must be a power of two")
@@ -334,7 +346,8 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
                                block_pages=block_pages, n_sub=pp // block_pages,
                                block_heads=bh, head_dim=d, chunk=chunk, unmasked=unmasked,
                                eviction_policy=eviction_policy, update=update is not None,
-                               group=q.shape[1] // h, quant=scale is not None)
+                               group=q.shape[1] // h, quant=scale is not None,
+                               shifted=shift is not None)
     full = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)  # noqa: E731
     head_block = pl.BlockSpec((None, bh, d), lambda i, j, k: (i, j, 0))
     out_shape = [jax.ShapeDtypeStruct((b, h, n_prog * pp), jnp.float32)]
@@ -348,6 +361,9 @@ def _scores_call(q, kmax, kmin, layer, seq_lens, *, page_size, chunk, block_page
     if scale is not None:
         in_specs.append(full(scale))
         operands.append(scale)
+    if shift is not None:
+        in_specs.append(full(shift))
+        operands.append(shift)
     aliases = {}
     if update is not None:
         k_new, positions = update
@@ -445,10 +461,11 @@ def quest_scores_with_chunk_max(q, kmax, kmin, layer, seq_lens, *, page_size, ch
 
 @_common.register(OP_UPDATE_CMAX, "xla")
 def quest_update_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, k_new, positions, *, page_size,
-                                 chunk, scale=None, **tuning):
+                                 chunk, scale=None, shift=None, **tuning):
     """:func:`quest_update` then :func:`quest_scores_cmax_xla` on the updated summaries.
     Returns (scores, cmax, kmax, kmin), then the updated ``scale`` where one is given."""
-    bounds = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size, scale=scale)
+    bounds = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size, scale=scale,
+                          shift=shift)
     out = (*quest_scores_cmax_xla(q, *bounds[:2], layer, seq_lens, page_size=page_size,
                                   chunk=chunk, scale=bounds[2] if scale is not None else None,
                                   **tuning), *bounds)
@@ -459,20 +476,21 @@ def quest_update_scores_cmax_xla(q, kmax, kmin, layer, seq_lens, k_new, position
 def quest_update_scores_cmax_pallas(q, kmax, kmin, layer, seq_lens, k_new, positions, *,
                                     page_size, chunk, block_pages=None, num_warps=4,
                                     unmasked=False, eviction_policy=None, interpret=None,
-                                    scale=None):
+                                    scale=None, shift=None):
     """The scores + chunk-maxima kernel folding the new token into its page's summary first
     (kmax / kmin aliased in place: one launch instead of two scatters and the scores). Result as
     :func:`quest_update_scores_cmax_xla` (scores padded as ``quest_scores_cmax_pallas``)."""
     return _scores_call(q, kmax, kmin, layer, seq_lens, page_size=page_size, chunk=chunk,
                         block_pages=block_pages, num_warps=num_warps,
                         unmasked=unmasked, eviction_policy=eviction_policy,
-                        interpret=interpret, update=(k_new, positions), scale=scale)
+                        interpret=interpret, update=(k_new, positions), scale=scale,
+                        shift=shift)
 
 
 def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, page_size,
                         num_sink_pages, implementation=None, topk_method="auto",
                         cmax_min_pages=ds.CMAX_MIN_PAGES, ordered=True, pieces=1,
-                        scale=None):
+                        scale=None, shift=None):
     """One decode step of Quest for one layer: :func:`quest_update` then :func:`quest_select`.
 
     q [B, Hq, D]; kmax, kmin [L, B, Np, H, D]; layer int32 scalar; seq_lens [B] int32 (tokens
@@ -485,7 +503,7 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
     :func:`quest_select`; ``ordered`` / ``pieces``: as in ``dense_select.select_top_pages``
     (pieces > 1: a candidate set, the top k / pieces of each strided piece of a row).
     ``scale``: quantized bounds (module docstring); the updated scale then follows kmin in the
-    result: (kmax, kmin, scale, pages)."""
+    result: (kmax, kmin, scale, pages); ``shift``: the keys' (module docstring)."""
     nb = 2 if scale is None else 3
     np_ = kmax.shape[2]
     method = ds.resolve_topk_method(np_, implementation, topk_method,
@@ -502,7 +520,7 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
         chunk = topk.default_cmax_chunk(np_, k)
         fn = _common.resolve(OP_UPDATE_CMAX, implementation)
         out = fn(q, kmax, kmin, jnp.asarray(layer, jnp.int32), seq_lens, k_new, positions,
-                 page_size=page_size, chunk=chunk, scale=scale)
+                 page_size=page_size, chunk=chunk, scale=scale, shift=shift)
         scores, cmax, bounds = out[0], out[1], out[2:2 + nb]
         if method == "pallas_cmax":
             pages = topk.select_top_pages_pallas(scores, seq_lens, chunk=chunk, chunk_max=cmax,
@@ -518,7 +536,8 @@ def quest_update_select(q, kmax, kmin, layer, seq_lens, k_new, positions, *, k, 
                                         method=method, implementation=implementation,
                                         ordered=ordered, pieces=pieces)
         return (*bounds, pages)
-    bounds = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size, scale=scale)
+    bounds = quest_update(kmax, kmin, layer, k_new, positions, page_size=page_size, scale=scale,
+                          shift=shift)
     if not pallas:
         # the XLA scores then read the summaries after the in-place update: fused with it,
         # they would recompute the update from the old arrays, and XLA would copy both
@@ -573,7 +592,7 @@ def quest_select(q, kmax, kmin, layer, seq_lens, *, k, page_size, num_sink_pages
                             **sel_kw)
 
 
-def quest_update(kmax, kmin, layer, k_new, positions, *, page_size, scale=None):
+def quest_update(kmax, kmin, layer, k_new, positions, *, page_size, scale=None, shift=None):
     """Fold one decode token's keys into the summaries of its page.
 
     kmax, kmin: [L, B, Np, H, D]; layer: int32 scalar; k_new: [B, H, D] (post-RoPE), or the
@@ -582,7 +601,8 @@ def quest_update(kmax, kmin, layer, k_new, positions, *, page_size, scale=None):
     token) resets the page summary to ``k_new``; other offsets take the elementwise max / min.
     ``positions < 0`` (inactive request) or pages ``>= Np`` change nothing. Returns
     (kmax, kmin), same shapes and dtypes (in place when donated), and the updated ``scale``
-    after them for quantized bounds (folded by :func:`requantize_row`).
+    after them for quantized bounds (folded by :func:`requantize_row`; ``shift``: module
+    docstring).
     """
     np_ = kmax.shape[2]
     b = positions.shape[0]
@@ -595,9 +615,12 @@ def quest_update(kmax, kmin, layer, k_new, positions, *, page_size, scale=None):
     pc = jnp.minimum(page, np_ - 1)
     kn = k_new if k_new.ndim == 3 else k_new[:, 0]
     if scale is not None:
+        kn = kn.astype(jnp.float32)
+        if shift is not None:
+            kn = kn - shift[layer]
         new_max, new_min, new_scale = requantize_row(
-            kmax[layer, rows, pc], kmin[layer, rows, pc], scale[layer, rows, pc],
-            kn.astype(jnp.float32), first[:, :, 0])
+            kmax[layer, rows, pc], kmin[layer, rows, pc], scale[layer, rows, pc], kn,
+            first[:, :, 0])
         return (kmax.at[layer, rows, page].set(new_max.astype(jnp.int8), mode="drop"),
                 kmin.at[layer, rows, page].set(new_min.astype(jnp.int8), mode="drop"),
                 scale.at[layer, rows, page].set(new_scale, mode="drop"))

@@ -99,7 +99,7 @@ def test_update_scores_kernel_int8_matches_xla(G, H, D, Np, chunk, bp, unmasked)
     XLA scores: the bounds and scale bit for bit, the scores to float32 rounding and equal to
     the literal reference's (dequantized bounds). The scale past each sequence and in the
     other layer is NaN: never read, never written. Positions: a page's first token,
-    mid-page, inactive and one past the last page."""
+    mid-page, inactive and one past the last page. With and without the keys' shift."""
     _check_kernel(G, H, D, Np, chunk, bp, unmasked, ps=4)
 
 
@@ -112,6 +112,11 @@ def test_gpu_update_scores_kernel_int8_matches_xla(G, H, Np):
 
 
 def _check_kernel(G, H, D, Np, chunk, bp, unmasked, *, ps):
+    for shifted in (False, True):
+        _check_kernel_once(G, H, D, Np, chunk, bp, unmasked, ps=ps, shifted=shifted)
+
+
+def _check_kernel_once(G, H, D, Np, chunk, bp, unmasked, *, ps, shifted):
     rng = _rng()
     L, layer = 2, 1
     positions = np.array([rng.integers(1, Np) * ps, rng.integers(0, Np * ps - 1) | 1, -1,
@@ -129,10 +134,12 @@ def _check_kernel(G, H, D, Np, chunk, bp, unmasked, *, ps):
     k_new = jnp.asarray(rng.normal(size=(B, H, D)) * rng.choice([1, 30]), jnp.bfloat16)
     args = (q, jnp.asarray(kmax), jnp.asarray(kmin), jnp.int32(layer), jnp.asarray(seq_lens),
             k_new, jnp.asarray(positions))
+    kw = dict(scale=jnp.asarray(scale))
+    if shifted:  # the keys' shift: a large common component, as a K bias gives
+        kw["shift"] = jnp.asarray(rng.normal(size=(L, B, H, D)) * 10, jnp.float32)
     got = quest.quest_update_scores_cmax_pallas(*args, page_size=ps, chunk=chunk, block_pages=bp,
-                                                unmasked=unmasked, scale=jnp.asarray(scale))
-    want = quest.quest_update_scores_cmax_xla(*args, page_size=ps, chunk=chunk,
-                                              scale=jnp.asarray(scale))
+                                                unmasked=unmasked, **kw)
+    want = quest.quest_update_scores_cmax_xla(*args, page_size=ps, chunk=chunk, **kw)
     for g, w in zip(got[2:], want[2:]):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     ref = quest.quest_scores_reference(q, *want[2:4], jnp.int32(layer), jnp.asarray(seq_lens),
@@ -199,14 +206,18 @@ def test_bounds_dtype_fold_equals_decode():
     summ = sel.init(plan)
     H, D = CFG.num_kv_heads, CFG.head_dim
     k = jnp.asarray(rng.normal(size=(2, 16, H, D)), jnp.float32)
+    k = k + 5.0  # a common component: the shift (the prompt's mean key) takes it
     summ = sel.fill(plan, summ, 0, None, None, k, None, jnp.array([16, 10]))
-    assert len(summ) == 3 and summ[0].dtype == jnp.int8
+    assert len(summ) == 4 and summ[0].dtype == jnp.int8
+    np.testing.assert_allclose(np.asarray(summ[3][0, 1]), np.asarray(k[1, :10].mean(0)),
+                               rtol=1e-5, atol=1e-5)
     kv = jnp.asarray(rng.normal(size=(2, 5, 2, H, D)), jnp.float32)
     pos = jnp.array([[16, 17, 18, 19, 20], [10, 11, 12, -1, -1]], jnp.int32)
     folded = sel.fold(plan, summ, 0, None, None, None, kv, pos)
     one = summ
     for t in range(5):
-        one = quest.quest_update(*one[:2], 0, kv[:, t, 0], pos[:, t], page_size=4, scale=one[2])
+        one = quest.quest_update(*one[:2], 0, kv[:, t, 0], pos[:, t], page_size=4, scale=one[2],
+                                 shift=summ[3]) + (summ[3],)
     for a, b in zip(folded, one):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -216,3 +227,25 @@ def test_bounds_dtype_errors():
         CacheConfig(bounds_dtype="int4")
     with pytest.raises(ValueError, match="leave bounds_dtype=None"):
         CacheConfig(selector="oracle", mode="resident", bounds_dtype="int8")
+
+
+@pytest.mark.parametrize("L,B,Np,H,G,D", [(4, 8, 8212, 2, 6, 128), (4, 1, 8212, 8, 4, 128)])
+def test_int8_bounds_update_select_lowers_for_gpu(no_interpret, L, B, Np, H, G, D):
+    """Quest's decode step for one layer on int8 bounds with the keys' shift (Qwen-like B=8 and
+    8B-like B=1 at 128k in 16-token pages) lowers to Triton: the update-and-scores kernel and
+    the top-k kernel, no scatter or sort left in XLA."""
+    import functools
+
+    from lowering import lower_for_h200
+    S = jax.ShapeDtypeStruct
+    fn = functools.partial(quest.quest_update_select, k=64, page_size=16, num_sink_pages=1,
+                           implementation="pallas")
+    b8 = S((L, B, Np, H, D), jnp.int8)
+    txt = lower_for_h200(
+        lambda q, mx, mn, layer, lens, kn, pos, sc, sh: fn(q, mx, mn, layer, lens, kn, pos,
+                                                           scale=sc, shift=sh),
+        S((B, H * G, D), jnp.bfloat16), b8, b8, S((), jnp.int32), S((B,), jnp.int32),
+        S((B, H, D), jnp.bfloat16), S((B,), jnp.int32), S((L, B, Np, H), jnp.float32),
+        S((L, B, H, D), jnp.float32))
+    assert txt.count("__gpu$xla.gpu.triton") == 2
+    assert "stablehlo.sort" not in txt and "scatter" not in txt

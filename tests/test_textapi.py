@@ -420,8 +420,8 @@ def test_continued_context_int8_bounds(model):
     """Quest's bounds in int8 (``CacheConfig.bounds_dtype``) with a first stage that chooses:
     a continued context folds its turn into the bounds token by token, as decode steps do,
     where one long prompt quantizes each page once. The host tier continues it as resident
-    does, token for token, and its dequantized bounds lie within two quanta of the long
-    prompt's."""
+    does, token for token, and its bounds (dequantized, the shift added back) lie within two
+    quanta of the long prompt's."""
     cfg, params, tok = model
     p1 = tok.encode("A long shared document about cats and their habits.")
     p2 = tok.encode(" Question: what about dogs?", add_bos=False)
@@ -438,10 +438,11 @@ def test_continued_context_int8_bounds(model):
     long = jaxkv.generate(model, [p1 + r1.tokens[0] + p2], cache=cache, max_new_tokens=NEW,
                           stop_tokens=[], keep=True)
     n = (len(p1) + 1 + len(p2)) // 4  # whole pages of the conversation before decoding
-    got, want = ([np.asarray(jax.device_get(a)) for a in c.summaries[:3]]
+    got, want = ([np.asarray(jax.device_get(a)) for a in c.summaries[:4]]
                  for c in (runs["resident"].context, long.context))
     assert got[0].dtype == np.int8 and got[2].dtype == np.float32
-    deq = lambda s, i: s[i][:, :, :n].astype(np.float32) * s[2][:, :, :n, :, None]  # noqa: E731
+    deq = lambda s, i: (s[i][:, :, :n].astype(np.float32) * s[2][:, :, :n, :, None]  # noqa: E731
+                        + s[3][:, :, None])
     quantum = np.maximum(got[2], want[2])[:, :, :n, :, None]
     assert np.all(np.abs(deq(got, 0) - deq(want, 0)) <= 2 * quantum)
     assert np.all(np.abs(deq(got, 1) - deq(want, 1)) <= 2 * quantum)

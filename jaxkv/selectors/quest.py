@@ -3,7 +3,9 @@ score is an upper bound of the query's dot product with its keys
 (``jaxkv.kernels.quest``). Summaries ``(kmax, kmin)`` [L, B, Np, H, D] in
 ``plan.summary_dtype`` (the KV dtype; the model's when the KV is quantized), or with
 ``CacheConfig.bounds_dtype="int8"`` int8 followed by their scale [L, B, Np, H] float32 (one per
-page and KV head, rounded outward: ``jaxkv.kernels.quest`` module docstring)."""
+page and KV head, rounded outward) and the keys' shift [L, B, H, D] float32 (the mean of the
+request's prompt keys per layer and KV head, fixed at the prefill; the bounds are those of the
+keys less it: ``jaxkv.kernels.quest`` module docstring)."""
 from __future__ import annotations
 
 import jax
@@ -32,20 +34,38 @@ class Quest(Selector):
 
     @staticmethod
     def n_bounds(plan) -> int:
-        """How many arrays the bounds take: (kmax, kmin), or with int8 bounds their scale too."""
-        return 3 if plan.cache.bounds_dtype == "int8" else 2
+        """How many arrays the bounds take: (kmax, kmin), or with int8 bounds (kmax, kmin,
+        scale, shift)."""
+        return 4 if plan.cache.bounds_dtype == "int8" else 2
 
     @staticmethod
-    def _scale_kw(plan, summaries) -> dict:
-        return dict(scale=summaries[2]) if Quest.n_bounds(plan) == 3 else {}
+    def _scale_kw(plan, summaries, update: bool = False) -> dict:
+        """The quantized bounds' keyword arguments of the Quest ops (the shift only where
+        a key is folded in: the scores do not depend on it)."""
+        if Quest.n_bounds(plan) == 2:
+            return {}
+        return dict(scale=summaries[2], shift=summaries[3]) if update else dict(
+            scale=summaries[2])
+
+    def _update_select_bounds(self, plan, summaries, layer, q, seq_lens, kv_new, positions,
+                              **kw):
+        """``quest_update_select`` on the selector's bounds: (the updated bounds, as many
+        arrays as :meth:`n_bounds`, the shift passed through), pages."""
+        out = kernels.quest_update_select(q, summaries[0], summaries[1], layer, seq_lens,
+                                          kv_new, positions,
+                                          **self._scale_kw(plan, summaries, True), **kw)
+        if self.n_bounds(plan) == 2:
+            return tuple(out[:2]), out[2]
+        return tuple(out[:3]) + (summaries[3],), out[3]
 
     def init(self, plan) -> tuple:
         m = plan.model
         shape = (m.num_layers, plan.batch, self.bound_blocks(plan)[0], m.num_kv_heads,
                  m.head_dim)
-        if self.n_bounds(plan) == 3:  # never-written pages: scale 0 (past the sequence)
+        if self.n_bounds(plan) == 4:  # never-written pages: scale 0 (past the sequence)
             return (jnp.zeros(shape, jnp.int8), jnp.zeros(shape, jnp.int8),
-                    jnp.zeros(shape[:4], jnp.float32))
+                    jnp.zeros(shape[:4], jnp.float32),
+                    jnp.zeros(shape[:2] + shape[3:], jnp.float32))
         dt = jnp.dtype(plan.summary_dtype)
         return jnp.full(shape, -jnp.inf, dt), jnp.full(shape, jnp.inf, dt)
 
@@ -53,37 +73,43 @@ class Quest(Selector):
         bs = self.bound_blocks(plan)[1]
         if k.shape[1] % bs:  # a prompt of whole pages, not of whole blocks
             k = jnp.pad(k, ((0, 0), (0, -k.shape[1] % bs), (0, 0), (0, 0)))
-        kmax, kmin = kernels.quest_summarize(k, bs, lengths)
-        n = kmax.shape[1]
-        if self.n_bounds(plan) == 3:
+        if self.n_bounds(plan) == 4:  # the bounds of the keys less their prompt mean
+            valid = (jnp.arange(k.shape[1])[None, :] < jnp.asarray(lengths)[:, None])
+            w = valid.astype(jnp.float32)[:, :, None, None]
+            mu = (k.astype(jnp.float32) * w).sum(1) / jnp.maximum(w.sum(1), 1.0)  # [B, H, D]
+            kmax, kmin = kernels.quest_summarize(k.astype(jnp.float32) - mu[:, None], bs,
+                                                 lengths)
             empty = ~jnp.isfinite(kmax[..., :1])          # pages with no token: 0 / 0 / 0
             kmax, kmin, scale = kernels.quantize_bounds(jnp.where(empty, 0.0, kmax),
                                                         jnp.where(empty, 0.0, kmin))
+            n = kmax.shape[1]
             return tuple(a.at[layer, :, :n].set(v)
-                         for a, v in zip(summaries[:3], (kmax, kmin, scale)))
+                         for a, v in zip(summaries[:3], (kmax, kmin, scale))) + (
+                summaries[3].at[layer].set(mu),)
+        kmax, kmin = kernels.quest_summarize(k, bs, lengths)
+        n = kmax.shape[1]
         return (summaries[0].at[layer, :, :n].set(kmax.astype(summaries[0].dtype)),
                 summaries[1].at[layer, :, :n].set(kmin.astype(summaries[1].dtype)))
 
     def update_select(self, plan, summaries, layer, layer_params, h, q, kv_new, positions, *,
                       ahead=False):
         seq_lens = jnp.maximum(positions + 1 + int(ahead), 1)
-        nb = self.n_bounds(plan)
-        out = kernels.quest_update_select(
-            q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions,
-            **self._scale_kw(plan, summaries), **_select_kw(plan))
-        return out[:nb], out[nb]
+        return self._update_select_bounds(plan, summaries, layer, q, seq_lens, kv_new,
+                                          positions, **_select_kw(plan))
 
     def fold(self, plan, summaries, layer, layer_params, h, q, kv_new, positions):
         k = kv_new[:, :, 0]                                                 # [B, T, H, D]
         ps = self.bound_blocks(plan)[1]
-        if self.n_bounds(plan) == 3:
+        if self.n_bounds(plan) == 4:
             # token by token, as decode steps fold them (a scatter of max / min would not
             # keep the requantization's rules)
             def one(i, bounds):
                 return kernels.quest_update(bounds[0], bounds[1], layer, k[:, i],
-                                            positions[:, i], page_size=ps, scale=bounds[2])
+                                            positions[:, i], page_size=ps, scale=bounds[2],
+                                            shift=summaries[3])
 
-            return jax.lax.fori_loop(0, positions.shape[1], one, tuple(summaries[:3]))
+            return jax.lax.fori_loop(0, positions.shape[1], one,
+                                     tuple(summaries[:3])) + (summaries[3],)
         return (fold_pages(summaries[0], layer, k, positions, ps, "max"),
                 fold_pages(summaries[1], layer, k, positions, ps, "min"))
 
@@ -93,15 +119,13 @@ class Quest(Selector):
                                     **self._scale_kw(plan, summaries), **_select_kw(plan))
 
     def update_select_all_layers(self, plan, summaries, q, kv_new, positions):
-        nb = self.n_bounds(plan)
         L, B = summaries[0].shape[:2]
         flat = lambda a: a.reshape((1, L * B) + a.shape[2:])  # noqa: E731 - layers as requests
         seq_lens = jnp.maximum(positions + 2, 1).reshape(L * B)
-        kw = dict(scale=flat(summaries[2])) if nb == 3 else {}
-        out = kernels.quest_update_select(
-            q.reshape((L * B,) + q.shape[2:]), flat(summaries[0]), flat(summaries[1]),
-            jnp.int32(0), seq_lens, kv_new.reshape((L * B,) + kv_new.shape[2:]),
-            positions.reshape(L * B), **kw, **_select_kw(plan))
-        pages = out[nb]
-        return (tuple(a.reshape(s.shape) for a, s in zip(out[:nb], summaries)),
+        bounds, pages = self._update_select_bounds(
+            plan, tuple(flat(a) for a in summaries), jnp.int32(0),
+            q.reshape((L * B,) + q.shape[2:]), seq_lens,
+            kv_new.reshape((L * B,) + kv_new.shape[2:]), positions.reshape(L * B),
+            **_select_kw(plan))
+        return (tuple(a.reshape(s.shape) for a, s in zip(bounds, summaries)),
                 pages.reshape((L, B) + pages.shape[1:]))

@@ -294,20 +294,19 @@ class Rescore(Quest):
         seq_lens = jnp.maximum(positions + 1 + int(ahead), 1)
         k_new = kv_new if kv_new.ndim == 3 else kv_new[:, 0]                # [B, H, D]
         nb = self.n_bounds(plan)
-        scale_kw = self._scale_kw(plan, summaries)
         keys, scales = self._key_copy(plan, summaries)
         if self.covers_row(plan):
             # the summaries stay current: a kept context may continue under a longer row
             bounds = quest_kernels.quest_update(summaries[0], summaries[1], layer, kv_new,
                                                 positions, page_size=self.bound_blocks(plan)[1],
-                                                **scale_kw)
+                                                **self._scale_kw(plan, summaries, True))
+            bounds = tuple(bounds) + tuple(summaries[len(bounds):nb])  # the shift as it is
             cand = self._every_page(plan, seq_lens, keys.shape[2])
             keys, scales = self._store_keys(plan, summaries, layer, k_new, positions)
         else:
-            out = quest_kernels.quest_update_select(
-                q, summaries[0], summaries[1], layer, seq_lens, kv_new, positions, **scale_kw,
-                **self._first_stage_kw(plan))
-            bounds, cand = out[:nb], out[nb]
+            bounds, cand = self._update_select_bounds(plan, summaries, layer, q, seq_lens,
+                                                      kv_new, positions,
+                                                      **self._first_stage_kw(plan))
             cand = self._block_pages(plan, cand, seq_lens)
             keys, scales = self._store_keys(plan, summaries, layer, k_new, positions)
         summ = tuple(bounds) + (keys, scales)
