@@ -303,8 +303,11 @@ class CacheConfig:
       bounds_dtype: how Quest's page bounds (kmax / kmin, which the Quest selectors' first
         stage reads every step) are stored. ``None`` (default): in ``kv_dtype`` (the model's
         dtype for a quantized or unset ``kv_dtype``). "int8": int8 with one float32 scale per
-        page and KV head, rounded outward (max up, min down) so a page's score stays an upper
-        bound: half the bytes the scores kernel reads. ``quest_rescore8``'s step at 128k on
+        page and KV head (a power of two), rounded outward (max up, min down) so a page's score
+        stays an upper bound, of the keys less the request's mean prompt key per layer and KV
+        head (every page's score moves alike: no selection changes, but a common component
+        of the keys no longer sets every page's scale): half the bytes the scores kernel
+        reads. ``quest_rescore8``'s step at 128k on
         one H100: 1.10-1.12x Quest's at Qwen-like B=8 instead of 1.15-1.18x, 1.097x instead of
         1.109x at 8B-like B=1. On Paul Graham's essays (CPU probe, Qwen2.5-Coder-0.5B, 1024
         tokens, 8x candidates) the two-stage selection keeps 0.99280 of the page oracle's
