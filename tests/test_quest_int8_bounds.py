@@ -249,3 +249,37 @@ def test_int8_bounds_update_select_lowers_for_gpu(no_interpret, L, B, Np, H, G, 
         S((L, B, H, D), jnp.float32))
     assert txt.count("__gpu$xla.gpu.triton") == 2
     assert "stablehlo.sort" not in txt and "scatter" not in txt
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_int8_quest_selection_matches_numpy(impl):
+    """Quest's selection on int8 bounds (the Pallas kernel in interpret mode, and XLA) == a
+    numpy reference: the keys less their mean (a large common component, as a K bias gives),
+    each page's max / min, :func:`_np_quantize`, the literal Quest bound in float64 from the
+    dequantized values, then the selection rule in numpy."""
+    from tests.test_selectors import select_rule_numpy
+    rng = _rng()
+    B, Np, H, G, D, ps, k = 2, 32, 2, 3, 16, 4, 6
+    T = Np * ps
+    lens = np.array([T - 3, 70], np.int32)
+    keys = rng.normal(size=(B, T, H, D)).astype(np.float32) + 8 * rng.normal(size=(1, 1, H, D))
+    valid = np.arange(T)[None, :, None, None] < lens[:, None, None, None]
+    mu = (keys * valid).sum(1) / valid.sum(1)                                 # [B, H, D]
+    kp = (keys - mu[:, None]).reshape(B, Np, ps, H, D)
+    vp = valid.reshape(B, Np, ps, 1, 1)
+    mx = np.where(vp, kp, -np.inf).max(2)
+    mn = np.where(vp, kp, np.inf).min(2)
+    empty = ~np.isfinite(mx)
+    kq, nq, s = _np_quantize(np.where(empty, 0, mx), np.where(empty, 0, mn))
+    q = rng.normal(size=(B, H * G, D)).astype(np.float32)
+    qg = q.reshape(B, H, G, D).astype(np.float64)
+    M = (kq * s[..., None]).astype(np.float64)                                # [B, Np, H, D]
+    m = (nq * s[..., None]).astype(np.float64)
+    scores = np.maximum(qg[:, None] * M[:, :, :, None], qg[:, None] * m[:, :, :, None])
+    scores = scores.sum(axis=(3, 4)).transpose(0, 2, 1)                       # [B, H, Np]
+    kw = dict(k=k, page_size=ps, num_sink_pages=1)
+    want = select_rule_numpy(scores, lens + 1, num_pages=Np, **kw)
+    got = quest.quest_select(jnp.asarray(q), jnp.asarray(kq)[None], jnp.asarray(nq)[None], 0,
+                             jnp.asarray(lens + 1), implementation=impl,
+                             scale=jnp.asarray(s)[None], **kw)
+    np.testing.assert_array_equal(np.asarray(got), want)
