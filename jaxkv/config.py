@@ -310,10 +310,9 @@ class CacheConfig:
         reads. ``quest_rescore8``'s step at 128k on
         one H100: 1.10-1.12x Quest's at Qwen-like B=8 instead of 1.15-1.18x, 1.097x instead of
         1.109x at 8B-like B=1. On Paul Graham's essays (CPU probe, Qwen2.5-Coder-0.5B, 1024
-        tokens, 8x candidates) the two-stage selection keeps 0.99280 of the page oracle's
-        attention mass at 16k against 0.99153 with float bounds (measured without the shift),
-        and 0.98932 against 0.98964 at 32k; RULER not yet run (BENCHMARKS.md). Quest
-        selectors only.
+        tokens, 8x candidates) the two-stage selection keeps 0.99125 of the page oracle's
+        attention mass at 16k against 0.99153 with float bounds, and 0.98932 against 0.98964
+        at 32k; RULER not yet run (BENCHMARKS.md). Quest selectors only.
       prefill_chunk: query tokens per chunk of the "xla" prefill attention (bounds its memory;
         the CPU's "blocked" form and the flash-attention implementations on the GPU do not
         read it).
