@@ -199,9 +199,7 @@ def _fill_chunk(lay: _Layout, dst, summaries, layer, b, j0, length, key, salienc
         dst = page_write.keep_on_host(dst)
     if lay.selector == "quest" and lay.bounds_int8:
         # each page's bounds quantized once, as the prefill does (pages with no token: 0)
-        mx, mn = out["kmax"].astype(jnp.float32), out["kmin"].astype(jnp.float32)
-        empty = ~jnp.isfinite(mx[..., :1])
-        q = quest.quantize_bounds(jnp.where(empty, 0.0, mx), jnp.where(empty, 0.0, mn))
+        q = quest.quantize_bounds(out["kmax"], out["kmin"])
         summaries = tuple(a.at[layer, b, pages].set(v, mode="drop")
                           for a, v in zip(summaries[:3], q)) + (summaries_in[3],)  # shift 0
         if lay.key_bits:

@@ -459,9 +459,9 @@ class CacheConfig:
         if self.bounds_dtype is not None and self.bounds_dtype not in BOUNDS_DTYPES:
             raise ValueError(f"CacheConfig.bounds_dtype must be one of {BOUNDS_DTYPES} or None "
                              f"(the KV dtype), got {self.bounds_dtype!r}")
-        if self.bounds_dtype is not None and not hasattr(selectors.get(self.selector),
-                                                         "n_bounds"):
-            quest = [n for n in selectors.names() if hasattr(selectors.get(n), "n_bounds")]
+        is_quest = lambda n: isinstance(selectors.get(n), selectors.quest.Quest)  # noqa: E731
+        if self.bounds_dtype is not None and not is_quest(self.selector):
+            quest = [n for n in selectors.names() if is_quest(n)]
             raise ValueError(f"CacheConfig.bounds_dtype sets how Quest's page bounds are stored "
                              f"(selectors {quest}); selector={self.selector!r} keeps none: "
                              "leave bounds_dtype=None")

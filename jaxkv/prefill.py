@@ -21,6 +21,7 @@ from jaxkv.kernels.prefill_attention import extend_attention, prefill_attention
 from jaxkv.models import llama
 from jaxkv.plan import Plan
 from jaxkv.sampling import agree, sample
+from jaxkv.selectors.base import key_mean
 from jaxkv.spec import INVALID
 
 
@@ -181,14 +182,6 @@ def extend_layer(plan: Plan, layer_params, layer, x, start, count, kv, summaries
     if plan.lagged:  # the first decode step's pages, chosen with the last appended query
         ahead = _first_step_pages(plan, own, ahead, layer, lp, h, q, count - 1, start + count)
     return x, kv, selectors.join(own, shift, ahead), dense
-
-
-def key_mean(k, lengths):
-    """The mean key of each request and KV head over its prompt, k [B, T, H, D] (tokens at
-    or past ``lengths`` [B] ignored) -> [B, H, D] float32; zeros for an empty prompt."""
-    valid = jnp.arange(k.shape[1])[None, :] < lengths[:, None]                  # [B, T]
-    total = jnp.sum(jnp.where(valid[..., None, None], k.astype(jnp.float32), 0.0), axis=1)
-    return total / jnp.maximum(lengths, 1).astype(jnp.float32)[:, None, None]
 
 
 def embed_prompt(plan: Plan, params, tokens):

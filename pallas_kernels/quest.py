@@ -92,8 +92,8 @@ def bound_scale(amax):
     amax = amax.astype(jnp.float32)
     e = (lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF  # amax in [2^(e-127), 2^(e-126))
     pe = jnp.maximum(e - 6, _SCALE_EXP_MIN)  # BOUND_Q * 2^(e-133) = 1.98 * 2^(e-127)
-    pe = jnp.where(amax > BOUND_Q * _f32_pow2(pe), pe + 1, pe)
-    return _f32_pow2(pe), _f32_pow2(254 - pe)
+    p = _f32_pow2(jnp.where(amax > BOUND_Q * _f32_pow2(pe), pe + 1, pe))
+    return p, _scale_inverse(p)
 
 
 def _scale_inverse(scale):
@@ -105,8 +105,11 @@ def _scale_inverse(scale):
 def quantize_bounds(mx, mn):
     """Float bounds [..., D] -> (kmax, kmin) int8 [..., D] and scale [...] f32: the scale
     :func:`bound_scale` of the largest |bound|, ``kmax = ceil(mx / scale)``, ``kmin =
-    floor(mn / scale)``: outward, ``kmax * scale >= mx`` and ``kmin * scale <= mn`` exactly."""
+    floor(mn / scale)``: outward, ``kmax * scale >= mx`` and ``kmin * scale <= mn`` exactly.
+    A page with no token (``quest_summarize``'s -inf / +inf row) becomes 0 / 0."""
     mx, mn = mx.astype(jnp.float32), mn.astype(jnp.float32)
+    empty = ~jnp.isfinite(mx[..., :1])
+    mx, mn = jnp.where(empty, 0.0, mx), jnp.where(empty, 0.0, mn)
     scale, inv = bound_scale(jnp.max(jnp.maximum(jnp.abs(mx), jnp.abs(mn)), axis=-1))
     lim = lambda x: jnp.clip(x, -BOUND_Q, BOUND_Q).astype(jnp.int8)  # noqa: E731
     return lim(jnp.ceil(mx * inv[..., None])), lim(jnp.floor(mn * inv[..., None])), scale

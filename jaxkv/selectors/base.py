@@ -105,6 +105,14 @@ def fold_pages(arr, layer, vals, positions, page_size: int, combine: str):
     return {"max": upd.max, "min": upd.min, "add": upd.add}[combine](vals, mode="drop")
 
 
+def key_mean(k, lengths):
+    """The mean key of each request and KV head over its prompt, k [B, T, H, D] (tokens at
+    or past ``lengths`` [B] ignored) -> [B, H, D] float32; zeros for an empty prompt."""
+    valid = jnp.arange(k.shape[1])[None, :] < lengths[:, None]                  # [B, T]
+    total = jnp.sum(jnp.where(valid[..., None, None], k.astype(jnp.float32), 0.0), axis=1)
+    return total / jnp.maximum(lengths, 1).astype(jnp.float32)[:, None, None]
+
+
 def register(cls):
     """Class decorator: register one instance of a :class:`Selector` subclass by its name."""
     _REGISTRY[cls.name] = cls()

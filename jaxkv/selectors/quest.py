@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.kernels import quest as kernels
-from jaxkv.selectors.base import Selector, fold_pages, register
+from jaxkv.selectors.base import Selector, fold_pages, key_mean, register
 
 
 def _select_kw(plan) -> dict:
@@ -47,6 +47,14 @@ class Quest(Selector):
         return dict(scale=summaries[2], shift=summaries[3]) if update else dict(
             scale=summaries[2])
 
+    def _update_bounds(self, plan, summaries, layer, k_new, positions):
+        """``quest_update`` on the selector's bounds: the updated bounds, as many arrays as
+        :meth:`n_bounds` (the shift passed through)."""
+        out = kernels.quest_update(summaries[0], summaries[1], layer, k_new, positions,
+                                   page_size=self.bound_blocks(plan)[1],
+                                   **self._scale_kw(plan, summaries, True))
+        return tuple(out) + tuple(summaries[len(out):self.n_bounds(plan)])
+
     def _update_select_bounds(self, plan, summaries, layer, q, seq_lens, kv_new, positions,
                               **kw):
         """``quest_update_select`` on the selector's bounds: (the updated bounds, as many
@@ -74,14 +82,9 @@ class Quest(Selector):
         if k.shape[1] % bs:  # a prompt of whole pages, not of whole blocks
             k = jnp.pad(k, ((0, 0), (0, -k.shape[1] % bs), (0, 0), (0, 0)))
         if self.n_bounds(plan) == 4:  # the bounds of the keys less their prompt mean
-            valid = (jnp.arange(k.shape[1])[None, :] < jnp.asarray(lengths)[:, None])
-            w = valid.astype(jnp.float32)[:, :, None, None]
-            mu = (k.astype(jnp.float32) * w).sum(1) / jnp.maximum(w.sum(1), 1.0)  # [B, H, D]
-            kmax, kmin = kernels.quest_summarize(k.astype(jnp.float32) - mu[:, None], bs,
-                                                 lengths)
-            empty = ~jnp.isfinite(kmax[..., :1])          # pages with no token: 0 / 0 / 0
-            kmax, kmin, scale = kernels.quantize_bounds(jnp.where(empty, 0.0, kmax),
-                                                        jnp.where(empty, 0.0, kmin))
+            mu = key_mean(k, jnp.asarray(lengths))                            # [B, H, D]
+            kmax, kmin, scale = kernels.quantize_bounds(*kernels.quest_summarize(
+                k.astype(jnp.float32) - mu[:, None], bs, lengths))
             n = kmax.shape[1]
             return tuple(a.at[layer, :, :n].set(v)
                          for a, v in zip(summaries[:3], (kmax, kmin, scale))) + (
@@ -103,13 +106,8 @@ class Quest(Selector):
         if self.n_bounds(plan) == 4:
             # token by token, as decode steps fold them (a scatter of max / min would not
             # keep the requantization's rules)
-            def one(i, bounds):
-                return kernels.quest_update(bounds[0], bounds[1], layer, k[:, i],
-                                            positions[:, i], page_size=ps, scale=bounds[2],
-                                            shift=summaries[3])
-
-            return jax.lax.fori_loop(0, positions.shape[1], one,
-                                     tuple(summaries[:3])) + (summaries[3],)
+            return jax.lax.fori_loop(0, positions.shape[1], lambda i, b: self._update_bounds(
+                plan, b, layer, k[:, i], positions[:, i]), tuple(summaries[:4]))
         return (fold_pages(summaries[0], layer, k, positions, ps, "max"),
                 fold_pages(summaries[1], layer, k, positions, ps, "min"))
 

@@ -293,23 +293,16 @@ class Rescore(Quest):
                       ahead=False):
         seq_lens = jnp.maximum(positions + 1 + int(ahead), 1)
         k_new = kv_new if kv_new.ndim == 3 else kv_new[:, 0]                # [B, H, D]
-        nb = self.n_bounds(plan)
-        keys, scales = self._key_copy(plan, summaries)
         if self.covers_row(plan):
             # the summaries stay current: a kept context may continue under a longer row
-            bounds = quest_kernels.quest_update(summaries[0], summaries[1], layer, kv_new,
-                                                positions, page_size=self.bound_blocks(plan)[1],
-                                                **self._scale_kw(plan, summaries, True))
-            bounds = tuple(bounds) + tuple(summaries[len(bounds):nb])  # the shift as it is
-            cand = self._every_page(plan, seq_lens, keys.shape[2])
-            keys, scales = self._store_keys(plan, summaries, layer, k_new, positions)
+            bounds = self._update_bounds(plan, summaries, layer, kv_new, positions)
+            cand = self._every_page(plan, seq_lens, self._key_copy(plan, summaries)[0].shape[2])
         else:
             bounds, cand = self._update_select_bounds(plan, summaries, layer, q, seq_lens,
                                                       kv_new, positions,
                                                       **self._first_stage_kw(plan))
             cand = self._block_pages(plan, cand, seq_lens)
-            keys, scales = self._store_keys(plan, summaries, layer, k_new, positions)
-        summ = tuple(bounds) + (keys, scales)
+        summ = tuple(bounds) + self._store_keys(plan, summaries, layer, k_new, positions)
         if plan.k >= plan.pages_per_seq:  # the budget holds every page: nothing to re-rank
             return summ, cand
         return summ, self._rescore(plan, summ, layer, q, cand, positions, seq_lens)
