@@ -61,9 +61,10 @@ variant is a plan of its own, so nothing is read at trace time.
   with the first stage by blocks of two pages.
 * ``rescore8_c512``: ``quest_rescore8`` with 512 first-stage candidates whatever the budget
   (``CacheConfig(candidate_pages=512)``; at 1024 tokens in 16-token pages the default's own).
-* ``quest_int8b`` / ``rescore8_int8b``: Quest / ``quest_rescore8`` with Quest's page bounds in
-  int8 with a power-of-two scale per page and KV head (``CacheConfig.bounds_dtype="int8"``):
-  half the bytes the scores kernel reads.
+* ``quest_int8b``: Quest with its page bounds in int8 with a power-of-two scale per page and
+  KV head (``CacheConfig.bounds_dtype="int8"``; half the bytes the scores kernel reads);
+  ``rescore8_floatb``: ``quest_rescore8`` with its first stage's bounds in the KV dtype
+  (``bounds_dtype="float"``; int8 is the two-stage selectors' default).
 * ``rescore8_pieces1`` / ``rescore8_pieces4`` / ``rescore8_pieces8`` / ``rescore8_pieces16``:
   ``quest_rescore8`` with the first stage's top-k over the whole row / per strided piece of a
   row, 4 / 8 / 16 pieces (``CacheConfig.candidate_pieces``; the default's ``None`` gives 8 at
@@ -179,9 +180,9 @@ VARIANTS = {
     "rescore8_block8": ({}, ()),
     # 512 first-stage candidates whatever the budget
     "rescore8_c512": ({}, ()),
-    # Quest's bounds in int8 (CacheConfig.bounds_dtype)
+    # Quest's bounds in int8 / the two-stage selector's in float (CacheConfig.bounds_dtype)
     "quest_int8b": ({}, ()),
-    "rescore8_int8b": ({}, ()),
+    "rescore8_floatb": ({}, ()),
     # the first stage's top-k per strided piece of a row (CacheConfig.candidate_pieces)
     "rescore8_pieces1": ({}, ()),
     "rescore8_pieces4": ({}, ()),
@@ -227,7 +228,7 @@ CACHE_CHANGES.update(dense={"selector": "dense", "selection_lag": 0},
                      rescore8_block8={"selector": "quest_rescore8", "candidate_block": 8},
                      rescore8_c512={"selector": "quest_rescore8", "candidate_pages": 512},
                      quest_int8b={"bounds_dtype": "int8"},
-                     rescore8_int8b={"selector": "quest_rescore8", "bounds_dtype": "int8"},
+                     rescore8_floatb={"selector": "quest_rescore8", "bounds_dtype": "float"},
                      **{f"rescore8_pieces{n}": {"selector": "quest_rescore8",
                                                 "candidate_pieces": n} for n in (1, 4, 8, 16)},
                      rescore8_select_w4={"selector": "quest_rescore8"},

@@ -52,10 +52,10 @@
 #   (ab_step, Qwen-like B=8 in 16-token pages and 8B-like B=1, shared KV); about 7 min
 # int8-bounds: Quest's page bounds in int8 with a power-of-two scale per page and KV head
 #   (CacheConfig.bounds_dtype="int8": half the bytes its scores kernel reads) against the
-#   model dtype's: the GPU tests, then the resident step (ab_step, shared KV, 128k, 1024
-#   tokens in 16-token pages; Quest and quest_rescore8, each with int8 bounds;
-#   $AB_VARIANTS replaces them); parts int8-bounds-test,
-#   int8-bounds-q8, int8-bounds-8b, ~3-4 min each
+#   KV dtype's: the GPU tests, then the resident step (ab_step, shared KV, 128k, 1024
+#   tokens in 16-token pages; Quest with float (its default) and int8 bounds,
+#   quest_rescore8 with int8 (its default) and float bounds; $AB_VARIANTS replaces them);
+#   parts int8-bounds-test, int8-bounds-q8, int8-bounds-8b, ~1-2 min each on an H100
 # first-stage: issue 27's cheaper first stages at the default budget (1024 tokens, 8x candidates), same-process
 #   A/B against Quest and quest_rescore8: blocks of pages (candidate_block; 8B-like B=1 and Qwen-like B=8 at
 #   128k), the radix top-k (Qwen-like B=1 at 1M), then each top-k alone (probes/first_stage_topk.py); ~15 min,
@@ -219,7 +219,7 @@ for s in $STAGES; do
             --variants default,rescore8,rescore8_select_xla,rescore8_select_w4 \
             --tag "final_choice_8b1_$JAXKV_COMMIT" $fs ;;
     int8-bounds|int8-bounds-test|int8-bounds-q8|int8-bounds-8b)
-        fs="--variants ${AB_VARIANTS:-default,quest_int8b,rescore8,rescore8_int8b} --budget-tokens 1024 --page-size 16 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
+        fs="--variants ${AB_VARIANTS:-default,quest_int8b,rescore8,rescore8_floatb} --budget-tokens 1024 --page-size 16 --pairs ${AB_PAIRS:-3} --share-kv --out $OUT"
         case $s in int8-bounds|int8-bounds-test) run int8_bounds_test 200 $PY -m pytest -q -m gpu \
             -p no:cacheprovider $TIMEOUT_ARG tests/test_quest_int8_bounds.py -o addopts="-ra" ;; esac
         case $s in int8-bounds|int8-bounds-q8) run int8_bounds_q8 300 $PY benchmarks/ab_step.py \

@@ -80,7 +80,7 @@ class _Layout:
     selector: str      # "quest", "indexer" or "dense" (what the summaries hold)
     key_bits: int      # rescoring selectors: precision of their key copy (0: no copy)
     quest_block: int   # pages per Quest bound (the two-stage selectors' first-stage block)
-    bounds_int8: bool  # Quest's bounds in int8 with a scale per page (CacheConfig.bounds_dtype)
+    bounds_int8: bool  # Quest's bounds in int8 with a scale per block (CacheConfig.bounds_int8)
     index_dim: int
     chunk_pages: int
     center_scale: float
@@ -198,9 +198,13 @@ def _fill_chunk(lay: _Layout, dst, summaries, layer, b, j0, length, key, salienc
     if lay.host:
         dst = page_write.keep_on_host(dst)
     if lay.selector == "quest" and lay.bounds_int8:
-        # each page's bounds quantized once, as the prefill does (pages with no token: 0)
-        q = quest.quantize_bounds(out["kmax"], out["kmin"])
-        summaries = tuple(a.at[layer, b, pages].set(v, mode="drop")
+        # each block's bounds quantized once, as the prefill does (blocks with no token: 0);
+        # a chunk holds whole blocks of r pages (_chunk_pages)
+        r = lay.quest_block
+        kmax = out["kmax"].reshape(C // r, r, H, D).max(axis=1)
+        kmin = out["kmin"].reshape(C // r, r, H, D).min(axis=1)
+        q = quest.quantize_bounds(kmax, kmin)
+        summaries = tuple(a.at[layer, b, pages[::r] // r].set(v, mode="drop")
                           for a, v in zip(summaries[:3], q)) + (summaries_in[3],)  # shift 0
         if lay.key_bits:
             keys, scales = summaries_in[4:]
@@ -240,9 +244,6 @@ def _summary_kind(selector) -> str:
 
 def layout(plan: engine.Plan, synth: Synthetic, chunk_bytes: int) -> _Layout:
     """The static fill layout of ``plan`` (the fill chunk's compile key)."""
-    if plan.cache.bounds_dtype == "int8" and plan.cache.candidate_block != 1:
-        raise ValueError("synthetic contexts quantize Quest's bounds per page: int8 bounds "
-                         "(CacheConfig.bounds_dtype) need candidate_block=1 here")
     return _Layout(
         num_kv_heads=plan.model.num_kv_heads, head_dim=plan.model.head_dim,
         page_size=plan.page_size, pages_per_seq=plan.pages_per_seq,
@@ -251,7 +252,7 @@ def layout(plan: engine.Plan, synth: Synthetic, chunk_bytes: int) -> _Layout:
         key_bits=getattr(plan.selector, "key_bits", 0) if isinstance(plan.selector,
                                                                      rescore.Rescore) else 0,
         quest_block=plan.cache.candidate_block,
-        bounds_int8=plan.cache.bounds_dtype == "int8",
+        bounds_int8=plan.cache.bounds_int8,
         index_dim=plan.model.indexer_dim, chunk_pages=_chunk_pages(plan, chunk_bytes),
         center_scale=float(synth.center_scale), value_scale=float(synth.value_scale),
         host=plan.cache.mode == "host", implementation=plan.cache.implementation)
@@ -269,9 +270,12 @@ def lower_fill_chunk(plan: engine.Plan, kv, summaries, *, synth: Synthetic = Syn
 
 
 def _chunk_pages(plan: engine.Plan, chunk_bytes: int) -> int:
-    n = max(1, int(chunk_bytes) // plan.spec.page_bytes)
+    """Pages per fill chunk: a power of two times the first stage's block (whole blocks per
+    chunk, so int8 bounds are quantized once per block), about ``chunk_bytes`` of K/V."""
+    r = plan.cache.candidate_block
+    n = max(1, int(chunk_bytes) // (plan.spec.page_bytes * r))
     n = 1 << (n.bit_length() - 1)
-    return max(1, min(n, 1 << max(0, plan.pages_per_seq - 1).bit_length()))
+    return r * max(1, min(n, 1 << max(0, -(-plan.pages_per_seq // r) - 1).bit_length()))
 
 
 def _check_lengths(plan: engine.Plan, lengths) -> np.ndarray:

@@ -20,7 +20,7 @@ Selector = Literal["quest_rescore8", "quest", "quest_rescore", "quest_rescore_ex
                    "dense", "oracle"]
 KV_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8")
 IMPLEMENTATIONS = ("pallas", "xla")
-BOUNDS_DTYPES = ("int8",)  # CacheConfig.bounds_dtype: Quest's page bounds quantized
+BOUNDS_DTYPES = ("int8", "float")  # CacheConfig.bounds_dtype: how Quest's page bounds are stored
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,18 +301,21 @@ class CacheConfig:
         (Qwen2.5-Coder-0.5B's key error 5.5% shifted, 6.1% shifted and rotated). It costs
         0.3-0.6% of a Qwen-like B=8 step (BENCHMARKS.md). Ignored for other dtypes.
       bounds_dtype: how Quest's page bounds (kmax / kmin, which the Quest selectors' first
-        stage reads every step) are stored. ``None`` (default): in ``kv_dtype`` (the model's
-        dtype for a quantized or unset ``kv_dtype``). "int8": int8 with one float32 scale per
-        page and KV head (a power of two), rounded outward (max up, min down) so a page's score
-        stays an upper bound, of the keys less the request's mean prompt key per layer and KV
-        head (every page's score moves alike: no selection changes, but a common component
-        of the keys no longer sets every page's scale): half the bytes the scores kernel
-        reads. ``quest_rescore8``'s step at 128k on
-        one H100: 1.10-1.12x Quest's at Qwen-like B=8 instead of 1.15-1.18x, 1.097x instead of
-        1.109x at 8B-like B=1. On Paul Graham's essays (CPU probe, Qwen2.5-Coder-0.5B, 1024
-        tokens, 8x candidates) the two-stage selection keeps 0.99125 of the page oracle's
-        attention mass at 16k against 0.99153 with float bounds, and 0.98932 against 0.98964
-        at 32k; RULER not yet run (BENCHMARKS.md). Quest selectors only.
+        stage reads every step) are stored. "int8": int8 with one float32 scale per page and
+        KV head (a power of two), rounded outward (max up, min down) so a page's score stays
+        an upper bound, of the keys less the request's mean prompt key per layer and KV head
+        (every page's score moves alike: no selection changes, but a common component of the
+        keys no longer sets every page's scale): half the bytes the scores kernel reads.
+        "float": in ``kv_dtype`` (the model's dtype for a quantized or unset ``kv_dtype``).
+        ``None`` (default): "int8" for the two-stage selectors (``quest_rescore8``,
+        ``quest_rescore``, ``quest_rescore_exact``), whose bounds only shortlist candidates
+        for the second stage; "float" for ``quest``, whose bounds make the final choice (int8
+        there is not measured on RULER). Measured for ``quest_rescore8`` (one H100, 128k, 1024
+        tokens): the step is 1.098x Quest's at Qwen-like B=8 instead of 1.183x, 1.072x
+        instead of 1.105x at 8B-like B=1; RULER on Qwen2.5-Coder-0.5B at 16k / 32k keeps
+        512 of dense's 561 retrievals against 513 with float bounds (lost 5, gained 4); the
+        device state at Qwen-like B=8 is 0.9 GiB smaller (BENCHMARKS.md). Quest selectors
+        only.
       prefill_chunk: query tokens per chunk of the "xla" prefill attention (bounds its memory;
         the CPU's "blocked" form and the flash-attention implementations on the GPU do not
         read it).
@@ -382,6 +385,15 @@ class CacheConfig:
     dense_layers: int | tuple[int, ...] = 0
     selection_lag: int = 0
     tuning: Tuning = Tuning()
+
+    @property
+    def bounds_int8(self) -> bool:
+        """Whether Quest's page bounds are stored in int8 (``bounds_dtype``, ``None`` resolved
+        by the selector: int8 for the two-stage selectors)."""
+        if self.bounds_dtype is not None:
+            return self.bounds_dtype == "int8"
+        from jaxkv import selectors  # the registry (imports the kernels: not at module level)
+        return selectors.get(self.selector).two_stage
 
     def __post_init__(self):
         if not isinstance(self.tuning, Tuning):
@@ -458,10 +470,12 @@ class CacheConfig:
                              f"model's), got {self.kv_dtype!r}")
         if self.bounds_dtype is not None and self.bounds_dtype not in BOUNDS_DTYPES:
             raise ValueError(f"CacheConfig.bounds_dtype must be one of {BOUNDS_DTYPES} or None "
-                             f"(the KV dtype), got {self.bounds_dtype!r}")
-        is_quest = lambda n: isinstance(selectors.get(n), selectors.quest.Quest)  # noqa: E731
-        if self.bounds_dtype is not None and not is_quest(self.selector):
-            quest = [n for n in selectors.names() if is_quest(n)]
+                             f"(int8 for the two-stage selectors, float for quest), got "
+                             f"{self.bounds_dtype!r}")
+        if self.bounds_dtype is not None and not isinstance(selectors.get(self.selector),
+                                                            selectors.quest.Quest):
+            quest = [n for n in selectors.names()
+                     if isinstance(selectors.get(n), selectors.quest.Quest)]
             raise ValueError(f"CacheConfig.bounds_dtype sets how Quest's page bounds are stored "
                              f"(selectors {quest}); selector={self.selector!r} keeps none: "
                              "leave bounds_dtype=None")

@@ -110,7 +110,12 @@ def _open(path: Path, size: int):
     if magic != b"GGUF":
         raise GGUFError(f"{path} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
     try:
-        reader = _reader_class()(path, "r")
+        reader_class = _reader_class()
+    except ImportError as e:  # a missing dependency, not a bad file
+        raise ImportError(f"reading {path} needs the 'gguf' package (jaxkv's 'models' extra): "
+                          "pip install 'jaxkv[models]', or pip install gguf") from e
+    try:
+        reader = reader_class(path, "r")
     except Exception as e:  # the reader fails in many ways on cut or garbled headers
         raise GGUFError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from e
     for t in reader.tensors:

@@ -262,8 +262,8 @@ def test_rescore_candidates_covering_the_row_skip_the_first_stage(stage2):
     cfg = configs.tiny()
     L, B, ps, H, D = cfg.num_layers, 3, 16, cfg.num_kv_heads, cfg.head_dim
     cache = CacheConfig(mode="resident", selector="quest_rescore8", page_size=ps,
-                        selected_pages=2, candidate_block=1,   # per-page bounds below
-                        tuning=jaxkv.Tuning(rescore_method=stage2))
+                        selected_pages=2, candidate_block=1,   # per-page float bounds below
+                        bounds_dtype="float", tuning=jaxkv.Tuning(rescore_method=stage2))
     plan = engine.Plan(model=cfg, cache=cache, batch=B, prompt_len=96, max_context=128,
                        num_stop=1)
     sel = plan.selector
@@ -325,7 +325,7 @@ def test_rescore_key_copy_avoids_wrapped_32_bit_offsets():
         plan = engine.Plan(model=cfg, cache=cache, batch=3, prompt_len=ctx, max_context=ctx,
                            num_stop=1)
         summ = jax.eval_shape(lambda plan=plan: engine.init_summaries(plan))
-        keys, scales = summ[2], summ[3]
+        keys, scales = summ[4], summ[5]   # after the int8 bounds (kmax, kmin, scale, shift)
         assert keys.shape[1:] == (3, 8, ctx // 16, 16, 128) and scales.shape == keys.shape[:5]
         nbytes = keys.size * keys.dtype.itemsize
         assert (keys.shape[0] > cfg.num_layers) == padded, (selector, ctx, keys.shape)
@@ -372,7 +372,7 @@ def test_rescore_candidate_block_first_stage_numpy(r, pieces):
     G = cfg.num_heads // H
     cache = CacheConfig(mode="resident", selector="quest_rescore", page_size=ps,
                         selected_pages=3, candidate_pages=8, candidate_block=r,
-                        candidate_pieces=pieces)
+                        candidate_pieces=pieces, bounds_dtype="float")   # float bounds below
     plan = engine.Plan(model=cfg, cache=cache, batch=B, prompt_len=120, max_context=128,
                        num_stop=1)
     sel = plan.selector

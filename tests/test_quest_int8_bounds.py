@@ -194,39 +194,64 @@ def _check_end_to_end():
 
 
 def test_bounds_dtype_fold_equals_decode():
-    """A continued context's turn folds its tokens into the int8 bounds as decode steps would:
-    Quest.fold equals quest_update token by token (the fold is that loop), checked on the
-    selector's own arrays after a fill."""
+    """A continued context's turn folds its tokens into the int8 bounds at once, bit for bit
+    what decode steps folding them one by one (quest_update) give: turns that continue a
+    page and start new ones, keys that grow a page's scale mid-turn (and ones that do not),
+    tiny keys, padding, a layer other than 0 (the others untouched)."""
     from jaxkv import selectors
     from jaxkv.api import make_plan
     plan = make_plan(CFG, CacheConfig(mode="resident", selector="quest", page_size=4,
-                                      selected_pages=3, bounds_dtype="int8"), [16, 10], 8, 2)
+                                      selected_pages=3, bounds_dtype="int8"), [16, 10], 12, 2)
     sel = selectors.get("quest")
     rng = _rng()
-    summ = sel.init(plan)
     H, D = CFG.num_kv_heads, CFG.head_dim
+    layer = CFG.num_layers - 1
     k = jnp.asarray(rng.normal(size=(2, 16, H, D)), jnp.float32)
     k = k + 5.0  # a common component: the shift (the prompt's mean key) takes it
-    summ = sel.fill(plan, summ, 0, None, None, k, None, jnp.array([16, 10]))
+    summ = sel.fill(plan, sel.init(plan), layer, None, None, k, None, jnp.array([14, 10]))
     assert len(summ) == 4 and summ[0].dtype == jnp.int8
-    np.testing.assert_allclose(np.asarray(summ[3][0, 1]), np.asarray(k[1, :10].mean(0)),
+    np.testing.assert_allclose(np.asarray(summ[3][layer, 1]), np.asarray(k[1, :10].mean(0)),
                                rtol=1e-5, atol=1e-5)
-    kv = jnp.asarray(rng.normal(size=(2, 5, 2, H, D)), jnp.float32)
-    pos = jnp.array([[16, 17, 18, 19, 20], [10, 11, 12, -1, -1]], jnp.int32)
-    folded = sel.fold(plan, summ, 0, None, None, None, kv, pos)
-    one = summ
-    for t in range(5):
-        one = quest.quest_update(*one[:2], 0, kv[:, t, 0], pos[:, t], page_size=4, scale=one[2],
-                                 shift=summ[3]) + (summ[3],)
-    for a, b in zip(folded, one):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    T = 9
+    pos = jnp.array([[14 + t for t in range(T)], [10, 11, 12, 13, 14, 15, 16, -1, -1]],
+                    jnp.int32)
+    for trial in range(4):
+        kv = rng.normal(size=(2, T, 2, H, D)).astype(np.float32) + 5.0
+        mag = rng.choice([1e-30, 0.5, 1.0, 3.0, 40.0], size=(2, T, 1, H, 1))
+        kv = jnp.asarray(kv * mag if trial else kv, jnp.float32)
+        folded = sel.fold(plan, summ, layer, None, None, None, kv, pos)
+        one = summ
+        for t in range(T):
+            one = quest.quest_update(*one[:2], layer, kv[:, t, 0], pos[:, t], page_size=4,
+                                     scale=one[2], shift=summ[3]) + (summ[3],)
+        for a, b in zip(folded, one):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        if trial:
+            assert (np.asarray(folded[2]) != np.asarray(summ[2])).any()   # scales grew
 
 
 def test_bounds_dtype_errors():
     with pytest.raises(ValueError, match="bounds_dtype must be one of"):
         CacheConfig(bounds_dtype="int4")
-    with pytest.raises(ValueError, match="leave bounds_dtype=None"):
-        CacheConfig(selector="oracle", mode="resident", bounds_dtype="int8")
+    for v in ("int8", "float"):
+        with pytest.raises(ValueError, match="leave bounds_dtype=None"):
+            CacheConfig(selector="oracle", mode="resident", bounds_dtype=v)
+
+
+def test_bounds_dtype_default():
+    """``None`` is int8 for the two-stage selectors (``CacheConfig()``'s), float for Quest;
+    the other selectors keep no bounds; a given value wins."""
+    assert CacheConfig().bounds_int8
+    for sel in ("quest_rescore", "quest_rescore_exact"):
+        assert CacheConfig(selector=sel).bounds_int8
+    assert not CacheConfig(selector="quest").bounds_int8
+    assert not CacheConfig(bounds_dtype="float").bounds_int8
+    assert CacheConfig(selector="quest", bounds_dtype="int8").bounds_int8
+    for sel in ("dense", "oracle"):
+        assert not CacheConfig(selector=sel, mode="resident").bounds_int8
+    from jaxkv.api import make_plan
+    plan = make_plan(CFG, CacheConfig(page_size=4, selected_pages=3), [20], 4, 1)
+    assert len(plan.selector.init(plan)) == 6       # (kmax, kmin, scale, shift) + the key copy
 
 
 @pytest.mark.parametrize("L,B,Np,H,G,D", [(4, 8, 8212, 2, 6, 128), (4, 1, 8212, 8, 4, 128)])

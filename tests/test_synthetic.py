@@ -98,21 +98,42 @@ def test_rescore_key_copy_is_the_tiers_keys_quantized():
     from jaxkv.selectors import rescore
     synth = synthetic.Synthetic(salience=0.4)
     q = synthetic.build_state(_plan("resident"), LENGTHS, synth=synth, seed=SEED)
-    plan = _plan("resident", "quest_rescore")   # Quest's per-page bounds
+    plan = _plan("resident", "quest_rescore", bounds_dtype="float")   # Quest's per-page bounds
     st = synthetic.build_state(plan, LENGTHS, synth=synth, seed=SEED)
     for x, y in zip(q.summaries, st.summaries[:2]):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # blocks of four pages: the bounds of each block's tokens, the same key copy
-    blocks = synthetic.build_state(_plan("resident", "quest_rescore", candidate_block=4), LENGTHS,
-                                   synth=synth, seed=SEED)
+    blocks = synthetic.build_state(_plan("resident", "quest_rescore", candidate_block=4,
+                                         bounds_dtype="float"), LENGTHS, synth=synth, seed=SEED)
     assert blocks.summaries[0].shape[2] == plan.pages_per_seq // 4
     for x, y in zip(blocks.summaries[2:], st.summaries[2:]):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    want = []
     for i, red in ((0, np.max), (1, np.min)):
         per_page = np.asarray(st.summaries[i])                         # [L, B, Np, H, D]
         L_, B_, Np_, H_, D_ = per_page.shape
-        want = red(per_page.reshape(L_, B_, Np_ // 4, 4, H_, D_), axis=3)
-        np.testing.assert_array_equal(np.asarray(blocks.summaries[i]), want)
+        want.append(red(per_page.reshape(L_, B_, Np_ // 4, 4, H_, D_), axis=3))
+        np.testing.assert_array_equal(np.asarray(blocks.summaries[i]), want[-1])
+    # the default's int8 bounds (shift 0 here), per page and per block of four, a chunk of
+    # one page's bytes and of all: the float bounds quantized (empty pages / blocks 0)
+    for r in (1, 4):
+        for chunk in (plan.spec.page_bytes, synthetic.DEFAULT_CHUNK_BYTES):
+            i8 = synthetic.build_state(_plan("resident", "quest_rescore", candidate_block=r),
+                                       LENGTHS, synth=synth, seed=SEED, chunk_bytes=chunk)
+            ref = (st.summaries[:2] if r == 1 else want)
+            exp = quest.quantize_bounds(*map(jnp.asarray, ref))
+            for b, n in enumerate(LENGTHS):
+                nv = -(-n // (PS * r))
+                for got, e in zip(i8.summaries[:3], exp):
+                    np.testing.assert_array_equal(np.asarray(got)[:, b, :nv],
+                                                  np.asarray(e)[:, b, :nv])
+                for got in i8.summaries[:2]:                       # blocks past the sequence
+                    assert not np.asarray(got)[:, b, nv:].any()
+            assert not np.asarray(i8.summaries[3]).any()
+            for b, n in enumerate(LENGTHS):                        # the key copy's used pages
+                for x, y in zip(i8.summaries[4:], st.summaries[2:]):
+                    np.testing.assert_array_equal(np.asarray(x)[:, b, :, :-(-n // PS)],
+                                                  np.asarray(y)[:, b, :, :-(-n // PS)])
     keys = _tier(plan, st)[:, :, :, 0].transpose(0, 1, 3, 2, 4, 5)       # [L, B, H, Np, ps, D]
     vals, scale = rescore.quantize(jnp.asarray(keys), 8)
     for b, n in enumerate(LENGTHS):

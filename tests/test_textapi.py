@@ -394,14 +394,14 @@ def test_forks_are_isolated(model):
 
 @pytest.mark.parametrize("block", [1, 2])
 def test_continued_context_through_the_first_stage(model, block):
-    """The two-stage selector with a first stage that chooses (8 of 32 pages, in blocks of
-    ``block`` pages): a context kept after its prompt alone continues like the conversation
-    sent as one prompt, tokens and every cache and summary array. (A context with decoded
+    """The two-stage selector with float bounds and a first stage that chooses (8 of 32 pages,
+    in blocks of ``block`` pages): a context kept after its prompt alone continues like the
+    conversation sent as one prompt, tokens and every cache and summary array. (A context with decoded
     tokens differs from one prompt when the selection is sparse: decode steps attend to the
     selected pages, a prompt to every token.)"""
     cache = CacheConfig(mode="host", selector="quest_rescore", page_size=4, selected_pages=3,
                         candidate_pages=8, candidate_block=block, round_steps=8,
-                        max_context=128)
+                        max_context=128, bounds_dtype="float")   # int8: the next test
     cfg, params, tok = model
     p1 = tok.encode("A long shared document about cats and their habits.")
     p2 = tok.encode(" Question: what about dogs?", add_bos=False)
@@ -417,9 +417,9 @@ def test_continued_context_through_the_first_stage(model, block):
 
 
 def test_continued_context_int8_bounds(model):
-    """Quest's bounds in int8 (``CacheConfig.bounds_dtype``) with a first stage that chooses:
-    a continued context folds its turn into the bounds token by token, as decode steps do,
-    where one long prompt quantizes each page once. The host tier continues it as resident
+    """Quest's bounds in int8 (the two-stage selectors' default) with a first stage that
+    chooses: a continued context folds its turn into the bounds as decode steps do, where one
+    long prompt quantizes each page once (and shifts the keys by its own mean). The host tier continues it as resident
     does, token for token, and its bounds (dequantized, the shift added back) lie within two
     quanta of the long prompt's."""
     cfg, params, tok = model

@@ -1,14 +1,14 @@
 """Quest: per page and KV head the elementwise max / min of the post-RoPE keys; a page's
 score is an upper bound of the query's dot product with its keys
 (``jaxkv.kernels.quest``). Summaries ``(kmax, kmin)`` [L, B, Np, H, D] in
-``plan.summary_dtype`` (the KV dtype; the model's when the KV is quantized), or with
-``CacheConfig.bounds_dtype="int8"`` int8 followed by their scale [L, B, Np, H] float32 (one per
-page and KV head, rounded outward) and the keys' shift [L, B, H, D] float32 (the mean of the
-request's prompt keys per layer and KV head, fixed at the prefill; the bounds are those of the
-keys less it: ``jaxkv.kernels.quest`` module docstring)."""
+``plan.summary_dtype`` (the KV dtype; the model's when the KV is quantized), or with int8
+bounds (``CacheConfig.bounds_int8``, the two-stage selectors' default) int8 followed by their
+scale [L, B, Np, H] float32 (one per page and KV head, rounded outward) and the keys' shift
+[L, B, H, D] float32 (the mean of the request's prompt keys per layer and KV head, fixed at
+the prefill; the bounds are those of the keys less it: ``jaxkv.kernels.quest`` module
+docstring)."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jaxkv.kernels import quest as kernels
@@ -36,7 +36,7 @@ class Quest(Selector):
     def n_bounds(plan) -> int:
         """How many arrays the bounds take: (kmax, kmin), or with int8 bounds (kmax, kmin,
         scale, shift)."""
-        return 4 if plan.cache.bounds_dtype == "int8" else 2
+        return 4 if plan.cache.bounds_int8 else 2
 
     @staticmethod
     def _scale_kw(plan, summaries, update: bool = False) -> dict:
@@ -104,12 +104,34 @@ class Quest(Selector):
         k = kv_new[:, :, 0]                                                 # [B, T, H, D]
         ps = self.bound_blocks(plan)[1]
         if self.n_bounds(plan) == 4:
-            # token by token, as decode steps fold them (a scatter of max / min would not
-            # keep the requantization's rules)
-            return jax.lax.fori_loop(0, positions.shape[1], lambda i, b: self._update_bounds(
-                plan, b, layer, k[:, i], positions[:, i]), tuple(summaries[:4]))
+            return self._fold_int8(plan, summaries, layer, k, positions)
         return (fold_pages(summaries[0], layer, k, positions, ps, "max"),
                 fold_pages(summaries[1], layer, k, positions, ps, "min"))
+
+    def _fold_int8(self, plan, summaries, layer, k, positions):
+        """int8 bounds with all of a turn's tokens [B, T, H, D] folded at once, bit for bit
+        what folding them one by one (:func:`kernels.requantize_row`) gives: a page's scale
+        ends as the power of two of its largest |bound| (a token grows the scale only past
+        the page's range, and then to its own), and with power-of-two scales rounding
+        outward to a finer grid, then to a coarser one, is rounding to the coarser one. So the
+        layer's bounds are dequantized, folded as float bounds are, and quantized again;
+        only the pages a token lands on are written."""
+        ps = self.bound_blocks(plan)[1]
+        kmax, kmin, scale, shift = summaries[:4]
+        ks = k.astype(jnp.float32) - shift[layer][:, None]                  # [B, T, H, D]
+        mx, mn = kernels.dequantize_bounds(kmax[layer], kmin[layer], scale[layer])
+        mx = fold_pages(mx[None], 0, ks, positions, ps, "max")[0]          # [B, Np, H, D]
+        mn = fold_pages(mn[None], 0, ks, positions, ps, "min")[0]
+        qmx, qmn, qs = kernels.quantize_bounds(mx, mn)
+        B, Np = mx.shape[:2]
+        page = jnp.where(positions >= 0, positions // ps, Np)
+        b = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], positions.shape)
+        hit = jnp.zeros((B, Np), bool).at[b, page].set(True, mode="drop")  # [B, Np]
+        pick = lambda new, old: jnp.where(  # noqa: E731
+            hit.reshape(hit.shape + (1,) * (new.ndim - 2)), new.astype(old.dtype), old)
+        return (kmax.at[layer].set(pick(qmx, kmax[layer])),
+                kmin.at[layer].set(pick(qmn, kmin[layer])),
+                scale.at[layer].set(pick(qs, scale[layer])), shift)
 
     def first_pages(self, plan, summaries, layer, layer_params, h_last, q_last, lengths):
         seq_lens = jnp.asarray(lengths, jnp.int32) + 1
