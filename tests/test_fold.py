@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxkv import CacheConfig, engine
+from jaxkv.kernels import quest
 from jaxkv.models import configs, llama
 from jaxkv.selectors.base import Selector, fold_pages
 
@@ -21,9 +22,16 @@ def _plan(selector, cfg, ps=4, max_context=64, B=3):
 
 def _random_summaries(plan, rng):
     """The selector's empty summaries filled with random values of their dtypes (a cached
-    context's state)."""
+    context's state); int8 page bounds (the two-stage selectors' default) as a prefill
+    leaves them: random float bounds quantized (each page's scale the power of two of its
+    largest |bound|)."""
+    init = plan.selector.init(plan)
     out = []
-    for a in plan.selector.init(plan):
+    if plan.cache.bounds_int8:
+        mx = rng.normal(size=init[0].shape).astype(np.float32)
+        mn = mx - rng.random(size=mx.shape).astype(np.float32)
+        out += list(quest.quantize_bounds(jnp.asarray(mx), jnp.asarray(mn)))
+    for a in init[len(out):]:
         if jnp.issubdtype(a.dtype, jnp.integer):
             out.append(jnp.asarray(rng.integers(-127, 128, a.shape), a.dtype))
         else:
