@@ -111,11 +111,11 @@ class Quest(Selector):
     def _fold_int8(self, plan, summaries, layer, k, positions):
         """int8 bounds with all of a turn's tokens [B, T, H, D] folded at once, bit for bit
         what folding them one by one (:func:`kernels.requantize_row`) gives: a page's scale
-        ends as the power of two of its largest |bound| (a token grows the scale only past
-        the page's range, and then to its own), and with power-of-two scales rounding
-        outward to a finer grid, then to a coarser one, is rounding to the coarser one. So the
-        layer's bounds are dequantized, folded as float bounds are, and quantized again;
-        only the pages a token lands on are written."""
+        is the power of two of its largest |bound| (the prefill's quantization leaves it so,
+        and a token grows the scale only past the page's range, and then to its own), and
+        with power-of-two scales rounding outward to a finer grid, then to a coarser one, is
+        rounding to the coarser one. So the layer's bounds are dequantized, folded as float
+        bounds are, and quantized again; only the pages a token lands on are written."""
         ps = self.bound_blocks(plan)[1]
         kmax, kmin, scale, shift = summaries[:4]
         ks = k.astype(jnp.float32) - shift[layer][:, None]                  # [B, T, H, D]
