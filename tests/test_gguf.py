@@ -224,16 +224,17 @@ def test_not_gguf(tmp_path, content):
         load_gguf(p)
 
 
-def test_missing_gguf_package_is_named(tiny_file, monkeypatch):
+def test_missing_gguf_package_is_named(tiny_file, tmp_path, monkeypatch):
     """Without the ``gguf`` package the error names it and the install, not a corrupt file."""
     from jaxkv.models import gguf_loader
 
     def no_gguf():
         raise ModuleNotFoundError("No module named 'gguf'")
     monkeypatch.setattr(gguf_loader, "_reader_class", no_gguf)
-    monkeypatch.setattr(gguf_loader, "_READERS", {})
+    path = tmp_path / "fresh.gguf"            # a file no reader of this process has opened
+    path.write_bytes(tiny_file[0].read_bytes())
     with pytest.raises(ImportError, match=r"needs the 'gguf' package.*pip install"):
-        gguf_loader.open_gguf(tiny_file[0])
+        gguf_loader.open_gguf(path)
 
 
 def test_truncated(tiny_file, tmp_path):

@@ -123,10 +123,8 @@ class Quest(Selector):
         mx = fold_pages(mx[None], 0, ks, positions, ps, "max")[0]          # [B, Np, H, D]
         mn = fold_pages(mn[None], 0, ks, positions, ps, "min")[0]
         qmx, qmn, qs = kernels.quantize_bounds(mx, mn)
-        B, Np = mx.shape[:2]
-        page = jnp.where(positions >= 0, positions // ps, Np)
-        b = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], positions.shape)
-        hit = jnp.zeros((B, Np), bool).at[b, page].set(True, mode="drop")  # [B, Np]
+        hit = fold_pages(jnp.zeros((1,) + mx.shape[:2]), 0, jnp.ones(positions.shape),
+                         positions, ps, "max")[0] > 0                       # [B, Np] touched
         pick = lambda new, old: jnp.where(  # noqa: E731
             hit.reshape(hit.shape + (1,) * (new.ndim - 2)), new.astype(old.dtype), old)
         return (kmax.at[layer].set(pick(qmx, kmax[layer])),

@@ -296,7 +296,7 @@ class Rescore(Quest):
         if self.covers_row(plan):
             # the summaries stay current: a kept context may continue under a longer row
             bounds = self._update_bounds(plan, summaries, layer, kv_new, positions)
-            cand = self._every_page(plan, seq_lens, self._key_copy(plan, summaries)[0].shape[2])
+            cand = self._every_page(plan, seq_lens, k_new.shape[1])
         else:
             bounds, cand = self._update_select_bounds(plan, summaries, layer, q, seq_lens,
                                                       kv_new, positions,
