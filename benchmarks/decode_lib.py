@@ -369,7 +369,8 @@ def step_read_bytes(plan, params, lengths) -> dict:
     * ``kv``: K and V of the pages attention reads: every valid page in the dense layers and
       for the dense selector, else ``min(k, valid pages)`` per layer, request and KV head (a
       whole page each, scales included);
-    * ``selector``: what the selector reads: Quest's max / min summaries of every valid page;
+    * ``selector``: what the selector reads: Quest's max / min summaries of every valid page
+      (int8 bounds: a byte each and a float32 scale per page and KV head);
       the indexer's page sums; the two-stage selectors add their candidates' key copy (int8 +
       a float32 scale per token); the oracle its full key copy;
     * ``index``: page tables, lengths, the LRU's slot map (host tier): small, counted as one
@@ -406,7 +407,10 @@ def step_read_bytes(plan, params, lengths) -> dict:
     n_sel = L - n_dense
     selector = 0
     if isinstance(sel, sel_quest.Quest):
-        selector = n_sel * valid.sum() * H * D * 2 * sdt
+        # int8 bounds (CacheConfig.bounds_int8): one byte a bound plus a float32 scale per page
+        # and KV head
+        bound = D * 2 + 4 if plan.cache.bounds_int8 else D * 2 * sdt
+        selector = n_sel * valid.sum() * H * bound
         if isinstance(sel, sel_rescore.Rescore):
             cand = np.minimum(valid, sel.candidate_count(plan)).sum() * H
             kb = 1 if sel.key_bits == 8 else sdt

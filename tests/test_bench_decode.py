@@ -156,7 +156,8 @@ def test_fp8_kv_dtype_runs_every_part(tmp_path):
 def test_roofline_bytes_by_part():
     """step_read_bytes by hand for a tiny plan: weights (the embedding's looked-up rows only
     when the LM head is separate), KV of min(k, valid) pages per layer / request / KV head,
-    Quest's summaries of every valid page, the two-stage selector's candidate keys; the
+    Quest's summaries of every valid page (float or int8 bounds), the two-stage selector's
+    candidate keys; the
     roofline's fraction is floor / step."""
     import dataclasses
 
@@ -188,9 +189,16 @@ def test_roofline_bytes_by_part():
     assert got["total"] == sum(v for n, v in got.items() if n != "total")
     dense = decode_lib.step_read_bytes(plan(selector="dense"), params, lengths)
     assert dense["kv"] == L * (10 + 3) * H * head_page and dense["selector"] == 0
-    two = decode_lib.step_read_bytes(plan(selector="quest_rescore"), params, lengths)
+    two = decode_lib.step_read_bytes(plan(selector="quest_rescore", bounds_dtype="float"),
+                                     params, lengths)
     cand = min(10, 4 * k) + 3                                       # 4x candidates, capped
-    assert two["selector"] == got["selector"] + L * cand * H * ps * (D + 4)
+    keys = L * cand * H * ps * (D + 4)
+    assert two["selector"] == got["selector"] + keys
+    # int8 bounds (the two-stage selectors' default): a byte a bound, a float32 scale a page
+    two8 = decode_lib.step_read_bytes(plan(selector="quest_rescore"), params, lengths)
+    assert two8["selector"] == L * (10 + 3) * H * (D * 2 + 4) + keys
+    quest8 = decode_lib.step_read_bytes(plan(selector="quest", bounds_dtype="int8"), params, lengths)
+    assert quest8["selector"] == L * (10 + 3) * H * (D * 2 + 4)
     roof = decode_lib.roofline(dict(step_ms=2.0, h2d_bytes_per_step=0), got, 1.0, 50.0)
     assert roof["floor_ms"] == got["total"] / 1e9 * 1e3
     assert roof["fraction_of_roofline"] == roof["floor_ms"] / 2.0
