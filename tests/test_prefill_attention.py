@@ -139,14 +139,16 @@ def test_poisoned_padding(implementation):
 
 @pytest.mark.parametrize("T,chunk", [(80, 32), (80, 7), (64, 16), (50, 64)])
 def test_xla_chunking(T, chunk):
-    """The reference with any chunk (dividing T or not, larger than T) equals one chunk."""
+    """The reference with any chunk (dividing T or not, larger than T) equals one chunk, to
+    float32 rounding: the online softmax sums in another order (seed 3425349489 at
+    T=64, chunk=16 differs by 1.1e-6 in an output of magnitude up to 2.7)."""
     seed = fresh_seed()
     q, k, v, lens = make_case(seed, B=2, T=T, Hq=6, H=2, D=32, dtype=jnp.float32,
                               lengths=[T - 3, 11])
     whole = prefill_attention(q, k, v, lens, implementation="xla", chunk=T)
     chunked = prefill_attention(q, k, v, lens, implementation="xla", chunk=chunk)
     assert chunked.shape == q.shape
-    np.testing.assert_allclose(f32(chunked), f32(whole), rtol=1e-6, atol=1e-6,
+    np.testing.assert_allclose(f32(chunked), f32(whole), rtol=1e-5, atol=1e-5,
                                err_msg=f"seed {seed}")
 
 
