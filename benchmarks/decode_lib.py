@@ -370,7 +370,8 @@ def step_read_bytes(plan, params, lengths) -> dict:
       for the dense selector, else ``min(k, valid pages)`` per layer, request and KV head (a
       whole page each, scales included);
     * ``selector``: what the selector reads: Quest's max / min summaries of every valid page
-      (int8 bounds: a byte each and a float32 scale per page and KV head);
+      (of every block of ``candidate_block`` pages for the two-stage selectors; int8 bounds: a
+      byte each and a float32 scale per page and KV head);
       the indexer's page sums; the two-stage selectors add their candidates' key copy (int8 +
       a float32 scale per token); the oracle its full key copy;
     * ``index``: page tables, lengths, the LRU's slot map (host tier): small, counted as one
@@ -410,7 +411,9 @@ def step_read_bytes(plan, params, lengths) -> dict:
         # int8 bounds (CacheConfig.bounds_int8): one byte a bound plus a float32 scale per page
         # and KV head
         bound = D * 2 + 4 if plan.cache.bounds_int8 else D * 2 * sdt
-        selector = n_sel * valid.sum() * H * bound
+        # the two-stage selectors keep one bound per block of candidate_block pages
+        r = plan.cache.candidate_block if isinstance(sel, sel_rescore.Rescore) else 1
+        selector = n_sel * (-(-valid // r)).sum() * H * bound
         if isinstance(sel, sel_rescore.Rescore):
             cand = np.minimum(valid, sel.candidate_count(plan)).sum() * H
             kb = 1 if sel.key_bits == 8 else sdt

@@ -199,6 +199,10 @@ def test_roofline_bytes_by_part():
     assert two8["selector"] == L * (10 + 3) * H * (D * 2 + 4) + keys
     quest8 = decode_lib.step_read_bytes(plan(selector="quest", bounds_dtype="int8"), params, lengths)
     assert quest8["selector"] == L * (10 + 3) * H * (D * 2 + 4)
+    # by blocks of two pages: a bound per block (5 and 2 blocks), the candidates' keys as before
+    two8b = decode_lib.step_read_bytes(plan(selector="quest_rescore", candidate_block=2,
+                                            candidate_pages=12), params, lengths)
+    assert two8b["selector"] == L * (5 + 2) * H * (D * 2 + 4) + keys
     roof = decode_lib.roofline(dict(step_ms=2.0, h2d_bytes_per_step=0), got, 1.0, 50.0)
     assert roof["floor_ms"] == got["total"] / 1e9 * 1e3
     assert roof["fraction_of_roofline"] == roof["floor_ms"] / 2.0
