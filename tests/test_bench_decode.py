@@ -156,9 +156,9 @@ def test_fp8_kv_dtype_runs_every_part(tmp_path):
 def test_roofline_bytes_by_part():
     """step_read_bytes by hand for a tiny plan: weights (the embedding's looked-up rows only
     when the LM head is separate), KV of min(k, valid) pages per layer / request / KV head,
-    Quest's summaries of every valid page (float or int8 bounds), the two-stage selector's
-    candidate keys; the
-    roofline's fraction is floor / step."""
+    Quest's summaries of every valid page (float or int8 bounds; per block of pages with
+    ``candidate_block``), the two-stage selector's candidate keys; the roofline's fraction is
+    floor / step."""
     import dataclasses
 
     import jax
