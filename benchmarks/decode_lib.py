@@ -411,8 +411,8 @@ def step_read_bytes(plan, params, lengths) -> dict:
         # int8 bounds (CacheConfig.bounds_int8): one byte a bound plus a float32 scale per page
         # and KV head
         bound = D * 2 + 4 if plan.cache.bounds_int8 else D * 2 * sdt
-        # the two-stage selectors keep one bound per block of candidate_block pages
-        r = plan.cache.candidate_block if isinstance(sel, sel_rescore.Rescore) else 1
+        # one bound per block of the selector's bound_blocks (a page, or candidate_block pages)
+        r = sel.bound_blocks(plan)[1] // ps
         selector = n_sel * (-(-valid // r)).sum() * H * bound
         if isinstance(sel, sel_rescore.Rescore):
             cand = np.minimum(valid, sel.candidate_count(plan)).sum() * H
